@@ -1,0 +1,13 @@
+"""mxport: MXFP8 weights from training to inference — export, convert, sync (refit), verify.
+
+Public names (design.md §5): :class:`MXFP8Components`, :func:`quantize`, :func:`dequantize`,
+:func:`export_components`; scale layouts live in :mod:`mxport.layouts`.
+"""
+
+from . import layouts
+from .components import MXFP8Components, dequantize
+from .quantize import quantize
+
+__version__ = "0.1.0"
+
+__all__ = ["MXFP8Components", "dequantize", "layouts", "quantize", "__version__"]

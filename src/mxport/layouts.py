@@ -1,0 +1,105 @@
+"""E8M0 scale layouts: compact <-> padded (TE storage) <-> swizzled (cuBLAS / FlashInfer 128×4 tiles).
+
+All functions take and return ``torch.uint8`` tensors (``float8_e8m0fnu`` input is bit-viewed) and work on any
+device with one reshape/permute, never a per-element loop.
+
+Source: design.md §3; cuBLAS docs "1D block scaling factors layout" (VEC32_UE8M0); TE
+``pytorch/tensor/storage/mxfp8_tensor_storage.py`` (padding to 128×4); FlashInfer ``layout_128x4``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .components import check_direction
+from .formats import as_e8m0_bytes, roundup
+
+TILE_ROWS = 128
+TILE_COLS = 4
+TILE_BYTES = TILE_ROWS * TILE_COLS
+
+
+def _check_2d(scale: torch.Tensor, argname: str) -> torch.Tensor:
+    scale = as_e8m0_bytes(scale, argname=argname)
+    if scale.dim() != 2:
+        raise ValueError(f"{argname} must be a 2-D scale grid, got shape {tuple(scale.shape)}")
+    return scale
+
+
+def _pad_multiples(direction: str) -> tuple[int, int]:
+    return (TILE_ROWS, TILE_COLS) if check_direction(direction) == "rowwise" else (TILE_COLS, TILE_ROWS)
+
+
+def padded_shape(rows: int, cols: int, direction: str = "rowwise") -> tuple[int, int]:
+    """TE's padded scale shape for a compact ``(rows, cols)`` grid: rowwise ``(roundup(rows,128), roundup(cols,4))``,
+    columnwise ``(roundup(rows,4), roundup(cols,128))``."""
+    mr, mc = _pad_multiples(direction)
+    return roundup(rows, mr), roundup(cols, mc)
+
+
+def pad(scale_inv_2d: torch.Tensor, direction: str = "rowwise") -> torch.Tensor:
+    """Compact ``(R, C)`` scales -> TE's padded layout (zeros in the padding); see :func:`padded_shape`.
+
+    Returns a new uint8 tensor (the input itself when no padding is needed). Raises TypeError / ValueError for a
+    non-E8M0 dtype or a non-2-D tensor.
+    """
+    scale = _check_2d(scale_inv_2d, "scale_inv_2d")
+    r, c = scale.shape
+    pr, pc = padded_shape(r, c, direction)
+    if (pr, pc) == (r, c):
+        return scale
+    out = torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
+    out[:r, :c] = scale
+    return out
+
+
+def unpad(padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The compact ``(rows, cols)`` corner of a padded scale grid, as a view (no copy).
+
+    TE leaves padding bytes uninitialized, so they are dropped, never read. Raises ValueError when ``padded`` is
+    smaller than ``(rows, cols)``.
+    """
+    padded = _check_2d(padded, "padded")
+    if padded.shape[0] < rows or padded.shape[1] < cols or rows < 0 or cols < 0:
+        raise ValueError(f"padded scale grid {tuple(padded.shape)} is too small for ({rows}, {cols}) compact scales")
+    return padded[:rows, :cols]
+
+
+def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Shape of the swizzled grid for ``(rows, cols)`` compact scales: ``(roundup(rows,128), roundup(cols,4))``."""
+    return roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
+
+
+def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
+    """Compact ``(R, C)`` rowwise scales -> the 128×4-tile swizzle of cuBLAS ``VEC32_UE8M0`` / FlashInfer.
+
+    Returns uint8 ``(roundup(R,128), roundup(C,4))`` whose row-major bytes put compact entry ``(r, c)`` at
+    ``((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (c%4)``; padding bytes are 0. Columnwise
+    scales are swizzled as their transpose: ``swizzle(scale.T)``.
+    """
+    scale = _check_2d(scale_inv_2d, "scale_inv_2d")
+    r, c = scale.shape
+    pr, pc = swizzled_shape(r, c)
+    if (pr, pc) != (r, c):
+        grid = torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
+        grid[:r, :c] = scale
+    else:
+        grid = scale
+    # r = 128a + 32b + i, c = 4d + j  ->  offset (a, d, i, b, j)
+    tiles = grid.reshape(pr // TILE_ROWS, 4, 32, pc // TILE_COLS, TILE_COLS).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(pr, pc)
+
+
+def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle`: swizzled bytes (1-D, or 2-D padded, ``roundup(rows,128)*roundup(cols,4)`` of
+    them) -> compact uint8 ``(rows, cols)``. Raises ValueError when the byte count does not match."""
+    sw = as_e8m0_bytes(swizzled, argname="swizzled")
+    if rows < 0 or cols < 0:
+        raise ValueError(f"rows and cols must be >= 0, got ({rows}, {cols})")
+    pr, pc = swizzled_shape(rows, cols)
+    if sw.numel() != pr * pc:
+        raise ValueError(
+            f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to {pr}x{pc} = {pr * pc} bytes"
+        )
+    tiles = sw.reshape(pr // TILE_ROWS, pc // TILE_COLS, 32, 4, TILE_COLS).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(pr, pc)[:rows, :cols].contiguous()
