@@ -1,0 +1,1 @@
+"""Benchmarks behind ``mxport bench``: each module exposes ``run(quick: bool) -> list[dict]`` rows."""
