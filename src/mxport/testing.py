@@ -1,0 +1,94 @@
+"""Tiny random models for tests and examples: saved with ``save_pretrained`` into a folder, nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def _save(model, path: Path, dtype: torch.dtype, max_shard_size: str | None) -> Path:
+    model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return path
+
+
+def make_tiny_llama(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64, layers: int = 2,
+                    intermediate: int = 96, vocab: int = 256, heads: int = 4, kv_heads: int = 2,
+                    tie_word_embeddings: bool = False, dtype: torch.dtype = torch.bfloat16,
+                    max_shard_size: str | None = None, with_tokenizer: bool = True) -> Path:
+    """Write a random Llama-architecture causal LM (``LlamaForCausalLM``) to ``path`` and return ``path``.
+
+    Shapes: q/o [hidden, hidden], k/v [hidden*kv_heads/heads, hidden], gate/up [intermediate, hidden],
+    down [hidden, intermediate]. ``max_shard_size`` (e.g. "50KB") writes several shards with an index. With
+    ``with_tokenizer`` a small byte-level tokenizer (vocab 256 + specials) is saved too.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    _save(model, path, dtype, max_shard_size)
+    if with_tokenizer:
+        save_byte_tokenizer(path, vocab)
+    return path
+
+
+def make_tiny_mixtral(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64, layers: int = 2,
+                      intermediate: int = 96, experts: int = 4, vocab: int = 256, fused_experts: bool = False,
+                      dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True) -> Path:
+    """Write a random Mixtral-architecture MoE model to ``path``.
+
+    ``save_pretrained`` stores per-expert 2-D weights (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) and the
+    router ``block_sparse_moe.gate.weight``. With ``fused_experts=True`` the state dict is written as the module
+    holds it: 3-D ``mlp.experts.gate_up_proj`` [E, 2*intermediate, hidden] and ``mlp.experts.down_proj``
+    [E, hidden, intermediate] (the [E, N, K] layout of fused-expert checkpoints), router ``mlp.gate.weight``.
+    """
+    from safetensors.torch import save_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=256,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = MixtralForCausalLM(cfg)
+    if fused_experts:
+        path.mkdir(parents=True, exist_ok=True)
+        model.to(dtype)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        cfg_dict = model.config.to_dict()
+        (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
+    else:
+        _save(model, path, dtype, None)
+    if with_tokenizer:
+        save_byte_tokenizer(path, vocab)
+    return path
+
+
+def save_byte_tokenizer(path: str | os.PathLike, vocab: int = 256) -> None:
+    """Save a tiny word-level ``PreTrainedTokenizerFast`` over printable bytes (ids < ``vocab``) with a chat
+    template, so that generation code paths run on tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(32, 127)]
+    vocab_map = {tok: i for i, tok in enumerate(specials + chars) if i < vocab}
+    tk = Tokenizer(models.WordLevel(vocab=vocab_map, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    fast.save_pretrained(str(path))
