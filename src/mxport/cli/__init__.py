@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import info  # noqa: F401  (registers the subcommand)
+from . import bench, info  # noqa: F401  (register the subcommands)
 from .app import app
 
 

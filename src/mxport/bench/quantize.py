@@ -1,0 +1,138 @@
+"""Issue 2's benchmark: BF16 -> MXFP8 rowwise with :func:`mxport.quantize`, against torchao and the memory bound.
+
+Rows (``run()``), every figure a median over ``runs`` timed calls after warm-up, all measured in the same process:
+
+* ``first call (compile)`` — seconds of the first ``quantize`` call of the process on the default path (it
+  includes the ``torch.compile`` of the fast kernel); baseline: one steady-state call of the same shape.
+* ``speed 4096x4096`` — quantize throughput in GB/s of bytes moved; baseline: torchao 0.18
+  ``torchao.prototype.mx_formats.mx_tensor.to_mx(x, float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)`` on the
+  same tensor; ratio = the speed-up (goal >= 10).
+* ``memory bound 4096x4096`` — the same throughput against a ``Tensor.copy_`` of the same BF16 tensor (bytes read
+  + written), ratio = the fraction of the memory bound reached (goal >= 0.25).
+* ``throughput NxN`` — mxport vs torchao over a range of square sizes (the plot of ``mxport bench --plot``).
+
+Bytes moved by a quantize of ``n`` BF16 elements: ``2n`` read + ``n`` FP8 written + ``n/32`` E8M0 bytes written
+(the same count is used for torchao, so GB/s ratios are speed ratios).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .timing import measure
+
+BENCHMARK = "quantize"
+FULL_SIDE = 4096
+QUICK_SIDE = 4096  # the headline shape in both modes: 1024² sits in L2 and flatters copy_ (~70 GB/s)
+FULL_SWEEP = (256, 512, 1024, 2048, 4096)
+QUICK_SWEEP = (128, 256, 512, 1024)
+
+
+def quantize_bytes(numel: int) -> int:
+    """Bytes a rowwise MXFP8 quantize of ``numel`` BF16 elements must move: 2 in + 1 out + 1/32 scale bytes."""
+    return 2 * numel + numel + (numel + 31) // 32
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _torchao_to_mx():
+    """``x -> to_mx(x, e4m3, 32, RCEIL)`` from torchao, or ``None`` (with the reason) when torchao is missing."""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except Exception as exc:  # noqa: BLE001 - torchao is optional; any import failure means "no baseline"
+        return None, f"torchao unavailable: {type(exc).__name__}: {exc}"[:200]
+
+    def fn(x: torch.Tensor):
+        return to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+
+    return fn, None
+
+
+def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal: str, note: str = "") -> dict:
+    return {"benchmark": BENCHMARK, "metric": metric, "value": float(value), "baseline": baseline,
+            "ratio": float(ratio), "unit": unit, "goal": goal, "note": note}
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Run the quantize benchmark; return rows (see the module docstring).
+
+    ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds plus the
+    compile: ~20 s cold, ~10 s with a warm inductor cache on 2 CPU cores). The default path is used in both modes:
+    the compiled kernel when ``torch.compile`` works (``mxport info`` says), else the eager one (row notes say
+    which). Runs on CUDA when available, else CPU.
+    """
+    from ..quantize import FAST_MIN_NUMEL, FAST_PATH
+    from ..quantize import quantize as mx_quantize
+
+    device = _device()
+    side = QUICK_SIDE if quick else FULL_SIDE
+    sweep = QUICK_SWEEP if quick else FULL_SWEEP
+    runs, warmup = (3, 1) if quick else (7, 2)
+    ao_fn, ao_missing = _torchao_to_mx()
+    gen = torch.Generator().manual_seed(0)
+
+    def make(n: int) -> torch.Tensor:
+        return torch.randn(n, n, generator=gen, dtype=torch.float32).to(device=device, dtype=torch.bfloat16)
+
+    x = make(side)
+    numel = x.numel()
+    nbytes = quantize_bytes(numel)
+    path = "compiled (torch.compile)" if FAST_PATH.available and numel >= FAST_MIN_NUMEL else (
+        f"eager ({FAST_PATH.disabled_reason or 'tensor below FAST_MIN_NUMEL'})")
+    shape_s = f"{side}x{side}"
+    rows: list[dict] = []
+
+    # first call of the process on the default path (includes the torch.compile of the fast kernel)
+    t0 = time.perf_counter()
+    mx_quantize(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    mx_t = measure(lambda: mx_quantize(x), runs=runs, warmup=warmup, device=device).median
+    rows.append(_row(
+        "first call (compile)", first, "s", f"steady call {mx_t * 1e3:.2f} ms", first / mx_t, "-",
+        f"{path}; first quantize call of this process, {shape_s} bf16; ratio = first / steady call",
+    ))
+
+    mx_gbps = nbytes / mx_t / 1e9
+    if ao_fn is not None:
+        ao_t = measure(lambda: ao_fn(x), runs=runs, warmup=warmup, device=device).median
+        ao_gbps = nbytes / ao_t / 1e9
+        rows.append(_row(
+            f"speed {shape_s}", mx_gbps, "GB/s", f"torchao to_mx RCEIL {ao_gbps:.3f} GB/s",
+            mx_gbps / ao_gbps, "ratio >= 10",
+            f"bf16 -> e4m3 rowwise, {path}; median {mx_t * 1e3:.2f} ms vs torchao {ao_t * 1e3:.1f} ms, {runs} runs",
+        ))
+    else:
+        rows.append(_row(f"speed {shape_s}", mx_gbps, "GB/s", "torchao to_mx RCEIL (not installed)", 0.0,
+                         "ratio >= 10", ao_missing))
+
+    dst = torch.empty_like(x)
+    copy_t = measure(lambda: dst.copy_(x), runs=runs, warmup=warmup, device=device).median
+    copy_gbps = 2 * x.numel() * x.element_size() / copy_t / 1e9
+    rows.append(_row(
+        f"memory bound {shape_s}", mx_gbps, "GB/s", f"copy_ {copy_gbps:.2f} GB/s",
+        mx_gbps / copy_gbps, "ratio >= 0.25",
+        f"copy_ of the same bf16 tensor (bytes read + written); quantize moves {nbytes / numel:.3f} B/elem; {path}",
+    ))
+
+    for n in sweep:
+        xs = x if n == side else make(n)
+        b = quantize_bytes(xs.numel())
+        t_mx = measure(lambda xs=xs: mx_quantize(xs), runs=runs, warmup=warmup, device=device).median
+        g_mx = b / t_mx / 1e9
+        if ao_fn is None:
+            rows.append(_row(f"throughput {n}x{n}", g_mx, "GB/s", "torchao to_mx RCEIL (not installed)", 0.0,
+                             "plot", ao_missing))
+            continue
+        t_ao = measure(lambda xs=xs: ao_fn(xs), runs=runs, warmup=warmup, device=device).median
+        g_ao = b / t_ao / 1e9
+        sub_path = "compiled" if FAST_PATH.available and xs.numel() >= FAST_MIN_NUMEL else "eager"
+        rows.append(_row(f"throughput {n}x{n}", g_mx, "GB/s", f"torchao to_mx RCEIL {g_ao:.3f} GB/s",
+                         g_mx / g_ao, "plot", f"{sub_path}; ratio = speed-up over torchao"))
+    return rows

@@ -1,0 +1,115 @@
+"""Presenting benchmark rows: one rich table, the machine description, and the quantize throughput plot (PNG)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+_THROUGHPUT = re.compile(r"^throughput (\d+)x(\d+)$")
+
+
+def machine() -> dict:
+    """The machine the numbers come from: CPU count, torch threads, versions, CUDA device, fast-path state."""
+    from .. import __version__
+    from ..quantize import FAST_PATH
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mxport": __version__,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "fast_quantize": FAST_PATH.available,
+        "fast_quantize_disabled_reason": FAST_PATH.disabled_reason,
+    }
+
+
+def _fmt(v: float) -> str:
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1000 or a < 0.01:
+        return f"{v:.3g}"
+    return f"{v:.3f}" if a < 10 else f"{v:.1f}"
+
+
+def rows_table(rows: list[dict], title: str = "mxport bench (medians)") -> Table:
+    """One table of rows: benchmark, metric, value, unit, baseline, ratio (= value / baseline), goal."""
+    table = Table(title=title)
+    for col, justify in (("benchmark", "left"), ("metric", "left"), ("value", "right"), ("unit", "left"),
+                         ("baseline", "left"), ("ratio", "right"), ("goal", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for r in rows:
+        if r["metric"] in ("skipped", "error"):
+            style = "yellow" if r["metric"] == "skipped" else "bold red"
+            table.add_row(r["benchmark"], f"[{style}]{r['metric']}[/]", "", "", r["note"], "", "")
+            continue
+        table.add_row(r["benchmark"], r["metric"], _fmt(r["value"]), r["unit"], r["baseline"],
+                      _fmt(r["ratio"]), r["goal"])
+    return table
+
+
+def throughput_series(rows: list[dict]) -> list[tuple[int, float, float | None]]:
+    """``(numel, mxport GB/s, torchao GB/s or None)`` from the quantize ``throughput NxM`` rows, by size.
+
+    The torchao figure is ``value / ratio`` (the row's ratio is mxport relative to torchao); ratio 0 means no
+    torchao baseline.
+    """
+    out = []
+    for r in rows:
+        m = _THROUGHPUT.match(r["metric"]) if r["benchmark"] == "quantize" else None
+        if m is None:
+            continue
+        numel = int(m.group(1)) * int(m.group(2))
+        out.append((numel, r["value"], r["value"] / r["ratio"] if r["ratio"] > 0 else None))
+    return sorted(out)
+
+
+def write_plot(rows: list[dict], path: str | os.PathLike, title: str = "") -> Path:
+    """Write a PNG of quantize throughput (GB/s moved) against tensor size, mxport vs torchao, atomically.
+
+    Raises ValueError when ``rows`` hold no quantize throughput rows (run the ``quantize`` benchmark).
+    """
+    series = throughput_series(rows)
+    if not series:
+        raise ValueError("plot: no quantize throughput rows to plot (include the 'quantize' benchmark)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sizes = [s for s, _, _ in series]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    ax.plot(sizes, [m for _, m, _ in series], "o-", label="mxport.quantize")
+    ao = [(s, a) for s, _, a in series if a is not None]
+    if ao:
+        ax.plot([s for s, _ in ao], [a for _, a in ao], "s--", label="torchao to_mx (RCEIL)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("elements (square BF16 tensor)")
+    ax.set_ylabel("GB/s moved (2 B in + 1 B out + scales)")
+    ax.set_title(title or "BF16 -> MXFP8 E4M3 rowwise quantize")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

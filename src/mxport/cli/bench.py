@@ -1,0 +1,51 @@
+"""``mxport bench``: run the registered benchmarks and print one table of medians and ratios."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from ..bench import BENCHMARKS, ERROR, run_benchmark, select
+from ..bench.report import machine, rows_table, write_plot
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, user_errors
+from .app import app
+
+
+@app.command()
+def bench(
+    json_out: str = typer.Option(None, "--json", help="Write {'rows': [...], 'machine': {...}} to FILE ('-': stdout)."),
+    quick: bool = typer.Option(False, "--quick", help="Small tensors and few runs (under a minute here)."),
+    only: list[str] = typer.Option(None, "--only", help=f"Run only this benchmark (repeatable): {', '.join(BENCHMARKS)}."),
+    plot: str = typer.Option(None, "--plot", help="Write a PNG of quantize throughput vs tensor size to FILE."),
+):
+    """Run mxport's benchmarks (quantize vs torchao and the memory bound, export, checkpoint, refit).
+
+    Every value is a median after warm-up; each ratio is the value relative to a baseline measured in the same
+    run. Exit 0 on success, 1 when a benchmark failed (an 'error' row), 2 on bad flags.
+    """
+    with user_errors():
+        names = select(only)
+        if plot is not None and not plot.lower().endswith(".png"):
+            raise ValueError(f"--plot must name a .png file, got {plot!r}")
+        if plot is not None and "quantize" not in names:
+            raise ValueError("--plot needs the 'quantize' benchmark (add --only quantize)")
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    with console.status("") as status:
+        for name in names:
+            status.update(f"running benchmark [bold]{name}[/] ({'quick' if quick else 'full'})")
+            t0 = time.perf_counter()
+            rows.extend(run_benchmark(name, quick=quick))
+            console.print(f"[dim]{name}: {time.perf_counter() - t0:.1f} s[/]", highlight=False)
+    elapsed = time.perf_counter() - t_start
+    if json_out:
+        emit_json({"rows": rows, "machine": machine(), "quick": quick, "seconds": elapsed}, json_out)
+    console.print(rows_table(rows, title=f"mxport bench{' --quick' if quick else ''} (medians, {elapsed:.0f} s)"))
+    if plot is not None:
+        try:
+            console.print(f"plot: {write_plot(rows, plot)}", highlight=False)
+        except ValueError as exc:
+            raise fail(str(exc), EXIT_CHECK_FAILED) from None
+    if any(r["metric"] == ERROR for r in rows):
+        raise fail("some benchmarks failed (see the 'error' rows)", EXIT_CHECK_FAILED)
