@@ -6,8 +6,17 @@ Public names (design.md §5): :class:`MXFP8Components`, :func:`quantize`, :func:
 
 from . import layouts
 from .components import MXFP8Components, dequantize
+from .export import export_components, export_grouped_components
 from .quantize import quantize
 
 __version__ = "0.1.0"
 
-__all__ = ["MXFP8Components", "dequantize", "layouts", "quantize", "__version__"]
+__all__ = [
+    "MXFP8Components",
+    "dequantize",
+    "export_components",
+    "export_grouped_components",
+    "layouts",
+    "quantize",
+    "__version__",
+]

@@ -1,0 +1,130 @@
+"""export_components / export_grouped_components: any MXFP8 producer (or a float weight) -> MXFP8Components.
+
+One call for both workflows of design.md §1: native reuse (Transformer Engine, torchao, Megatron-LM tensors are
+exported as views of their bytes, never dequantized or requantized) and quantize-for-inference (float tensors go
+through :func:`mxport.quantize`). The per-producer layouts live in :mod:`mxport.sources`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .components import MXFP8Components, check_direction
+from .quantize import quantize
+from .sources.grouped import export_te_grouped, is_te_grouped, split_experts
+from .sources.megatron import export_megatron, is_megatron_mxfp8
+from .sources.te import export_te, is_te_mxfp8
+from .sources.torchao import export_torchao, is_torchao_mx
+
+ACCEPTED = (
+    "a Transformer Engine MXFP8Tensor / MXFP8TensorStorage, a torchao MXTensor, a Megatron-LM inference "
+    "MXFP8Tensor, an MXFP8Components, or a float32/bfloat16/float16 tensor or nn.Parameter (quantized)"
+)
+
+
+def _native(obj, direction: str) -> MXFP8Components | None:
+    """Components for a native MXFP8 producer, or None when ``obj`` is not one."""
+    if isinstance(obj, MXFP8Components):
+        if obj.direction != direction:
+            raise ValueError(f"these MXFP8Components are {obj.direction}; direction={direction!r} is not available")
+        return obj
+    if is_te_mxfp8(obj):
+        return export_te(obj, direction)
+    if is_torchao_mx(obj):
+        return export_torchao(obj, direction)
+    if is_megatron_mxfp8(obj):
+        return export_megatron(obj, direction)
+    return None
+
+
+def _is_float_tensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor) and obj.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> MXFP8Components:
+    """The MXFP8 values, compact E8M0 scales and direction of ``obj``, without its storage conventions.
+
+    Args:
+        obj: one of (checked in this order, duck-typed so no framework needs to be installed):
+
+            - :class:`MXFP8Components`: returned as is.
+            - Transformer Engine ``MXFP8Tensor`` / ``MXFP8TensorStorage`` (``_rowwise_data``, ``_columnwise_data``,
+              ``_rowwise_scale_inv``, ``_columnwise_scale_inv``, ``_fp8_dtype``, ``_with_gemm_swizzled_scales``):
+              see :func:`mxport.sources.te.export_te` for the padded / swizzled layouts.
+            - torchao ``MXTensor`` with FP8 elements: :func:`mxport.sources.torchao.export_torchao`.
+            - Megatron-LM inference ``MXFP8Tensor`` (``data``, swizzled ``scale``, ``backend``):
+              :func:`mxport.sources.megatron.export_megatron`.
+            - a float32 / bfloat16 / float16 (float64 read as float32) tensor or ``nn.Parameter``: quantized with
+              :func:`mxport.quantize` (``quantize_kwargs`` such as ``fp8_dtype``, ``rounding``, ``block_2d`` pass
+              through).
+        direction: ``"rowwise"`` (blocks of 32 along the last dim) or ``"columnwise"`` (along the flattened
+            leading dims), TE's terms.
+        **quantize_kwargs: only for float input; passing them with an MXFP8 producer is a TypeError (the native
+            path never requantizes).
+
+    Returns:
+        :class:`MXFP8Components`. Values are always a view of the producer's bytes (same storage and
+        ``data_ptr``; an optimizer step writing the producer in place shows through). Scales are a view unless
+        padding in the last dimension or a swizzle forces a copy; a copy is contiguous and made with one
+        slice / permute, never a per-element loop. Exported scales are always contiguous.
+
+    Raises:
+        TypeError: an object of any other kind (the message lists what is accepted), an integer / FP8 tensor
+            without scales, quantize options given with an MXFP8 producer, wrong dtypes inside a producer.
+        ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale grids
+            too small / of the wrong shape for the data, an unknown ``direction``.
+    """
+    check_direction(direction)
+    native = _native(obj, direction)
+    if native is not None:
+        if quantize_kwargs:
+            raise TypeError(
+                f"quantize options {sorted(quantize_kwargs)} apply to float tensors only; {type(obj).__name__} is "
+                "already MXFP8 and is exported as is (dequantize it first to requantize)"
+            )
+        return native
+    if _is_float_tensor(obj):
+        return quantize(obj.detach(), direction=direction, **quantize_kwargs)
+    if isinstance(obj, torch.Tensor):
+        raise TypeError(
+            f"export_components got a {obj.dtype} tensor without scales; expected {ACCEPTED}"
+        )
+    raise TypeError(f"export_components accepts {ACCEPTED}; got {type(obj).__name__}")
+
+
+def export_grouped_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> list[MXFP8Components]:
+    """Per-expert MXFP8 components of a grouped (MoE) weight, in expert order.
+
+    Args:
+        obj: one of
+
+            - Transformer Engine grouped storage (``GroupedTensorStorage`` / ``GroupedTensor``: one flat data
+              buffer, per-expert offsets, per-expert padded scale grids): see
+              :func:`mxport.sources.grouped.export_te_grouped`.
+            - a 3-D ``[E, N, K]`` float tensor / ``nn.Parameter``: each expert quantized on its own with
+              :func:`mxport.quantize` (``quantize_kwargs`` pass through), so columnwise blocks never straddle
+              experts.
+            - anything :func:`export_components` accepts whose data is 3-D ``[E, N, K]`` (3-D
+              :class:`MXFP8Components`, a TE / torchao tensor): exported, then split per expert
+              (:func:`mxport.sources.grouped.split_experts`).
+        direction: ``"rowwise"`` or ``"columnwise"``.
+
+    Returns:
+        A list of :class:`MXFP8Components`, one per expert; views / copies as in :func:`export_components`.
+
+    Raises:
+        TypeError: an unsupported object; quantize options with an MXFP8 producer.
+        ValueError: no data for ``direction``, data that is not 3-D, scale regions too small, columnwise 3-D
+            components whose blocks straddle experts.
+    """
+    check_direction(direction)
+    if is_te_grouped(obj) and not isinstance(obj, torch.Tensor):
+        if quantize_kwargs:
+            raise TypeError(f"quantize options {sorted(quantize_kwargs)} apply to float tensors only")
+        return export_te_grouped(obj, direction)
+    if _is_float_tensor(obj) and not (is_te_mxfp8(obj) or is_torchao_mx(obj)):
+        if obj.dim() != 3:
+            raise ValueError(f"expert weights must be 3-D [E, N, K], got shape {tuple(obj.shape)}")
+        x = obj.detach()
+        return [quantize(x[i], direction=direction, **quantize_kwargs) for i in range(x.shape[0])]
+    return split_experts(export_components(obj, direction=direction, **quantize_kwargs))
