@@ -1,0 +1,147 @@
+"""``mxport bench``: the registry, row checks, the quantize benchmark's rows, JSON, plot and exit codes."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mxport.bench import BENCHMARKS, ROW_KEYS, check_row, run_benchmark, select
+from mxport.bench.quantize import quantize_bytes
+from mxport.bench.report import throughput_series, write_plot
+from mxport.cli import app
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _good_row(**kw):
+    row = {"benchmark": "b", "metric": "m", "value": 1.5, "baseline": "x", "ratio": 2.0, "unit": "s", "goal": "g"}
+    row.update(kw)
+    return row
+
+
+def _assert_rows_finite(rows):
+    assert rows
+    for r in rows:
+        assert set(r) == set(ROW_KEYS), r
+        assert math.isfinite(r["value"]) and math.isfinite(r["ratio"]), r
+        assert isinstance(r["benchmark"], str) and r["benchmark"] in BENCHMARKS
+
+
+def test_quantize_bytes_counts_input_output_and_scales():
+    assert quantize_bytes(4096 * 4096) == 2 * 4096 * 4096 + 4096 * 4096 + 4096 * 4096 // 32
+    assert quantize_bytes(33) == 66 + 33 + 2  # a short last block still has its scale byte
+
+
+def test_check_row_accepts_and_normalizes():
+    out = check_row(_good_row(value=3), "src")
+    assert out["value"] == 3.0 and isinstance(out["value"], float)
+    assert out["note"] == ""
+
+
+@pytest.mark.parametrize("bad", [
+    {"value": float("nan")}, {"ratio": float("inf")}, {"value": "1.0"}, {"ratio": True},
+])
+def test_check_row_rejects_non_finite_or_non_numeric(bad):
+    with pytest.raises(ValueError, match="src"):
+        check_row(_good_row(**bad), "src")
+
+
+def test_check_row_rejects_missing_keys():
+    row = _good_row()
+    del row["baseline"]
+    with pytest.raises(ValueError, match="baseline"):
+        check_row(row, "src")
+
+
+def test_select_names_and_unknown():
+    assert select(None) == list(BENCHMARKS)
+    assert select(["quantize", "quantize"]) == ["quantize"]
+    with pytest.raises(ValueError, match="nope"):
+        select(["nope"])
+
+
+def test_missing_module_gives_skipped_row_and_failing_module_gives_error_row(monkeypatch):
+    monkeypatch.setitem(BENCHMARKS, "ghost", "mxport.bench._no_such_module_for_test")
+    (row,) = run_benchmark("ghost")
+    assert row["metric"] == "skipped" and "_no_such_module_for_test" in row["note"]
+
+    broken = types.ModuleType("mxport_test_broken_bench")
+    broken.run = lambda quick=False: [_good_row(benchmark="broken", value=float("nan"))]
+    monkeypatch.setitem(sys.modules, broken.__name__, broken)
+    monkeypatch.setitem(BENCHMARKS, "broken", broken.__name__)
+    (row,) = run_benchmark("broken")
+    assert row["metric"] == "error" and "non-finite" in row["note"]
+
+    def boom(quick=False):
+        raise RuntimeError("kaput")
+
+    broken.run = boom
+    (row,) = run_benchmark("broken")
+    assert row["metric"] == "error" and "kaput" in row["note"]
+
+
+def test_throughput_series_and_plot(tmp_path):
+    rows = [
+        check_row(_good_row(benchmark="quantize", metric="throughput 64x64", value=2.0, ratio=4.0), "t"),
+        check_row(_good_row(benchmark="quantize", metric="throughput 32x32", value=1.0, ratio=0.0), "t"),
+        check_row(_good_row(benchmark="quantize", metric="speed 64x64", value=9.0), "t"),
+    ]
+    assert throughput_series(rows) == [(1024, 1.0, None), (4096, 2.0, 0.5)]
+    out = write_plot(rows, tmp_path / "p.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="throughput"):
+        write_plot(rows[2:], tmp_path / "q.png")
+
+
+def test_cli_bad_flags_exit_2(tmp_path):
+    runner = CliRunner()
+    assert runner.invoke(app, ["bench", "--only", "nope"]).exit_code == 2
+    assert runner.invoke(app, ["bench", "--only", "quantize", "--plot", str(tmp_path / "x.txt")]).exit_code == 2
+    assert runner.invoke(app, ["bench", "--only", "refit", "--plot", str(tmp_path / "x.png")]).exit_code == 2
+    assert runner.invoke(app, ["bench", "--no-such-flag"]).exit_code == 2
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_quick_quantize_json_and_plot(tmp_path):
+    """In-process run (conftest turns the compiled path off, so the quantize rows use the eager kernel)."""
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--only", "quantize", "--json", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"rows", "machine"}
+    assert doc["machine"]["fast_quantize"] is False
+    rows = doc["rows"]
+    _assert_rows_finite(rows)
+    metrics = {r["metric"] for r in rows}
+    assert {"first call (compile)", "speed 4096x4096", "memory bound 4096x4096"} <= metrics
+    assert {f"throughput {n}x{n}" for n in (128, 256, 512, 1024)} <= metrics
+    for r in rows:
+        assert r["value"] > 0 and r["ratio"] > 0, r
+        if r["metric"].startswith(("speed", "memory bound")):
+            assert "eager" in r["note"]
+    speed = next(r for r in rows if r["metric"] == "speed 4096x4096")
+    bound = next(r for r in rows if r["metric"] == "memory bound 4096x4096")
+    assert speed["value"] == bound["value"]  # one quantize figure, two baselines
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_cli_quick_all_benchmarks_subprocess(tmp_path):
+    """`mxport bench --quick --json F` as a user runs it (compiled path on): every row finite, no error rows."""
+    out = tmp_path / "all.json"
+    env = {k: v for k, v in os.environ.items() if k != "MXPORT_DISABLE_COMPILE"}
+    exe = Path(sys.executable).with_name("mxport")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from mxport.cli import main; main()"]
+    proc = subprocess.run([*cmd, "bench", "--quick", "--json", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    _assert_rows_finite(rows)
+    assert not [r for r in rows if r["metric"] == "error"]
+    assert {r["benchmark"] for r in rows} == set(BENCHMARKS)
