@@ -1,0 +1,184 @@
+"""mxport.nn: MXFP8Linear forward paths, cache invalidation, quantize_model, load_checkpoint."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import mxport
+from mxport.nn import MXFP8Linear, mxfp8_modules, quantize_model
+
+
+def _components(n, k, seed=0, fp8=torch.float8_e4m3fn):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, k)
+    return mxport.quantize(w, fp8)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 100), m=st.integers(1, 5),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       fp8=st.sampled_from([torch.float8_e4m3fn, torch.float8_e5m2]))
+def test_weight_only_equals_x_matmul_dequantized_weight(n, k, m, dtype, fp8):
+    comps = _components(n, k, seed=n * 1000 + k, fp8=fp8)
+    lin = MXFP8Linear.from_components(comps)
+    x = torch.randn(m, k).to(dtype)
+    y = lin(x)
+    assert y.dtype == dtype
+    assert torch.equal(y, x @ mxport.dequantize(comps, dtype).T)
+
+
+def test_weight_only_3d_input_and_bias():
+    comps = _components(24, 40)
+    b = torch.randn(24)
+    lin = MXFP8Linear.from_components(comps, bias=b)
+    x = torch.randn(2, 3, 40)
+    assert torch.equal(lin(x), x @ mxport.dequantize(comps).T + b)
+
+
+def test_buffers_are_modelopt_names_and_components_are_views():
+    comps = _components(8, 70)
+    lin = MXFP8Linear.from_components(comps)
+    sd = lin.state_dict()
+    assert list(sd) == ["weight", "weight_scale"]
+    assert sd["weight"].dtype == torch.float8_e4m3fn and tuple(sd["weight"].shape) == (8, 70)
+    assert sd["weight_scale"].dtype == torch.uint8 and tuple(sd["weight_scale"].shape) == (8, 3)
+    assert torch.equal(sd["weight"].view(torch.uint8), comps.data.view(torch.uint8))
+    assert torch.equal(sd["weight_scale"], comps.scale_inv)
+    c = lin.components()
+    assert c.data.data_ptr() == lin.weight.data_ptr() and c.scale_inv.data_ptr() == lin.weight_scale.data_ptr()
+
+
+def test_cache_invalidated_by_in_place_scale_write():
+    # all scales 127 (x1), then one byte 127 -> 128 doubles the block's contribution: output of a 1-block row doubles
+    data = (torch.arange(32 * 4, dtype=torch.float32).reshape(4, 32) / 16 - 4).to(torch.float8_e4m3fn)
+    comps = mxport.MXFP8Components(data, torch.full((4, 1), 127, dtype=torch.uint8))
+    lin = MXFP8Linear.from_components(comps)
+    x = torch.randn(3, 32)
+    y1 = lin(x)
+    assert torch.equal(lin(x), y1)  # second call: served from the cache
+    ptr = lin.weight_scale.data_ptr()
+    lin.weight_scale[2, 0] = 128  # in place, as a refit receiver writes
+    y2 = lin(x)
+    assert lin.weight_scale.data_ptr() == ptr
+    assert torch.equal(y2[:, 2], 2 * y1[:, 2])
+    assert torch.equal(y2[:, [0, 1, 3]], y1[:, [0, 1, 3]])
+
+
+def test_cache_invalidated_by_load_components_keeps_pointers():
+    a, b = _components(16, 64, seed=1), _components(16, 64, seed=2)
+    lin = MXFP8Linear.from_components(a)
+    x = torch.randn(2, 64)
+    ya = lin(x)
+    pw, ps = lin.weight.data_ptr(), lin.weight_scale.data_ptr()
+    lin.load_components(b)
+    assert (lin.weight.data_ptr(), lin.weight_scale.data_ptr()) == (pw, ps)
+    assert torch.equal(lin(x), x @ b.dequantize().T)
+    assert not torch.equal(lin(x), ya)
+
+
+def test_refresh_after_write_that_bypasses_version_counter():
+    a = _components(8, 32, seed=3)
+    lin = MXFP8Linear.from_components(a)
+    x = torch.randn(2, 32)
+    y = lin(x)
+    with torch.no_grad():
+        lin.weight_scale.data.add_(1)  # writes through .data do not bump weight_scale._version
+    assert torch.equal(lin(x), y)  # so the cache cannot see them ...
+    lin.refresh()  # ... until refresh()
+    assert torch.equal(lin(x), 2 * y)
+
+
+def test_activation_mxfp8_quantizes_input_rowwise():
+    comps = _components(12, 50, seed=4)
+    lin = MXFP8Linear.from_components(comps, activation="mxfp8")
+    x = torch.randn(2, 3, 50)
+    xq = mxport.quantize(x.reshape(6, 50)).dequantize().reshape(2, 3, 50)
+    assert torch.equal(lin(x), xq @ comps.dequantize().T)
+    assert not torch.equal(lin(x), x @ comps.dequantize().T)
+
+
+def test_activation_mxfp8_uses_weight_element_format():
+    comps = _components(4, 32, seed=5, fp8=torch.float8_e5m2)
+    lin = MXFP8Linear.from_components(comps, activation="mxfp8")
+    x = torch.randn(3, 32)
+    xq = mxport.quantize(x, torch.float8_e5m2).dequantize()
+    assert torch.equal(lin(x), xq @ comps.dequantize().T)
+
+
+def test_module_to_dtype_keeps_fp8_bytes():
+    comps = _components(8, 40, seed=6)
+    lin = MXFP8Linear.from_components(comps, bias=torch.randn(8))
+    lin.to(torch.bfloat16)
+    assert lin.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(lin.weight.view(torch.uint8), comps.data.view(torch.uint8))
+    assert lin.bias.dtype == torch.bfloat16
+
+
+def test_hardware_path_not_chosen_on_cpu():
+    lin = MXFP8Linear.from_components(_components(32, 64), activation="mxfp8")
+    assert not lin._hardware_ok(torch.randn(16, 64))
+    lin.use_mx_gemm = True
+    with pytest.raises(RuntimeError, match="MX GEMM"):
+        lin(torch.randn(16, 64))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="activation"):
+        MXFP8Linear(32, 8, activation="int8")
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        MXFP8Linear(32, 8, fp8_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in_features"):
+        MXFP8Linear(0, 8)
+    lin = MXFP8Linear(32, 8)
+    with pytest.raises(ValueError, match="features"):
+        lin(torch.randn(2, 31))
+    with pytest.raises(ValueError, match="do not fit"):
+        lin.load_components(_components(8, 33))
+    with pytest.raises(TypeError, match="float8_e5m2"):
+        lin.load_components(_components(8, 32, fp8=torch.float8_e5m2))
+    with pytest.raises(TypeError, match="MXFP8Components"):
+        lin.load_components(torch.zeros(8, 32))
+    col = mxport.quantize(torch.randn(8, 32), direction="columnwise")
+    with pytest.raises(ValueError, match="rowwise"):
+        MXFP8Linear.from_components(col)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(10, 64)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"up_proj": nn.Linear(64, 96, bias=True), "down_proj": nn.Linear(96, 64)}) for _ in range(2))
+        self.norm = nn.LayerNorm(64)
+        self.lm_head = nn.Linear(64, 10, bias=False)
+
+
+def test_quantize_model_replaces_policy_linears_only():
+    model = _Tiny()
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    quantize_model(model)
+    mx = mxfp8_modules(model)
+    assert sorted(mx) == ["layers.0.down_proj", "layers.0.up_proj", "layers.1.down_proj", "layers.1.up_proj"]
+    assert isinstance(model.lm_head, nn.Linear) and not isinstance(model.lm_head, MXFP8Linear)
+    for name, mod in mx.items():
+        expect = mxport.quantize(ref[f"{name}.weight"])
+        assert torch.equal(mod.weight.view(torch.uint8), expect.data.view(torch.uint8))
+        assert torch.equal(mod.weight_scale, expect.scale_inv)
+    assert torch.equal(model.layers[0]["up_proj"].bias, ref["layers.0.up_proj.bias"])
+
+
+def test_quantize_model_policy_exclude_and_native_components():
+    from mxport.policy import PrecisionPolicy
+
+    model = _Tiny()
+    comps = _components(96, 64, seed=9, fp8=torch.float8_e5m2)
+    quantize_model(model, PrecisionPolicy(exclude=("layers.1.*",)))
+    assert sorted(mxfp8_modules(model)) == ["layers.0.down_proj", "layers.0.up_proj"]
+    from mxport.nn import weight_components
+
+    assert weight_components(comps) is comps  # already MXFP8: exported as is, never requantized
+    with pytest.raises(TypeError):
+        weight_components(torch.zeros(4, 32, dtype=torch.int32))
