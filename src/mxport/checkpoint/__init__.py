@@ -1,0 +1,20 @@
+"""MXFP8 checkpoints for inference engines: readers, the streaming sharded writer, naming per format, export and
+inspection (issue 4; design.md §4).
+
+Public: :func:`open_checkpoint` / :class:`CheckpointReader` (read an exported checkpoint back as
+``(name, MXFP8Components | Tensor)``), :data:`FORMATS`, :func:`scale_name`, :func:`quantization_config`,
+:func:`export_checkpoint`, :func:`inspect_checkpoint`.
+"""
+
+from .naming import FORMATS, quantization_config, scale_name
+from .readers import CheckpointReader, SafetensorsDir, StateDictSource, open_checkpoint
+
+__all__ = [
+    "FORMATS",
+    "CheckpointReader",
+    "SafetensorsDir",
+    "StateDictSource",
+    "open_checkpoint",
+    "quantization_config",
+    "scale_name",
+]

@@ -1,0 +1,139 @@
+"""Checkpoint formats: tensor names of the scales and the ``quantization_config`` each consumer reads.
+
+Sources (design.md §4): vLLM ``modelopt.py`` (``ModelOptMxFp8Config``: ``hf_quant_config.json`` ``quantization``
+must hold ``quant_algo``, ``kv_cache_quant_algo`` and ``exclude_modules``; exclude entries are fnmatch patterns over
+module prefixes), vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8
+bits; ``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_method`` containing ``mxfp8``,
+``activation_scheme`` required, ``ignored_layers``, ``weight_block_size [1, 32]``).
+
+| format | values | scales | E5M2 |
+|---|---|---|---|
+| ``modelopt`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (quant_algo MXFP8 means E4M3) |
+| ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args mean E4M3) |
+| ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | yes: ``fmt: "e5m2"`` records it (SGLang's kernels load E4M3 only; mxport's readers load both) |
+
+Fused 3-D expert tensors without a ``.weight`` suffix (``mlp.experts.gate_up_proj``) get the suffix appended:
+``mlp.experts.gate_up_proj_scale`` (modelopt, compressed-tensors) / ``..._scale_inv`` (sglang).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("modelopt", "compressed-tensors", "sglang")
+DEFAULT_FORMAT = "modelopt"
+
+#: the scale-name suffix of each format (replaces ``.weight``'s ``weight`` with ``weight<suffix>``)
+SCALE_SUFFIX = {"modelopt": "_scale", "compressed-tensors": "_scale", "sglang": "_scale_inv"}
+
+#: FP8 element dtypes each format can declare
+ALLOWED_FP8 = {
+    "modelopt": (torch.float8_e4m3fn,),
+    "compressed-tensors": (torch.float8_e4m3fn,),
+    "sglang": (torch.float8_e4m3fn, torch.float8_e5m2),
+}
+
+PRODUCER = "mxport"
+
+
+def check_format(fmt: str) -> str:
+    """Raise ValueError unless ``fmt`` is one of :data:`FORMATS`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def check_fp8_dtype(fmt: str, fp8_dtype: torch.dtype) -> torch.dtype:
+    """Raise ValueError when ``fmt`` cannot declare ``fp8_dtype`` (see :data:`ALLOWED_FP8`)."""
+    check_format(fmt)
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if fp8_dtype not in ALLOWED_FP8[fmt]:
+        allowed = [f for f in FORMATS if fp8_dtype in ALLOWED_FP8[f]]
+        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only; E5M2 is allowed by {allowed}")
+    return fp8_dtype
+
+
+def scale_name(weight_name: str, fmt: str) -> str:
+    """The scale tensor's name for the values tensor ``weight_name`` in format ``fmt``.
+
+    ``model.layers.0.mlp.down_proj.weight`` -> ``...down_proj.weight_scale`` (modelopt, compressed-tensors) or
+    ``...down_proj.weight_scale_inv`` (sglang). A name without ``.weight`` gets the suffix appended.
+    """
+    check_format(fmt)
+    if not isinstance(weight_name, str) or not weight_name:
+        raise TypeError(f"weight_name must be a non-empty str, got {weight_name!r}")
+    return weight_name + SCALE_SUFFIX[fmt]
+
+
+def values_name(scale_tensor_name: str, fmt: str) -> str | None:
+    """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a scale
+    name of ``fmt``."""
+    suffix = SCALE_SUFFIX[check_format(fmt)]
+    if scale_tensor_name.endswith(suffix) and len(scale_tensor_name) > len(suffix):
+        return scale_tensor_name[: -len(suffix)]
+    return None
+
+
+def _element(fp8_dtype: torch.dtype) -> str:
+    return "e5m2" if fp8_dtype == torch.float8_e5m2 else "e4m3"
+
+
+def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+    """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (design.md §4).
+
+    Args:
+        fmt: one of :data:`FORMATS`.
+        exclude_modules: module names left unquantized (see :func:`mxport.policy.exclude_modules`); written as
+            ``ignore`` (modelopt, compressed-tensors) / ``ignored_layers`` (sglang).
+        fp8_dtype: torch.float8_e4m3fn, or torch.float8_e5m2 where :data:`ALLOWED_FP8` allows it.
+
+    Raises:
+        ValueError: unknown format, or an FP8 dtype the format cannot declare.
+    """
+    check_fp8_dtype(fmt, fp8_dtype)
+    excl = [str(m) for m in exclude_modules]
+    if fmt == "modelopt":
+        # vLLM reads the flat form {quant_method: modelopt, quant_algo, ...}; `exclude_modules` duplicates
+        # `ignore` for versions that read the hf_quant_config key name.
+        return {"quant_method": "modelopt", "quant_algo": "MXFP8", "producer": {"name": PRODUCER},
+                "group_size": 32, "kv_cache_quant_algo": None, "ignore": excl, "exclude_modules": list(excl)}
+    if fmt == "compressed-tensors":
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                "dynamic": False, "scale_dtype": "uint8", "observer": None}
+        acts = dict(args, dynamic=True)
+        return {"quant_method": "compressed-tensors", "format": "mxfp8-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": args, "input_activations": acts,
+                                              "output_activations": None, "format": "mxfp8-quantized"}},
+                "ignore": excl, "kv_cache_scheme": None}
+    return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": _element(fp8_dtype),
+            "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "ignored_layers": excl}
+
+
+def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+    """ModelOpt's ``hf_quant_config.json`` (vLLM requires ``kv_cache_quant_algo`` and ``exclude_modules``)."""
+    check_fp8_dtype("modelopt", fp8_dtype)
+    return {"producer": {"name": PRODUCER},
+            "quantization": {"quant_algo": "MXFP8", "group_size": 32, "kv_cache_quant_algo": None,
+                             "exclude_modules": [str(m) for m in exclude_modules]}}
+
+
+def detect_format(quant_config: dict | None) -> str | None:
+    """The format a ``config.json`` ``quantization_config`` (or ``hf_quant_config.json``) describes, or None when
+    it is absent or not MXFP8."""
+    if not isinstance(quant_config, dict):
+        return None
+    method = str(quant_config.get("quant_method", "")).lower()
+    q = quant_config.get("quantization")
+    algo = str(quant_config.get("quant_algo") or (q.get("quant_algo") if isinstance(q, dict) else "") or "")
+    if method == "modelopt" or (isinstance(q, dict) and "quant_algo" in q):
+        return "modelopt" if "MXFP8" in algo.upper() else None
+    if method == "compressed-tensors":
+        fmt = str(quant_config.get("format", ""))
+        groups = quant_config.get("config_groups") or {}
+        fmts = [fmt] + [str(g.get("format", "")) for g in groups.values() if isinstance(g, dict)]
+        return "compressed-tensors" if any("mxfp8" in f for f in fmts) else None
+    if "mxfp8" in method:
+        return "sglang"
+    return None

@@ -1,0 +1,176 @@
+"""Naming per format, the safetensors header parser, the streaming writer and open_checkpoint on hand-made files."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mxport import quantize
+from mxport.checkpoint import FORMATS, open_checkpoint, quantization_config, scale_name
+from mxport.checkpoint.naming import check_fp8_dtype, detect_format, hf_quant_config, values_name
+from mxport.checkpoint.readers import SafetensorsDir, read_header
+from mxport.checkpoint.writers import ShardedSafetensorsWriter, TensorSpec, parse_size, plan_shards
+
+
+def test_scale_names_per_format():
+    w = "model.layers.0.mlp.down_proj.weight"
+    assert scale_name(w, "modelopt") == w + "_scale"
+    assert scale_name(w, "compressed-tensors") == w + "_scale"
+    assert scale_name(w, "sglang") == w + "_scale_inv"
+    assert scale_name("model.layers.0.mlp.experts.down_proj", "sglang") == "model.layers.0.mlp.experts.down_proj_scale_inv"
+    assert values_name(w + "_scale_inv", "sglang") == w
+    with pytest.raises(ValueError, match="format"):
+        scale_name(w, "gguf")
+
+
+def test_quantization_configs_per_format():
+    ex = ["lm_head", "model.layers.0.mlp.down_proj"]
+    mo = quantization_config("modelopt", ex)
+    assert (mo["quant_method"], mo["quant_algo"], mo["ignore"]) == ("modelopt", "MXFP8", ex)
+    hq = hf_quant_config(ex)
+    assert hq["quantization"]["quant_algo"] == "MXFP8" and hq["quantization"]["group_size"] == 32
+    assert hq["quantization"]["exclude_modules"] == ex and "kv_cache_quant_algo" in hq["quantization"]
+    ct = quantization_config("compressed-tensors", ex)
+    assert ct["quant_method"] == "compressed-tensors" and ct["format"] == "mxfp8-quantized" and ct["ignore"] == ex
+    wargs = ct["config_groups"]["group_0"]["weights"]
+    assert (wargs["strategy"], wargs["group_size"], wargs["type"], wargs["num_bits"], wargs["symmetric"],
+            wargs["scale_dtype"]) == ("group", 32, "float", 8, True, "uint8")
+    sg = quantization_config("sglang", ex)
+    assert (sg["quant_method"], sg["weight_block_size"], sg["scale_fmt"], sg["ignored_layers"]) == (
+        "mxfp8", [1, 32], "ue8m0", ex)
+    assert sg["activation_scheme"] == "dynamic" and sg["fmt"] == "e4m3"
+    assert quantization_config("sglang", ex, torch.float8_e5m2)["fmt"] == "e5m2"
+    for fmt in FORMATS:
+        assert detect_format(quantization_config(fmt, ex)) == fmt
+    assert detect_format(hq) == "modelopt"
+    assert detect_format({"quant_method": "fp8"}) is None and detect_format(None) is None
+
+
+def test_e5m2_only_where_the_format_allows():
+    assert check_fp8_dtype("sglang", torch.float8_e5m2) == torch.float8_e5m2
+    for fmt in ("modelopt", "compressed-tensors"):
+        with pytest.raises(ValueError, match="E4M3 only"):
+            quantization_config(fmt, [], torch.float8_e5m2)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        check_fp8_dtype("sglang", torch.bfloat16)
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("50KB") == 50_000 and parse_size("1MiB") == 2**20
+    assert parse_size(123) == 123
+    for bad in ("lots", "5XB", 0, "-1GB"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+
+
+def test_streaming_writer_matches_safetensors(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(5, 7, generator=g).bfloat16(), "b": torch.arange(12, dtype=torch.uint8).view(3, 4),
+               "c": torch.randn(3, generator=g), "d": torch.randn(4, 64, generator=g).to(torch.float8_e4m3fn),
+               "e": torch.zeros(0, 3)}
+    groups = [[TensorSpec(k, v.dtype, tuple(v.shape))] for k, v in tensors.items()]
+    shards = plan_shards(groups, 80)
+    assert len(shards) > 1
+    w = ShardedSafetensorsWriter(tmp_path, shards)
+    for k, v in tensors.items():
+        w.write(k, v)
+    weight_map = w.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == weight_map and set(weight_map) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in tensors.values())
+    back = {}
+    for f in set(weight_map.values()):
+        back.update(load_file(str(tmp_path / f)))
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8), v.view(torch.uint8))
+
+
+def test_writer_rejects_out_of_plan(tmp_path):
+    w = ShardedSafetensorsWriter(tmp_path, [[TensorSpec("a", torch.float32, (2,))]])
+    with pytest.raises(ValueError, match="expected 'a'"):
+        w.write("a", torch.zeros(3))
+    with pytest.raises(ValueError, match="not written"):
+        w.close()
+    w.abort()
+
+
+def test_read_header_rejects_corrupt_files(tmp_path):
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="corrupt"):
+        read_header(f)
+    f.write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(ValueError, match="corrupt safetensors header"):
+        read_header(f)
+    f.write_bytes(struct.pack("<Q", 4) + b"{no}")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_header(f)
+    hdr = json.dumps({"t": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    f.write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 8)
+    with pytest.raises(ValueError, match="unsupported dtype 'C64'"):
+        read_header(f)
+
+
+def make_mxfp8_dir(path, fmt, *, sharded=False):
+    g = torch.Generator().manual_seed(1)
+    src = {"model.layers.0.mlp.down_proj.weight": torch.randn(3, 70, generator=g, dtype=torch.bfloat16),
+           "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 4, 64, generator=g)}
+    tensors = {"model.embed_tokens.weight": torch.randn(8, 70, generator=g).bfloat16()}
+    for n, x in src.items():
+        c = quantize(x)
+        tensors[n] = c.data
+        tensors[scale_name(n, fmt)] = c.scale_inv
+    path.mkdir()
+    if sharded:
+        names = list(tensors)
+        save_file({k: tensors[k] for k in names[:2]}, str(path / "model-00001-of-00002.safetensors"))
+        save_file({k: tensors[k] for k in names[2:]}, str(path / "model-00002-of-00002.safetensors"))
+        wm = {k: f"model-0000{1 if i < 2 else 2}-of-00002.safetensors" for i, k in enumerate(names)}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    else:
+        save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"quantization_config": quantization_config(fmt, ["lm_head"])}))
+    return src
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_open_checkpoint_pairs_values_and_scales(tmp_path, fmt):
+    src = make_mxfp8_dir(tmp_path / "ck", fmt, sharded=fmt == "sglang")
+    with open_checkpoint(tmp_path / "ck") as ck:
+        assert ck.format == fmt
+        assert "quantization_config" in ck.config
+        got = dict(ck.iter_tensors())
+    assert list(got) == ck.names()
+    assert set(got) == {"model.embed_tokens.weight", *src}
+    assert isinstance(got["model.embed_tokens.weight"], torch.Tensor)
+    for n, x in src.items():
+        ref = quantize(x)
+        c = got[n]
+        assert c.direction == "rowwise" and c.scale_inv.dtype == torch.uint8
+        assert c.scale_inv.shape == ref.scale_inv.shape
+        assert torch.equal(c.data.view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(c.scale_inv, ref.scale_inv)
+    assert got["model.layers.0.mlp.experts.gate_up_proj"].scale_inv.shape == (2, 4, 2)
+
+
+def test_open_checkpoint_guesses_format_from_names(tmp_path):
+    make_mxfp8_dir(tmp_path / "ck", "sglang")
+    (tmp_path / "ck" / "config.json").write_text("{}")
+    assert open_checkpoint(tmp_path / "ck").format == "sglang"
+    make_mxfp8_dir(tmp_path / "ck2", "modelopt")
+    (tmp_path / "ck2" / "config.json").unlink()
+    assert open_checkpoint(tmp_path / "ck2").format == "modelopt"
+
+
+def test_open_checkpoint_plain_dir_and_errors(tmp_path):
+    (tmp_path / "plain").mkdir()
+    save_file({"w": torch.ones(2, 2)}, str(tmp_path / "plain" / "model.safetensors"))
+    ck = open_checkpoint(tmp_path / "plain")
+    assert ck.format is None and [n for n, _ in ck.iter_tensors()] == ["w"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_checkpoint(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model found"):
+        SafetensorsDir(tmp_path / "empty")
