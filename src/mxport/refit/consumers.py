@@ -1,0 +1,154 @@
+"""Both ends of a model refit: the trainer's plan and tensors (from its high-precision model and the precision
+policy) and the inference model's plan and live targets (its :class:`~mxport.nn.MXFP8Linear` buffers and kept
+tensors), plus an iterator of ``(hf_name, tensor)`` pairs in checkpoint format for engines' own loaders.
+
+Canonical order (both sides derive it independently, so the plan digests agree):
+``model.named_modules()`` order; inside a module its own parameters and persistent buffers sorted by local name,
+the E8M0 scales right after their values; a tensor shared by several modules (tied embeddings) appears once, at
+its first name. Names are the modelopt checkpoint names (``<m>.weight`` values, ``<m>.weight_scale`` scales), which
+are also ``MXFP8Linear``'s ``state_dict()`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..checkpoint.naming import FORMATS, scale_name
+from ..components import compact_scale_shape
+from ..formats import is_fp8_dtype
+from .plan import RefitPlan
+
+PLAN_FORMAT_NAMES = "modelopt"
+
+
+def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every parameter and persistent buffer of ``model`` in canonical order (see module
+    doc); shared tensors once. Non-persistent buffers (rotary ``inv_freq``, caches) are not part of a refit."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for prefix, mod in model.named_modules():
+        local = dict(mod.named_parameters(recurse=False))
+        for n, b in mod.named_buffers(recurse=False):
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                local[n] = b
+        for n in sorted(local):
+            t = local[n]
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append((f"{prefix}.{n}" if prefix else n, t))
+    return out
+
+
+class TrainerSource:
+    """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
+
+    Args:
+        model: the trainer's model with high-precision master weights (or native MXFP8 storage, exported as is).
+        policy: a :class:`mxport.policy.PrecisionPolicy` (None = default: linear weights MXFP8; embeddings,
+            lm_head, norms, routers kept).
+        bucket_bytes: payload bytes per bucket.
+        fp8_dtype: element format of quantized weights.
+        kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
+
+    Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
+    ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil).
+    """
+
+    def __init__(self, model: nn.Module, policy=None, *, bucket_bytes: int,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None):
+        from ..policy import PrecisionPolicy
+
+        policy = PrecisionPolicy() if policy is None else policy
+        self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
+        self.tensors_by_name = model_tensors(model)
+        decisions = policy.decide_all([(n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
+        self.quantized = [d.quantize for d in decisions]
+        items = []
+        for (name, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            if q:
+                items.append((name, "values", fp8_dtype, tuple(t.shape)))
+                items.append((scale_name(name, PLAN_FORMAT_NAMES), "scales", torch.uint8,
+                              compact_scale_shape(t.shape, "rowwise")))
+            else:
+                items.append((name, "kept", kept_dtype or t.dtype, tuple(t.shape)))
+        self.plan = RefitPlan(items, bucket_bytes)
+
+    @torch.no_grad()
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Yield the current weights in plan order, quantizing lazily (one weight at a time)."""
+        from ..nn import weight_components
+
+        for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            if q:
+                c = weight_components(t, self.fp8_dtype)
+                yield c.data.contiguous()
+                yield c.scale_inv.contiguous()
+            else:
+                x = t.detach()
+                if self.kept_dtype is not None and x.dtype != self.kept_dtype:
+                    x = x.to(self.kept_dtype)
+                yield x.contiguous()
+
+
+def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[torch.Tensor]]:
+    """The inference side: the plan derived from the live model and its live tensors (the refit targets).
+
+    FP8 tensors are "values"; the uint8 tensor named ``scale_name(values)`` in the same module is their "scales";
+    everything else is "kept". The returned tensors are the module's own buffers / parameters (not copies).
+    """
+    tensors = model_tensors(model)
+    names = {n for n, _ in tensors}
+    by_name = dict(tensors)
+    items, targets, done = [], [], set()
+    for name, t in tensors:
+        if name in done:
+            continue
+        if is_fp8_dtype(t.dtype):
+            items.append((name, "values", t.dtype, tuple(t.shape)))
+            targets.append(t.data)
+            sname = scale_name(name, PLAN_FORMAT_NAMES)
+            if sname in names:
+                s = by_name[sname]
+                items.append((sname, "scales", s.dtype, tuple(s.shape)))
+                targets.append(s.data)
+                done.add(sname)
+        else:
+            items.append((name, "kept", t.dtype, tuple(t.shape)))
+            targets.append(t.data)
+    return RefitPlan(items, bucket_bytes), targets
+
+
+def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Fresh receive buffers for ``plan`` (for an engine that loads weights itself, see
+    :func:`checkpoint_tensors`), allocated once and reused for every refit."""
+    from .plan import dtype_from_name
+
+    return [torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=device) for e in plan.entries]
+
+
+def checkpoint_tensors(plan: RefitPlan, targets: Sequence[torch.Tensor], fmt: str = "modelopt"
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` pairs in checkpoint format ``fmt`` (one of ``mxport.checkpoint.FORMATS``), in plan
+    order, for an engine's own loader: vLLM ``model.load_weights(iter)`` / ``reload_weights``, SGLang
+    ``update_weights_from_tensor(named_tensors)``. Values are FP8 tensors, scales compact uint8 E8M0 named per
+    format (``weight_scale`` for modelopt / compressed-tensors, ``weight_scale_inv`` for sglang), kept tensors as
+    they are. Tensors are the targets themselves (no copy)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
+    if len(targets) != len(plan):
+        raise ValueError(f"targets: got {len(targets)} tensors, the plan has {len(plan)}")
+    last_values = None
+    for e, t in zip(plan.entries, targets, strict=True):
+        if e.role == "values":
+            last_values = e.name
+            yield e.name, t
+        elif e.role == "scales":
+            yield (scale_name(last_values, fmt) if last_values else e.name), t
+        else:
+            yield e.name, t

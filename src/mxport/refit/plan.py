@@ -1,0 +1,213 @@
+"""RefitPlan: the ordered list of what one refit moves, where each tensor lands in the byte stream, and a digest.
+
+Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in one
+virtual byte stream cut into fixed-size buckets. A plan entry records the tensor's checkpoint name (modelopt names:
+``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` / ``kept``), dtype, shape,
+byte count and its place in the stream (``offset``; first ``bucket`` = ``offset // bucket_bytes``). A tensor larger
+than a bucket simply spans several buckets.
+
+Sender and receiver build their plans independently (from the trainer's policy and from the inference model) and
+compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the first
+differences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+ROLES = ("values", "scales", "kept")
+#: every tensor starts at a multiple of this many bytes in the stream (keeps bucket payloads 8-byte aligned)
+ALIGN = 16
+PLAN_FORMAT = "mxport-refit-plan/1"
+
+
+class RefitPlanMismatch(ValueError):
+    """Sender and receiver plans differ; nothing was sent. ``differences`` lists the first ones (strings)."""
+
+    def __init__(self, differences: Sequence[str], *, local_digest: str = "", remote_digest: str = ""):
+        self.differences = list(differences)
+        self.local_digest, self.remote_digest = local_digest, remote_digest
+        head = "; ".join(self.differences[:8]) or "digests differ"
+        more = f" (+{len(self.differences) - 8} more)" if len(self.differences) > 8 else ""
+        super().__init__(f"refit plans differ, nothing was sent: {head}{more}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; ValueError for an unknown name."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dt
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One tensor of the refit stream.
+
+    name: checkpoint (HF) name; role: "values" | "scales" | "kept"; dtype: torch dtype name ("float8_e4m3fn",
+    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the stream
+    (a multiple of :data:`ALIGN`); bucket: index of the bucket holding the first byte.
+    """
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+    bucket: int
+
+    def key(self) -> tuple:
+        return (self.name, self.role, self.dtype, self.shape)
+
+    def canonical(self) -> list:
+        return [self.name, self.role, self.dtype, list(self.shape), self.nbytes, self.offset, self.bucket]
+
+
+class RefitPlan:
+    """The ordered refit plan (built once, reused for every refit).
+
+    Args:
+        items: ``(name, role, dtype, shape)`` in stream order; ``dtype`` a torch dtype or its name.
+        bucket_bytes: payload bytes per bucket, a positive multiple of :data:`ALIGN`.
+
+    Raises:
+        ValueError: an unknown role, a duplicate ``(name)``, a bad ``bucket_bytes``, an empty plan.
+        TypeError: a dtype that is not a torch dtype / dtype name.
+    """
+
+    def __init__(self, items: Iterable[tuple[str, str, torch.dtype | str, Sequence[int]]], bucket_bytes: int):
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
+                or bucket_bytes % ALIGN:
+            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
+        entries: list[PlanEntry] = []
+        seen: set[str] = set()
+        offset = 0
+        for name, role, dtype, shape in items:
+            if role not in ROLES:
+                raise ValueError(f"role of {name!r} must be one of {ROLES}, got {role!r}")
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears twice in the refit plan")
+            seen.add(name)
+            if isinstance(dtype, str):
+                dtype = dtype_from_name(dtype)
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"dtype of {name!r} must be a torch.dtype, got {type(dtype).__name__}")
+            shape = tuple(int(s) for s in shape)
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * dtype.itemsize
+            entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset, offset // bucket_bytes))
+            offset = _align(offset + nbytes)
+        if not entries:
+            raise ValueError("a refit plan needs at least one tensor")
+        self.entries: tuple[PlanEntry, ...] = tuple(entries)
+        self.total_bytes = offset
+        self.num_buckets = max(1, -(-offset // bucket_bytes))
+        self._index = {e.name: i for i, e in enumerate(self.entries)}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return (f"RefitPlan({len(self)} tensors, {self.total_bytes} bytes, {self.num_buckets} buckets of "
+                f"{self.bucket_bytes} bytes, digest {self.digest[:12]})")
+
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    def bucket_size(self, b: int) -> int:
+        """Payload bytes of bucket ``b`` (the last one may be shorter)."""
+        return min(self.bucket_bytes, self.total_bytes - b * self.bucket_bytes)
+
+    def entries_in_bucket(self, b: int) -> list[PlanEntry]:
+        """Entries with at least one byte in bucket ``b``."""
+        lo, hi = b * self.bucket_bytes, b * self.bucket_bytes + self.bucket_size(b)
+        return [e for e in self.entries if e.offset < hi and e.offset + max(e.nbytes, 1) > lo]
+
+    def canonical(self) -> dict:
+        """JSON-able canonical form (what the digest covers)."""
+        return {"format": PLAN_FORMAT, "bucket_bytes": self.bucket_bytes, "align": ALIGN,
+                "entries": [e.canonical() for e in self.entries]}
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 (hex) of the canonical JSON (sorted keys, no spaces)."""
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def nbytes_by_role(self) -> dict[str, int]:
+        out = dict.fromkeys(ROLES, 0)
+        for e in self.entries:
+            out[e.role] += e.nbytes
+        return out
+
+    def summary(self) -> dict:
+        return {"tensors": len(self), "bytes": self.total_bytes, "buckets": self.num_buckets,
+                "bucket_bytes": self.bucket_bytes, "digest": self.digest, "bytes_by_role": self.nbytes_by_role}
+
+    def check_tensor(self, i: int, t: torch.Tensor) -> None:
+        """Per-refit check of tensor ``i`` against the plan: dtype and shape must be exactly those planned.
+
+        Raises ValueError naming the tensor.
+        """
+        e = self.entries[i]
+        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+            raise ValueError(f"tensor {e.name!r} is {dtype_name(t.dtype)} {tuple(t.shape)} but the refit plan "
+                             f"says {e.dtype} {e.shape}")
+
+
+def diff_canonical(local: dict, remote: dict, *, limit: int = 10) -> list[str]:
+    """The first differences between two canonical plans (``local`` vs ``remote``), as readable strings.
+
+    Kinds: ``bucket_bytes``, ``missing`` (in remote only: the local side lacks it), ``extra`` (local only),
+    ``reordered`` (same tensors, different position), ``shape``, ``dtype``, ``role``.
+    """
+    out: list[str] = []
+    if local.get("format") != remote.get("format"):
+        out.append(f"plan format: local {local.get('format')!r} vs remote {remote.get('format')!r}")
+    if local.get("bucket_bytes") != remote.get("bucket_bytes"):
+        out.append(f"bucket_bytes: local {local.get('bucket_bytes')} vs remote {remote.get('bucket_bytes')}")
+    le = {e[0]: (i, e) for i, e in enumerate(local.get("entries", []))}
+    re_ = {e[0]: (i, e) for i, e in enumerate(remote.get("entries", []))}
+    for name in re_:
+        if name not in le:
+            out.append(f"missing: {name!r} (remote has it, local does not)")
+    for name in le:
+        if name not in re_:
+            out.append(f"extra: {name!r} (local has it, remote does not)")
+    common_l = [n for n in le if n in re_]
+    common_r = [n for n in re_ if n in le]
+    for pos, (a, b) in enumerate(zip(common_l, common_r, strict=False)):
+        if a != b:
+            out.append(f"reordered: position {pos} holds {a!r} locally but {b!r} remotely")
+            break
+    for name in common_l:
+        (_, a), (_, b) = le[name], re_[name]
+        if a[1] != b[1]:
+            out.append(f"role: {name!r} local {a[1]} vs remote {b[1]}")
+        if a[2] != b[2]:
+            out.append(f"dtype: {name!r} local {a[2]} vs remote {b[2]}")
+        if a[3] != b[3]:
+            out.append(f"shape: {name!r} local {tuple(a[3])} vs remote {tuple(b[3])}")
+        if len(out) >= limit:
+            break
+    return out[:limit]

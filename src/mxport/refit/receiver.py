@@ -1,0 +1,194 @@
+"""RefitReceiver: receives every bucket into staging, validates all of them, then commits with ``copy_`` into the
+live tensors — all or nothing, pointers never move."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .buckets import (
+    HEADER_BYTES,
+    MAGIC,
+    STATUS_ABORT,
+    BucketLayout,
+    byte_view,
+    checksum,
+    pack_bucket,
+    read_header,
+    unpack_segments,
+)
+from .handshake import exchange_plans
+from .plan import RefitPlan
+from .transport import Transport
+
+
+class RefitError(RuntimeError):
+    """A refit failed on the receiver; the live weights stayed on ``kept_version``.
+
+    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed.
+    """
+
+    def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
+                 kept_version: int = 0):
+        self.bucket, self.tensors, self.kept_version = bucket, list(tensors), kept_version
+        super().__init__(message)
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    uniq = list(dict.fromkeys(names))
+    return ", ".join(uniq[:limit]) + (f" (+{len(uniq) - limit} more)" if len(uniq) > limit else "")
+
+
+class RefitReceiver:
+    """The inference side of refit.
+
+    Args:
+        transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
+        plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
+        targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned dtype and
+            shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer). They are only
+            ever written with ``copy_`` into views of their storage: pointers stay put (CUDA-graph safe) and each
+            write bumps the tensor's ``_version`` (so MXFP8Linear's decoded cache follows).
+        use_checksum: verify each bucket's checksum (the sender must write them).
+        refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales, caches
+            that do not follow ``_version``).
+        inflight: broadcasts posted ahead of the one being validated.
+
+    Staging (the whole stream plus 64-byte headers per bucket) is allocated once, on the targets' device.
+    """
+
+    def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
+                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (), inflight: int = 4):
+        if not isinstance(plan, RefitPlan):
+            raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
+        if transport.is_sender:
+            raise ValueError(f"transport rank {transport.rank} is the sender; a receiver needs another rank")
+        targets = list(targets)
+        if len(targets) != len(plan):
+            raise ValueError(f"targets: got {len(targets)} tensors, the plan has {len(plan)}")
+        for i, t in enumerate(targets):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"targets[{i}] ({plan.entries[i].name!r}) must be a torch.Tensor")
+            plan.check_tensor(i, t)
+        self.transport, self.plan, self.targets = transport, plan, targets
+        self.use_checksum = use_checksum
+        self.refresh_hooks = list(refresh_hooks)
+        self.inflight = max(1, inflight)
+        self.layout = BucketLayout(plan)
+        self._views = [byte_view(t, argname=plan.entries[i].name) for i, t in enumerate(targets)]
+        self._pointers = self.pointers()
+        device = targets[0].device
+        starts, pos = [], 0
+        for size in self.layout.wire_sizes:
+            starts.append(pos)
+            pos += size
+        self._staging = torch.zeros(pos, dtype=torch.uint8, device=device)
+        self._wires = [self._staging[s:s + n] for s, n in zip(starts, self.layout.wire_sizes, strict=True)]
+        self.version = 0
+        self.last_checksums: list[int] = []
+        self._handshaken = False
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def pointers(self) -> list[int]:
+        """``data_ptr()`` of every live target."""
+        return [t.data_ptr() for t in self.targets]
+
+    def pointers_stable(self) -> bool:
+        """True when every live tensor still sits where it was when the receiver was built."""
+        return self.pointers() == self._pointers
+
+    def handshake(self) -> None:
+        """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any payload)."""
+        exchange_plans(self.transport, self.plan, self.version)
+        self._handshaken = True
+
+    # -- one refit ------------------------------------------------------------------------------------------------
+    def receive(self) -> dict:
+        """Receive one refit into staging, validate every bucket, then commit all tensors in place.
+
+        Returns:
+            dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``seconds``,
+            ``recv_s`` (receiving + validating), ``commit_s`` (unpack into live tensors + refresh hooks), ``gbps``.
+
+        Raises:
+            RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender, or a
+                live tensor whose dtype/shape/pointer changed. The message names the bucket and its tensors; the
+                live weights are left exactly as they were (previous version). After a checksum mismatch or an
+                abort the transport is still in step and the next refit can succeed; after a dead peer or timeout
+                the transport must be re-created.
+        """
+        if not self._handshaken:
+            self.handshake()
+        plan, layout = self.plan, self.layout
+        for i, t in enumerate(self.targets):
+            plan.check_tensor(i, t)
+        if not self.pointers_stable():
+            raise RefitError("a live tensor was moved or reallocated since the receiver was built",
+                             kept_version=self.version)
+        t0 = time.perf_counter()
+        n = plan.num_buckets
+        handles: list = [None] * n
+        posted = 0
+        problem: tuple[int, str] | None = None
+        version = None
+        crcs = [0] * n
+        for b in range(n):
+            try:
+                while posted < n and posted <= b + self.inflight:
+                    handles[posted] = self.transport.broadcast(self._wires[posted], async_op=True)
+                    posted += 1
+                handles[b].wait()
+            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+                raise RefitError(f"refit failed receiving bucket {b} of {n} (tensors: {_names(layout.tensor_names(b))})"
+                                 f": {type(exc).__name__}: {exc}; live weights kept at version {self.version}",
+                                 bucket=b, tensors=layout.tensor_names(b), kept_version=self.version) from exc
+            handles[b] = None
+            if problem is not None:
+                continue  # keep draining so the stream stays in step; the first problem is reported
+            wire = self._wires[b]
+            magic, ver, idx, crc, status, entry = read_header(wire)
+            if magic != MAGIC or idx != b:
+                problem = (b, f"bad header (magic {magic:#x}, bucket {idx})")
+            elif status == STATUS_ABORT:
+                what = f" at tensor {plan.entries[entry].name!r}" if 0 <= entry < len(plan) else ""
+                problem = (b, f"the sender aborted refit v{ver}{what}")
+            elif ver <= self.version or (version is not None and ver != version):
+                problem = (b, f"unexpected refit version {ver} (live {self.version}, this refit {version})")
+            elif self.use_checksum and checksum(wire[HEADER_BYTES:]) != crc:
+                problem = (b, f"checksum mismatch (header {crc:#x})")
+            version = ver if version is None else version
+            crcs[b] = crc
+        recv_s = time.perf_counter() - t0
+        if problem is not None:
+            b, why = problem
+            names = layout.tensor_names(b)
+            raise RefitError(f"refit rejected at bucket {b} of {n} (tensors: {_names(names)}): {why}; live "
+                             f"weights kept at version {self.version}", bucket=b, tensors=names,
+                             kept_version=self.version)
+        t1 = time.perf_counter()
+        for b in range(n):
+            unpack_segments(layout.segments[b], self._wires[b][HEADER_BYTES:], self._views)
+        self.version = int(version)
+        self.last_checksums = crcs
+        for hook in self.refresh_hooks:
+            hook()
+        t2 = time.perf_counter()
+        seconds = t2 - t0
+        return {"version": self.version, "bytes": plan.total_bytes, "buckets": n, "seconds": seconds,
+                "recv_s": recv_s, "commit_s": t2 - t1,
+                "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0}
+
+    def verify_live(self) -> bool:
+        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender wrote
+        for the last refit (an independent check of the committed bytes; needs sender checksums)."""
+        if not self.last_checksums:
+            return False
+        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
+        for b in range(self.plan.num_buckets):
+            payload = scratch[:self.plan.bucket_size(b)]
+            pack_bucket(self.layout, b, self._views, payload)
+            if checksum(payload) != self.last_checksums[b]:
+                return False
+        return True

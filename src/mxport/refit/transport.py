@@ -1,0 +1,173 @@
+"""Transports behind one small interface: ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU) and an
+in-process channel for a colocated trainer and engine (threads in one process).
+
+A transport has one sender (rank ``src``) and one or more receivers. It offers exactly two things: an
+``all_gather_object`` for the plan handshake (small Python objects) and a ``broadcast`` of a 1-D uint8 tensor from
+the sender to every receiver, optionally asynchronous (the returned handle has ``wait()``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - same signature as torch Work.wait
+        return True
+
+
+class Transport(ABC):
+    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``."""
+
+    rank: int
+    world_size: int
+    src: int
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == self.src
+
+    @abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, indexed by rank."""
+
+    @abstractmethod
+    def broadcast(self, buf: torch.Tensor, async_op: bool = False):
+        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With ``async_op``
+        return a handle whose ``wait()`` completes it; otherwise complete before returning (returns None)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (no-op by default)."""
+
+
+class TorchDistTransport(Transport):
+    """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
+
+    Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
+    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors. A peer that dies or a broadcast that exceeds the
+    group's ``timeout`` raises ``RuntimeError`` from ``broadcast`` / ``wait``; the group is then unusable and must be
+    re-created (``close()`` then :meth:`init`).
+    """
+
+    def __init__(self, group=None, src: int = 0):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized: call TorchDistTransport.init(...) first")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
+        self.src = src
+        self._global_src = dist.get_global_rank(group, src) if group is not None else src
+
+    @classmethod
+    def init(cls, *, rank: int, world_size: int, init_method: str, backend: str = "gloo",
+             timeout_s: float = 60.0, src: int = 0) -> TorchDistTransport:
+        """Initialize the default process group and return a transport on it.
+
+        Args:
+            rank, world_size: this process's rank and the number of processes (1 sender + receivers).
+            init_method: ``tcp://127.0.0.1:PORT``, ``file:///path`` or ``env://``.
+            backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+            timeout_s: seconds after which a collective waiting on a peer fails.
+        """
+        import torch.distributed as dist
+
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (one sender, at least one receiver), got {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(src=src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, buf: torch.Tensor, async_op: bool = False):
+        return self._dist.broadcast(buf, src=self._global_src, group=self.group, async_op=async_op)
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+class InProcessChannel:
+    """A colocated sender and ``receivers`` receivers in one process (each endpoint used from its own thread).
+
+    ``channel.endpoint(rank)``: rank 0 is the sender. A broadcast hands each receiver a copy of the bytes (the
+    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises ``TimeoutError``.
+    """
+
+    def __init__(self, receivers: int = 1, timeout_s: float = 60.0):
+        if receivers < 1:
+            raise ValueError(f"receivers must be >= 1, got {receivers}")
+        self.world_size = receivers + 1
+        self.timeout_s = timeout_s
+        self._queues = [queue.Queue() for _ in range(self.world_size)]
+        self._barrier = threading.Barrier(self.world_size, timeout=timeout_s)
+        self._gather: list[Any] = [None] * self.world_size
+        self._lock = threading.Lock()
+
+    def endpoint(self, rank: int) -> InProcessTransport:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return InProcessTransport(self, rank)
+
+
+class _InProcessRecv:
+    def __init__(self, ep: InProcessTransport, buf: torch.Tensor):
+        self.ep, self.buf, self.done = ep, buf, False
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        if not self.done:
+            ch = self.ep.channel
+            try:
+                data = ch._queues[self.ep.rank].get(timeout=ch.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"in-process refit: no bucket from the sender within {ch.timeout_s} s") from None
+            if data.numel() != self.buf.numel():
+                raise RuntimeError(f"in-process refit: got {data.numel()} bytes, expected {self.buf.numel()}")
+            self.buf.copy_(data)
+            self.done = True
+        return True
+
+
+class InProcessTransport(Transport):
+    """An endpoint of an :class:`InProcessChannel`."""
+
+    def __init__(self, channel: InProcessChannel, rank: int):
+        self.channel, self.rank, self.world_size, self.src = channel, rank, channel.world_size, 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        ch = self.channel
+        with ch._lock:
+            ch._gather[self.rank] = obj
+        ch._barrier.wait()
+        out = list(ch._gather)
+        ch._barrier.wait()
+        return out
+
+    def broadcast(self, buf: torch.Tensor, async_op: bool = False):
+        if self.is_sender:
+            data = buf.clone()
+            for r in range(self.world_size):
+                if r != self.rank:
+                    self.channel._queues[r].put(data)
+            return _Done() if async_op else None
+        h = _InProcessRecv(self, buf)
+        if async_op:
+            return h
+        h.wait()
+        return None
