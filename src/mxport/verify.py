@@ -1,0 +1,337 @@
+"""The ``mxport verify`` pipeline: how far an MXFP8 twin of a model drifts from the model itself.
+
+1. Load the source model (float32; default: the embedded SmolLM2-135M-Instruct) and build its MXFP8 twin: a deep
+   copy whose policy linears become :class:`mxport.nn.MXFP8Linear` (:func:`mxport.nn.quantize_model`), or a deep
+   copy filled from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
+2. Generate greedily from chat prompts (the tokenizer's chat template) with the MXFP8 twin — the rollout engine.
+3. Score prompt + generated tokens with both models (teacher forcing, full next-token distributions) and compare
+   them at the generated positions: :func:`mxport.metrics.gen_kl_error` KL(P_mxfp8 || P_source),
+   :func:`~mxport.metrics.token_mult_prob_error`, :func:`~mxport.metrics.greedy_agreement`; plus the weight SQNR of
+   every quantized tensor.
+4. Optional per-layer sweep: the twin with only decoder layer *i* quantized (every other layer's linears swapped
+   back to the source modules) gives layer *i*'s KL and its share of the sum; then layers are kept in high
+   precision greedily by share, re-measuring after each, until the KL is at most ``target_kl``. The sweep scores
+   the tokens generated in step 2 (teacher forcing; no regeneration per configuration).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .formats import element_format
+from .metrics import gen_kl_error, greedy_agreement, sqnr_db, token_logprobs, token_mult_prob_error
+from .nn import MXFP8Linear, load_checkpoint, mxfp8_modules, quantize_model
+from .policy import layer_index
+from .prompts import load_prompts
+
+Progress = Callable[[str, int, int], None]
+
+
+def _noop(stage: str, done: int, total: int) -> None:
+    return None
+
+
+@dataclass
+class Rollouts:
+    """Token ids of each prompt (1-D long) and of what the MXFP8 model generated after it (1-D long)."""
+
+    prompts: list[torch.Tensor]
+    generated: list[torch.Tensor]
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(g.numel()) for g in self.generated)
+
+
+@dataclass
+class Scores:
+    """Per generated position, concatenated over prompts: the source model's log-probs (float32 ``[T, V]``), kept
+    so that other configurations can be compared with it, and the generated token ids ``[T]``."""
+
+    logp: torch.Tensor
+    tokens: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+
+def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None, policy=None,
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn, activation: str = "none") -> nn.Module:
+    """A deep copy of ``model`` with MXFP8 linears: quantized per ``policy`` (default policy when None), or
+    loaded from ``checkpoint`` (an ``mxport export`` directory; its element format wins over ``fp8_dtype``).
+
+    Raises ValueError when the result has no MXFP8 layer (nothing to verify) or the checkpoint does not match.
+    """
+    twin = copy.deepcopy(model)
+    if checkpoint is not None:
+        load_checkpoint(twin, checkpoint, activation=activation)
+    else:
+        quantize_model(twin, policy, fp8_dtype=fp8_dtype, activation=activation)
+    if not mxfp8_modules(twin):
+        raise ValueError("the MXFP8 twin has no MXFP8 layer (the policy kept every linear layer)")
+    return twin
+
+
+def weight_sqnr(source: nn.Module, twin: nn.Module) -> dict[str, float]:
+    """``{module name: SQNR dB}`` of each MXFP8Linear weight of ``twin`` against the same module's weight in
+    ``source`` (:func:`mxport.metrics.sqnr_db`)."""
+    out = {}
+    for name, mod in mxfp8_modules(twin).items():
+        ref = source.get_submodule(name).weight.detach().float()
+        out[name] = sqnr_db(ref, mod.decoded_weight(torch.float32).to(ref.device))
+    return out
+
+
+def encode_prompts(tokenizer, conversations: list[list[dict]]) -> list[torch.Tensor]:
+    """Token ids of each conversation through the tokenizer's chat template with the generation prompt added
+    (plain text of the user turns joined by newlines when the tokenizer has no template)."""
+    out = []
+    for conv in conversations:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer("\n".join(m["content"] for m in conv))["input_ids"]
+        t = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if t.numel() == 0:
+            raise ValueError(f"prompt {conv!r:.60} encodes to no token")
+        out.append(t)
+    return out
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+@torch.no_grad()
+def generate_greedy(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: set[int],
+                    progress: Progress = _noop) -> list[torch.Tensor]:
+    """Greedy decoding (argmax, KV cache), one prompt at a time, up to ``max_new_tokens`` tokens or an EOS token
+    (included). Returns the generated ids of each prompt (1-D long, at least one token)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    # transformers >= 5 names the KV cache argument `cache`, older releases `past_key_values`
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = []
+    for i, p in enumerate(prompts):
+        cur, past, gen = p.to(device)[None], None, []
+        for _ in range(max_new_tokens):
+            kwargs = {} if past is None else {cache_arg: past}
+            res = model(input_ids=cur, use_cache=True, **kwargs)
+            past = res["cache"] if "cache" in res else res["past_key_values"]
+            nxt = int(res.logits[0, -1].argmax())
+            gen.append(nxt)
+            if nxt in eos_ids:
+                break
+            cur = torch.tensor([[nxt]], device=device)
+        out.append(torch.tensor(gen, dtype=torch.long))
+        progress("generate", i + 1, len(prompts))
+    return out
+
+
+@torch.no_grad()
+def score(model: nn.Module, rollouts: Rollouts, batch_size: int = 8) -> Scores:
+    """Teacher-forced next-token log-probs of ``model`` at the generated positions of ``rollouts``: float32
+    ``[T, V]`` (T = all generated tokens, prompt order), right-padded batches of ``batch_size`` sequences."""
+    device = next(model.parameters()).device
+    logps, toks = [], []
+    seqs = [torch.cat([p, g]) for p, g in zip(rollouts.prompts, rollouts.generated, strict=True)]
+    for start in range(0, len(seqs), batch_size):
+        chunk = list(range(start, min(start + batch_size, len(seqs))))
+        width = max(int(seqs[i].numel()) for i in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids[row, : seqs[i].numel()] = seqs[i]
+            mask[row, : seqs[i].numel()] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        for row, i in enumerate(chunk):
+            p, g = rollouts.prompts[i].numel(), rollouts.generated[i].numel()
+            logps.append(torch.log_softmax(logits[row, p - 1: p - 1 + g].float(), dim=-1).cpu())
+            toks.append(rollouts.generated[i])
+        del logits
+    return Scores(torch.cat(logps), torch.cat(toks))
+
+
+def compare(gen: Scores, train: Scores) -> dict:
+    """The fidelity figures of the generation model's ``gen`` scores against the training model's ``train``:
+    ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``, ``greedy_agreement``, ``tokens``."""
+    kl = gen_kl_error(gen.logp, train.logp)
+    return {
+        "gen_kl_error_mean": kl["mean"],
+        "gen_kl_error_max": kl["max"],
+        "token_mult_prob_error": token_mult_prob_error(token_logprobs(gen.logp, gen.tokens),
+                                                       token_logprobs(train.logp, train.tokens)),
+        "greedy_agreement": greedy_agreement(gen.logp, train.logp),
+        "tokens": int(gen.tokens.numel()),
+    }
+
+
+def _set_quantized(twin: nn.Module, mx: dict[str, MXFP8Linear], hp: dict[str, nn.Module], quantized) -> None:
+    """Put the MXFP8 module in place for names where ``quantized(name)`` is true, the source module elsewhere."""
+    for name in mx:
+        twin.set_submodule(name, mx[name] if quantized(name) else hp[name])
+
+
+def _layer_prefix(name: str, idx: int) -> str:
+    token = f".{idx}."
+    cut = (name + ".").find(token)
+    return name[: cut + len(token) - 1] if cut >= 0 else name
+
+
+def per_layer_sweep(source: nn.Module, twin: nn.Module, rollouts: Rollouts, ref: Scores, full_kl: float,
+                    target_kl: float | None, batch_size: int = 8, progress: Progress = _noop) -> dict:
+    """Each decoder layer's share of the error and the smallest greedy set of layers to keep for ``target_kl``.
+
+    Returns ``{"layers": [{"layer", "prefix", "gen_kl_error_mean", "share"}...] (layer order),
+    "suggestion": {"target_kl", "keep_layers", "exclude", "gen_kl_error_mean", "met", "steps"} or None}``;
+    ``exclude`` holds :class:`mxport.policy.PrecisionPolicy` patterns (``model.layers.3.*``) for ``mxport export
+    --exclude``. The twin is restored (all MXFP8) before returning.
+    """
+    mx = mxfp8_modules(twin)
+    hp = {name: source.get_submodule(name) for name in mx}
+    by_layer: dict[int, list[str]] = {}
+    for name in mx:
+        idx = layer_index(name)
+        if idx is not None:
+            by_layer.setdefault(idx, []).append(name)
+    layers = sorted(by_layer)
+    prefixes = {i: _layer_prefix(by_layer[i][0], i) for i in layers}
+
+    def measure(quantized) -> float:
+        _set_quantized(twin, mx, hp, quantized)
+        return gen_kl_error(score(twin, rollouts, batch_size).logp, ref.logp)["mean"]
+
+    rows = []
+    done, total = 0, len(layers)
+    try:
+        for i in layers:
+            kl = measure(lambda n, i=i: layer_index(n) == i)
+            rows.append({"layer": i, "prefix": prefixes[i], "gen_kl_error_mean": kl})
+            done += 1
+            progress("per-layer", done, total)
+        total_kl = sum(r["gen_kl_error_mean"] for r in rows)
+        for r in rows:
+            r["share"] = r["gen_kl_error_mean"] / total_kl if total_kl > 0 else 0.0
+        suggestion = None
+        if target_kl is not None:
+            order = [r["layer"] for r in sorted(rows, key=lambda r: -r["gen_kl_error_mean"])]
+            kept: list[int] = []
+            kl = full_kl
+            steps = [{"keep_layers": [], "gen_kl_error_mean": kl}]
+            while kl > target_kl and len(kept) < len(order):
+                kept.append(order[len(kept)])
+                keep = set(kept)
+                kl = measure(lambda n, keep=keep: layer_index(n) not in keep)
+                steps.append({"keep_layers": sorted(kept), "gen_kl_error_mean": kl})
+                progress("keep-search", len(kept), len(order))
+            suggestion = {"target_kl": target_kl, "keep_layers": sorted(kept),
+                          "exclude": [f"{prefixes[i]}.*" for i in sorted(kept)],
+                          "gen_kl_error_mean": kl, "met": kl <= target_kl, "steps": steps}
+    finally:
+        _set_quantized(twin, mx, hp, lambda n: True)
+    return {"layers": rows, "suggestion": suggestion}
+
+
+def _fp8(fp8_dtype) -> torch.dtype:
+    return element_format(fp8_dtype).dtype
+
+
+def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 32, activation: str = "none",
+           fp8_dtype: torch.dtype | str = torch.float8_e4m3fn, policy=None, max_kl: float | None = None,
+           per_layer: bool = False, target_kl: float | None = None, device: str | torch.device = "cpu",
+           batch_size: int = 8, progress: Progress = _noop, samples: int = 3) -> dict:
+    """Run the verify pipeline (module docstring) and return a JSON-able report.
+
+    Args:
+        source: model directory / GGUF / None (embedded default model), as :func:`mxport.models.resolve_source`;
+            or an already loaded ``(model, tokenizer)`` pair.
+        checkpoint: an ``mxport export`` directory to build the twin from (else the twin is quantized here).
+        prompts: a prompts file (:func:`mxport.prompts.load_prompts`) or None for the built-in set.
+        max_new_tokens: generation budget per prompt (>= 1).
+        activation: ``"none"`` (weight-only) or ``"mxfp8"`` (W8A8).
+        fp8_dtype: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or "e4m3" / "e5m2".
+        policy: :class:`mxport.policy.PrecisionPolicy` (None = default).
+        max_kl: threshold; ``passed`` is False when ``gen_kl_error_mean`` exceeds it.
+        per_layer: run :func:`per_layer_sweep` (with ``target_kl``).
+        device: where both models run.
+
+    Returns a dict with ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``,
+    ``greedy_agreement``, ``tokens``, ``weight_sqnr_db_min``, ``weight_sqnr_db_mean``, ``weight_sqnr_db`` (per
+    tensor), ``passed``, ``per_layer`` (when asked), ``samples`` (first decoded generations) and the settings.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
+    """
+    from .models import load_causal_lm, resolve_source
+
+    if activation not in ("none", "mxfp8"):
+        raise ValueError(f"activation must be 'none' or 'mxfp8', got {activation!r}")
+    fp8 = _fp8(fp8_dtype)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for name, v in (("max_kl", max_kl), ("target_kl", target_kl)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    conversations = load_prompts(prompts)
+
+    if isinstance(source, tuple):
+        model, tok = source
+        label = type(model).__name__
+    else:
+        src = resolve_source(source)
+        label = src.label
+        model, tok = load_causal_lm(src, dtype=torch.float32, device=device)
+    model.eval()
+    progress("load", 1, 1)
+    twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation)
+    mx = mxfp8_modules(twin)
+    sqnr = weight_sqnr(model, twin)
+    finite = [v for v in sqnr.values() if math.isfinite(v)]
+
+    prompt_ids = encode_prompts(tok, conversations)
+    generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress)
+    rollouts = Rollouts(prompt_ids, generated)
+    ref = score(model, rollouts, batch_size)
+    progress("score", 1, 2)
+    gen = score(twin, rollouts, batch_size)
+    progress("score", 2, 2)
+    figures = compare(gen, ref)
+    elements = sorted({m.weight.dtype for m in mx.values()}, key=str)
+    report = {
+        **figures,
+        "weight_sqnr_db_min": min(sqnr.values()) if sqnr else math.nan,
+        "weight_sqnr_db_mean": sum(finite) / len(finite) if finite else (math.inf if sqnr else math.nan),
+        "model": label,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "fp8_dtype": ",".join(element_format(d).name for d in elements),
+        "activation": activation,
+        "prompts": len(conversations),
+        "max_new_tokens": max_new_tokens,
+        "mxfp8_layers": len(mx),
+        "max_kl": max_kl,
+        "passed": True if max_kl is None else figures["gen_kl_error_mean"] <= max_kl,
+        "weight_sqnr_db": sqnr,
+        "samples": [{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
+                    for c, g in list(zip(conversations, generated, strict=True))[:samples]],
+    }
+    del gen
+    if per_layer:
+        report["per_layer"] = per_layer_sweep(model, twin, rollouts, ref, figures["gen_kl_error_mean"], target_kl,
+                                              batch_size, progress)
+    return report
