@@ -182,3 +182,86 @@ def test_quantize_model_policy_exclude_and_native_components():
     assert weight_components(comps) is comps  # already MXFP8: exported as is, never requantized
     with pytest.raises(TypeError):
         weight_components(torch.zeros(4, 32, dtype=torch.int32))
+
+
+# -- load_checkpoint ---------------------------------------------------------------------------------------------
+def _write_checkpoint(src_dir, out, fmt, fp8=torch.float8_e4m3fn):
+    """An MXFP8 checkpoint in ``fmt`` written by hand from the naming contract (values + scales by name)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mxport.checkpoint.naming import quantization_config, scale_name
+    from mxport.policy import PrecisionPolicy, exclude_modules
+
+    state = load_file(str(src_dir / "model.safetensors"))
+    decisions = PrecisionPolicy().decide_all([(n, tuple(t.shape), t.dtype) for n, t in state.items()])
+    tensors = {}
+    for d in decisions:
+        if d.quantize:
+            c = mxport.quantize(state[d.name], fp8)
+            tensors[d.name] = c.data
+            tensors[scale_name(d.name, fmt)] = c.scale_inv
+        else:
+            tensors[d.name] = state[d.name]
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt, exclude_modules(decisions), fp8)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _tiny_llama(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mxport.testing import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "src", hidden=64, intermediate=96, layers=2, with_tokenizer=False)
+    return path, lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors", "sglang"])
+def test_quantize_model_and_load_checkpoint_bit_identical(tmp_path, fmt):
+    from mxport.nn import load_checkpoint
+
+    path, load = _tiny_llama(tmp_path)
+    fp8 = torch.float8_e5m2 if fmt == "sglang" else torch.float8_e4m3fn
+    ckpt = _write_checkpoint(path, tmp_path / fmt, fmt, fp8)
+    a = quantize_model(load(), fp8_dtype=fp8)
+    # 1) a plain model: its policy linears are replaced by MXFP8Linear modules
+    b = load()
+    report = load_checkpoint(b, ckpt)
+    assert len(report["replaced"]) == 14 and not report["missing"] and not report["unexpected"]
+    # 2) an already quantized model: filled in place, buffers keep their storage
+    c = quantize_model(load(), fp8_dtype=fp8)
+    ptrs = {n: m.weight.data_ptr() for n, m in mxfp8_modules(c).items()}
+    with torch.no_grad():
+        for m in mxfp8_modules(c).values():
+            m.weight_scale.zero_()
+    report = load_checkpoint(c, ckpt)
+    assert len(report["mxfp8"]) == 14
+    assert ptrs == {n: m.weight.data_ptr() for n, m in mxfp8_modules(c).items()}
+    ma = mxfp8_modules(a)
+    for other in (b, c):
+        mo = mxfp8_modules(other)
+        assert list(mo) == list(ma)
+        for name in ma:
+            assert mo[name].weight.dtype == fp8
+            assert torch.equal(mo[name].weight.view(torch.uint8), ma[name].weight.view(torch.uint8)), name
+            assert torch.equal(mo[name].weight_scale, ma[name].weight_scale), name
+    x = torch.randint(0, 256, (1, 7))
+    assert torch.equal(a(x).logits, b(x).logits)
+
+
+def test_load_checkpoint_rejects_mismatch(tmp_path):
+    from mxport.nn import load_checkpoint
+
+    path, load = _tiny_llama(tmp_path)
+    ckpt = _write_checkpoint(path, tmp_path / "ck", "modelopt")
+    model = quantize_model(load())
+    model.model.layers[0].mlp.up_proj = MXFP8Linear(64, 97)  # a module the checkpoint's shape cannot fill
+    with pytest.raises(ValueError, match="do not fit"):
+        load_checkpoint(model, ckpt)
+    with pytest.raises(ValueError, match="not an MXFP8 checkpoint"):
+        load_checkpoint(load(), path)
