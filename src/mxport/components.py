@@ -149,7 +149,7 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...] | torch.Size, direc
     k = int(shape[-1])
     m = numel_of(shape[:-1])
     if direction == "rowwise":
-        s2 = scale.reshape(m, -1)
+        s2 = scale.reshape(m, ceil_div(k, BLOCK_SIZE))
         return s2.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     return scale.repeat_interleave(BLOCK_SIZE, dim=0)[:m, :]
 

@@ -18,6 +18,7 @@ BLOCK_SIZE = 32
 E8M0_BIAS = 127
 E8M0_NAN = 255
 E8M0_MAX = 254  # largest finite E8M0 byte: 2**127
+FP8_CANONICAL_NAN = 0x7F  # NaN in both E4M3 (S.1111.111) and E5M2 (S.11111.11)
 
 #: ``torch.float8_e8m0fnu`` where this torch has it (2.7+), else ``None``. mxport carries scales as uint8 bytes.
 FLOAT8_E8M0FNU = getattr(torch, "float8_e8m0fnu", None)
@@ -128,11 +129,15 @@ def e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
 
 
 def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """float32 -> FP8 with round-to-nearest-even, saturating to ±max_norm (Inf -> ±max_norm); NaN stays NaN.
+    """float32 -> FP8 with round-to-nearest-even, saturating to ±max_norm (Inf -> ±max_norm); NaN -> 0x7F.
 
-    PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first; ``clamp`` keeps NaN.
+    PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps NaN).
+    Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite`` gives), so the
+    eager and compiled casts, whose NaN sign bits differ, produce identical bytes.
     """
-    return torch.clamp(x, -max_norm, max_norm).to(fp8_dtype)
+    q = torch.clamp(x, -max_norm, max_norm).to(fp8_dtype).view(torch.uint8)
+    q = torch.where(torch.isnan(x), torch.full_like(q, FP8_CANONICAL_NAN), q)
+    return q.view(fp8_dtype)
 
 
 def ceil_div(a: int, b: int) -> int:

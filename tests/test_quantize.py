@@ -1,0 +1,298 @@
+"""quantize(): bytes equal the independent numpy/ml_dtypes reference (tests/mx_reference.py), edge rows of
+design.md §2, and every documented bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mx_reference import ref_decode, ref_quantize, ref_scale_byte, ref_values
+
+import mxport
+from mxport import MXFP8Components, quantize
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _bytes(c: MXFP8Components):
+    return c.data.view(torch.uint8).cpu().numpy(), c.scale_inv.cpu().numpy()
+
+
+def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, direction: str, block_2d: bool = False):
+    c = quantize(x, FP8[elem], direction=direction, rounding=rounding, block_2d=block_2d)
+    q_ref, s_ref = ref_quantize(x.float().cpu().numpy(), elem, rounding, direction, block_2d)
+    q, s = _bytes(c)
+    assert c.data.shape == x.shape
+    assert s.shape == s_ref.shape
+    np.testing.assert_array_equal(s, s_ref)
+    # NaN payloads are not part of the format (torch and ml_dtypes pick different E5M2 NaN bytes): NaN positions
+    # must agree, every other byte must be identical
+    nan, nan_ref = np.isnan(c.data.float().cpu().numpy()), np.isnan(ref_values(q_ref, elem))
+    np.testing.assert_array_equal(nan, nan_ref)
+    np.testing.assert_array_equal(np.where(nan, 0, q), np.where(nan_ref, 0, q_ref))
+    return c
+
+
+SHAPES = [(1, 1), (3, 16), (2, 31), (5, 33), (4, 48), (3, 576), (1, 4096), (127, 64), (129, 40), (2, 3, 64), (7,)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_rowwise_matches_reference(shape, elem, rounding):
+    g = torch.Generator().manual_seed(hash((shape, elem, rounding)) % 2**31)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+    _check_against_reference(x, elem, rounding, "rowwise")
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (33, 5), (127, 48), (129, 64), (2, 40, 3), (64, 96)])
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_columnwise_matches_reference(shape, elem, rounding):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=g) * 3
+    c = _check_against_reference(x, elem, rounding, "columnwise")
+    m = math.prod(shape[:-1])
+    assert tuple(c.scale_inv.shape) == (-(-m // 32), shape[-1])
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (40, 33), (129, 576), (2, 35, 70)])
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_block_2d_matches_reference(shape, direction, rounding):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))
+    c = _check_against_reference(x, "e4m3", rounding, direction, block_2d=True)
+    if direction == "rowwise":  # one scale per 32x32 block: rows of a block share their bytes
+        s = c.scale_inv.reshape(-1, c.scale_inv.shape[-1])
+        assert torch.equal(s[0], s[min(31, s.shape[0] - 1)])
+
+
+def test_bfloat16_and_float16_inputs_quantize_their_exact_values():
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(9, 100, generator=g) * 20).to(dtype)
+        _check_against_reference(x, "e4m3", "rceil", "rowwise")
+        _check_against_reference(x, "e5m2", "floor", "columnwise")
+
+
+def test_non_contiguous_input_equals_contiguous():
+    x = torch.randn(64, 96)
+    xt = x.t()  # (96, 64), non-contiguous
+    a, b = quantize(xt), quantize(xt.contiguous())
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    assert torch.equal(a.scale_inv, b.scale_inv)
+    sliced = x[:, 5:70]  # strided rows
+    _check_against_reference(sliced, "e4m3", "rceil", "rowwise")
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (4, 0), (0,), (2, 0, 33)])
+def test_empty_tensors(shape):
+    c = quantize(torch.empty(shape))
+    assert c.data.shape == torch.Size(shape)
+    assert tuple(c.scale_inv.shape) == (*shape[:-1], -(-shape[-1] // 32))
+    assert c.dequantize().shape == torch.Size(shape)
+
+
+# -- design.md §2 edge rows -------------------------------------------------------------------------------------
+
+def _block(first: float, rest: float = 1.0, n: int = 32) -> torch.Tensor:
+    x = torch.full((1, n), rest)
+    x[0, 0] = first
+    return x
+
+
+def test_amax_480_rceil_and_floor():
+    c = quantize(_block(480.0), rounding="rceil")
+    assert c.scale_inv.tolist() == [[128]]
+    assert c.data[0, 0].float().item() == 240.0
+    f = quantize(_block(480.0), rounding="floor")
+    assert f.scale_inv.tolist() == [[127]]
+    assert f.data[0, 0].float().item() == 448.0
+
+
+def test_amax_just_above_power_of_two_rounds_scale_up():
+    # amax/448 = 2 * (1 + 2**-23): rceil needs 2**2, i.e. E = 129; the 2**1 a float log2 might give is too small
+    amax = float(np.nextafter(np.float32(896.0), np.float32(1e9)))
+    v = np.float32(amax) * (np.float32(1) / np.float32(448))
+    assert v > 2.0  # the premise: v lies just above a power of two
+    c = quantize(_block(amax))
+    assert c.scale_inv.item() == 129
+    assert c.data[0, 0].float().item() == 224.0  # 896.0001 / 4 rounds to 224 in E4M3
+    exact = quantize(_block(896.0))
+    assert exact.scale_inv.item() == 128  # exactly 2**1 * 448 stays at E = 128
+
+
+def test_all_zero_block_has_scale_zero_and_zero_values():
+    c = quantize(torch.zeros(2, 40))
+    assert c.scale_inv.tolist() == [[0, 0], [0, 0]]
+    assert torch.equal(c.data.view(torch.uint8), torch.zeros(2, 40, dtype=torch.uint8))
+    assert torch.equal(c.dequantize(), torch.zeros(2, 40))
+
+
+def test_nan_is_skipped_for_the_scale_and_stays_nan():
+    x = _block(3.0, rest=1.0)
+    x[0, 5] = float("nan")
+    c = quantize(x)
+    assert c.scale_inv.item() == ref_scale_byte(3.0, "e4m3", "rceil") == 120  # 3/448 -> 2**-7
+    assert torch.isnan(c.data[0, 5].float())
+    assert c.data[0, 0].float().item() == 3.0 * 2**7
+    d = c.dequantize()
+    assert torch.isnan(d[0, 5]) and d[0, 0].item() == 3.0
+
+
+def test_inf_gives_scale_254_and_saturates():
+    x = _block(float("inf"), rest=2.0**100)
+    c = quantize(x)
+    assert c.scale_inv.item() == 254
+    assert c.data[0, 0].float().item() == 448.0
+    neg = quantize(_block(float("-inf")))
+    assert neg.scale_inv.item() == 254 and neg.data[0, 0].float().item() == -448.0
+    assert quantize(_block(float("inf")), rounding="floor").scale_inv.item() == 254
+
+
+def test_subnormal_blocks():
+    # amax/448 < 2**-127 -> E = 0, multiplier 2**127 (design.md §2 step 4)
+    c = quantize(_block(2.0**-125, rest=2.0**-130))
+    assert c.scale_inv.item() == 0
+    assert c.data[0, 0].float().item() == 4.0 and c.data[0, 1].float().item() == 0.125
+    # float32 subnormal inputs: 2**-140 * 2**127 = 2**-13, an E5M2 subnormal; below E4M3's 2**-9, so 0 there
+    x = _block(2.0**-140, rest=2.0**-142)
+    assert quantize(x, torch.float8_e5m2).data[0, 0].float().item() == 2.0**-13
+    assert quantize(x).data[0, 0].float().item() == 0.0
+    for elem in ("e4m3", "e5m2"):
+        for rounding in ("rceil", "floor"):
+            _check_against_reference(x, elem, rounding, "rowwise")
+    # amax/448 just above 2**-126 (normal), a block mixing normal and subnormal values
+    y = torch.tensor([[448 * 2.0**-126 * 1.5] + [2.0**-149] * 31])
+    _check_against_reference(y, "e4m3", "rceil", "rowwise")
+
+
+def test_values_near_float32_max():
+    big = torch.tensor([[3.4e38, -3.3e38, 1e38, 1.0] * 8])
+    c = quantize(big)
+    assert c.scale_inv.item() == ref_scale_byte(3.4e38, "e4m3", "rceil")
+    assert c.scale_inv.item() == 247  # 3.4e38 / 448 = 2**119.6 -> 2**120
+    assert torch.isfinite(c.data.float()).all()
+    _check_against_reference(big, "e4m3", "rceil", "rowwise")
+    _check_against_reference(big, "e5m2", "floor", "rowwise")
+
+
+def test_short_last_block_uses_its_own_elements():
+    x = torch.ones(1, 33)
+    x[0, :32] = 1000.0  # first block large; the 1-element last block holds 1.0
+    c = quantize(x)
+    assert c.scale_inv.tolist() == [[ref_scale_byte(1000.0, "e4m3", "rceil"), 119]]  # 1/448 -> 2**-8: E = 119
+    assert c.data[0, 32].float().item() == 256.0
+
+
+def test_blocks_never_cross_rows():
+    x = torch.zeros(2, 48)
+    x[0] = 1000.0  # row 0 large; if blocks crossed rows, row 1's scale would see it
+    x[1] = 1.0
+    c = quantize(x)
+    assert c.scale_inv[1].tolist() == [119, 119]
+
+
+def test_decoding_known_bytes():
+    data = torch.ones(1, 64).to(torch.float8_e4m3fn)
+    c = MXFP8Components(data, torch.tensor([[127, 128]], dtype=torch.uint8))
+    out = mxport.dequantize(c)
+    assert out[0, :32].eq(1.0).all() and out[0, 32:].eq(2.0).all()
+    nan_scale = MXFP8Components(data, torch.tensor([[255, 0]], dtype=torch.uint8)).dequantize()
+    assert torch.isnan(nan_scale[0, :32]).all()
+    assert nan_scale[0, 32].item() == 2.0**-127
+
+
+def test_dequantize_dtype_and_round_trip_error_bound():
+    x = torch.randn(16, 96)
+    c = quantize(x)
+    d = c.dequantize(torch.bfloat16)
+    assert d.dtype == torch.bfloat16 and d.shape == x.shape
+    # E4M3 has 3 mantissa bits: relative error <= 2**-4 for values in the normal range of their block
+    err = (c.dequantize() - x).abs()
+    scale = c.scale_as_float().repeat_interleave(32, dim=1)[:, :96]
+    assert (err <= torch.maximum(x.abs() * 2**-4, scale * 2**-9)).all()
+
+
+# -- property tests ----------------------------------------------------------------------------------------------
+
+SPECIAL = st.sampled_from([0.0, -0.0, 1.0, 480.0, 448.0, 2.0**-140, 2.0**-149, 1e-30, 3.4e38, -3.4e38,
+                           float("nan"), float("inf"), float("-inf"), 57344.0, 65504.0])
+
+
+@st.composite
+def float_tensors(draw):
+    m = draw(st.integers(1, 6))
+    k = draw(st.integers(1, 100))
+    base = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(base)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-30, 30, (m, k), generator=g).float())
+    n_special = draw(st.integers(0, 4))
+    for _ in range(n_special):
+        i, j = draw(st.integers(0, m - 1)), draw(st.integers(0, k - 1))
+        x[i, j] = draw(SPECIAL)
+    return x
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=float_tensors(), elem=st.sampled_from(["e4m3", "e5m2"]), rounding=st.sampled_from(["rceil", "floor"]),
+       direction=st.sampled_from(["rowwise", "columnwise"]))
+def test_property_matches_reference(x, elem, rounding, direction):
+    _check_against_reference(x, elem, rounding, direction)
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=float_tensors())
+def test_property_decode_is_within_half_ulp_of_fp8(x):
+    """Decoding never moves a finite, in-range value by more than the FP8 rounding step of its block."""
+    c = quantize(x)
+    d = c.dequantize()
+    finite = torch.isfinite(x) & (x.abs() < 2.0**127)  # decoding 3.4e38 may round up to 2**128 = Inf
+    assert torch.isnan(d[torch.isnan(x)]).all()
+    scale = c.scale_as_float().repeat_interleave(32, dim=1)[:, : x.shape[1]]
+    err = (d - x).abs()[finite]
+    bound = torch.maximum(x.abs()[finite] * 2**-4, scale[finite] * 2**-9) * 1.0001
+    in_range = x.abs()[finite] <= 448 * scale[finite]
+    assert (err[in_range] <= bound[in_range]).all()
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, exc, words", [
+    (torch.ones(4, 32, dtype=torch.int32), TypeError, "x must be"),
+    (torch.ones(4, 32, dtype=torch.bool), TypeError, "x must be"),
+    (torch.ones(4, 32).to(torch.float8_e4m3fn), TypeError, "FP8"),
+    (torch.tensor(1.0), ValueError, "0-d"),
+    ([1.0, 2.0], TypeError, "torch.Tensor"),
+])
+def test_bad_inputs(bad, exc, words):
+    with pytest.raises(exc, match=words):
+        quantize(bad)
+
+
+def test_bad_options():
+    x = torch.ones(2, 32)
+    with pytest.raises(ValueError, match="rounding"):
+        quantize(x, rounding="nearest")
+    with pytest.raises(ValueError, match="direction"):
+        quantize(x, direction="diagonal")
+    with pytest.raises(ValueError, match="block_size"):
+        quantize(x, block_size=16)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        quantize(x, torch.float16)
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+def test_dequantize_matches_reference_decode(elem, direction):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 70, generator=g) * 100
+    c = quantize(x, FP8[elem], direction=direction)
+    q, s = _bytes(c)
+    e_full = np.repeat(s, 32, axis=1)[:, :70] if direction == "rowwise" else np.repeat(s, 32, axis=0)[:37]
+    np.testing.assert_array_equal(c.dequantize().numpy(), ref_decode(q, e_full, elem))
