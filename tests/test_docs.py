@@ -3,8 +3,9 @@
 
 Markers, an HTML comment on the line(s) right before a fence:
 
-- ``<!-- requires: mxport.refit, mxport.nn -->``: skip the block while one of those modules is not importable
-  (a feature still being built); the block runs as soon as it lands.
+- ``<!-- requires: mxport.refit, mxport.nn, cli:export -->``: skip the block while one of those modules is not
+  importable, or (``cli:NAME``) while ``mxport NAME`` is not registered (a feature still being built); the block
+  runs as soon as it lands.
 - ``<!-- skip: reason -->``: never run (e.g. it needs vLLM or a GPU); the reason is reported.
 - ``<!-- run -->`` / ``<!-- run: exit=1 -->`` (bash blocks only): run each line, expect that exit code.
 
@@ -63,12 +64,25 @@ def _check_requires(markers: dict) -> None:
     if "skip" in markers:
         pytest.skip(f"marked skip: {markers['skip'] or 'no reason given'}")
     for name in filter(None, (s.strip() for s in markers.get("requires", "").split(","))):
+        if name.startswith("cli:"):
+            if name[4:] not in _cli_commands():
+                pytest.skip(f"requires the `mxport {name[4:]}` command, which has not landed yet")
+            continue
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
             if exc.name and name.startswith(exc.name):
                 pytest.skip(f"requires {name}, which has not landed yet")
             raise
+
+
+def _cli_commands() -> set[str]:
+    import typer
+
+    from mxport.cli import app
+
+    return {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands} | {
+        g.name for g in app.registered_groups if isinstance(g.typer_instance, typer.Typer)}
 
 
 def _run_python(body: str, ns: dict, where: str) -> None:
