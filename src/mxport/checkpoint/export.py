@@ -1,0 +1,229 @@
+"""The export pipeline: source reader -> precision policy -> quantize -> streaming writer, into a temporary
+directory renamed into place.
+
+Source kinds: a Hugging Face directory of ``*.safetensors`` (streamed one tensor at a time), a ``.gguf`` file or a
+directory holding one (loaded through :func:`mxport.models.load_causal_lm`), ``None`` (the embedded default model,
+see :mod:`mxport.models`), an ``nn.Module`` or a state dict.
+
+Output (design.md §4): quantized tensors as ``<m>.weight`` FP8 values (rowwise, the source shape) plus the scale
+tensor named by :func:`~mxport.checkpoint.naming.scale_name` (uint8 E8M0, compact ``(*shape[:-1], ceil(K/32))``),
+written next to each other; kept tensors in their dtype, or cast to ``dtype`` when given (floating ones only);
+``config.json`` with ``quantization_config`` (+ ``hf_quant_config.json`` for modelopt); every other small file of
+the source directory (tokenizer, generation config, chat template, ...) copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..components import compact_scale_shape
+from ..policy import Decision, PrecisionPolicy, exclude_modules
+from ..quantize import quantize
+from .naming import DEFAULT_FORMAT, check_fp8_dtype, hf_quant_config, quantization_config, scale_name
+from .readers import INDEX_NAME, SafetensorsDir, StateDictSource
+from .writers import ShardedSafetensorsWriter, TensorSpec, parse_size, plan_shards
+
+#: files of a source directory that are not copied (weights, replaced configs, mxport's cache stamp)
+_SKIP_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx")
+_SKIP_NAMES = {"config.json", "hf_quant_config.json", INDEX_NAME, "pytorch_model.bin.index.json",
+               "mxport-source.json"}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_checkpoint` wrote: the output directory, decisions, files, byte counts (``input_bytes``
+    read from the source, ``output_bytes`` of tensor data written), the exclude list written to the config."""
+
+    out: Path
+    format: str
+    decisions: list[Decision]
+    files: list[str]
+    input_bytes: int
+    output_bytes: int
+    exclude_modules: list[str]
+
+    def to_dict(self) -> dict:
+        return {"out": str(self.out), "format": self.format, "files": self.files, "input_bytes": self.input_bytes,
+                "output_bytes": self.output_bytes, "quantized": sum(d.quantize for d in self.decisions),
+                "kept": sum(not d.quantize for d in self.decisions), "exclude_modules": self.exclude_modules,
+                "decisions": [d.to_dict() for d in self.decisions]}
+
+
+def open_source(source) -> SafetensorsDir | StateDictSource:
+    """A reader for ``source`` (see the module docstring).
+
+    Raises FileNotFoundError / ValueError (from :func:`mxport.models.resolve_source`) for a missing path or a path
+    with no model; TypeError for any other object.
+    """
+    if isinstance(source, (torch.nn.Module, dict)):
+        return StateDictSource(source)
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a path, None, an nn.Module or a state dict; got {type(source).__name__}")
+    from ..models import load_causal_lm, resolve_source
+
+    src = resolve_source(source)
+    if src.kind == "hf_dir":
+        return SafetensorsDir(src.path)
+    model, tok = load_causal_lm(src, dtype=torch.float32)
+    extras = [tok] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
+    return StateDictSource(model, extras=extras, label=src.label)
+
+
+def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
+    """The policy's decisions for every tensor of ``reader`` (what ``--dry-run`` prints)."""
+    return (policy or PrecisionPolicy()).decide_all(reader.entries())
+
+
+def _tied(config: dict) -> bool:
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def _output_groups(decisions, fmt, fp8_dtype, dtype) -> list[list[TensorSpec]]:
+    groups = []
+    for d in decisions:
+        if d.quantize:
+            groups.append([TensorSpec(d.name, fp8_dtype, d.shape),
+                           TensorSpec(scale_name(d.name, fmt), torch.uint8, compact_scale_shape(d.shape))])
+        else:
+            out_dtype = dtype if (dtype is not None and d.dtype in _FLOATS) else d.dtype
+            groups.append([TensorSpec(d.name, out_dtype, d.shape)])
+    return groups
+
+
+def _copy_small_files(src_dir: Path | None, dst: Path) -> list[str]:
+    if src_dir is None:
+        return []
+    copied = []
+    for f in sorted(src_dir.iterdir()):
+        if f.is_file() and f.name not in _SKIP_NAMES and not f.name.startswith(".") and (
+                not f.name.endswith(_SKIP_SUFFIXES)):
+            shutil.copy2(f, dst / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def _prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None) -> Path:
+    out = Path(out).expanduser()
+    if source_dir is not None and out.resolve() == Path(source_dir).resolve():
+        raise ValueError(f"out {str(out)!r} is the source directory; write the export somewhere else")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a directory")
+    return out
+
+
+def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORMAT,
+                      fp8_dtype: torch.dtype = torch.float8_e4m3fn, policy: PrecisionPolicy | None = None,
+                      dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False,
+                      progress: Callable[[str, int], None] | None = None) -> ExportResult:
+    """Export ``source`` as an MXFP8 checkpoint in format ``fmt`` at ``out``.
+
+    Args:
+        source: path (HF dir, GGUF), None (the embedded default model), an ``nn.Module`` or a state dict; or a
+            reader from :func:`open_source`.
+        out: output directory; written under a temporary name in the same folder and renamed into place.
+        fmt: "modelopt" (default), "compressed-tensors" or "sglang" (:data:`~mxport.checkpoint.naming.FORMATS`).
+        fp8_dtype: element type of the values; E5M2 only where the format allows it (sglang).
+        policy: which tensors are quantized (default :class:`~mxport.policy.PrecisionPolicy()`).
+        dtype: cast kept floating tensors to this dtype (bf16 / fp16 / fp32); None keeps each tensor's dtype.
+        max_shard_size: e.g. "5GB"; a values+scale pair never straddles shards.
+        overwrite: replace an existing ``out``.
+        progress: called as ``progress(tensor_name, input_bytes_done)`` after each source tensor.
+
+    Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
+    dtype, byte for byte. Peak memory: one source tensor plus its quantized output (safetensors sources).
+
+    Raises:
+        FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
+        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; nothing is left behind.
+    """
+    check_fp8_dtype(fmt, fp8_dtype)
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    max_bytes = parse_size(max_shard_size)
+    if isinstance(out, (str, os.PathLike)) and isinstance(source, (str, os.PathLike)):
+        _prepare_out(out, overwrite, Path(source) if Path(source).is_dir() else None)  # fail fast before loading
+    reader = source if isinstance(source, (SafetensorsDir, StateDictSource)) else open_source(source)
+    src_dir = getattr(reader, "path", None)
+    out = _prepare_out(out, overwrite, src_dir)
+    config = dict(reader.config or {})
+
+    decisions = plan(reader, policy)
+    if _tied(config):  # tied embeddings: the head is the embedding, written once
+        decisions = [d for d in decisions if d.name != "lm_head.weight"]
+    excl = exclude_modules(decisions)
+    if _tied(config) and "lm_head" not in excl and any(d.name == "model.embed_tokens.weight" for d in decisions):
+        excl.append("lm_head")
+    shards = plan_shards(_output_groups(decisions, fmt, fp8_dtype, dtype), max_bytes)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.mxport-", dir=out.parent))
+    writer = ShardedSafetensorsWriter(tmp, shards, metadata={"producer": "mxport", "mxport_format": fmt})
+    in_bytes = 0
+    try:
+        for d in decisions:
+            x = reader.get(d.name)
+            if d.quantize:
+                c = quantize(x, fp8_dtype)
+                writer.write(d.name, c.data)
+                writer.write(scale_name(d.name, fmt), c.scale_inv)
+                del c
+            else:
+                y = x.to(dtype) if (dtype is not None and x.dtype in _FLOATS) else x
+                writer.write(d.name, y)
+                del y
+            in_bytes += x.numel() * x.element_size()
+            del x
+            if progress is not None:
+                progress(d.name, in_bytes)
+        weight_map = writer.close()
+        reader.close()
+
+        copied = _copy_small_files(src_dir, tmp)
+        for extra in getattr(reader, "extras", ()):
+            extra.save_pretrained(str(tmp))
+        config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)
+        if dtype is not None:
+            config["torch_dtype"] = str(dtype).removeprefix("torch.")
+            config.pop("dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        if fmt == "modelopt":
+            (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        _replace_dir(tmp, out)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(set(weight_map.values()) | set(copied) | {p.name for p in out.iterdir()})
+    out_bytes = sum(s.nbytes for specs in shards for s in specs)
+    return ExportResult(out, fmt, decisions, files, in_bytes, out_bytes, excl)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed only after the rename."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, trash / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(trash / out.name, out)
+        raise
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
