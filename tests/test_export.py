@@ -55,6 +55,10 @@ def test_parameter_and_half_inputs(dtype):
     assert same_bytes(e, mxport.quantize(p.detach()))
 
 
+class _QuantizedLike(torch.Tensor):
+    """An unknown tensor subclass (as TE's NVFP4Tensor looks to mxport): must not be requantized silently."""
+
+
 def test_other_tensors_and_objects_rejected():
     for obj in (torch.arange(64).reshape(8, 8), torch.zeros(4, 32, dtype=torch.float8_e4m3fn),
                 torch.zeros(4, 32, dtype=torch.uint8)):
@@ -63,6 +67,9 @@ def test_other_tensors_and_objects_rejected():
     for obj in (None, object(), {"data": 1}, SimpleNamespace(data=1, scale=2)):
         with pytest.raises(TypeError, match="accepts a Transformer Engine"):
             mxport.export_components(obj)
+    sub = source((4, 32)).as_subclass(_QuantizedLike)
+    with pytest.raises(TypeError, match="tensor subclass _QuantizedLike"):
+        mxport.export_components(sub)
     with pytest.raises(ValueError, match="direction"):
         mxport.export_components(source((4, 32)), direction="both")
     with pytest.raises(ValueError, match="0-d"):

@@ -37,8 +37,13 @@ def _native(obj, direction: str) -> MXFP8Components | None:
     return None
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _is_float_tensor(obj) -> bool:
-    return isinstance(obj, torch.Tensor) and obj.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    """A plain float tensor or nn.Parameter. Tensor subclasses are excluded: an unknown quantized subclass
+    (e.g. TE NVFP4Tensor, whose dtype is its nominal bf16) must not be silently dequantized and requantized."""
+    return type(obj) in (torch.Tensor, torch.nn.Parameter) and type(obj.data) is torch.Tensor and obj.dtype in _FLOATS
 
 
 def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> MXFP8Components:
@@ -70,7 +75,7 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
 
     Raises:
         TypeError: an object of any other kind (the message lists what is accepted), an integer / FP8 tensor
-            without scales, quantize options given with an MXFP8 producer, wrong dtypes inside a producer.
+            without scales, an unknown tensor subclass (never dequantized behind your back), quantize options given with an MXFP8 producer, wrong dtypes inside a producer.
         ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale grids
             too small / of the wrong shape for the data, an unknown ``direction``.
     """
@@ -85,10 +90,13 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
         return native
     if _is_float_tensor(obj):
         return quantize(obj.detach(), direction=direction, **quantize_kwargs)
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(
-            f"export_components got a {obj.dtype} tensor without scales; expected {ACCEPTED}"
+            f"export_components got a tensor subclass {type(obj).__name__} that is not a known MXFP8 producer; "
+            f"expected {ACCEPTED} (convert it to a plain tensor first)"
         )
+    if isinstance(obj, torch.Tensor):
+        raise TypeError(f"export_components got a {obj.dtype} tensor without scales; expected {ACCEPTED}")
     raise TypeError(f"export_components accepts {ACCEPTED}; got {type(obj).__name__}")
 
 
