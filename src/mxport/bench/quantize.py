@@ -31,7 +31,11 @@ QUICK_SWEEP = (128, 256, 512, 1024)
 
 
 def quantize_bytes(numel: int) -> int:
-    """Bytes a rowwise MXFP8 quantize of ``numel`` BF16 elements must move: 2 in + 1 out + 1/32 scale bytes."""
+    """Bytes a rowwise MXFP8 quantize of ``numel`` BF16 elements must move: 2 in + 1 out + 1/32 scale bytes.
+
+    >>> quantize_bytes(4096 * 4096) / 2**20   # MiB for the 4096x4096 headline
+    48.5
+    """
     return 2 * numel + numel + (numel + 31) // 32
 
 

@@ -63,6 +63,9 @@ def throughput_series(rows: list[dict]) -> list[tuple[int, float, float | None]]
 
     The torchao figure is ``value / ratio`` (the row's ratio is mxport relative to torchao); ratio 0 means no
     torchao baseline.
+
+    >>> throughput_series([{"benchmark": "quantize", "metric": "throughput 64x64", "value": 2.0, "ratio": 4.0}])
+    [(4096, 2.0, 0.5)]
     """
     out = []
     for r in rows:
