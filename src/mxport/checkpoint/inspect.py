@@ -46,14 +46,14 @@ def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
 
 def pair_stats(c: MXFP8Components) -> dict:
     """Statistics of one rowwise MXFP8 pair: scale exponent range (E - 127, NaN bytes skipped), decoded absmax and
-    mean |x| (FP32), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
+    mean |x| (FP32, NaN values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
     e = c.scale_inv.to(torch.int32)
     finite = e[e != 255]
     out = {"scale_exp_min": int(finite.min()) - 127 if finite.numel() else None,
            "scale_exp_max": int(finite.max()) - 127 if finite.numel() else None,
            "nan_scales": int((e == 255).sum())}
-    x = c.dequantize(torch.float32)
-    a = x.abs()
+    a = c.dequantize(torch.float32).abs()
+    a = a[~torch.isnan(a)]  # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
     out["absmax"] = float(a.max()) if a.numel() else 0.0
     out["mean_abs"] = float(a.mean()) if a.numel() else 0.0
     k = c.shape[-1]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from . import bench, info  # noqa: F401  (register the subcommands)
+from . import bench, export, info, inspect_cmd  # noqa: F401  (register the subcommands)
+from . import refit as _refit  # noqa: F401  (issue 6: mxport refit)
 from .app import app
+from .verify import verify as _verify  # noqa: F401  (issue 5: mxport verify)
 
 
 def main() -> None:

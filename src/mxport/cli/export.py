@@ -1,0 +1,113 @@
+"""``mxport export``: a model (HF directory, GGUF, or the embedded default) -> an MXFP8 checkpoint for vLLM / SGLang."""
+
+from __future__ import annotations
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_source, plan
+from ..checkpoint.naming import ALLOWED_FP8, DEFAULT_FORMAT, FORMATS, check_format, check_fp8_dtype
+from ..checkpoint.writers import parse_size
+from ..policy import PrecisionPolicy
+from ._common import console, emit_json, user_errors
+from .app import app
+
+_E5M2_FORMATS = ", ".join(f for f in FORMATS if len(ALLOWED_FP8[f]) > 1)
+
+
+def _choice(value: str, options: dict, flag: str):
+    if value not in options:
+        raise ValueError(f"{flag} must be one of {list(options)}, got {value!r}")
+    return options[value]
+
+
+@app.command("export")
+def export_cmd(
+    source: str = typer.Argument(None, help="HF model directory (*.safetensors), a .gguf file, or omit for the "
+                                            "embedded default model (SmolLM2-135M-Instruct)."),
+    out: str = typer.Option(None, "-o", "--out", help="Output directory (required unless --dry-run)."),
+    fmt: str = typer.Option(DEFAULT_FORMAT, "--format", help=f"Checkpoint format: {' | '.join(FORMATS)}."),
+    fp8_dtype: str = typer.Option("e4m3", "--fp8-dtype", help=f"FP8 element type: e4m3 | e5m2 (e5m2 only for: "
+                                                               f"{_E5M2_FORMATS})."),
+    exclude: list[str] = typer.Option(None, "--exclude", help="Keep tensors matching this fnmatch pattern in high "
+                                                              "precision (tensor or module name; repeatable)."),
+    include: list[str] = typer.Option(None, "--include", help="Quantize only linear/expert weights matching this "
+                                                              "fnmatch pattern (repeatable)."),
+    keep_first: int = typer.Option(0, "--keep-first", help="Keep the first N decoder layers in high precision."),
+    keep_last: int = typer.Option(0, "--keep-last", help="Keep the last N decoder layers in high precision."),
+    dtype: str = typer.Option(None, "--dtype", help="Cast kept floating tensors to bf16 | fp16 | fp32 "
+                                                    "(default: keep each tensor's dtype)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each tensor's decision and why; write nothing."),
+    json_out: str = typer.Option(None, "--json", help="Write the result (or the dry-run plan) as JSON to FILE "
+                                                      "('-': stdout)."),
+):
+    """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang) loads.
+
+    Linear-layer weights and fused expert weights become FP8 values + uint8 E8M0 scales (compact, one per 32
+    values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are fnmatch-style
+    ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output goes to a
+    temporary directory renamed into place. Exit 0 ok, 2 bad input.
+    """
+    with user_errors():
+        check_format(fmt)
+        fp8 = _choice(fp8_dtype, FP8_DTYPES, "--fp8-dtype")
+        check_fp8_dtype(fmt, fp8)
+        cast = _choice(dtype, DTYPES, "--dtype") if dtype is not None else None
+        parse_size(max_shard_size)
+        policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()), keep_first=keep_first,
+                                 keep_last=keep_last)
+        if out is None and not dry_run:
+            raise ValueError("-o/--out OUT is required (or use --dry-run)")
+        if dry_run:
+            reader = open_source(source)
+            decisions = plan(reader, policy)
+            reader.close()
+            _print_plan(decisions, reader.label)
+            if json_out:
+                emit_json({"source": reader.label, "format": fmt, "policy": policy.to_dict(),
+                           "decisions": [d.to_dict() for d in decisions]}, json_out)
+            return
+        result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite)
+    n_q = sum(d.quantize for d in result.decisions)
+    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors MXFP8, {len(result.decisions) - n_q} kept, "
+                  f"{result.input_bytes / 1e6:.1f} MB in -> {result.output_bytes / 1e6:.1f} MB out, "
+                  f"{len(result.files)} files", highlight=False)
+    if json_out:
+        emit_json(result.to_dict(), json_out)
+
+
+def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite):
+    from pathlib import Path
+
+    from ..checkpoint.export import _prepare_out
+
+    src_dir = Path(source) if source is not None and Path(source).is_dir() else None
+    _prepare_out(out, overwrite, src_dir)  # fail before loading anything
+    with console.status("reading the source model"):
+        reader = open_source(source)
+    total = sum(reader.nbytes(n) for n in reader.names())
+    columns = (TextColumn("[bold]export[/]"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+               TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+
+        def progress(name: str, done: int) -> None:
+            bar.update(task, completed=done, description=name)
+
+        return export_checkpoint(reader, out, fmt=fmt, fp8_dtype=fp8, policy=policy, dtype=cast,
+                                 max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+
+
+def _print_plan(decisions, label: str) -> None:
+    table = Table(title=f"export plan for {label}")
+    for col in ("tensor", "shape", "dtype", "decision", "why"):
+        table.add_column(col)
+    for d in decisions:
+        table.add_row(d.name, "x".join(map(str, d.shape)) or "scalar", str(d.dtype).removeprefix("torch."),
+                      "[green]MXFP8[/]" if d.quantize else "keep", d.reason)
+    console.print(table)
+    n_q = sum(d.quantize for d in decisions)
+    console.print(f"{n_q} tensors MXFP8, {len(decisions) - n_q} kept", highlight=False)

@@ -1,0 +1,65 @@
+"""``mxport inspect``: look inside an MXFP8 checkpoint of any of the three formats; exit 1 on problems."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from ..checkpoint.inspect import inspect_checkpoint
+from ._common import EXIT_CHECK_FAILED, console, emit_json, user_errors
+from .app import app
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: str = typer.Argument(..., help="Checkpoint directory (or one .safetensors file)."),
+    json_flag: bool = typer.Option(False, "--json", help="Print the report as JSON to stdout."),
+    no_stats: bool = typer.Option(False, "--no-stats", help="Skip decoding the values (faster on big models)."),
+):
+    """Look inside an MXFP8 checkpoint (modelopt, compressed-tensors, sglang) and check it.
+
+    Per tensor: name, shape, dtype, role (values / scales / kept); per MXFP8 pair: scale exponent range (E-127) and
+    decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a compact uint8
+    scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
+    """
+    with user_errors():
+        report = inspect_checkpoint(path, stats=not no_stats)
+    if json_flag:
+        emit_json(report, "-")
+    else:
+        _print(report)
+    if report["problems"]:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _print(r: dict) -> None:
+    fmt = r["format"] or "not MXFP8 (no values/scale pairs)"
+    console.print(f"[bold]{r['path']}[/]: format {fmt}" + (f" (from {r['format_source']})" if r["format"] else ""),
+                  highlight=False)
+    t = Table(title="tensors")
+    for col in ("name", "shape", "dtype", "role"):
+        t.add_column(col)
+    for x in r["tensors"]:
+        t.add_row(x["name"], str(x["shape"]), x["dtype"], x["role"])
+    console.print(t)
+    if r["pairs"]:
+        p = Table(title="MXFP8 pairs")
+        for col in ("values", "scale shape", "E-127 min..max", "absmax", "mean |x|", "zero blocks"):
+            p.add_column(col)
+        for x in r["pairs"]:
+            if "absmax" in x:
+                p.add_row(x["values"], str(x["scale_shape"]), f"{x['scale_exp_min']}..{x['scale_exp_max']}",
+                          f"{x['absmax']:.4g}", f"{x['mean_abs']:.4g}", f"{x['zero_block_fraction']:.2%}")
+            else:
+                p.add_row(x["values"], str(x["scale_shape"]), "-", "-", "-", "-")
+        console.print(p)
+    tot = r["totals"]
+    console.print(f"{tot['tensors']} tensors, {tot['bytes'] / 1e6:.2f} MB "
+                  f"(values {tot['values_bytes'] / 1e6:.2f}, scales {tot['scales_bytes'] / 1e6:.2f}, kept "
+                  f"{tot['kept_bytes'] / 1e6:.2f}); {tot['ratio_to_bf16']:.3f}x of BF16", highlight=False)
+    for w in r["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    for prob in r["problems"]:
+        console.print(f"[bold red]problem:[/] {prob}", highlight=False)
+    if not r["problems"]:
+        console.print("[green]no problems found[/]")
