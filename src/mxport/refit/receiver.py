@@ -109,8 +109,10 @@ class RefitReceiver:
         """Receive one refit into staging, validate every bucket, then commit all tensors in place.
 
         Returns:
-            dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``seconds``,
-            ``recv_s`` (receiving + validating), ``commit_s`` (unpack into live tensors + refresh hooks), ``gbps``.
+            dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``idle_s`` (waiting
+            for the first bucket: the sender was still training / quantizing), ``seconds`` (first bucket in to
+            commit done), ``recv_s`` (receiving + validating after the first bucket), ``commit_s`` (unpack into
+            live tensors + refresh hooks), ``gbps`` (bytes / seconds / 1e9).
 
         Raises:
             RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender, or a
@@ -127,7 +129,7 @@ class RefitReceiver:
         if not self.pointers_stable():
             raise RefitError("a live tensor was moved or reallocated since the receiver was built",
                              kept_version=self.version)
-        t0 = time.perf_counter()
+        t0 = t_first = time.perf_counter()
         n = plan.num_buckets
         handles: list = [None] * n
         posted = 0
@@ -140,6 +142,8 @@ class RefitReceiver:
                     handles[posted] = self.transport.broadcast(self._wires[posted], async_op=True)
                     posted += 1
                 handles[b].wait()
+                if b == 0:
+                    t_first = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 raise RefitError(f"refit failed receiving bucket {b} of {n} (tensors: {_names(layout.tensor_names(b))})"
                                  f": {type(exc).__name__}: {exc}; live weights kept at version {self.version}",
@@ -160,7 +164,7 @@ class RefitReceiver:
                 problem = (b, f"checksum mismatch (header {crc:#x})")
             version = ver if version is None else version
             crcs[b] = crc
-        recv_s = time.perf_counter() - t0
+        recv_s = time.perf_counter() - t_first
         if problem is not None:
             b, why = problem
             names = layout.tensor_names(b)
@@ -175,9 +179,9 @@ class RefitReceiver:
         for hook in self.refresh_hooks:
             hook()
         t2 = time.perf_counter()
-        seconds = t2 - t0
+        seconds = t2 - t_first
         return {"version": self.version, "bytes": plan.total_bytes, "buckets": n, "seconds": seconds,
-                "recv_s": recv_s, "commit_s": t2 - t1,
+                "idle_s": t_first - t0, "recv_s": recv_s, "commit_s": t2 - t1,
                 "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0}
 
     def verify_live(self) -> bool:

@@ -1,0 +1,231 @@
+"""The processes of ``mxport refit``: one trainer and R inference processes on loopback gloo.
+
+The trainer keeps float32 master weights, takes a real AdamW step on a text batch, quantizes with the precision
+policy and sends the refit; each inference process (a model converted once with :func:`mxport.nn.quantize_model`)
+receives in place, checks its bytes and pointers, generates a few tokens greedily and returns its log-probs; the
+trainer computes ``gen_kl_error`` against its own log-probs on the same tokens. Results stream to the parent through a
+queue (one message per step), so the parent can show progress and write JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+TEXT = ("Mixed precision training keeps master weights in high precision while the inference engine runs in "
+        "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values with "
+        "one shared power-of-two scale for every block of thirty-two elements, and sent to the engine.")
+PROMPT = "Explain in one sentence why the sky is blue."
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Settings of one ``mxport refit`` run (see the CLI for meanings)."""
+
+    source: str  # resolved model directory
+    steps: int = 3
+    bucket_bytes: int = 64 << 20
+    receivers: int = 1
+    max_new_tokens: int = 16
+    lr: float = 1e-5
+    timeout_s: float = 120.0
+    seq_len: int = 64
+    log_dir: str | None = None  # per-process stdout/stderr logs (rank<i>.log); None = inherit the terminal
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads(world: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def _prompt_ids(tok) -> torch.Tensor:
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                       add_generation_prompt=True)
+    else:
+        text = PROMPT
+    return tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def _logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """float32 logits [T, V] predicting the tokens after the prompt."""
+    logits = model(seq).logits[0].float()
+    return logits[prompt_len - 1:seq.shape[1] - 1]
+
+
+def _trainer(cfg: DemoConfig, transport, q) -> None:
+    from ..metrics import gen_kl_error, greedy_agreement
+    from ..models import load_causal_lm
+    from .consumers import TrainerSource
+    from .sender import RefitSender
+
+    model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
+    source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes)
+    sender = RefitSender(transport, source.plan)
+    sender.handshake()
+    q.put(("plan", 0, source.plan.summary()))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    batch = tok(TEXT, return_tensors="pt", truncation=True, max_length=cfg.seq_len)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    labels=batch["input_ids"])
+        out.loss.backward()
+        loss = float(out.loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_s = time.perf_counter() - t0
+        stats = sender.send(source.tensors())
+        replies = transport.all_gather_object(None)[1:]
+        per_recv = []
+        for r in replies:
+            seq = r.pop("seq")
+            logits_gen = r.pop("logits")
+            logits_train = _logits_on(model, seq, r["prompt_len"])
+            kl = gen_kl_error(logits_gen, logits_train)
+            r["gen_kl_error"] = kl["mean"]
+            r["gen_kl_error_max"] = kl["max"]
+            r["greedy_agreement"] = greedy_agreement(logits_gen, logits_train)
+            per_recv.append(r)
+        seconds = stats["seconds"] + max(r["commit_s"] for r in per_recv)
+        q.put(("step", 0, {
+            "step": step, "version": stats["version"], "loss": loss, "train_s": train_s,
+            "bytes": stats["bytes"], "buckets": stats["buckets"],
+            # end to end: quantize + pack + transfer (sender) then the slowest receiver's commit
+            "seconds": seconds,
+            "gbps": stats["bytes"] / seconds / 1e9,
+            "send_s": stats["seconds"], "quantize_s": stats["produce_s"], "pack_s": stats["pack_s"],
+            "checksum_s": stats["checksum_s"], "receivers": per_recv,
+        }))
+
+
+def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
+    from ..models import load_causal_lm
+    from ..nn import quantize_model
+    from .consumers import receiver_plan
+    from .receiver import RefitReceiver
+
+    model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
+    quantize_model(model)
+    plan, targets = receiver_plan(model, cfg.bucket_bytes)
+    receiver = RefitReceiver(transport, plan, targets)
+    receiver.handshake()
+    prompt = _prompt_ids(tok)
+    eos = tok.eos_token_id
+    for _step in range(1, cfg.steps + 1):
+        stats = receiver.receive()
+        bit_exact = receiver.verify_live()
+        stable = receiver.pointers_stable()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=cfg.max_new_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos)
+        logits = _logits_on(model, seq, prompt.shape[1])
+        gen_s = time.perf_counter() - t0
+        transport.all_gather_object({
+            "rank": rank, "version": stats["version"], "seconds": stats["seconds"], "recv_s": stats["recv_s"],
+            "commit_s": stats["commit_s"], "bit_exact": bit_exact, "pointers_stable": stable, "gen_s": gen_s,
+            "prompt_len": int(prompt.shape[1]), "seq": seq, "logits": logits,
+            "text": tok.decode(seq[0, prompt.shape[1]:], skip_special_tokens=True),
+        })
+
+
+def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
+    """Entry point of one spawned process: rank 0 trains and sends, ranks >= 1 receive and generate."""
+    from ..quantize import FAST_PATH
+    from .transport import TorchDistTransport
+
+    cfg = DemoConfig(**cfg_dict)
+    if cfg.log_dir:  # keep the parent's terminal for the progress display: library chatter goes to a log file
+        fd = os.open(os.path.join(cfg.log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    # compiling the fast quantize kernel costs ~30 s of CPU here, more than a whole short run saves
+    FAST_PATH.disabled_reason = "mxport refit demo: eager kernel on CPU"
+    transport = None
+    try:
+        _threads(world)
+        transport = TorchDistTransport.init(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                                            backend="gloo", timeout_s=cfg.timeout_s)
+        if rank == 0:
+            _trainer(cfg, transport, q)
+        else:
+            _inference(cfg, transport, q, rank)
+        q.put(("done", rank, None))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent, then exit non-zero
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"))
+        raise SystemExit(1) from None
+    finally:
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class DemoFailed(RuntimeError):
+    """A process of the refit demo failed; the message holds its error."""
+
+
+def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | None = None,
+             timeout_s: float = 1800.0) -> dict:
+    """Start the trainer and ``cfg.receivers`` inference processes, collect their messages, and return
+    ``{"plan": {...}, "steps": [...]}``. ``on_event(kind, rank, payload)`` sees every message ("plan", "step",
+    "done"). Raises DemoFailed when a process reports an error or dies, or after ``timeout_s``; the remaining
+    processes are terminated."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    world = cfg.receivers + 1
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    result: dict = {"plan": None, "steps": []}
+    done: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < world:
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"refit demo did not finish within {timeout_s:.0f} s")
+            try:
+                kind, rank, payload = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
+                if dead:
+                    raise DemoFailed(f"process {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                continue
+            if kind == "error":
+                raise DemoFailed(f"{'trainer' if rank == 0 else f'inference process {rank}'} failed: {payload}")
+            if kind == "plan":
+                result["plan"] = payload
+            elif kind == "step":
+                result["steps"].append(payload)
+            elif kind == "done":
+                done.add(rank)
+            if on_event is not None:
+                on_event(kind, rank, payload)
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return result

@@ -1,0 +1,342 @@
+"""Refit between two real processes over gloo on loopback (spawned; every wait is bounded by a timeout).
+
+Scenario "main": bucket edges (a tensor exactly one bucket, one larger than a bucket, 2000 tiny tensors) and an
+MXFP8Linear; sentinel-filled receive buffers; a corrupted bucket checksum; the decoded cache following a scale
+change 127 -> 128. Scenario "mismatch": reordered and retyped plans rejected before any payload. Scenario "kill":
+a sender killed mid-transfer, then a new sender on a new group.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+BUCKET = 4096
+N_TINY = 2000
+PG_TIMEOUT_S = 30.0
+WAIT_S = 150.0
+
+
+# ---- the planned tensors: both processes derive them from the same code ---------------------------------------
+def items():
+    """(name, role, dtype, shape): exactly one bucket first, an MXFP8 linear (spans buckets), a 3.5-bucket tensor,
+    then 2000 tiny tensors."""
+    out = [("edge.exact", "kept", torch.uint8, (BUCKET,)),
+           ("lin.weight", "values", torch.float8_e4m3fn, (64, 96)),
+           ("lin.weight_scale", "scales", torch.uint8, (64, 3)),
+           ("edge.large", "kept", torch.float32, (BUCKET * 7 // 8,))]
+    out += [(f"tiny.{i}", "kept", torch.bfloat16 if i % 2 else torch.uint8, (1 + i % 3,)) for i in range(N_TINY)]
+    return out
+
+
+def payload(version: int) -> list[torch.Tensor]:
+    """The tensors sent at ``version``; version 4 repeats version 3 with every scale byte 128 instead of 127."""
+    g = torch.Generator().manual_seed(min(version, 3))
+    out = []
+    for name, _, dtype, shape in items():
+        if name == "lin.weight":
+            out.append((torch.randn(shape, generator=g) * 100).to(dtype))
+        elif name == "lin.weight_scale":
+            out.append(torch.full(shape, 128 if version == 4 else 127, dtype=torch.uint8))
+        elif dtype == torch.uint8:
+            out.append(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8))
+        else:
+            out.append(torch.randn(shape, generator=g).to(dtype))
+    return out
+
+
+def _bytes(t):
+    from mxport.refit.buckets import byte_view
+
+    return byte_view(t).clone()
+
+
+def _plan(items_=None):
+    from mxport.refit import RefitPlan
+
+    return RefitPlan(items_ or items(), BUCKET)
+
+
+def _transport(rank, init):
+    from mxport.refit import TorchDistTransport
+
+    torch.set_num_threads(1)
+    return TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=PG_TIMEOUT_S)
+
+
+class _Counting:
+    """A transport wrapper counting payload broadcasts (to prove nothing moved before a plan mismatch)."""
+
+    def __init__(self, inner):
+        self.inner, self.broadcasts = inner, 0
+        self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
+
+    is_sender = property(lambda self: self.rank == self.src)
+
+    def all_gather_object(self, obj):
+        return self.inner.all_gather_object(obj)
+
+    def broadcast(self, buf, async_op=False):
+        self.broadcasts += 1
+        return self.inner.broadcast(buf, async_op)
+
+
+# ---- process bodies ----------------------------------------------------------------------------------------------
+def _main_sender(init):
+    from mxport.refit import RefitSender
+
+    sender = RefitSender(_transport(0, init), _plan())
+
+    def corrupt(b, wire):
+        if sender.version == 2 and b == 1:
+            wire[-1] ^= 0xFF  # flip the last payload byte of bucket 1 after its checksum was written
+
+    sender._corrupt = corrupt
+    for v in (1, 2, 3, 4):
+        stats = sender.send(iter(payload(v)))
+        assert stats["version"] == v
+    sender.transport.close()
+    return {"buckets": _plan().num_buckets}
+
+
+def _main_receiver(init):
+    from mxport.nn import MXFP8Linear
+    from mxport.refit import RefitError, RefitReceiver
+
+    lin = MXFP8Linear(96, 64)
+    plan = _plan()
+    targets = []
+    for name, _, dtype, shape in items():
+        if name == "lin.weight":
+            targets.append(lin.weight)
+        elif name == "lin.weight_scale":
+            targets.append(lin.weight_scale)
+        else:
+            targets.append(torch.empty(shape, dtype=dtype))
+    for t in targets:  # sentinel everywhere
+        t.view(torch.uint8).fill_(0xA5)
+    receiver = RefitReceiver(_transport(1, init), plan, targets)
+    ptrs0 = receiver.pointers()
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))
+    res = {"equal": {}, "pointers": [], "verify": {}, "versions": []}
+
+    def matches(v):
+        return all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(v), strict=True))
+
+    s1 = receiver.receive()
+    res["versions"].append(s1["version"])
+    res["equal"][1] = matches(1)
+    res["verify"][1] = receiver.verify_live()
+    res["pointers"].append(receiver.pointers() == ptrs0)
+    y1 = lin(x)
+    try:
+        receiver.receive()
+        res["corrupt_error"] = None
+    except RefitError as exc:
+        res["corrupt_error"] = {"msg": str(exc), "bucket": exc.bucket, "tensors": exc.tensors}
+    res["kept_v1_after_corrupt"] = matches(1) and receiver.version == 1
+    res["y_after_corrupt_same"] = torch.equal(lin(x), y1)
+    res["versions"].append(receiver.receive()["version"])
+    res["equal"][3] = matches(3)
+    res["pointers"].append(receiver.pointers() == ptrs0)
+    y3 = lin(x)
+    from mxport import MXFP8Components
+
+    ref3 = torch.nn.functional.linear(x, MXFP8Components(payload(3)[1], payload(3)[2]).dequantize())
+    res["y3_matches_reference"] = torch.equal(y3, ref3)
+    res["y3_differs_from_y1"] = not torch.equal(y3, y1)
+    res["versions"].append(receiver.receive()["version"])
+    res["equal"][4] = matches(4)
+    res["pointers"].append(receiver.pointers() == ptrs0)
+    y4 = lin(x)
+    res["y4_doubles_y3"] = torch.equal(y4, 2 * y3) and bool(y3.abs().sum() > 0)
+    receiver.transport.close()
+    return res
+
+
+def _mismatch_body(rank, init):
+    """Round 1: the receiver's plan has two tensors swapped; round 2: one dtype changed; round 3: plans agree."""
+    from mxport.refit import RefitPlanMismatch, RefitReceiver, RefitSender
+
+    transport = _Counting(_transport(rank, init))
+    base = items()[:12]
+    swapped = [base[0], base[3], base[2], base[1]] + base[4:]  # edge.large moved before lin.weight
+    retyped = list(base)
+    retyped[5] = (base[5][0], "kept", torch.float16, base[5][3])
+    out = {}
+    for label, recv_items in (("reordered", swapped), ("dtype", retyped), ("ok", base)):
+        plan = _plan(base if rank == 0 else recv_items)
+        tensors = payload(1)[:12]
+        try:
+            if rank == 0:
+                RefitSender(transport, plan).send(tensors)
+            else:
+                targets = [torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.entries]
+                r = RefitReceiver(transport, plan, targets)
+                r.receive()
+                out[f"{label}_staging_zero"] = bool((r._staging == 0).all())
+                out[f"{label}_equal"] = all(torch.equal(_bytes(a), _bytes(b))
+                                            for a, b in zip(targets, tensors, strict=True))
+            out[label] = "ok"
+        except RefitPlanMismatch as exc:
+            out[label] = str(exc)
+            if rank == 1:  # nothing arrived: staging still all zeros, targets untouched
+                out[f"{label}_staging_zero"] = bool((r._staging == 0).all())
+                out[f"{label}_targets_zero"] = all(bool((t == 0).all()) for t in targets)
+        out[f"{label}_broadcasts"] = transport.broadcasts
+    transport.inner.close()
+    return out
+
+
+def _kill_sender(init, die):
+    from mxport.refit import RefitSender
+
+    sender = RefitSender(_transport(0, init), _plan())
+    if not die:
+        sender.version = 5  # a fresh trainer continuing from a later step
+        sender.send(payload(3))
+        sender.transport.close()
+        return {}
+    sender.send(payload(1))
+
+    def kill(b, wire):
+        if b == 3:
+            os._exit(17)  # the trainer dies in the middle of refit v2
+
+    sender._corrupt = kill
+    sender.send(payload(2))
+    return {}
+
+
+def _kill_receiver(init, init2):
+    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport
+
+    targets = [torch.zeros(shape, dtype=dtype) for _, _, dtype, shape in items()]
+    plan = _plan()
+    receiver = RefitReceiver(_transport(1, init), plan, targets)
+    ptrs = receiver.pointers()
+    res = {}
+    receiver.receive()
+    res["v1"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(1), strict=True))
+    try:
+        receiver.receive()
+        res["error"] = None
+    except RefitError as exc:
+        res["error"] = {"msg": str(exc), "bucket": exc.bucket, "tensors": exc.tensors[:3]}
+    res["kept_v1"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(1), strict=True))
+    res["version_after_error"] = receiver.version
+    receiver.transport.close()
+    receiver.transport = TorchDistTransport.init(rank=1, world_size=2, init_method=init2, timeout_s=PG_TIMEOUT_S)
+    receiver.handshake()
+    stats = receiver.receive()
+    res["next_version"] = stats["version"]
+    res["next_equal"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(3), strict=True))
+    res["pointers"] = receiver.pointers() == ptrs
+    receiver.transport.close()
+    return res
+
+
+def _entry(fn, args, q, tag):
+    try:
+        q.put((tag, "ok", fn(*args)))
+    except BaseException as exc:  # noqa: BLE001
+        q.put((tag, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run(jobs, expect_exit=None):
+    """Spawn ``jobs`` = [(tag, fn, args)] and collect their results (bounded by WAIT_S)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = {tag: ctx.Process(target=_entry, args=(fn, args, q, tag), daemon=True) for tag, fn, args in jobs}
+    for p in procs.values():
+        p.start()
+    results = {}
+    try:
+        while len(results) < len(procs) - len(expect_exit or {}):
+            try:
+                tag, status, val = q.get(timeout=WAIT_S)
+            except queue.Empty:
+                pytest.fail(f"timed out waiting for {set(procs) - set(results)}")
+            assert status == "ok", f"{tag} failed: {val}"
+            results[tag] = val
+        for tag, code in (expect_exit or {}).items():
+            procs[tag].join(timeout=WAIT_S)
+            assert procs[tag].exitcode == code
+    finally:
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return results
+
+
+@pytest.mark.slow
+def test_two_process_refits_bucket_edges_sentinel_checksum_and_cache(tmp_path):
+    plan = _plan()
+    assert plan.entries[0].nbytes == BUCKET and plan.entries[0].offset == 0  # exactly one bucket
+    large = plan.entries[plan.index("edge.large")]
+    assert large.nbytes > BUCKET and (large.offset + large.nbytes - 1) // BUCKET - large.bucket >= 3
+    init = f"file://{tmp_path}/store"
+    res = _run([("send", _main_sender, (init,)), ("recv", _main_receiver, (init,))])["recv"]
+    assert res["versions"] == [1, 3, 4]
+    assert res["equal"] == {1: True, 3: True, 4: True}  # sentinels fully overwritten by exactly the sent bytes
+    assert res["verify"][1] is True
+    assert res["pointers"] == [True, True, True]
+    err = res["corrupt_error"]
+    assert err is not None and err["bucket"] == 1 and "checksum mismatch" in err["msg"]
+    assert "bucket 1" in err["msg"] and err["tensors"] and err["tensors"][0] in err["msg"]
+    assert res["kept_v1_after_corrupt"] and res["y_after_corrupt_same"]
+    assert res["y3_matches_reference"] and res["y3_differs_from_y1"]
+    assert res["y4_doubles_y3"]  # scale byte 127 -> 128 doubles the layer's output, cache followed
+
+
+@pytest.mark.slow
+def test_two_process_plan_mismatch_rejected_before_payload(tmp_path):
+    init = f"file://{tmp_path}/store"
+    res = _run([("send", _mismatch_body, (0, init)), ("recv", _mismatch_body, (1, init))])
+    for side in ("send", "recv"):
+        r = res[side]
+        assert "reordered" in r["reordered"] and "refit plans differ" in r["reordered"]
+        assert "dtype" in r["dtype"] and "float16" in r["dtype"]
+        assert r["reordered_broadcasts"] == 0 and r["dtype_broadcasts"] == 0  # no payload moved
+        assert r["ok"] == "ok" and r["ok_broadcasts"] > 0
+    r = res["recv"]
+    assert r["reordered_staging_zero"] and r["reordered_targets_zero"] and r["dtype_staging_zero"]
+    assert r["ok_equal"] is True
+
+
+@pytest.mark.slow
+def test_sender_killed_mid_transfer_keeps_weights_then_next_refit_succeeds(tmp_path):
+    init, init2 = f"file://{tmp_path}/store1", f"file://{tmp_path}/store2"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    recv = ctx.Process(target=_entry, args=(_kill_receiver, (init, init2), q, "recv"), daemon=True)
+    dying = ctx.Process(target=_entry, args=(_kill_sender, (init, True), q, "send"), daemon=True)
+    recv.start()
+    dying.start()
+    dying.join(timeout=WAIT_S)
+    assert dying.exitcode == 17
+    fresh = ctx.Process(target=_entry, args=(_kill_sender, (init2, False), q, "send2"), daemon=True)
+    fresh.start()
+    try:
+        results = {}
+        while len(results) < 2:
+            tag, status, val = q.get(timeout=WAIT_S)
+            assert status == "ok", f"{tag} failed: {val}"
+            results[tag] = val
+    finally:
+        for p in (recv, fresh):
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    res = results["recv"]
+    assert res["v1"] is True
+    assert res["error"] is not None and res["error"]["bucket"] is not None
+    assert f"bucket {res['error']['bucket']}" in res["error"]["msg"]
+    assert res["kept_v1"] is True and res["version_after_error"] == 1
+    assert res["next_version"] == 6 and res["next_equal"] is True and res["pointers"] is True
