@@ -106,6 +106,9 @@ def test_cli_bad_flags_exit_2(tmp_path):
     assert runner.invoke(app, ["bench", "--only", "refit", "--plot", str(tmp_path / "x.png")]).exit_code == 2
     assert runner.invoke(app, ["bench", "--no-such-flag"]).exit_code == 2
     assert not list(tmp_path.iterdir())
+    (tmp_path / "file").write_text("")
+    res = runner.invoke(app, ["bench", "--only", "quantize", "--json", str(tmp_path / "file" / "b.json")])
+    assert res.exit_code == 2 and "not a directory" in res.output
 
 
 def test_cli_quick_quantize_json_and_plot(tmp_path):

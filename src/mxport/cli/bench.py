@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..bench import BENCHMARKS, ERROR, run_benchmark, select
 from ..bench.report import machine, rows_table, write_plot
@@ -30,22 +32,30 @@ def bench(
             raise ValueError(f"--plot must name a .png file, got {plot!r}")
         if plot is not None and "quantize" not in names:
             raise ValueError("--plot needs the 'quantize' benchmark (add --only quantize)")
+        for flag, path in (("--json", json_out), ("--plot", plot)):
+            parent = Path(path).parent if path not in (None, "-") else None
+            if parent is not None and parent.exists() and not parent.is_dir():
+                raise NotADirectoryError(f"{flag}: {parent} is not a directory")
     rows: list[dict] = []
     t_start = time.perf_counter()
-    with console.status("") as status:
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("benchmarks", total=len(names))
         for name in names:
-            status.update(f"running benchmark [bold]{name}[/] ({'quick' if quick else 'full'})")
+            progress.update(task, description=f"{name} ({'quick' if quick else 'full'})")
             t0 = time.perf_counter()
             rows.extend(run_benchmark(name, quick=quick))
+            progress.advance(task)
             console.print(f"[dim]{name}: {time.perf_counter() - t0:.1f} s[/]", highlight=False)
     elapsed = time.perf_counter() - t_start
     if json_out:
         emit_json({"rows": rows, "machine": machine(), "quick": quick, "seconds": elapsed}, json_out)
     console.print(rows_table(rows, title=f"mxport bench{' --quick' if quick else ''} (medians, {elapsed:.0f} s)"))
     if plot is not None:
-        try:
+        if not any(r["benchmark"] == "quantize" and r["metric"].startswith("throughput") for r in rows):
+            raise fail("--plot: the quantize benchmark gave no throughput rows (see its row)", EXIT_CHECK_FAILED)
+        with user_errors():
             console.print(f"plot: {write_plot(rows, plot)}", highlight=False)
-        except ValueError as exc:
-            raise fail(str(exc), EXIT_CHECK_FAILED) from None
     if any(r["metric"] == ERROR for r in rows):
         raise fail("some benchmarks failed (see the 'error' rows)", EXIT_CHECK_FAILED)
