@@ -174,3 +174,19 @@ def test_open_checkpoint_plain_dir_and_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no model found"):
         SafetensorsDir(tmp_path / "empty")
+
+
+def test_writer_parts(tmp_path):
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    w = ShardedSafetensorsWriter(tmp_path, [[TensorSpec("x", torch.float32, (2, 3, 4)),
+                                             TensorSpec("e", torch.float32, (0, 4))]])
+    with pytest.raises(ValueError, match="rows of 'x'"):
+        w.write_part("x", torch.zeros(2, 3))
+    w.write_part("x", x.reshape(-1, 4)[:5])
+    with pytest.raises(ValueError, match="more than"):
+        w.write_part("x", torch.zeros(2, 4))
+    w.write_part("x", x.reshape(-1, 4)[5:])
+    w.write("e", torch.zeros(0, 4))
+    w.close()
+    back = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(back["x"], x) and back["e"].shape == (0, 4)

@@ -144,7 +144,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         progress: called as ``progress(tensor_name, input_bytes_done)`` after each source tensor.
 
     Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
-    dtype, byte for byte. Peak memory: one source tensor plus its quantized output (safetensors sources).
+    dtype, byte for byte. Peak memory (safetensors sources): one source tensor, plus quantize temporaries for
+    :data:`CHUNK_NUMEL` elements, plus the tensor's scales.
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
@@ -177,14 +178,12 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         for d in decisions:
             x = reader.get(d.name)
             if d.quantize:
-                c = quantize(x, fp8_dtype)
-                writer.write(d.name, c.data)
-                writer.write(scale_name(d.name, fmt), c.scale_inv)
-                del c
+                _write_quantized(writer, d.name, scale_name(d.name, fmt), x, fp8_dtype)
+            elif dtype is not None and x.dtype in _FLOATS and x.dtype != dtype and x.dim() >= 1:
+                for rows in _row_chunks(x):
+                    writer.write_part(d.name, rows.to(dtype))
             else:
-                y = x.to(dtype) if (dtype is not None and x.dtype in _FLOATS) else x
-                writer.write(d.name, y)
-                del y
+                writer.write(d.name, x)
             in_bytes += x.numel() * x.element_size()
             del x
             if progress is not None:
@@ -211,6 +210,32 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     files = sorted(set(weight_map.values()) | set(copied) | {p.name for p in out.iterdir()})
     out_bytes = sum(s.nbytes for specs in shards for s in specs)
     return ExportResult(out, fmt, decisions, files, in_bytes, out_bytes, excl)
+
+
+#: elements per quantize call: a big tensor is quantized in whole-row chunks so the temporaries stay small
+CHUNK_NUMEL = 1 << 24
+
+
+def _row_chunks(x: torch.Tensor):
+    """Consecutive whole rows of ``x``'s ``(M, K)`` view, about :data:`CHUNK_NUMEL` elements each."""
+    k = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, k)
+    step = max(1, CHUNK_NUMEL // max(k, 1))
+    for r0 in range(0, rows.shape[0], step):
+        yield rows[r0:r0 + step]
+
+
+def _write_quantized(writer: ShardedSafetensorsWriter, name: str, sname: str, x: torch.Tensor,
+                     fp8_dtype: torch.dtype) -> None:
+    """Quantize ``x`` rowwise chunk by chunk (MX blocks never cross rows, so the bytes equal one ``quantize``
+    of the whole tensor), streaming the values and collecting the (32x smaller) scales, written right after."""
+    scales = []
+    for rows in _row_chunks(x):
+        c = quantize(rows, fp8_dtype)
+        writer.write_part(name, c.data)
+        scales.append(c.scale_inv)
+    for s in scales:
+        writer.write_part(sname, s)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

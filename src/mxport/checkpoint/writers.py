@@ -97,6 +97,7 @@ class ShardedSafetensorsWriter:
         self.metadata = {"format": "pt", **(metadata or {})}
         self._order = [(i, spec) for i, specs in enumerate(shards) for spec in specs]
         self._pos = 0
+        self._done = 0  # bytes of the current tensor written so far
         self._fh = None
         self._open_shard = -1
         if not self._order:
@@ -119,19 +120,45 @@ class ShardedSafetensorsWriter:
         self._open_shard = i
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append the next planned tensor's bytes."""
-        if self._pos >= len(self._order):
-            raise ValueError(f"write({name!r}): every planned tensor was already written")
-        i, spec = self._order[self._pos]
-        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+        """Append the next planned tensor's bytes (the whole tensor)."""
+        spec = self._next(name)
+        if tuple(tensor.shape) != spec.shape or self._done:
             raise ValueError(f"write: expected {spec.name!r} {spec.dtype} {list(spec.shape)}, got {name!r} "
                              f"{tensor.dtype} {list(tensor.shape)}")
+        self.write_part(name, tensor)
+
+    def write_part(self, name: str, part: torch.Tensor) -> None:
+        """Append consecutive rows of the next planned tensor: ``part`` holds whole rows of its ``(M, K)`` view
+        (same dtype, same last dimension). The tensor is complete once all its bytes arrived."""
+        spec = self._next(name)
+        k = spec.shape[-1] if spec.shape else 1
+        if part.dtype != spec.dtype or (spec.shape and (part.dim() == 0 or part.shape[-1] != k)):
+            raise ValueError(f"write: expected rows of {spec.name!r} {spec.dtype} {list(spec.shape)}, got {name!r} "
+                             f"{part.dtype} {list(part.shape)}")
+        t = part.detach().to("cpu").contiguous().reshape(-1)
+        nbytes = t.numel() * t.element_size()
+        if self._done + nbytes > spec.nbytes:
+            raise ValueError(f"write: {name!r} gets more than its {spec.nbytes} planned bytes")
+        i = self._order[self._pos][0]
+        if spec.nbytes == 0:  # nothing to stream: the header already describes it
+            self._pos += 1
+            return
         if i != self._open_shard:
             self._start(i)
-        t = tensor.detach().to("cpu").contiguous().reshape(-1)
-        if t.numel():
+        if nbytes:
             self._fh.write(t.view(torch.uint8).numpy().data)
-        self._pos += 1
+        self._done += nbytes
+        if self._done == spec.nbytes:
+            self._pos += 1
+            self._done = 0
+
+    def _next(self, name: str) -> TensorSpec:
+        if self._pos >= len(self._order):
+            raise ValueError(f"write({name!r}): every planned tensor was already written")
+        spec = self._order[self._pos][1]
+        if name != spec.name:
+            raise ValueError(f"write: expected {spec.name!r} {spec.dtype} {list(spec.shape)} next, got {name!r}")
+        return spec
 
     def close(self) -> dict[str, str]:
         """Finish the last shard and write ``model.safetensors.index.json`` when sharded; return the weight map."""
