@@ -1,0 +1,236 @@
+"""Refit plan, buckets, in-process refits and the model consumers (single process; the two-process gloo tests are
+in test_refit_dist.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mxport.refit import (
+    InProcessChannel,
+    RefitError,
+    RefitPlan,
+    RefitReceiver,
+    RefitSender,
+    TrainerSource,
+    checkpoint_tensors,
+    receiver_plan,
+)
+from mxport.refit.buckets import HEADER_BYTES, BucketLayout, byte_view
+from mxport.refit.plan import ALIGN, diff_canonical
+
+DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32]
+
+
+def _items(shapes_dtypes):
+    return [(f"t{i}", "kept", dt, shape) for i, (shape, dt) in enumerate(shapes_dtypes)]
+
+
+def _random(dtype, shape, g):
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _refit_in_process(plan, sources_per_version, targets, **sender_kw):
+    """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list)."""
+    ch = InProcessChannel(1, timeout_s=30)
+    recv_out = []
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+
+    def rx():
+        for _ in sources_per_version:
+            try:
+                recv_out.append(receiver.receive())
+            except RefitError as exc:
+                recv_out.append(exc)
+
+    th = threading.Thread(target=rx)
+    th.start()
+    sender = RefitSender(ch.endpoint(0), plan, **sender_kw)
+    sent = []
+    for src in sources_per_version:
+        try:
+            sent.append(sender.send(src))
+        except (ValueError, TypeError) as exc:
+            sent.append(exc)
+    th.join(timeout=60)
+    assert not th.is_alive()
+    return sent, recv_out, receiver
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------
+def test_plan_offsets_buckets_and_digest():
+    plan = RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32), ((100,), torch.bfloat16)]), 64)
+    e = plan.entries
+    assert [x.offset for x in e] == [0, 16, 16 + 144]  # 3 -> aligned 16; 140 bytes -> aligned 144
+    assert [x.nbytes for x in e] == [3, 140, 200]
+    assert [x.bucket for x in e] == [0, 0, 2]
+    assert plan.total_bytes == 160 + 208 and plan.num_buckets == 6 and plan.bucket_size(5) == 368 - 320
+    assert plan.digest == RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32),
+                                            ((100,), torch.bfloat16)]), 64).digest
+    assert plan.digest != RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32),
+                                            ((100,), torch.float16)]), 64).digest
+    assert plan.digest != RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32),
+                                            ((100,), torch.bfloat16)]), 128).digest
+
+
+@pytest.mark.parametrize("bad", [0, -16, 10, 16.0, True])
+def test_plan_rejects_bad_bucket_bytes(bad):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        RefitPlan(_items([((3,), torch.uint8)]), bad)
+
+
+def test_plan_rejects_bad_items():
+    with pytest.raises(ValueError, match="role"):
+        RefitPlan([("a", "weights", torch.uint8, (1,))], 16)
+    with pytest.raises(ValueError, match="twice"):
+        RefitPlan([("a", "kept", torch.uint8, (1,)), ("a", "kept", torch.uint8, (1,))], 16)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        RefitPlan([("a", "kept", "float7", (1,))], 16)
+    with pytest.raises(ValueError, match="at least one"):
+        RefitPlan([], 16)
+
+
+def test_diff_lists_missing_extra_reordered_shape_dtype():
+    a = RefitPlan([("x", "kept", torch.float32, (4,)), ("y", "kept", torch.float32, (4,)),
+                   ("z", "kept", torch.float32, (4,)), ("w", "kept", torch.uint8, (2,))], 16).canonical()
+    b = RefitPlan([("y", "kept", torch.float32, (4,)), ("x", "kept", torch.float32, (4,)),
+                   ("z", "kept", torch.float32, (5,)), ("v", "kept", torch.uint8, (2,))], 16).canonical()
+    d = " | ".join(diff_canonical(a, b))
+    assert "missing: 'v'" in d and "extra: 'w'" in d
+    assert "reordered: position 0 holds 'x' locally but 'y' remotely" in d
+    assert "shape: 'z' local (4,) vs remote (5,)" in d
+    c = RefitPlan([("x", "kept", torch.bfloat16, (4,)), ("y", "kept", torch.float32, (4,)),
+                   ("z", "kept", torch.float32, (4,)), ("w", "kept", torch.uint8, (2,))], 16).canonical()
+    assert diff_canonical(a, c) == ["dtype: 'x' local float32 vs remote bfloat16"]
+
+
+# ---- buckets -------------------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=40),
+       bucket=st.sampled_from([16, 32, 48, 64, 256, 4096]))
+def test_bucket_layout_covers_every_byte_once(sizes, bucket):
+    plan = RefitPlan(_items([((n,), torch.uint8) for n in sizes]), bucket)
+    layout = BucketLayout(plan)
+    seen = [torch.zeros(n, dtype=torch.int32) for n in sizes]
+    for b in range(plan.num_buckets):
+        cover = torch.zeros(plan.bucket_size(b), dtype=torch.int32)
+        for s in layout.segments[b]:
+            seen[s.entry][s.src:s.src + s.length] += 1
+            cover[s.dst:s.dst + s.length] += 1
+            assert b * bucket + s.dst == plan.entries[s.entry].offset + s.src  # stream position is consistent
+        for start, n in layout.gaps[b]:
+            cover[start:start + n] += 1
+        assert torch.equal(cover, torch.ones_like(cover))  # segments + gaps partition the bucket
+        assert layout.wire_sizes[b] == HEADER_BYTES + plan.bucket_size(b)
+    assert all(bool((x == 1).all()) for x in seen)
+    assert plan.total_bytes % ALIGN == 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.sampled_from(DTYPES)),
+                      min_size=1, max_size=12),
+       bucket=st.sampled_from([16, 64, 512]))
+def test_in_process_refit_overwrites_sentinels_with_sent_bytes(specs, bucket):
+    g = torch.Generator().manual_seed(len(specs) * 1000 + bucket)
+    items = _items([(tuple(shape), dt) for shape, dt in specs])
+    plan = RefitPlan(items, bucket)
+    sent = [_random(dt, shape, g) for _, _, dt, shape in items]
+    targets = [torch.empty(shape, dtype=dt) for _, _, dt, shape in items]
+    for t in targets:
+        t.view(torch.uint8).fill_(0xA5)
+    ptrs = [t.data_ptr() for t in targets]
+    stats, got, receiver = _refit_in_process(plan, [sent], targets)
+    assert got[0]["version"] == 1 == stats[0]["version"]
+    for t, s in zip(targets, sent, strict=True):
+        assert torch.equal(byte_view(t), byte_view(s))
+    assert [t.data_ptr() for t in targets] == ptrs and receiver.pointers_stable()
+    assert receiver.verify_live()
+    targets[0].view(torch.uint8).reshape(-1)[0] ^= 1  # a changed live byte is detected
+    assert not receiver.verify_live()
+
+
+def test_sender_abort_on_wrong_dtype_keeps_live_weights_and_next_refit_succeeds():
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8)])
+    plan = RefitPlan(items, 64)
+    g = torch.Generator().manual_seed(1)
+    v1 = [_random(dt, shape, g) for _, _, dt, shape in items]
+    bad = [_random(dt, shape, g) for _, _, dt, shape in items]
+    bad[1] = bad[1].to(torch.float16)  # wrong dtype in the middle of the stream
+    v3 = [_random(dt, shape, g) for _, _, dt, shape in items]
+    short = v3[:2]  # one tensor missing
+    targets = [torch.zeros(shape, dtype=dt) for _, _, dt, shape in items]
+    sent, got, receiver = _refit_in_process(plan, [v1, bad, short, v3], targets)
+    assert isinstance(sent[1], ValueError) and "'t1'" in str(sent[1]) and "float16" in str(sent[1])
+    assert isinstance(got[1], RefitError) and "aborted" in str(got[1]) and "'t1'" in str(got[1])
+    assert isinstance(sent[2], ValueError) and "got 2 tensors" in str(sent[2])
+    assert isinstance(got[2], RefitError) and got[2].kept_version == 1
+    assert got[3]["version"] == 4 and receiver.version == 4
+    for t, s in zip(targets, v3, strict=True):
+        assert torch.equal(byte_view(t), byte_view(s))
+
+
+def test_receiver_rejects_bad_targets():
+    plan = RefitPlan(_items([((4,), torch.float32)]), 16)
+    ep = InProcessChannel(1).endpoint(1)
+    with pytest.raises(ValueError, match="'t0' is float16"):
+        RefitReceiver(ep, plan, [torch.zeros(4, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="got 2 tensors"):
+        RefitReceiver(ep, plan, [torch.zeros(4), torch.zeros(4)])
+    with pytest.raises(TypeError, match="RefitPlan"):
+        RefitReceiver(ep, "plan", [torch.zeros(4)])
+    with pytest.raises(ValueError, match="is the sender"):
+        RefitReceiver(InProcessChannel(1).endpoint(0), plan, [torch.zeros(4)])
+
+
+# ---- consumers: a tiny Llama trainer -> an MXFP8Linear inference model --------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied):
+    from mxport import quantize
+    from mxport.models import load_causal_lm
+    from mxport.nn import MXFP8Linear, quantize_model
+    from mxport.testing import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "m", tie_word_embeddings=tied, hidden=64, intermediate=80)
+    trainer, _ = load_causal_lm(path, dtype=torch.float32)
+    infer, _ = load_causal_lm(path, dtype=torch.float32)
+    quantize_model(infer)
+    src = TrainerSource(trainer, bucket_bytes=4096)
+    plan, targets = receiver_plan(infer, 4096)
+    assert plan.digest == src.plan.digest
+    names = [e.name for e in plan.entries]
+    assert ("lm_head.weight" in names) is (not tied)  # a tied head is sent once, as the embedding
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert names[names.index(q) + 1] == q + "_scale"
+    with torch.no_grad():  # the trainer moves away from the initial weights
+        for p in trainer.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    _, got, receiver = _refit_in_process(src.plan, [src.tensors()], targets)
+    assert got[0]["version"] == 1 and receiver.pointers_stable()
+    lin = infer.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(lin, MXFP8Linear)
+    expect = quantize(trainer.get_submodule("model.layers.0.self_attn.q_proj").weight.detach())
+    assert torch.equal(lin.weight.view(torch.uint8), expect.data.view(torch.uint8))
+    assert torch.equal(lin.weight_scale, expect.scale_inv)
+    assert torch.equal(infer.model.norm.weight, trainer.model.norm.weight)
+    x = torch.randn(3, 64)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, expect.dequantize()))  # cache followed the refit
+
+
+def test_checkpoint_tensors_names_per_format():
+    plan = RefitPlan([("m.weight", "values", torch.float8_e4m3fn, (2, 32)),
+                      ("m.weight_scale", "scales", torch.uint8, (2, 1)),
+                      ("n.weight", "kept", torch.float32, (2,))], 64)
+    targets = [torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.full((2, 1), 127, dtype=torch.uint8),
+               torch.ones(2)]
+    sg = list(checkpoint_tensors(plan, targets, "sglang"))
+    assert [n for n, _ in sg] == ["m.weight", "m.weight_scale_inv", "n.weight"]
+    assert all(a is b for (_, a), b in zip(sg, targets, strict=True))  # no copies
+    assert [n for n, _ in checkpoint_tensors(plan, targets, "modelopt")][1] == "m.weight_scale"
+    with pytest.raises(ValueError, match="fmt"):
+        list(checkpoint_tensors(plan, targets, "vllm"))
