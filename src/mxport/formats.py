@@ -129,15 +129,16 @@ def e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
 
 
 def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """float32 -> FP8 with round-to-nearest-even, saturating to ±max_norm (Inf -> ±max_norm); NaN -> 0x7F.
+    """float32 -> FP8 bytes (``torch.uint8``; view them as ``fp8_dtype``): round-to-nearest-even, saturating to
+    ±max_norm (Inf -> ±max_norm); every NaN -> 0x7F.
 
     PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps NaN).
     Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite`` gives), so the
-    eager and compiled casts, whose NaN sign bits differ, produce identical bytes.
+    eager and compiled casts, whose NaN sign bits differ, produce identical bytes. Returning bytes (not FP8) keeps
+    a compiled caller's output a single fused pass.
     """
     q = torch.clamp(x, -max_norm, max_norm).to(fp8_dtype).view(torch.uint8)
-    q = torch.where(torch.isnan(x), torch.full_like(q, FP8_CANONICAL_NAN), q)
-    return q.view(fp8_dtype)
+    return torch.where(x != x, torch.full_like(q, FP8_CANONICAL_NAN), q)  # x != x: NaN test that vectorizes
 
 
 def ceil_div(a: int, b: int) -> int:

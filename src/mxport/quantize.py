@@ -40,7 +40,8 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
                     floor: bool, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The MXFP8 cast of a 2-D ``(M, K)`` tensor, blocks of 32 along K (32×32 with ``block_2d``).
 
-    Returns FP8 values ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))`` as uint8. A short last block is padded with
+    Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8 (the caller views the
+    values as FP8 outside the compiled region, which keeps the compiled output one fused pass). A short last block is padded with
     zeros, which never change an amax; NaN elements are skipped in the amax.
     """
     m, k = x2.shape
@@ -51,7 +52,7 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
         xf = F.pad(xf, (0, pad))
     xb = xf.reshape(m, nb, BLOCK_SIZE)
     a = xb.abs()
-    amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=-1)  # (m, nb)
+    amax = torch.where(a != a, torch.zeros_like(a), a).amax(dim=-1)  # (m, nb); a != a: NaN test that vectorizes
     if block_2d:
         mb = ceil_div(m, BLOCK_SIZE)
         am = F.pad(amax, (0, 0, 0, mb * BLOCK_SIZE - m)).reshape(mb, BLOCK_SIZE, nb).amax(dim=1)
@@ -64,7 +65,7 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
     q = saturating_cast(xb * mult.unsqueeze(-1), max_norm, fp8_dtype).reshape(m, nb * BLOCK_SIZE)
     if pad:
         q = q[:, :k].contiguous()
-    return q, e.to(torch.uint8)
+    return q, e.to(torch.uint8)  # q: uint8 bytes of fp8_dtype
 
 
 class _FastPath:
@@ -184,6 +185,7 @@ def quantize(
         q, e = FAST_PATH(x2, *kernel_args)
     else:
         q, e = _rowwise_kernel(x2, *kernel_args)
+    q = q.view(fmt.dtype)
 
     if direction == "rowwise":
         return MXFP8Components(q.reshape(shape), e.reshape(*shape[:-1], ceil_div(k, BLOCK_SIZE)), "rowwise")
