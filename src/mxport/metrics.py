@@ -112,7 +112,7 @@ def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: tor
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``test`` against ``ref`` in dB:
-    ``10 log10(sum(ref^2) / sum((ref - test)^2))``, computed in float64. ``inf`` when identical; ``-inf`` for
+    ``10 log10(sum(ref^2) / sum((ref - test)^2))``, squares in float32, sums in float64. ``inf`` when identical; ``-inf`` for
     an all-zero ``ref`` with nonzero error; NaN when either holds NaN.
 
     Raises ValueError on a shape mismatch, TypeError on non-tensors.
@@ -120,9 +120,9 @@ def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     if not isinstance(ref, torch.Tensor) or not isinstance(test, torch.Tensor):
         raise TypeError("ref and test must be torch.Tensors")
     _check_same(ref, test, "ref", "test")
-    r, t = ref.double(), test.double()
-    signal = float((r * r).sum())
-    noise = float(((r - t) ** 2).sum())
+    r, t = ref.float(), test.float()  # element-wise in float32, sums accumulated in float64
+    signal = float(torch.sum(r * r, dtype=torch.float64))
+    noise = float(torch.sum((r - t) ** 2, dtype=torch.float64))
     if math.isnan(signal) or math.isnan(noise):
         return math.nan
     if noise == 0.0:

@@ -126,13 +126,15 @@ def generate_greedy(model: nn.Module, prompts: list[torch.Tensor], max_new_token
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
     # transformers >= 5 names the KV cache argument `cache`, older releases `past_key_values`
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # skip the prompt's lm_head rows
     out = []
     for i, p in enumerate(prompts):
         cur, past, gen = p.to(device)[None], None, []
         for _ in range(max_new_tokens):
             kwargs = {} if past is None else {cache_arg: past}
-            res = model(input_ids=cur, use_cache=True, **kwargs)
+            res = model(input_ids=cur, use_cache=True, **last_only, **kwargs)
             past = res["cache"] if "cache" in res else res["past_key_values"]
             nxt = int(res.logits[0, -1].argmax())
             gen.append(nxt)

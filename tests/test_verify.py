@@ -1,0 +1,147 @@
+"""mxport verify: the pipeline on a tiny random Llama end to end, the CLI, prompts files, the embedded model (slow)."""
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxport.cli import app
+from mxport.prompts import BUILTIN_PROMPTS, load_prompts
+
+KEYS = ("gen_kl_error_mean", "gen_kl_error_max", "token_mult_prob_error", "greedy_agreement", "tokens",
+        "weight_sqnr_db_min", "weight_sqnr_db_mean")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from mxport.testing import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("verify") / "tiny", hidden=64, intermediate=96, layers=3,
+                           dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def two_prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("# two prompts\nName a color.\n\nCount to three.\n")
+    return p
+
+
+def test_builtin_prompts_are_varied():
+    assert len(BUILTIN_PROMPTS) >= 16 and len(set(BUILTIN_PROMPTS)) == len(BUILTIN_PROMPTS)
+    convs = load_prompts()
+    assert len(convs) == len(BUILTIN_PROMPTS) and convs[0] == [{"role": "user", "content": BUILTIN_PROMPTS[0]}]
+
+
+def test_prompts_file_formats(tmp_path, two_prompts):
+    assert [c[0]["content"] for c in load_prompts(two_prompts)] == ["Name a color.", "Count to three."]
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps(["hi", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}]]))
+    convs = load_prompts(j)
+    assert convs[0] == [{"role": "user", "content": "hi"}] and convs[1][0]["role"] == "system"
+    j.write_text(json.dumps([3]))
+    with pytest.raises(ValueError, match="string or a list"):
+        load_prompts(j)
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="no prompt"):
+        load_prompts(tmp_path / "empty.txt")
+    with pytest.raises(FileNotFoundError):
+        load_prompts(tmp_path / "missing.txt")
+
+
+def test_cli_verify_tiny_model_json(tiny, tmp_path):
+    out = tmp_path / "v.json"
+    res = CliRunner().invoke(app, ["verify", str(tiny), "--max-new-tokens", "4", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    for k in KEYS:
+        assert k in r and isinstance(r[k], (int, float)) and math.isfinite(r[k]), k
+    assert r["tokens"] == sum(1 for _ in range(18)) * 4  # the tiny model's byte tokenizer never emits EOS early
+    assert 0 < r["gen_kl_error_mean"] <= r["gen_kl_error_max"]
+    assert r["token_mult_prob_error"] >= 1.0 and 0.0 <= r["greedy_agreement"] <= 1.0
+    assert r["mxfp8_layers"] == 3 * 7 and len(r["weight_sqnr_db"]) == 21
+    assert r["weight_sqnr_db_min"] <= r["weight_sqnr_db_mean"]
+    assert 25 < r["weight_sqnr_db_mean"] < 40  # E4M3 on Gaussian weights: ~31 dB (3 mantissa bits + block scale)
+    assert r["passed"] is True
+
+
+def test_cli_verify_max_kl_exit_code_and_bad_input(tiny, two_prompts):
+    runner = CliRunner()
+    args = ["verify", str(tiny), "--prompts", str(two_prompts), "--max-new-tokens", "2"]
+    res = runner.invoke(app, [*args, "--max-kl", "0", "--json", "-"])
+    assert res.exit_code == 1, res.output
+    assert runner.invoke(app, [*args, "--max-kl", "1e6"]).exit_code == 0
+    assert runner.invoke(app, [*args, "--activation", "int8"]).exit_code == 2
+    assert runner.invoke(app, [*args, "--fp8-dtype", "e3m4"]).exit_code == 2
+    assert runner.invoke(app, [*args, "--target-kl", "0.1"]).exit_code == 2
+    assert runner.invoke(app, ["verify", str(tiny / "nope")]).exit_code == 2
+
+
+def test_verify_e5m2_and_w8a8_drift_more_than_e4m3_weight_only(tiny, two_prompts):
+    from mxport.verify import verify
+
+    base = verify(str(tiny), prompts=two_prompts, max_new_tokens=4)
+    e5 = verify(str(tiny), prompts=two_prompts, max_new_tokens=4, fp8_dtype="e5m2")
+    w8a8 = verify(str(tiny), prompts=two_prompts, max_new_tokens=4, activation="mxfp8")
+    assert e5["fp8_dtype"] == "e5m2" and w8a8["activation"] == "mxfp8"
+    # E5M2 has 2 mantissa bits to E4M3's 3: about 6 dB less weight SQNR
+    assert 4 < base["weight_sqnr_db_mean"] - e5["weight_sqnr_db_mean"] < 8
+    assert w8a8["weight_sqnr_db_mean"] == base["weight_sqnr_db_mean"]
+    assert w8a8["gen_kl_error_mean"] > base["gen_kl_error_mean"]
+
+
+def test_per_layer_sweep_and_keep_all_reaches_zero(tiny, two_prompts):
+    from mxport.verify import verify
+
+    r = verify(str(tiny), prompts=two_prompts, max_new_tokens=3, per_layer=True, target_kl=0.0)
+    pl = r["per_layer"]
+    assert [row["layer"] for row in pl["layers"]] == [0, 1, 2]
+    assert sum(row["share"] for row in pl["layers"]) == pytest.approx(1.0)
+    assert all(row["gen_kl_error_mean"] > 0 for row in pl["layers"])
+    s = pl["suggestion"]
+    # target 0 is met only with every layer kept: then both models run the same modules, KL exactly 0
+    assert s["keep_layers"] == [0, 1, 2] and s["met"] and s["gen_kl_error_mean"] == 0.0
+    assert s["exclude"] == ["model.layers.0.*", "model.layers.1.*", "model.layers.2.*"]
+    # the greedy order follows the shares: the first kept layer has the largest share
+    first = s["steps"][1]["keep_layers"][0]
+    assert first == max(pl["layers"], key=lambda row: row["share"])["layer"]
+    assert s["steps"][0]["gen_kl_error_mean"] == r["gen_kl_error_mean"]
+
+
+def test_per_layer_target_met_early(tiny, two_prompts):
+    from mxport.verify import verify
+
+    full = verify(str(tiny), prompts=two_prompts, max_new_tokens=3)["gen_kl_error_mean"]
+    r = verify(str(tiny), prompts=two_prompts, max_new_tokens=3, per_layer=True, target_kl=full * 0.9)
+    s = r["per_layer"]["suggestion"]
+    assert s["met"] and 1 <= len(s["keep_layers"]) < 3 and s["gen_kl_error_mean"] <= full * 0.9
+
+
+def test_verify_from_checkpoint_matches_quantize_path(tiny, two_prompts, tmp_path):
+    from test_nn import _write_checkpoint
+
+    from mxport.verify import verify
+
+    ckpt = _write_checkpoint(tiny, tmp_path / "ck", "modelopt")
+    direct = verify(str(tiny), prompts=two_prompts, max_new_tokens=4)
+    loaded = verify(str(tiny), prompts=two_prompts, max_new_tokens=4, checkpoint=ckpt)
+    for k in KEYS:
+        assert loaded[k] == direct[k], k
+    assert loaded["checkpoint"] == str(ckpt)
+
+
+@pytest.mark.slow
+def test_verify_embedded_model_small_budget(tmp_path, two_prompts):
+    out = tmp_path / "v.json"
+    res = CliRunner().invoke(app, ["verify", "--prompts", str(two_prompts), "--max-new-tokens", "8", "--json",
+                                   str(out), "--max-kl", "0.5"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    for k in KEYS:
+        assert math.isfinite(r[k]), k
+    assert r["model"] == "SmolLM2-135M-Instruct"
+    assert r["mxfp8_layers"] == 30 * 7
+    assert 0 < r["gen_kl_error_mean"] < 0.5 and r["greedy_agreement"] > 0.5
+    assert 0 < r["tokens"] <= 16
