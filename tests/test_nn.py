@@ -265,3 +265,49 @@ def test_load_checkpoint_rejects_mismatch(tmp_path):
         load_checkpoint(model, ckpt)
     with pytest.raises(ValueError, match="not an MXFP8 checkpoint"):
         load_checkpoint(load(), path)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors", "sglang"])
+def test_load_checkpoint_from_mxport_export_sharded_tied(tmp_path, fmt):
+    from transformers import AutoModelForCausalLM
+
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.nn import load_checkpoint
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "src", tie_word_embeddings=True, with_tokenizer=False)
+    out = tmp_path / "out"
+    export_checkpoint(str(src), out, fmt=fmt, max_shard_size="40KB")
+    assert len(list(out.glob("*.safetensors"))) > 1
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+
+    a = quantize_model(load())
+    b = load()
+    load_checkpoint(b, out)
+    ma, mb = mxfp8_modules(a), mxfp8_modules(b)
+    assert list(ma) == list(mb) and len(ma) == 14
+    for name in ma:
+        assert torch.equal(mb[name].weight.view(torch.uint8), ma[name].weight.view(torch.uint8)), name
+        assert torch.equal(mb[name].weight_scale, ma[name].weight_scale), name
+    assert b.lm_head.weight is b.model.embed_tokens.weight  # still tied
+
+
+def test_load_checkpoint_fused_experts_decoded_into_high_precision(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.nn import load_checkpoint
+    from mxport.testing import make_tiny_mixtral
+
+    src = make_tiny_mixtral(tmp_path / "moe", fused_experts=True, layers=1, with_tokenizer=False)
+    out = tmp_path / "out"
+    export_checkpoint(str(src), out, fmt="modelopt")
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ref = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    report = load_checkpoint(model, out)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in report["tensors"]
+    got = model.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(got, mxport.quantize(ref).dequantize())  # the 3-D MXFP8 values, decoded per expert row
+    assert not isinstance(model.model.layers[0].mlp.gate, MXFP8Linear)  # the router stays high precision
