@@ -134,11 +134,13 @@ def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) ->
 
     PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps NaN).
     Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite`` gives), so the
-    eager and compiled casts, whose NaN sign bits differ, produce identical bytes. Returning bytes (not FP8) keeps
-    a compiled caller's output a single fused pass.
+    eager and compiled casts, whose NaN sign bits differ, produce identical bytes. The NaN test runs on the bytes
+    (E4M3 NaN: low 7 bits 0x7F; E5M2 NaN: low 7 bits 0x7D..0x7F), which vectorizes as uint8 lanes. Returning bytes
+    (not FP8) keeps a compiled caller's output a single fused pass.
     """
     q = torch.clamp(x, -max_norm, max_norm).to(fp8_dtype).view(torch.uint8)
-    return torch.where(x != x, torch.full_like(q, FP8_CANONICAL_NAN), q)  # x != x: NaN test that vectorizes
+    nan_min = FP8_CANONICAL_NAN if fp8_dtype == torch.float8_e4m3fn else 0x7D
+    return torch.where(torch.bitwise_and(q, 0x7F) >= nan_min, torch.full_like(q, FP8_CANONICAL_NAN), q)
 
 
 def ceil_div(a: int, b: int) -> int:
