@@ -213,7 +213,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
 
 #: elements per quantize call: a big tensor is quantized in whole-row chunks so the temporaries stay small
-CHUNK_NUMEL = 1 << 24
+CHUNK_NUMEL = 1 << 22
 
 
 def _row_chunks(x: torch.Tensor):

@@ -3,7 +3,7 @@
 * :class:`SafetensorsDir` — a Hugging Face model directory (``*.safetensors``, sharded with
   ``model.safetensors.index.json``) or a single ``.safetensors`` file. Headers are parsed directly (the
   safetensors format: 8-byte little-endian header length, JSON header, data), so entries come in file order
-  without reading data; :meth:`SafetensorsDir.get` reads one tensor through ``safetensors.safe_open``.
+  without reading data; :meth:`SafetensorsDir.get` reads one tensor (plain reads at the header's offsets).
 * :class:`StateDictSource` — an ``nn.Module`` or a state dict in memory (GGUF files come in this way, through
   :func:`mxport.models.load_causal_lm`).
 * :func:`open_checkpoint` — an MXFP8 (or plain) checkpoint read back as ``(name, MXFP8Components | Tensor)``:
@@ -88,6 +88,12 @@ def read_header(file: str | os.PathLike) -> dict:
     return header
 
 
+def _data_start(file: Path) -> int:
+    """Byte offset of a safetensors file's data section (8 + header length)."""
+    with open(file, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
 class SafetensorsDir:
     """A model directory (or one ``.safetensors`` file) read one tensor at a time.
 
@@ -135,6 +141,7 @@ class SafetensorsDir:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"corrupt config.json in {str(self.path)!r}: {exc}") from None
         self._headers = {f: read_header(f) for f in self.files}
+        self._data_start = {f: _data_start(f) for f in self.files}
         self._where: dict[str, Path] = {}
         self._entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self.st_dtypes: dict[str, str] = {}
@@ -169,21 +176,47 @@ class SafetensorsDir:
         return self._where[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """Read tensor ``name`` (a CPU tensor of its stored dtype). KeyError for an unknown name."""
-        from safetensors import safe_open
+        """Read tensor ``name`` into a new CPU tensor of its stored dtype. KeyError for an unknown name.
 
+        Plain ``readinto`` at the header's offsets, not a memory map: pages of a mapped shard would count in the
+        process's resident memory until the shard is closed, so peak memory would grow with the shard size.
+        """
         if name not in self._where:
             raise KeyError(f"no tensor {name!r} in {self.label}")
         f = self._where[name]
-        if self._handle_file != f:
-            self._handle = None
-            self._handle = safe_open(str(f), framework="pt", device="cpu")
-            self._handle_file = f
-        return self._handle.get_tensor(name)
+        info = self._headers[f][name]
+        begin, end = info["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        if end > begin:
+            if self._handle_file != f:
+                self.close()
+                self._handle = open(f, "rb")  # noqa: SIM115 - kept open across get() calls, closed by close()
+                self._handle_file = f
+            self._handle.seek(self._data_start[f] + begin)
+            view = memoryview(buf.numpy())
+            got = 0
+            while got < len(view):
+                n = self._handle.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"corrupt safetensors file {str(f)!r}: {name!r} data ends early")
+                got += n
+        return buf.view(ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])
 
     def close(self) -> None:
+        """Close the open shard file (reading again reopens it)."""
+        if getattr(self, "_handle", None) is not None:
+            self._handle.close()
         self._handle = None
         self._handle_file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
 
 
 class StateDictSource:
