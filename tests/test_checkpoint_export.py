@@ -151,7 +151,8 @@ def test_e5m2_and_dtype_cast(tmp_path):
     out = load_dir(tmp_path / "out")
     check_exact(source_tensors(src_dir), out, "sglang", fp8=torch.float8_e5m2, cast=torch.bfloat16)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["torch_dtype"] == "bfloat16" and cfg["quantization_config"]["fmt"] == "e5m2"
+    assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" and cfg["quantization_config"]["fmt"] == "e5m2"
+    assert all(cfg[k] == "bfloat16" for k in ("torch_dtype", "dtype") if k in cfg)
     with pytest.raises(ValueError, match="E4M3 only"):
         export_checkpoint(src_dir, tmp_path / "o2", fp8_dtype=torch.float8_e5m2)
     assert not (tmp_path / "o2").exists()

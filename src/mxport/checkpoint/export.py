@@ -195,9 +195,9 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         for extra in getattr(reader, "extras", ()):
             extra.save_pretrained(str(tmp))
         config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)
-        if dtype is not None:
-            config["torch_dtype"] = str(dtype).removeprefix("torch.")
-            config.pop("dtype", None)
+        if dtype is not None:  # transformers < 5 reads torch_dtype, >= 5 writes dtype: update what is there
+            for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+                config[key] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if fmt == "modelopt":
             (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
