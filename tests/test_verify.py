@@ -145,3 +145,13 @@ def test_verify_embedded_model_small_budget(tmp_path, two_prompts):
     assert r["mxfp8_layers"] == 30 * 7
     assert 0 < r["gen_kl_error_mean"] < 0.5 and r["greedy_agreement"] > 0.5
     assert 0 < r["tokens"] <= 16
+
+
+def test_cli_exclude_keeps_layers_in_high_precision(tiny, two_prompts, tmp_path):
+    out = tmp_path / "v.json"
+    args = ["verify", str(tiny), "--prompts", str(two_prompts), "--max-new-tokens", "2", "--json", str(out)]
+    res = CliRunner().invoke(app, [*args, "--exclude", "model.layers.0.*", "--exclude", "*.mlp.*"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert sorted(r["weight_sqnr_db"]) == [f"model.layers.{i}.self_attn.{p}_proj" for i in (1, 2) for p in "koqv"]
+    assert CliRunner().invoke(app, [*args, "--exclude", "*"]).exit_code == 2  # nothing left to verify

@@ -28,7 +28,7 @@ from torch import nn
 
 from .formats import element_format
 from .metrics import gen_kl_error, greedy_agreement, sqnr_db, token_logprobs, token_mult_prob_error
-from .nn import MXFP8Linear, load_checkpoint, mxfp8_modules, quantize_model
+from .nn import MXFP8Linear, load_checkpoint, mxfp8_modules, planned_linears, quantize_model
 from .policy import layer_index
 from .prompts import load_prompts
 
@@ -62,7 +62,8 @@ class Scores:
 
 
 def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None, policy=None,
-               fp8_dtype: torch.dtype = torch.float8_e4m3fn, activation: str = "none") -> nn.Module:
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn, activation: str = "none",
+               progress: Progress = _noop) -> nn.Module:
     """A deep copy of ``model`` with MXFP8 linears: quantized per ``policy`` (default policy when None), or
     loaded from ``checkpoint`` (an ``mxport export`` directory; its element format wins over ``fp8_dtype``).
 
@@ -72,7 +73,10 @@ def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None,
     if checkpoint is not None:
         load_checkpoint(twin, checkpoint, activation=activation)
     else:
-        quantize_model(twin, policy, fp8_dtype=fp8_dtype, activation=activation)
+        names = planned_linears(twin, policy)
+        done = iter(range(1, len(names) + 1))
+        quantize_model(twin, fp8_dtype=fp8_dtype, activation=activation, modules=names,
+                       progress=lambda _name: progress("quantize", next(done), len(names)))
     if not mxfp8_modules(twin):
         raise ValueError("the MXFP8 twin has no MXFP8 layer (the policy kept every linear layer)")
     return twin
@@ -301,7 +305,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         model, tok = load_causal_lm(src, dtype=torch.float32, device=device)
     model.eval()
     progress("load", 1, 1)
-    twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation)
+    twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
+                      progress=progress)
     mx = mxfp8_modules(twin)
     sqnr = weight_sqnr(model, twin)
     finite = [v for v in sqnr.values() if math.isfinite(v)]

@@ -67,6 +67,8 @@ def verify(
     per_layer: bool = typer.Option(False, "--per-layer", help="Measure each decoder layer's share of the error."),
     target_kl: float = typer.Option(None, "--target-kl", help="With --per-layer: suggest the fewest layers to "
                                     "keep in high precision to reach this gen_kl_error_mean."),
+    exclude: list[str] = typer.Option(None, "--exclude", help="Keep matching layers in high precision "
+                                      "(PrecisionPolicy pattern, repeatable, e.g. 'model.layers.3.*')."),
     device: str = typer.Option("cpu", "--device", help="Device for both models (cpu, cuda, cuda:1, ...)."),
     json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
 ):
@@ -75,6 +77,7 @@ def verify(
     Reports gen_kl_error (KL of the full next-token distributions, MXFP8 || source), token_mult_prob_error
     (NeMo-RL), greedy agreement and the weight SQNR of each quantized tensor.
     """
+    from ..policy import PrecisionPolicy
     from ..verify import verify as run_verify
 
     with user_errors():
@@ -93,7 +96,10 @@ def verify(
                     tasks[stage] = bar.add_task(stage, total=total)
                 bar.update(tasks[stage], completed=done, total=total)
 
-            report = run_verify(source, checkpoint=checkpoint, prompts=prompts, max_new_tokens=max_new_tokens,
+            policy = PrecisionPolicy(exclude=tuple(exclude)) if exclude else None
+            if policy is not None and checkpoint is not None:
+                raise fail("--exclude applies when quantizing here, not with --checkpoint (export with --exclude)")
+            report = run_verify(source, checkpoint=checkpoint, policy=policy, prompts=prompts, max_new_tokens=max_new_tokens,
                                 activation=activation, fp8_dtype=_FP8[fp8_dtype], max_kl=max_kl,
                                 per_layer=per_layer, target_kl=target_kl, device=device, progress=progress)
     if json_out:
