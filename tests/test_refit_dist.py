@@ -94,7 +94,7 @@ def _main_sender(init):
 
     def corrupt(b, wire):
         if sender.version == 2 and b == 1:
-            wire[-1] ^= 0xFF  # flip the last payload byte of bucket 1 after its checksum was written
+            wire[-1] ^= 0xFF  # flip the last byte of bucket 1 on the wire, after its checksum was taken
 
     sender._corrupt = corrupt
     for v in (1, 2, 3, 4):

@@ -20,7 +20,7 @@ from mxport.refit import (
     checkpoint_tensors,
     receiver_plan,
 )
-from mxport.refit.buckets import HEADER_BYTES, BucketLayout, byte_view
+from mxport.refit.buckets import BucketLayout, byte_view
 from mxport.refit.plan import ALIGN, diff_canonical
 
 DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32]
@@ -127,7 +127,7 @@ def test_bucket_layout_covers_every_byte_once(sizes, bucket):
         for start, n in layout.gaps[b]:
             cover[start:start + n] += 1
         assert torch.equal(cover, torch.ones_like(cover))  # segments + gaps partition the bucket
-        assert layout.wire_sizes[b] == HEADER_BYTES + plan.bucket_size(b)
+        assert layout.sizes[b] == plan.bucket_size(b)
     assert all(bool((x == 1).all()) for x in seen)
     assert plan.total_bytes % ALIGN == 0
 

@@ -62,7 +62,7 @@ def refit(
 
     Each step the trainer (float32 master weights) takes an AdamW step on a text batch, quantizes the linear
     weights to MXFP8 (default precision policy) and broadcasts them in byte buckets; each inference process (its
-    model converted once to MXFP8Linear) receives into staging, validates CRC-32s, commits in place, and generates.
+    model converted once to MXFP8Linear) receives into staging, validates bucket checksums, commits in place, and generates.
     Per step: bytes, seconds (quantize + pack + transfer + commit), GB/s, gen_kl_error (trainer vs inference
     log-probs on the generated tokens, worst receiver), bit_exact (live bytes re-packed == sender's checksums),
     pointers_stable.

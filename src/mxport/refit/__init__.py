@@ -2,7 +2,7 @@
 checked, in place, all or nothing.
 
 - :class:`RefitPlan` (ordered tensors, bytes, buckets, digest) and :class:`RefitPlanMismatch`;
-- :class:`RefitSender` / :class:`RefitReceiver` (fixed-size byte buckets, overlapped packing, per-bucket CRC-32,
+- :class:`RefitSender` / :class:`RefitReceiver` (fixed-size byte buckets, overlapped packing, per-bucket checksums,
   staging then ``copy_`` commit, stable pointers, a version counter) and :class:`RefitError`;
 - transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated);
 - consumers: :class:`TrainerSource` (policy + quantize), :func:`receiver_plan` (an ``MXFP8Linear`` model's live

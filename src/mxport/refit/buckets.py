@@ -1,17 +1,17 @@
-"""Fixed-size byte buckets: packing tensors' bytes into them, unpacking, the per-bucket header and checksum.
+"""Fixed-size byte buckets: packing tensors' bytes into them, unpacking, the refit trailer and checksums.
 
-A wire bucket is ``HEADER_BYTES`` of int64 header ``[magic, version, bucket index, checksum, status]`` (padded to
-64 bytes) followed by the bucket's payload: the plan's byte stream from ``b * bucket_bytes``, ``plan.bucket_size(b)``
-bytes long. Every tensor is moved as its raw bytes (``tensor.view(torch.uint8)``): FP8 values and E8M0 scales are
+One refit on the wire is ``plan.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte stream
+from ``b * bucket_bytes``, ``plan.bucket_size(b)`` bytes long — then one trailer broadcast of int64 words
+``[magic, version, num_buckets, status, entry, 0, checksum_0, ..., checksum_{n-1}]``. A bucket that lies inside
+one tensor is broadcast straight from that tensor's storage (no packing copy); other buckets are packed into a
+reused buffer. Every tensor moves as its raw bytes (``tensor.view(torch.uint8)``): FP8 values and E8M0 scales are
 uint8 on the wire (NCCL cannot broadcast FP8 dtypes on older GPUs); kept tensors keep their bit patterns.
 
-Checksum: CRC-32 (``zlib.crc32``, ~3.5 GB/s here, releases the GIL) of the payload on CPU; on CUDA a cheap
-device-side sum of int64 words mixed with their position (no host copy).
+Checksum (:func:`checksum`): a chunked sum of the payload's int64 words, computed on the payload's device.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +19,7 @@ import torch
 from .plan import RefitPlan
 
 MAGIC = 0x4D58524654  # "MXRFT"
-HEADER_WORDS = 8
-HEADER_BYTES = HEADER_WORDS * 8
+TRAILER_FIXED = 6
 STATUS_OK, STATUS_ABORT = 0, 1
 
 
@@ -32,17 +31,28 @@ def byte_view(t: torch.Tensor, *, argname: str = "tensor") -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+_CHUNKS = 64
+_MASK = (1 << 64) - 1
+
+
 def checksum(payload: torch.Tensor) -> int:
     """Checksum of a 1-D uint8 tensor whose length is a multiple of 8 (bucket payloads always are).
 
-    CPU: ``zlib.crc32`` of the bytes. CUDA: ``sum(word_i * (2*i + 1))`` over int64 words (wrapping), computed on
-    the device. Returned as a signed 64-bit int (fits the int64 header).
+    Sum-based, computed where the bytes are (CPU or GPU, ~20 GB/s on one CPU thread, 6x faster than CRC-32 here):
+    the payload's int64 words are summed (wrapping) in 64 equal chunks plus a tail; the chunk sums are mixed with
+    odd weights ``2i + 1`` and the word count. Any change of a single word, and any reordering of chunks, changes
+    it; it is a corruption check, not a cryptographic digest. Returned as a signed 64-bit int (the int64 header).
     """
-    if payload.device.type == "cpu":
-        return zlib.crc32(payload.numpy())
     words = payload.view(torch.int64)
-    weights = torch.arange(1, 2 * words.numel() + 1, 2, device=words.device, dtype=torch.int64)
-    return int((words * weights).sum().item())
+    n = words.numel()
+    m = n // _CHUNKS * _CHUNKS
+    sums = [words[m:].sum().view(1)]
+    if m:
+        sums.insert(0, words[:m].view(_CHUNKS, -1).sum(dim=1))
+    h = n
+    for i, v in enumerate(torch.cat(sums).tolist()):
+        h = (h + (v & _MASK) * (2 * i + 1)) & _MASK
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 @dataclass(frozen=True)
@@ -80,30 +90,27 @@ class BucketLayout:
             if pos < plan.bucket_size(b):
                 gaps.append((pos, plan.bucket_size(b) - pos))
             self.gaps.append(gaps)
-        self.wire_sizes = [HEADER_BYTES + plan.bucket_size(b) for b in range(plan.num_buckets)]
-
-    @property
-    def max_wire_bytes(self) -> int:
-        return max(self.wire_sizes)
+        self.sizes = [plan.bucket_size(b) for b in range(plan.num_buckets)]
+        #: per bucket, ``(entry, src)`` when the whole bucket is one slice of one tensor (sent without packing)
+        self.single: list[tuple[int, int] | None] = [
+            (segs[0].entry, segs[0].src) if len(segs) == 1 and segs[0].length == self.sizes[b] else None
+            for b, segs in enumerate(self.segments)]
 
     def tensor_names(self, b: int) -> list[str]:
         """Names of the tensors with bytes in bucket ``b``, in stream order."""
         return [self.plan.entries[s.entry].name for s in self.segments[b]]
 
 
-def write_header(wire: torch.Tensor, version: int, b: int, crc: int, status: int = STATUS_OK,
-                 entry: int = -1) -> None:
-    """Fill the header of a wire bucket (a uint8 tensor of at least HEADER_BYTES). ``entry``: on an abort, the
-    plan index of the tensor that caused it (-1 if none)."""
-    h = torch.tensor([MAGIC, version, b, crc, status, entry, 0, 0], dtype=torch.int64)
-    wire[:HEADER_BYTES].copy_(h.view(torch.uint8))
+def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, entry: int = -1) -> torch.Tensor:
+    """The int64 trailer of one refit (see module doc). ``entry``: on an abort, the plan index of the tensor that
+    caused it (-1 if none)."""
+    return torch.tensor([MAGIC, version, len(checksums), status, entry, 0, *checksums], dtype=torch.int64)
 
 
-def read_header(wire: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """``(magic, version, bucket, checksum, status, entry)`` of a wire bucket."""
-    h = wire[:HEADER_BYTES].view(torch.int64)
-    vals = h.tolist() if h.device.type == "cpu" else h.cpu().tolist()
-    return tuple(vals[:6])
+def read_trailer(trailer: torch.Tensor) -> tuple[int, int, int, int, int, list[int]]:
+    """``(magic, version, num_buckets, status, entry, checksums)`` of a received trailer."""
+    vals = trailer.tolist() if trailer.device.type == "cpu" else trailer.cpu().tolist()
+    return vals[0], vals[1], vals[2], vals[3], vals[4], vals[TRAILER_FIXED:]
 
 
 def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""RefitReceiver: receives every bucket into staging, validates all of them, then commits with ``copy_`` into the
+"""RefitReceiver: receives every bucket and the trailer into staging, validates all of them, then commits with ``copy_`` into the
 live tensors — all or nothing, pointers never move."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .buckets import (
-    HEADER_BYTES,
     MAGIC,
     STATUS_ABORT,
+    TRAILER_FIXED,
     BucketLayout,
     byte_view,
     checksum,
     pack_bucket,
-    read_header,
+    read_trailer,
     unpack_segments,
 )
 from .handshake import exchange_plans
@@ -56,7 +56,7 @@ class RefitReceiver:
             that do not follow ``_version``).
         inflight: broadcasts posted ahead of the one being validated.
 
-    Staging (the whole stream plus 64-byte headers per bucket) is allocated once, on the targets' device.
+    Staging (the whole byte stream) and the trailer are allocated once, on the targets' device.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
@@ -80,12 +80,10 @@ class RefitReceiver:
         self._views = [byte_view(t, argname=plan.entries[i].name) for i, t in enumerate(targets)]
         self._pointers = self.pointers()
         device = targets[0].device
-        starts, pos = [], 0
-        for size in self.layout.wire_sizes:
-            starts.append(pos)
-            pos += size
-        self._staging = torch.zeros(pos, dtype=torch.uint8, device=device)
-        self._wires = [self._staging[s:s + n] for s, n in zip(starts, self.layout.wire_sizes, strict=True)]
+        self._staging = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+        self._payloads = [self._staging[b * plan.bucket_bytes:b * plan.bucket_bytes + n]
+                          for b, n in enumerate(self.layout.sizes)]
+        self._trailer = torch.zeros(TRAILER_FIXED + plan.num_buckets, dtype=torch.int64, device=device)
         self.version = 0
         self.last_checksums: list[int] = []
         self._handshaken = False
@@ -131,49 +129,50 @@ class RefitReceiver:
                              kept_version=self.version)
         t0 = t_first = time.perf_counter()
         n = plan.num_buckets
-        handles: list = [None] * n
+        bufs = [*self._payloads, self._trailer]  # n payload broadcasts, then the trailer
+        handles: list = [None] * (n + 1)
         posted = 0
-        problem: tuple[int, str] | None = None
-        version = None
-        crcs = [0] * n
-        for b in range(n):
+        for b in range(n + 1):
             try:
-                while posted < n and posted <= b + self.inflight:
-                    handles[posted] = self.transport.broadcast(self._wires[posted], async_op=True)
+                while posted <= n and posted <= b + self.inflight:
+                    handles[posted] = self.transport.broadcast(bufs[posted], async_op=True)
                     posted += 1
                 handles[b].wait()
+                handles[b] = None
                 if b == 0:
                     t_first = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-                raise RefitError(f"refit failed receiving bucket {b} of {n} (tensors: {_names(layout.tensor_names(b))})"
-                                 f": {type(exc).__name__}: {exc}; live weights kept at version {self.version}",
-                                 bucket=b, tensors=layout.tensor_names(b), kept_version=self.version) from exc
-            handles[b] = None
-            if problem is not None:
-                continue  # keep draining so the stream stays in step; the first problem is reported
-            wire = self._wires[b]
-            magic, ver, idx, crc, status, entry = read_header(wire)
-            if magic != MAGIC or idx != b:
-                problem = (b, f"bad header (magic {magic:#x}, bucket {idx})")
-            elif status == STATUS_ABORT:
-                what = f" at tensor {plan.entries[entry].name!r}" if 0 <= entry < len(plan) else ""
-                problem = (b, f"the sender aborted refit v{ver}{what}")
-            elif ver <= self.version or (version is not None and ver != version):
-                problem = (b, f"unexpected refit version {ver} (live {self.version}, this refit {version})")
-            elif self.use_checksum and checksum(wire[HEADER_BYTES:]) != crc:
-                problem = (b, f"checksum mismatch (header {crc:#x})")
-            version = ver if version is None else version
-            crcs[b] = crc
+                where = f"bucket {b} of {n}" if b < n else "the trailer"
+                names = layout.tensor_names(b) if b < n else []
+                raise RefitError(f"refit failed receiving {where} (tensors: {_names(names)}): "
+                                 f"{type(exc).__name__}: {exc}; live weights kept at version {self.version}",
+                                 bucket=b if b < n else None, tensors=names, kept_version=self.version) from exc
+        magic, version, nb, status, entry, crcs = read_trailer(self._trailer)
+        problem: tuple[int | None, str] | None = None
+        if magic != MAGIC or nb != n:
+            problem = (None, f"bad trailer (magic {magic:#x}, {nb} buckets, expected {n})")
+        elif status == STATUS_ABORT:
+            what = f" at tensor {plan.entries[entry].name!r}" if 0 <= entry < len(plan) else ""
+            bucket = plan.entries[entry].bucket if 0 <= entry < len(plan) else None
+            problem = (bucket, f"the sender aborted refit v{version}{what}")
+        elif version <= self.version:
+            problem = (None, f"stale refit version {version} (live version is {self.version})")
+        elif self.use_checksum:
+            for b in range(n):
+                got = checksum(self._payloads[b])
+                if got != crcs[b]:
+                    problem = (b, f"checksum mismatch (sent {crcs[b]:#x}, received {got:#x})")
+                    break
         recv_s = time.perf_counter() - t_first
         if problem is not None:
             b, why = problem
-            names = layout.tensor_names(b)
-            raise RefitError(f"refit rejected at bucket {b} of {n} (tensors: {_names(names)}): {why}; live "
-                             f"weights kept at version {self.version}", bucket=b, tensors=names,
-                             kept_version=self.version)
+            names = layout.tensor_names(b) if b is not None else []
+            where = f"at bucket {b} of {n} (tensors: {_names(names)})" if b is not None else f"({n} buckets)"
+            raise RefitError(f"refit rejected {where}: {why}; live weights kept at version {self.version}",
+                             bucket=b, tensors=names, kept_version=self.version)
         t1 = time.perf_counter()
         for b in range(n):
-            unpack_segments(layout.segments[b], self._wires[b][HEADER_BYTES:], self._views)
+            unpack_segments(layout.segments[b], self._payloads[b], self._views)
         self.version = int(version)
         self.last_checksums = crcs
         for hook in self.refresh_hooks:

@@ -1,0 +1,192 @@
+"""Issue 6's benchmark: refit throughput against a raw ``dist.broadcast`` of the same bytes, and the end-to-end
+refit step split into quantize, pack, transfer and unpack.
+
+Two spawned processes on loopback gloo (rank 0 the trainer/sender, rank 1 the receiver), everything measured in the
+same run and the same process group, medians over ``runs`` after one warm-up:
+
+* ``refit throughput`` — bytes / seconds of a refit of already-quantized tensors (sender: pack into buckets,
+  checksum, async broadcast; receiver: staging, validation, ``copy_`` commit), timed from the sender's start to the
+  receiver's commit (both read ``CLOCK_MONOTONIC``, shared by the processes); baseline: one ``dist.broadcast`` of a
+  flat uint8 buffer of the same byte count, timed the same way; ratio = refit / raw throughput (goal >= 0.8).
+  On CPU loopback a ``copy_`` costs about as much as the "wire" itself, so the receiver's all-or-nothing commit
+  (staging -> live) bounds this ratio near 0.5 here; ``refit throughput before commit`` shows the transfer alone.
+* ``end-to-end refit step`` — the same with quantizing the weights inside the refit (the trainer's master weights
+  -> MXFP8, lazily, bucket by bucket); split rows give each phase's share: quantize (sender), pack (sender: packing
+  + checksums), unpack (receiver commit), transfer (the rest: wire time not hidden behind packing).
+
+Payload: the embedded SmolLM2-135M (222.9 MB: MXFP8 linears + float32 embedding and norms); ``quick`` uses random
+float32 linears with the model's shapes for 4 decoder layers (no model load).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+
+BENCHMARK = "refit"
+#: SmolLM2-135M decoder layer linears (out, in): q, k, v, o, gate, up, down
+SMOL_LAYER = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
+              "gate_proj": (1536, 576), "up_proj": (1536, 576), "down_proj": (576, 1536)}
+
+
+def _now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def _synthetic_model(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleList()
+    for _ in range(layers):
+        layer = torch.nn.Module()
+        for name, (n, k) in SMOL_LAYER.items():
+            setattr(layer, name, torch.nn.Linear(k, n, bias=False))
+        layer.input_layernorm = torch.nn.LayerNorm(576)
+        root.layers.append(layer)
+    return root
+
+
+def _worker(rank: int, init: str, cfg: dict, q) -> None:
+    try:
+        q.put(("ok", rank, _body(rank, init, cfg)))
+    except BaseException as exc:  # noqa: BLE001 - report to the parent
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _body(rank: int, init: str, cfg: dict) -> dict | None:
+    from ..quantize import FAST_PATH
+    from ..refit import RefitPlan, RefitReceiver, RefitSender, TorchDistTransport, TrainerSource
+    from ..refit.consumers import allocate_targets
+
+    FAST_PATH.disabled_reason = "refit benchmark: eager kernel"
+    torch.set_num_threads(1)
+    tr = TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=300)
+    try:
+        if rank == 0:
+            if cfg["model"]:
+                from ..models import load_causal_lm
+
+                model, _ = load_causal_lm(None, dtype=torch.float32)
+            else:
+                model = _synthetic_model(cfg["layers"])
+            src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"])
+            items = [(e.name, e.role, e.dtype, e.shape) for e in src.plan.entries]
+            tr.all_gather_object(items)
+            plan = src.plan
+            end = RefitSender(tr, plan)
+            tensors = list(src.tensors())
+        else:
+            items = tr.all_gather_object(None)[0]
+            plan = RefitPlan(items, cfg["bucket_bytes"])
+            end = RefitReceiver(tr, plan, allocate_targets(plan))
+        end.handshake()
+        flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+
+        def timed(fn):
+            tr.all_gather_object(None)  # barrier
+            t0 = _now()
+            stats = fn()
+            t1 = _now()
+            return t0, t1, stats
+
+        refit_s, commit_s, raw_s, e2e = [], [], [], []
+        for i in range(cfg["warmup"] + cfg["runs"]):
+            a = timed(lambda: end.send(tensors) if rank == 0 else end.receive())
+            b = timed(lambda: tr.broadcast(flat))
+            c = timed(lambda: end.send(src.tensors()) if rank == 0 else end.receive())
+            got = tr.all_gather_object((a, b, c))
+            if i < cfg["warmup"]:
+                continue
+            (sa, sb, sc), (ra, rb, rc) = got
+            refit_s.append(ra[1] - sa[0])
+            commit_s.append(ra[2]["commit_s"])
+            raw_s.append(rb[1] - sb[0])
+            e2e.append({"seconds": rc[1] - sc[0], "quantize_s": sc[2]["produce_s"],
+                        "pack_s": sc[2]["pack_s"] + sc[2]["checksum_s"], "unpack_s": rc[2]["commit_s"]})
+        if rank != 0:
+            return None
+        return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
+                "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "e2e": e2e}
+    finally:
+        tr.close()
+
+
+def measure_refit(*, model: bool, layers: int = 4, bucket_bytes: int = 32 << 20, runs: int = 5,
+                  warmup: int = 1, timeout_s: float = 900.0) -> dict:
+    """Run the two benchmark processes and return rank 0's raw timings (see module doc)."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="mxport-bench-refit-") as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        cfg = {"model": model, "layers": layers, "bucket_bytes": bucket_bytes, "runs": runs, "warmup": warmup}
+        procs = [ctx.Process(target=_worker, args=(r, init, cfg, q), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        out = None
+        try:
+            for _ in range(2):
+                try:
+                    status, rank, val = q.get(timeout=timeout_s)
+                except queue_mod.Empty:
+                    raise RuntimeError(f"refit benchmark timed out after {timeout_s:.0f} s") from None
+                if status != "ok":
+                    raise RuntimeError(f"refit benchmark rank {rank} failed: {val}")
+                if rank == 0:
+                    out = val
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+    return out
+
+
+def rows_from(res: dict, label: str) -> list[dict]:
+    """Benchmark rows from :func:`measure_refit`'s timings."""
+    nbytes = res["bytes"]
+    refit = statistics.median(res["refit_s"])
+    raw = statistics.median(res["raw_s"])
+    wire = statistics.median(r - c for r, c in zip(res["refit_s"], res["commit_s"], strict=True))
+    e2e = statistics.median(x["seconds"] for x in res["e2e"])
+    parts = {k: statistics.median(x[k] for x in res["e2e"]) for k in ("quantize_s", "pack_s", "unpack_s")}
+    parts["transfer_s"] = max(0.0, e2e - sum(parts.values()))
+    runs = len(res["refit_s"])
+    note = f"{label}: {nbytes / 1e6:.1f} MB, {res['tensors']} tensors, {res['buckets']} buckets, {runs} runs"
+    base_raw = "raw dist.broadcast of one flat buffer, same bytes, same run (gloo loopback)"
+    rows = [
+        {"benchmark": BENCHMARK, "metric": "refit throughput", "value": nbytes / refit / 1e9, "baseline": base_raw,
+         "ratio": raw / refit, "unit": "GB/s", "goal": "ratio >= 0.8", "note": note},
+        {"benchmark": BENCHMARK, "metric": "refit throughput before commit", "value": nbytes / wire / 1e9,
+         "baseline": base_raw, "ratio": raw / wire, "unit": "GB/s", "goal": "informational",
+         "note": "the same refits up to the validated staging (without the all-or-nothing copy_ commit)"},
+        {"benchmark": BENCHMARK, "metric": "raw broadcast throughput", "value": nbytes / raw / 1e9,
+         "baseline": "itself", "ratio": 1.0, "unit": "GB/s", "goal": "reference", "note": note},
+        {"benchmark": BENCHMARK, "metric": "end-to-end refit step", "value": e2e, "baseline": base_raw,
+         "ratio": e2e / raw, "unit": "s", "goal": "informational (quantize + pack + transfer + unpack)",
+         "note": note},
+    ]
+    for key, what in (("quantize_s", "trainer weights -> MXFP8 (eager kernel, 1 thread)"),
+                      ("pack_s", "copy into buckets + checksums"), ("transfer_s", "wire time not hidden by packing"),
+                      ("unpack_s", "receiver copy_ commit into live tensors")):
+        rows.append({"benchmark": BENCHMARK, "metric": f"e2e split: {key[:-2]}", "value": parts[key],
+                     "baseline": "end-to-end refit step (same run)", "ratio": parts[key] / e2e if e2e else 0.0,
+                     "unit": "s", "goal": "informational", "note": what})
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Rows for ``mxport bench`` (see module doc). ``quick``: 4 synthetic layers, 3 runs."""
+    if quick:
+        res = measure_refit(model=False, layers=4, bucket_bytes=4 << 20, runs=3, warmup=1)
+        return rows_from(res, "quick: 4 SmolLM2-shaped layers (random)")
+    res = measure_refit(model=True, bucket_bytes=32 << 20, runs=5, warmup=1)
+    return rows_from(res, "embedded SmolLM2-135M")
