@@ -6,14 +6,19 @@ Public: :func:`open_checkpoint` / :class:`CheckpointReader` (read an exported ch
 :func:`export_checkpoint`, :func:`inspect_checkpoint`.
 """
 
+from .export import ExportResult, export_checkpoint
+from .inspect import inspect_checkpoint
 from .naming import FORMATS, quantization_config, scale_name
 from .readers import CheckpointReader, SafetensorsDir, StateDictSource, open_checkpoint
 
 __all__ = [
     "FORMATS",
     "CheckpointReader",
+    "ExportResult",
     "SafetensorsDir",
     "StateDictSource",
+    "export_checkpoint",
+    "inspect_checkpoint",
     "open_checkpoint",
     "quantization_config",
     "scale_name",

@@ -114,7 +114,9 @@ def _copy_small_files(src_dir: Path | None, dst: Path) -> list[str]:
     return copied
 
 
-def _prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None) -> Path:
+def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None) -> Path:
+    """Check the output path before any work: FileExistsError when it exists without ``overwrite``, ValueError
+    when it is the source directory or an existing file. Returns it as a Path."""
     out = Path(out).expanduser()
     if source_dir is not None and out.resolve() == Path(source_dir).resolve():
         raise ValueError(f"out {str(out)!r} is the source directory; write the export somewhere else")
@@ -156,17 +158,17 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
     if isinstance(out, (str, os.PathLike)) and isinstance(source, (str, os.PathLike)):
-        _prepare_out(out, overwrite, Path(source) if Path(source).is_dir() else None)  # fail fast before loading
+        prepare_out(out, overwrite, Path(source) if Path(source).is_dir() else None)  # fail fast before loading
     reader = source if isinstance(source, (SafetensorsDir, StateDictSource)) else open_source(source)
     src_dir = getattr(reader, "path", None)
-    out = _prepare_out(out, overwrite, src_dir)
+    out = prepare_out(out, overwrite, src_dir)
     config = dict(reader.config or {})
 
     decisions = plan(reader, policy)
     if _tied(config):  # tied embeddings: the head is the embedding, written once
         decisions = [d for d in decisions if d.name != "lm_head.weight"]
     excl = exclude_modules(decisions)
-    if _tied(config) and "lm_head" not in excl and any(d.name == "model.embed_tokens.weight" for d in decisions):
+    if _tied(config) and "lm_head" not in excl:  # the engine's head shares the (kept) embedding
         excl.append("lm_head")
     shards = plan_shards(_output_groups(decisions, fmt, fp8_dtype, dtype), max_bytes)
 

@@ -6,7 +6,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_source, plan
+from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_source, plan, prepare_out
 from ..checkpoint.naming import ALLOWED_FP8, DEFAULT_FORMAT, FORMATS, check_format, check_fp8_dtype
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
@@ -82,10 +82,8 @@ def export_cmd(
 def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite):
     from pathlib import Path
 
-    from ..checkpoint.export import _prepare_out
-
     src_dir = Path(source) if source is not None and Path(source).is_dir() else None
-    _prepare_out(out, overwrite, src_dir)  # fail before loading anything
+    prepare_out(out, overwrite, src_dir)  # fail before loading anything
     with console.status("reading the source model"):
         reader = open_source(source)
     total = sum(reader.nbytes(n) for n in reader.names())
