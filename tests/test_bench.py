@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mxport.bench import BENCHMARKS, ROW_KEYS, check_row, run_benchmark, select
-from mxport.bench.quantize import quantize_bytes
+from mxport.bench.quantize import interleaved_medians, quantize_bytes
 from mxport.bench.report import throughput_series, write_plot
 from mxport.cli import app
 
@@ -36,6 +36,14 @@ def _assert_rows_finite(rows):
 def test_quantize_bytes_counts_input_output_and_scales():
     assert quantize_bytes(4096 * 4096) == 2 * 4096 * 4096 + 4096 * 4096 + 4096 * 4096 // 32
     assert quantize_bytes(33) == 66 + 33 + 2  # a short last block still has its scale byte
+
+
+def test_interleaved_medians_calls_each_contender_in_rounds():
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    med = interleaved_medians(fns, runs=3, warmup=2)
+    assert set(med) == {"a", "b"} and all(v >= 0 for v in med.values())
+    assert order == ["a", "b"] * 5  # 2 warm-up rounds then 3 timed rounds, alternating
 
 
 def test_check_row_accepts_and_normalizes():
