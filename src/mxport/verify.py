@@ -3,7 +3,8 @@
 1. Load the source model (float32; default: the embedded SmolLM2-135M-Instruct) and build its MXFP8 twin: a deep
    copy whose policy linears become :class:`mxport.nn.MXFP8Linear` (:func:`mxport.nn.quantize_model`), or a deep
    copy filled from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
-2. Generate greedily from chat prompts (the tokenizer's chat template) with the MXFP8 twin — the rollout engine.
+2. Generate greedily from chat prompts (the tokenizer's chat template; left-padded batches through
+   ``model.generate``) with the MXFP8 twin — the rollout engine.
 3. Score prompt + generated tokens with both models (teacher forcing, full next-token distributions) and compare
    them at the generated positions: :func:`mxport.metrics.gen_kl_error` KL(P_mxfp8 || P_source),
    :func:`~mxport.metrics.token_mult_prob_error`, :func:`~mxport.metrics.greedy_agreement`; plus the weight SQNR of
@@ -17,7 +18,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import os
 from collections.abc import Callable
@@ -123,30 +123,31 @@ def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
 
 @torch.no_grad()
 def generate_greedy(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: set[int],
-                    progress: Progress = _noop) -> list[torch.Tensor]:
-    """Greedy decoding (argmax, KV cache), one prompt at a time, up to ``max_new_tokens`` tokens or an EOS token
-    (included). Returns the generated ids of each prompt (1-D long, at least one token)."""
+                    progress: Progress = _noop, *, pad_id: int = 0, batch_size: int = 8) -> list[torch.Tensor]:
+    """Greedy decoding (argmax, KV cache) with ``model.generate``, ``batch_size`` left-padded prompts at a time,
+    up to ``max_new_tokens`` tokens or an EOS token (included). Returns the generated ids of each prompt (1-D
+    long, at least one token)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
-    # transformers >= 5 names the KV cache argument `cache`, older releases `past_key_values`
-    params = inspect.signature(model.forward).parameters
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # skip the prompt's lm_head rows
-    out = []
-    for i, p in enumerate(prompts):
-        cur, past, gen = p.to(device)[None], None, []
-        for _ in range(max_new_tokens):
-            kwargs = {} if past is None else {cache_arg: past}
-            res = model(input_ids=cur, use_cache=True, **last_only, **kwargs)
-            past = res["cache"] if "cache" in res else res["past_key_values"]
-            nxt = int(res.logits[0, -1].argmax())
-            gen.append(nxt)
-            if nxt in eos_ids:
-                break
-            cur = torch.tensor([[nxt]], device=device)
-        out.append(torch.tensor(gen, dtype=torch.long))
-        progress("generate", i + 1, len(prompts))
+    eos = sorted(eos_ids)
+    out: list[torch.Tensor] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start: start + batch_size]
+        width = max(int(p.numel()) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, p in enumerate(chunk):
+            ids[row, width - p.numel():] = p
+            mask[row, width - p.numel():] = 1
+        seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                              num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=1, pad_token_id=pad_id,
+                              eos_token_id=eos or None, temperature=None, top_p=None, top_k=None)
+        for row in range(len(chunk)):
+            gen = seqs[row, width:].cpu()
+            hits = [i for i, t in enumerate(gen.tolist()) if t in eos_ids]
+            out.append(gen[: hits[0] + 1] if hits else gen)
+        progress("generate", len(out), len(prompts))
     return out
 
 
@@ -312,7 +313,9 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     finite = [v for v in sqnr.values() if math.isfinite(v)]
 
     prompt_ids = encode_prompts(tok, conversations)
-    generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress, pad_id=pad_id,
+                                batch_size=batch_size)
     rollouts = Rollouts(prompt_ids, generated)
     ref = score(model, rollouts, batch_size)
     progress("score", 1, 2)
