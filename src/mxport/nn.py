@@ -14,8 +14,9 @@ ModelOpt checkpoint names (design.md §4). Forward paths:
   GEMM computes, up to accumulation order.
 - hardware (``activation="mxfp8"`` on a CUDA GPU with MX GEMM, SM100+, see :func:`mxport._env.mx_gemm_available`):
   ``torch._scaled_mm`` with both operands FP8 and swizzled ``float8_e8m0fnu`` scales (:func:`mxport.layouts.swizzle`,
-  the cuBLAS ``VEC32_UE8M0`` layout), as torchao's MX linear calls it. Chosen automatically when K is a multiple of
-  32 and N, M fit the kernel's alignment; any failure falls back to emulation for good (with a warning).
+  the cuBLAS ``VEC32_UE8M0`` layout), as torchao's MX linear calls it (``mx_formats/mx_ops.py``). Chosen
+  automatically for E4M3 weights when K is a multiple of 32 and N, M are multiples of 16; any failure falls back
+  to emulation for good (with a warning).
   **Untested here**: the development machines have no SM100 GPU.
 """
 
@@ -180,11 +181,11 @@ class MXFP8Linear(nn.Module):
                                    f"(activation={self.activation!r}, failure={self._mx_gemm_failed})")
             return False
         ok = (x2.is_cuda and self.weight.is_cuda and mx_gemm_available(x2.device)
-              and self.in_features % BLOCK_SIZE == 0 and self.out_features % 16 == 0 and x2.shape[0] % 16 == 0
+              and self.fp8_dtype == torch.float8_e4m3fn and self.in_features % BLOCK_SIZE == 0 and self.out_features % 16 == 0 and x2.shape[0] % 16 == 0
               and os.environ.get("MXPORT_DISABLE_MX_GEMM", "") in ("", "0"))
         if self.use_mx_gemm is True and not ok:
             raise RuntimeError("use_mx_gemm=True but torch._scaled_mm MX GEMM cannot run here (needs a CUDA SM100+ "
-                               "GPU, K a multiple of 32, M and N multiples of 16)")
+                               "GPU, E4M3 weights, K a multiple of 32, M and N multiples of 16)")
         return ok
 
     def _forward_mx_gemm(self, x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -193,8 +194,8 @@ class MXFP8Linear(nn.Module):
         a = quantize(x2, self.fp8_dtype)
         a_scale = swizzle(a.scale_inv).flatten().view(_E8M0)
         b_scale = self._cached("swizzled", None, lambda: swizzle(self.weight_scale).flatten().view(_E8M0))
-        out_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-        return torch._scaled_mm(a.data, self.weight.t(), a_scale, b_scale, out_dtype=out_dtype)
+        # bf16 output, as torchao's MX linear asks for (mx_ops.py); cast to the compute dtype after
+        return torch._scaled_mm(a.data, self.weight.t(), a_scale, b_scale, out_dtype=torch.bfloat16).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., K]`` float32/bfloat16/float16 -> ``[..., N]`` in the compute dtype (``x.dtype`` unless
