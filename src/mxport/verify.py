@@ -21,7 +21,7 @@ import copy
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -58,7 +58,6 @@ class Scores:
 
     logp: torch.Tensor
     tokens: torch.Tensor
-    extra: dict = field(default_factory=dict)
 
 
 def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None, policy=None,
