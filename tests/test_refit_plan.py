@@ -145,14 +145,16 @@ def test_in_process_refit_overwrites_sentinels_with_sent_bytes(specs, bucket):
     for t in targets:
         t.view(torch.uint8).fill_(0xA5)
     ptrs = [t.data_ptr() for t in targets]
-    stats, got, receiver = _refit_in_process(plan, [sent], targets)
+    stats, got, receiver = _refit_in_process(plan, [sent], targets, stream_crc32=True)
     assert got[0]["version"] == 1 == stats[0]["version"]
+    assert receiver.live_crc32() == stats[0]["stream_crc32"]
     for t, s in zip(targets, sent, strict=True):
         assert torch.equal(byte_view(t), byte_view(s))
     assert [t.data_ptr() for t in targets] == ptrs and receiver.pointers_stable()
     assert receiver.verify_live()
     targets[0].view(torch.uint8).reshape(-1)[0] ^= 1  # a changed live byte is detected
     assert not receiver.verify_live()
+    assert receiver.live_crc32() != stats[0]["stream_crc32"]
 
 
 def test_sender_abort_on_wrong_dtype_keeps_live_weights_and_next_refit_succeeds():

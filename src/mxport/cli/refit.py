@@ -64,8 +64,8 @@ def refit(
     weights to MXFP8 (default precision policy) and broadcasts them in byte buckets; each inference process (its
     model converted once to MXFP8Linear) receives into staging, validates bucket checksums, commits in place, and generates.
     Per step: bytes, seconds (quantize + pack + transfer + commit), GB/s, gen_kl_error (trainer vs inference
-    log-probs on the generated tokens, worst receiver), bit_exact (live bytes re-packed == sender's checksums),
-    pointers_stable.
+    log-probs on the generated tokens, worst receiver), bit_exact (the live bytes, re-packed, have the sender's
+    per-bucket checksums and the CRC-32 of the whole stream it sent), pointers_stable.
 
     JSON (--json): {"steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.

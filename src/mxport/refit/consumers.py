@@ -21,7 +21,8 @@ from ..components import compact_scale_shape
 from ..formats import is_fp8_dtype
 from .plan import RefitPlan
 
-PLAN_FORMAT_NAMES = "modelopt"
+#: plan tensor names follow the modelopt checkpoint (also MXFP8Linear state_dict names)
+PLAN_NAMING = "modelopt"
 
 
 def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +74,7 @@ class TrainerSource:
         for (name, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if q:
                 items.append((name, "values", fp8_dtype, tuple(t.shape)))
-                items.append((scale_name(name, PLAN_FORMAT_NAMES), "scales", torch.uint8,
+                items.append((scale_name(name, PLAN_NAMING), "scales", torch.uint8,
                               compact_scale_shape(t.shape, "rowwise")))
             else:
                 items.append((name, "kept", kept_dtype or t.dtype, tuple(t.shape)))
@@ -112,7 +113,7 @@ def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[
         if is_fp8_dtype(t.dtype):
             items.append((name, "values", t.dtype, tuple(t.shape)))
             targets.append(t.data)
-            sname = scale_name(name, PLAN_FORMAT_NAMES)
+            sname = scale_name(name, PLAN_NAMING)
             if sname in names:
                 s = by_name[sname]
                 items.append((sname, "scales", s.dtype, tuple(s.shape)))

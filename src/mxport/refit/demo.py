@@ -75,7 +75,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes)
-    sender = RefitSender(transport, source.plan)
+    sender = RefitSender(transport, source.plan, stream_crc32=True)
     sender.handshake()
     q.put(("plan", 0, source.plan.summary()))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
@@ -100,6 +100,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
             r["gen_kl_error"] = kl["mean"]
             r["gen_kl_error_max"] = kl["max"]
             r["greedy_agreement"] = greedy_agreement(logits_gen, logits_train)
+            r["bit_exact"] = bool(r["bit_exact"] and r["live_crc32"] == stats["stream_crc32"])
             per_recv.append(r)
         seconds = stats["seconds"] + max(r["commit_s"] for r in per_recv)
         q.put(("step", 0, {
@@ -109,7 +110,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
             "seconds": seconds,
             "gbps": stats["bytes"] / seconds / 1e9,
             "send_s": stats["seconds"], "quantize_s": stats["produce_s"], "pack_s": stats["pack_s"],
-            "checksum_s": stats["checksum_s"], "receivers": per_recv,
+            "checksum_s": stats["checksum_s"], "stream_crc32": stats["stream_crc32"], "receivers": per_recv,
         }))
 
 
@@ -128,7 +129,8 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     eos = tok.eos_token_id
     for _step in range(1, cfg.steps + 1):
         stats = receiver.receive()
-        bit_exact = receiver.verify_live()
+        bit_exact = receiver.verify_live()  # per-bucket checksums of the re-packed live bytes
+        live_crc = receiver.live_crc32()  # the trainer compares it with the CRC-32 of what it sent
         stable = receiver.pointers_stable()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -138,7 +140,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
         gen_s = time.perf_counter() - t0
         transport.all_gather_object({
             "rank": rank, "version": stats["version"], "seconds": stats["seconds"], "recv_s": stats["recv_s"],
-            "commit_s": stats["commit_s"], "bit_exact": bit_exact, "pointers_stable": stable, "gen_s": gen_s,
+            "commit_s": stats["commit_s"], "bit_exact": bit_exact, "live_crc32": live_crc, "pointers_stable": stable, "gen_s": gen_s,
             "prompt_len": int(prompt.shape[1]), "seq": seq, "logits": logits,
             "text": tok.decode(seq[0, prompt.shape[1]:], skip_special_tokens=True),
         })

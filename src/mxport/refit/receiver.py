@@ -4,6 +4,7 @@ live tensors — all or nothing, pointers never move."""
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -195,3 +196,14 @@ class RefitReceiver:
             if checksum(payload) != self.last_checksums[b]:
                 return False
         return True
+
+    def live_crc32(self) -> int:
+        """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding zero):
+        equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were sent."""
+        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
+        crc = 0
+        for b in range(self.plan.num_buckets):
+            payload = scratch[:self.plan.bucket_size(b)]
+            pack_bucket(self.layout, b, self._views, payload)
+            crc = zlib.crc32(payload.cpu().numpy(), crc)
+        return crc
