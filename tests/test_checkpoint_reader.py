@@ -190,3 +190,17 @@ def test_writer_parts(tmp_path):
     w.close()
     back = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(back["x"], x) and back["e"].shape == (0, 4)
+
+
+def test_iter_rows_reads_whole_rows(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    tensors = {"x3": torch.randn(3, 5, 7, generator=g).bfloat16(), "v": torch.randn(9, generator=g),
+               "e": torch.zeros(0, 4), "s": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with SafetensorsDir(tmp_path / "model.safetensors") as d:
+        parts = list(d.iter_rows("x3", 20))  # 20 // 7 = 2 rows per chunk of the (15, 7) view
+        assert [tuple(p.shape) for p in parts] == [(2, 7)] * 7 + [(1, 7)]
+        assert torch.equal(torch.cat(parts).view(torch.uint8), tensors["x3"].reshape(15, 7).view(torch.uint8))
+        for n in ("v", "e", "s"):
+            (p,) = d.iter_rows(n, 4)
+            assert p.shape == tensors[n].shape and torch.equal(p, tensors[n])

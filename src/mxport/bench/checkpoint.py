@@ -2,13 +2,13 @@
 against a plain ``safetensors`` load-and-save (``load_file`` + ``save_file`` per shard) of the same checkpoint.
 
 Each side runs in its own child process (``python -m mxport.bench.checkpoint``) so that its peak RSS
-(``ru_maxrss``) is its own: one warm-up run, then ``runs`` timed runs; the child reports the median. Rows:
+(``VmHWM``) is its own: one warm-up run, then ``runs`` timed runs; the child reports the median. Rows:
 
 * ``export throughput`` — GB/s of input (source tensor bytes / median seconds); baseline: the plain copy's GB/s;
   ratio = export / copy (goal >= 0.5).
 * ``export vs quantize alone`` — the same GB/s against :func:`mxport.quantize` alone on the same tensors
   (chunked as export does, reads not timed): the compute bound on this machine; ratio = export / quantize.
-* ``export peak RSS`` — MB; baseline: the goal's limit, 2 x the largest tensor + 500 MB; ratio = RSS / limit
+* ``export peak RSS`` — MB (``VmHWM`` of the child); baseline: the goal's limit, 2 x the largest tensor + 500 MB; ratio = RSS / limit
   (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
 
 Full: 4 tensors of 16384 x 16384 BF16 (2 GiB, one shard each) on the default quantize path (compiled when
@@ -51,7 +51,9 @@ def make_synthetic(path: Path, n: int, rows: int, cols: int) -> tuple[int, int]:
     weight_map, total = {}, 0
     for i in range(n):
         name = f"model.layers.{i}.mlp.down_proj.weight"
-        x = torch.randn(rows, cols, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        x = torch.empty(rows, cols, dtype=torch.bfloat16)
+        for r0 in range(0, rows, 1024):  # fill in blocks: the parent stays small (children measure their RSS)
+            x[r0:r0 + 1024] = torch.randn(min(1024, rows - r0), cols, generator=gen)
         f = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         save_file({name: x}, str(path / f), metadata={"format": "pt"})
         weight_map[name] = f
@@ -73,9 +75,24 @@ def _plain_copy(src: Path, out: Path) -> None:
         shutil.copy2(src / f, out / f)
 
 
-def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:
-    """Run ``mode`` ("export" | "copy") warmup + runs times; return median seconds and this process's peak RSS."""
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes: ``VmHWM`` from /proc/self/status (per address space, so it starts afresh
+    at exec), else ``ru_maxrss`` (which on Linux keeps the parent's peak at fork across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     from .timing import peak_rss_bytes
+
+    return peak_rss_bytes()
+
+
+def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:
+    """Run ``mode`` ("export" | "copy" | "quantize") warmup + runs times; return the median seconds and this
+    process's peak RSS."""
 
     if mode == "export":
         from ..checkpoint.export import export_checkpoint
@@ -85,7 +102,7 @@ def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:
             export_checkpoint(src, out, max_shard_size="1GB")
         path = "compiled" if FAST_PATH.available else f"eager ({FAST_PATH.disabled_reason})"
     elif mode == "quantize":
-        from ..checkpoint.export import _row_chunks
+        from ..checkpoint.export import CHUNK_NUMEL
         from ..checkpoint.readers import SafetensorsDir
         from ..quantize import quantize
 
@@ -95,11 +112,10 @@ def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:
         def once(out):  # only the quantize calls are timed (reads excluded), chunked as export does
             out.mkdir()
             for name in reader.names():
-                x = reader.get(name)
-                t0 = time.perf_counter()
-                for rows in _row_chunks(x):
+                for rows in reader.iter_rows(name, CHUNK_NUMEL):
+                    t0 = time.perf_counter()
                     quantize(rows)
-                total[0] += time.perf_counter() - t0
+                    total[0] += time.perf_counter() - t0
         path = "quantize only"
     else:
         def once(out):
@@ -116,7 +132,7 @@ def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:
         shutil.rmtree(out)
         if i >= warmup:
             times.append(dt)
-    return {"median": statistics.median(times), "times": times, "peak_rss": peak_rss_bytes(), "path": path}
+    return {"median": statistics.median(times), "times": times, "peak_rss": _peak_rss(), "path": path}
 
 
 def _run_child(mode: str, src: Path, scratch: Path, runs: int, warmup: int, eager: bool) -> dict:
@@ -155,7 +171,7 @@ def run(quick: bool = False) -> list[dict]:
              f"export {exp['median']:.2f} s vs copy {copy['median']:.2f} s"),
         _row("export peak RSS", exp["peak_rss"] / 1e6, "MB", f"2 x largest tensor + 500 MB = {limit / 1e6:.0f} MB",
              exp["peak_rss"] / limit, "<= 1.0",
-             f"child process ru_maxrss (includes torch); plain copy peak RSS {copy['peak_rss'] / 1e6:.0f} MB"),
+             f"child process VmHWM (includes torch); plain copy peak RSS {copy['peak_rss'] / 1e6:.0f} MB"),
     ]
     if qonly is not None:
         rows.insert(1, _row("export vs quantize alone", exp_gbs, "GB/s", f"quantize() alone on the same tensors "

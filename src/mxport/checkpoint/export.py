@@ -18,7 +18,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,8 +148,9 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         progress: called as ``progress(tensor_name, input_bytes_done)`` after each source tensor.
 
     Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
-    dtype, byte for byte. Peak memory (safetensors sources): one source tensor, plus quantize temporaries for
-    :data:`CHUNK_NUMEL` elements, plus the tensor's scales.
+    dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so peak
+    memory is a few chunks plus one tensor's scales, whatever the tensor or shard size; in-memory sources hold
+    their tensors anyway.
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
@@ -177,19 +180,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     writer = ShardedSafetensorsWriter(tmp, shards, metadata={"producer": "mxport", "mxport_format": fmt})
     in_bytes = 0
     try:
-        for d in decisions:
-            x = reader.get(d.name)
-            if d.quantize:
-                _write_quantized(writer, d.name, scale_name(d.name, fmt), x, fp8_dtype)
-            elif dtype is not None and x.dtype in _FLOATS and x.dtype != dtype and x.dim() >= 1:
-                for rows in _row_chunks(x):
-                    writer.write_part(d.name, rows.to(dtype))
-            else:
-                writer.write(d.name, x)
-            in_bytes += x.numel() * x.element_size()
-            del x
-            if progress is not None:
-                progress(d.name, in_bytes)
+        in_bytes = _stream(reader, decisions, writer, fmt, fp8_dtype, dtype, progress)
         weight_map = writer.close()
         reader.close()
 
@@ -214,30 +205,65 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     return ExportResult(out, fmt, decisions, files, in_bytes, out_bytes, excl)
 
 
-#: elements per quantize call: a big tensor is quantized in whole-row chunks so the temporaries stay small
+#: elements per chunk: tensors are read, quantized / cast and written in whole-row chunks of about this size
 CHUNK_NUMEL = 1 << 22
 
 
-def _row_chunks(x: torch.Tensor):
-    """Consecutive whole rows of ``x``'s ``(M, K)`` view, about :data:`CHUNK_NUMEL` elements each."""
-    k = x.shape[-1] if x.dim() else 1
-    rows = x.reshape(-1, k)
-    step = max(1, CHUNK_NUMEL // max(k, 1))
-    for r0 in range(0, rows.shape[0], step):
-        yield rows[r0:r0 + step]
+def _chunks(reader, decisions):
+    """``(decision, rows, is_last_chunk_of_the_tensor)`` over every tensor, in order (see ``iter_rows``)."""
+    for d in decisions:
+        it = reader.iter_rows(d.name, CHUNK_NUMEL)
+        cur = next(it)
+        for nxt in it:
+            yield d, cur, False
+            cur = nxt
+        yield d, cur, True
 
 
-def _write_quantized(writer: ShardedSafetensorsWriter, name: str, sname: str, x: torch.Tensor,
-                     fp8_dtype: torch.dtype) -> None:
-    """Quantize ``x`` rowwise chunk by chunk (MX blocks never cross rows, so the bytes equal one ``quantize``
-    of the whole tensor), streaming the values and collecting the (32x smaller) scales, written right after."""
-    scales = []
-    for rows in _row_chunks(x):
-        c = quantize(rows, fp8_dtype)
-        writer.write_part(name, c.data)
-        scales.append(c.scale_inv)
-    for s in scales:
-        writer.write_part(sname, s)
+def _stream(reader, decisions, writer: ShardedSafetensorsWriter, fmt: str, fp8_dtype: torch.dtype,
+            dtype: torch.dtype | None, progress) -> int:
+    """Read -> quantize / cast -> write, chunk by chunk, with the next chunk's read and the previous chunks'
+    writes running on two helper threads (file I/O releases the GIL), so I/O overlaps with quantize.
+
+    Rowwise MX blocks never cross rows, so quantizing whole-row chunks gives the bytes of one ``quantize`` of the
+    whole tensor. A quantized tensor's values are streamed; its scales (32x smaller) are written after them.
+    Memory in flight: a few chunks. Returns the source bytes read.
+    """
+    in_bytes = 0
+    pending: deque = deque()
+    chunks = _chunks(reader, decisions)
+
+    def submit(*args) -> None:
+        pending.append(wex.submit(writer.write_part, *args))
+        while len(pending) > 2:
+            pending.popleft().result()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="mxport-read") as rex, \
+            ThreadPoolExecutor(1, thread_name_prefix="mxport-write") as wex:
+        scales: list[torch.Tensor] = []
+        nxt = rex.submit(next, chunks, None)
+        while (item := nxt.result()) is not None:
+            nxt = rex.submit(next, chunks, None)
+            d, rows, last = item
+            if d.quantize:
+                c = quantize(rows, fp8_dtype)
+                submit(d.name, c.data)
+                scales.append(c.scale_inv)
+                if last:
+                    sname = scale_name(d.name, fmt)
+                    for sc in scales:
+                        submit(sname, sc)
+                    scales = []
+            elif dtype is not None and rows.dtype in _FLOATS and rows.dtype != dtype:
+                submit(d.name, rows.to(dtype))
+            else:
+                submit(d.name, rows)
+            in_bytes += rows.numel() * rows.element_size()
+            if last and progress is not None:
+                progress(d.name, in_bytes)
+        while pending:
+            pending.popleft().result()
+    return in_bytes
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -183,16 +183,21 @@ class SafetensorsDir:
         """
         if name not in self._where:
             raise KeyError(f"no tensor {name!r} in {self.label}")
-        f = self._where[name]
-        info = self._headers[f][name]
+        info = self._headers[self._where[name]][name]
         begin, end = info["data_offsets"]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin:
+        return self._read(name, 0, end - begin).view(ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])
+
+    def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Bytes ``[start, stop)`` of tensor ``name``'s data as a new uint8 tensor."""
+        f = self._where[name]
+        begin = self._headers[f][name]["data_offsets"][0]
+        buf = torch.empty(stop - start, dtype=torch.uint8)
+        if stop > start:
             if self._handle_file != f:
                 self.close()
-                self._handle = open(f, "rb")  # noqa: SIM115 - kept open across get() calls, closed by close()
+                self._handle = open(f, "rb")  # noqa: SIM115 - kept open across reads, closed by close()
                 self._handle_file = f
-            self._handle.seek(self._data_start[f] + begin)
+            self._handle.seek(self._data_start[f] + begin + start)
             view = memoryview(buf.numpy())
             got = 0
             while got < len(view):
@@ -200,7 +205,27 @@ class SafetensorsDir:
                 if not n:
                     raise ValueError(f"corrupt safetensors file {str(f)!r}: {name!r} data ends early")
                 got += n
-        return buf.view(ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])
+        return buf
+
+    def iter_rows(self, name: str, chunk_numel: int) -> Iterator[torch.Tensor]:
+        """Tensor ``name`` as consecutive whole rows of its ``(M, K)`` view (K = last dimension), about
+        ``chunk_numel`` elements per chunk, each read from the file on its own (memory: one chunk)."""
+        if name not in self._where:
+            raise KeyError(f"no tensor {name!r} in {self.label}")
+        info = self._headers[self._where[name]][name]
+        dtype, shape = ST_TO_TORCH[info["dtype"]], info["shape"]
+        k = shape[-1] if shape else 1
+        m = 1
+        for s in shape[:-1]:
+            m *= s
+        if len(shape) < 2 or k == 0 or m == 0:  # 0-d, 1-D, empty: one piece as it is
+            yield self.get(name)
+            return
+        row_bytes = k * torch.empty((), dtype=dtype).element_size()
+        step = max(1, chunk_numel // k)
+        for r0 in range(0, m, step):
+            r1 = min(m, r0 + step)
+            yield self._read(name, r0 * row_bytes, r1 * row_bytes).view(dtype).reshape(r1 - r0, k)
 
     def close(self) -> None:
         """Close the open shard file (reading again reopens it)."""
@@ -262,6 +287,18 @@ class StateDictSource:
 
     def get(self, name: str) -> torch.Tensor:
         return self._state[name].detach().to("cpu")
+
+    def iter_rows(self, name: str, chunk_numel: int) -> Iterator[torch.Tensor]:
+        """Consecutive whole rows of the tensor's ``(M, K)`` view, about ``chunk_numel`` elements each."""
+        t = self.get(name)
+        if t.dim() < 2 or t.numel() == 0:  # 0-d, 1-D, empty: one piece as it is
+            yield t
+            return
+        k = t.shape[-1]
+        rows = t.reshape(-1, k)
+        step = max(1, chunk_numel // k)
+        for r0 in range(0, rows.shape[0], step):
+            yield rows[r0:r0 + step]
 
     def close(self) -> None:
         pass
