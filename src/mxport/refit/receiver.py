@@ -132,6 +132,7 @@ class RefitReceiver:
         n = plan.num_buckets
         bufs = [*self._payloads, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
+        got = [0] * n
         posted = 0
         for b in range(n + 1):
             try:
@@ -142,6 +143,8 @@ class RefitReceiver:
                 handles[b] = None
                 if b == 0:
                     t_first = time.perf_counter()
+                if b < n and self.use_checksum:  # checksum while later buckets are still on the wire
+                    got[b] = checksum(self._payloads[b])
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 where = f"bucket {b} of {n}" if b < n else "the trailer"
                 names = layout.tensor_names(b) if b < n else []
@@ -160,9 +163,8 @@ class RefitReceiver:
             problem = (None, f"stale refit version {version} (live version is {self.version})")
         elif self.use_checksum:
             for b in range(n):
-                got = checksum(self._payloads[b])
-                if got != crcs[b]:
-                    problem = (b, f"checksum mismatch (sent {crcs[b]:#x}, received {got:#x})")
+                if got[b] != crcs[b]:
+                    problem = (b, f"checksum mismatch (sent {crcs[b]:#x}, received {got[b]:#x})")
                     break
         recv_s = time.perf_counter() - t_first
         if problem is not None:
