@@ -236,3 +236,34 @@ def test_checkpoint_tensors_names_per_format():
     assert [n for n, _ in checkpoint_tensors(plan, targets, "modelopt")][1] == "m.weight_scale"
     with pytest.raises(ValueError, match="fmt"):
         list(checkpoint_tensors(plan, targets, "vllm"))
+
+
+def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises():
+    items = _items([((64,), torch.float32), ((40,), torch.uint8)])
+    plan = RefitPlan(items, 64)
+    g = torch.Generator().manual_seed(3)
+    v1 = [_random(dt, shape, g) for _, _, dt, shape in items]
+    v2 = [_random(dt, shape, g) for _, _, dt, shape in items]
+    targets = [torch.zeros(shape, dtype=dt) for _, _, dt, shape in items]
+    ch = InProcessChannel(1, timeout_s=30)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    out = []
+
+    def rx():
+        out.append(receiver.receive())
+        targets[1].set_(torch.zeros(40, dtype=torch.uint8))  # someone reallocated a live buffer
+        try:
+            receiver.receive()
+        except RefitError as exc:
+            out.append(exc)
+
+    th = threading.Thread(target=rx)
+    th.start()
+    sender = RefitSender(ch.endpoint(0), plan)
+    sender.send(v1)
+    sender.send(v2)
+    th.join(timeout=60)
+    assert not th.is_alive()
+    assert ch._queues[1].empty()  # the receiver still drained every bucket and the trailer: streams stay in step
+    assert out[0]["version"] == 1 and isinstance(out[1], RefitError) and "moved or reallocated" in str(out[1])
+    assert receiver.version == 1 and torch.equal(byte_view(targets[0]), byte_view(v1[0]))

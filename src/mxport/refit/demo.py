@@ -124,6 +124,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     quantize_model(model)
     plan, targets = receiver_plan(model, cfg.bucket_bytes)
     receiver = RefitReceiver(transport, plan, targets)
+    ptrs0 = [t.data_ptr() for t in targets]
     receiver.handshake()
     prompt = _prompt_ids(tok)
     eos = tok.eos_token_id
@@ -131,7 +132,8 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
         stats = receiver.receive()
         bit_exact = receiver.verify_live()  # per-bucket checksums of the re-packed live bytes
         live_crc = receiver.live_crc32()  # the trainer compares it with the CRC-32 of what it sent
-        stable = receiver.pointers_stable()
+        # the model's own tensors (looked up again, not the receiver's references) still sit where they were
+        stable = receiver.pointers_stable() and [t.data_ptr() for t in receiver_plan(model, cfg.bucket_bytes)[1]] == ptrs0
         t0 = time.perf_counter()
         with torch.no_grad():
             seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=cfg.max_new_tokens,

@@ -123,11 +123,14 @@ class RefitReceiver:
         if not self._handshaken:
             self.handshake()
         plan, layout = self.plan, self.layout
-        for i, t in enumerate(self.targets):
-            plan.check_tensor(i, t)
-        if not self.pointers_stable():
-            raise RefitError("a live tensor was moved or reallocated since the receiver was built",
-                             kept_version=self.version)
+        local_problem = None  # found before receiving: still drain the stream so sender and receivers stay in step
+        try:
+            for i, t in enumerate(self.targets):
+                plan.check_tensor(i, t)
+        except ValueError as exc:
+            local_problem = f"a live tensor changed since the receiver was built: {exc}"
+        if local_problem is None and not self.pointers_stable():
+            local_problem = "a live tensor was moved or reallocated since the receiver was built"
         t0 = t_first = time.perf_counter()
         n = plan.num_buckets
         bufs = [*self._payloads, self._trailer]  # n payload broadcasts, then the trailer
@@ -153,7 +156,9 @@ class RefitReceiver:
                                  bucket=b if b < n else None, tensors=names, kept_version=self.version) from exc
         magic, version, nb, status, entry, crcs = read_trailer(self._trailer)
         problem: tuple[int | None, str] | None = None
-        if magic != MAGIC or nb != n:
+        if local_problem is not None:
+            problem = (None, local_problem)
+        elif magic != MAGIC or nb != n:
             problem = (None, f"bad trailer (magic {magic:#x}, {nb} buckets, expected {n})")
         elif status == STATUS_ABORT:
             what = f" at tensor {plan.entries[entry].name!r}" if 0 <= entry < len(plan) else ""
