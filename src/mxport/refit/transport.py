@@ -50,7 +50,8 @@ class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
     Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors. A peer that dies or a broadcast that exceeds the
+    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first; the NCCL path
+    is untested on the development machines, which have no GPU). A peer that dies or a broadcast that exceeds the
     group's ``timeout`` raises ``RuntimeError`` from ``broadcast`` / ``wait``; the group is then unusable and must be
     re-created (``close()`` then :meth:`init`).
     """
@@ -99,8 +100,9 @@ class TorchDistTransport(Transport):
         return self._dist.broadcast(buf, src=self._global_src, group=self.group, async_op=async_op)
 
     def close(self) -> None:
+        """Destroy this transport's group (the default group when none was given)."""
         if self._dist.is_initialized():
-            self._dist.destroy_process_group()
+            self._dist.destroy_process_group(self.group)
 
 
 class InProcessChannel:
