@@ -19,7 +19,8 @@ def test_scale_names_per_format():
     assert scale_name(w, "modelopt") == w + "_scale"
     assert scale_name(w, "compressed-tensors") == w + "_scale"
     assert scale_name(w, "sglang") == w + "_scale_inv"
-    assert scale_name("model.layers.0.mlp.experts.down_proj", "sglang") == "model.layers.0.mlp.experts.down_proj_scale_inv"
+    fused = "model.layers.0.mlp.experts.down_proj"
+    assert scale_name(fused, "sglang") == fused + "_scale_inv" and scale_name(fused, "modelopt") == fused + "_scale"
     assert values_name(w + "_scale_inv", "sglang") == w
     with pytest.raises(ValueError, match="format"):
         scale_name(w, "gguf")

@@ -8,8 +8,8 @@ Each side runs in its own child process (``python -m mxport.bench.checkpoint``) 
   ratio = export / copy (goal >= 0.5).
 * ``export vs quantize alone`` — the same GB/s against :func:`mxport.quantize` alone on the same tensors
   (chunked as export does, reads not timed): the compute bound on this machine; ratio = export / quantize.
-* ``export peak RSS`` — MB (``VmHWM`` of the child); baseline: the goal's limit, 2 x the largest tensor + 500 MB; ratio = RSS / limit
-  (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
+* ``export peak RSS`` — MB (``VmHWM`` of the child); baseline: the goal's limit, 2 x the largest tensor + 500 MB;
+  ratio = RSS / limit (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
 
 Full: 4 tensors of 16384 x 16384 BF16 (2 GiB, one shard each) on the default quantize path (compiled when
 ``torch.compile`` works; its compile time is in the warm-up), 5 runs after 1 warm-up. Quick: 4 tensors of

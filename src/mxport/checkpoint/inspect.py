@@ -46,7 +46,8 @@ def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
 
 def pair_stats(c: MXFP8Components) -> dict:
     """Statistics of one rowwise MXFP8 pair: scale exponent range (E - 127, NaN bytes skipped), decoded absmax and
-    mean |x| (FP32, NaN values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
+    mean |x| (FP32, NaN values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all
+    zero."""
     e = c.scale_inv.to(torch.int32)
     finite = e[e != 255]
     out = {"scale_exp_min": int(finite.min()) - 127 if finite.numel() else None,

@@ -10,7 +10,10 @@ bits; ``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_m
 |---|---|---|---|
 | ``modelopt`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (quant_algo MXFP8 means E4M3) |
 | ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args mean E4M3) |
-| ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | yes: ``fmt: "e5m2"`` records it (SGLang's kernels load E4M3 only; mxport's readers load both) |
+| ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | yes: ``fmt: "e5m2"`` records it |
+
+SGLang's kernels load E4M3 only today; an E5M2 sglang checkpoint is for mxport's own readers
+(:func:`~mxport.checkpoint.open_checkpoint`, ``mxport.nn``) and engines that honour ``fmt``.
 
 Fused 3-D expert tensors without a ``.weight`` suffix (``mlp.experts.gate_up_proj``) get the suffix appended:
 ``mlp.experts.gate_up_proj_scale`` (modelopt, compressed-tensors) / ``..._scale_inv`` (sglang).
