@@ -1,8 +1,9 @@
 """Checkpoint formats: tensor names of the scales and the ``quantization_config`` each consumer reads.
 
 Sources (design.md §4): vLLM ``modelopt.py`` (``ModelOptMxFp8Config``: ``hf_quant_config.json`` ``quantization``
-must hold ``quant_algo``, ``kv_cache_quant_algo`` and ``exclude_modules``; exclude entries are fnmatch patterns over
-module prefixes), vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8
+must hold ``quant_algo``, ``kv_cache_quant_algo`` and ``exclude_modules``; the flat ``config.json`` form reads
+``quant_algo``, ``group_size``, ``ignore``, ``kv_cache_scheme``; exclude entries are fnmatch patterns over module
+prefixes), vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8
 bits; ``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_method`` containing ``mxfp8``,
 ``activation_scheme`` required, ``ignored_layers``, ``weight_block_size [1, 32]``).
 
@@ -97,10 +98,10 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
     check_fp8_dtype(fmt, fp8_dtype)
     excl = [str(m) for m in exclude_modules]
     if fmt == "modelopt":
-        # vLLM reads the flat form {quant_method: modelopt, quant_algo, ...}; `exclude_modules` duplicates
-        # `ignore` for versions that read the hf_quant_config key name.
+        # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore (fnmatch
+        # patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "producer": {"name": PRODUCER},
-                "group_size": 32, "kv_cache_quant_algo": None, "ignore": excl, "exclude_modules": list(excl)}
+                "group_size": 32, "kv_cache_scheme": None, "ignore": excl}
     if fmt == "compressed-tensors":
         args = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
                 "dynamic": False, "scale_dtype": "uint8", "observer": None}
