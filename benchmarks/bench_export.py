@@ -3,15 +3,7 @@
 Usage: ``.venv/bin/python benchmarks/bench_export.py [--quick]`` (same rows as ``mxport bench --only export``).
 """
 
-import sys
-
-from rich.console import Console
-
-from mxport.bench.export import run
-from mxport.bench.report import rows_table
+from mxport.bench.report import script_main
 
 if __name__ == "__main__":
-    rows = run(quick="--quick" in sys.argv[1:])
-    Console().print(rows_table(rows, title="export (medians)"))
-    for r in rows:
-        print(r)
+    script_main("export")

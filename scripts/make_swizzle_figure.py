@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from mxport.bench.report import save_figure
 from mxport.layouts import swizzle
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img" / "swizzle_128x4.png"
@@ -78,18 +78,7 @@ def draw(out: str | os.PathLike = DEFAULT_OUT) -> Path:
                  fontsize=11)
     fig.tight_layout()
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return save_figure(fig, out)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,15 @@ def write_plot(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Save a matplotlib figure as PNG atomically (temp file in the same folder, then rename) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
     try:
@@ -116,3 +125,20 @@ def write_plot(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def script_main(name: str, argv: list[str] | None = None) -> list[dict]:
+    """Entry point of the thin scripts in benchmarks/: run benchmark ``name`` (``--quick`` in ``argv`` for the quick
+    mode), print its table and its rows."""
+    import sys
+
+    from rich.console import Console
+
+    from . import run_benchmark
+
+    argv = sys.argv[1:] if argv is None else argv
+    rows = run_benchmark(name, quick="--quick" in argv)
+    Console().print(rows_table(rows, title=f"{name} (medians)"))
+    for r in rows:
+        print(r)
+    return rows
