@@ -64,9 +64,9 @@ def test_exclude_include_patterns_match_tensor_and_module_names():
     d = by_name(pol.decide_all(llama_entries()))
     assert not d["model.layers.1.self_attn.k_proj.weight"].quantize
     assert d["model.layers.0.self_attn.k_proj.weight"].quantize
-    pol = PrecisionPolicy(include=("*q_proj",))
+    pol = PrecisionPolicy(include=("*o_proj",))
     d = by_name(pol.decide_all(llama_entries()))
-    assert sorted(n for n, x in d.items() if x.quantize) == [f"model.layers.{i}.self_attn.q_proj.weight"
+    assert sorted(n for n, x in d.items() if x.quantize) == [f"model.layers.{i}.self_attn.o_proj.weight"
                                                               for i in range(3)]
     assert "--include" in d["model.layers.0.mlp.up_proj.weight"].reason
     # include cannot force a structural keep
@@ -121,6 +121,21 @@ def test_experts_of_one_moe_layer_share_one_precision():
     excl = exclude_modules(d.values())
     assert "model.layers.0.block_sparse_moe.experts" in excl and "lm_head" in excl
     assert not any("embed" in m or "norm" in m for m in excl)
+
+
+@pytest.mark.parametrize(("rule", "group"), [
+    (dict(exclude=("model.layers.1.self_attn.k_proj",)), ("q_proj", "k_proj", "v_proj")),
+    (dict(include=("*.q_proj", "*down_proj", "*o_proj")), ("q_proj", "k_proj", "v_proj")),
+    (dict(exclude=("model.layers.1.mlp.up_proj",)), ("gate_proj", "up_proj")),
+])
+def test_engine_fused_projections_share_one_precision(rule, group):
+    d = by_name(PrecisionPolicy(**rule).decide_all(llama_entries()))
+    parent = "self_attn" if "q_proj" in group else "mlp"
+    members = [d[f"model.layers.1.{parent}.{m}.weight"] for m in group]
+    assert not any(x.quantize for x in members)
+    assert all("share one precision" in x.reason or "kept by" in x.reason for x in members)
+    if "exclude" in rule:  # other layers untouched
+        assert all(d[f"model.layers.0.{parent}.{m}.weight"].quantize for m in group)
 
 
 def test_decide_module_names_on_a_module():

@@ -19,7 +19,10 @@ Default rules (in this order; the first that applies gives the reason):
    from a ``.layers.<i>.`` / ``.h.<i>.`` / ``.blocks.<i>.`` part of the name, layer count = largest index + 1);
 5. all experts of one MoE layer share one precision: if a user rule keeps any expert weight under
    ``<prefix>.experts.``, every expert weight under that prefix is kept (vLLM's FusedMoE takes one quant method
-   per layer).
+   per layer);
+6. likewise ``q_proj`` / ``k_proj`` / ``v_proj`` of one attention and ``gate_proj`` / ``up_proj`` of one MLP share
+   one precision (vLLM fuses them into ``qkv_proj`` / ``gate_up_proj`` and rejects mixed shards); see
+   :func:`share_group`.
 
 Patterns are shell-style (:func:`fnmatch.fnmatchcase`: ``*``, ``?``, ``[seq]``; ``*`` also matches dots) and are
 tried against both the tensor name (``model.layers.0.mlp.down_proj.weight``) and its module name (the name
@@ -77,6 +80,27 @@ def experts_prefix(name: str) -> str | None:
     """``model.layers.0.mlp.experts`` for any tensor under an ``experts`` module, else None."""
     m = _EXPERTS_RE.match(name)
     return m.group(1) if m else None
+
+
+_FUSED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+
+
+def share_group(name: str) -> tuple[str, str] | None:
+    """The group of weights that must share one precision, as (key, description), or None.
+
+    * every weight under ``<prefix>.experts`` (one MoE layer: vLLM's FusedMoE takes one quant method);
+    * ``q_proj`` / ``k_proj`` / ``v_proj`` of one attention and ``gate_proj`` / ``up_proj`` of one MLP (vLLM loads
+      them into one fused ``qkv_proj`` / ``gate_up_proj`` layer and rejects shards of mixed precision).
+    """
+    prefix = experts_prefix(name)
+    if prefix:
+        return prefix, "experts of one MoE layer"
+    m = _FUSED_RE.match(name)
+    if m:
+        if m.group(2) in ("q_proj", "k_proj", "v_proj"):
+            return f"{m.group(1)}.qkv_proj", "q/k/v projections fused into one qkv_proj by vLLM"
+        return f"{m.group(1)}.gate_up_proj", "gate/up projections fused into one gate_up_proj by vLLM"
+    return None
 
 
 @dataclass(frozen=True)
@@ -209,19 +233,19 @@ class PrecisionPolicy:
         last_kept = set(range(max(n_layers - self.keep_last, 0), n_layers))
 
         out: list[Decision] = []
-        user_kept: dict[str, str] = {}  # experts prefix -> reason of a user-kept expert weight
+        user_kept: dict[str, str] = {}  # share group -> reason of a user-kept member
         for name, shape, dtype in norm:
             quant, reason = self._decide_one(name, shape, dtype, first_kept, last_kept)
             out.append(Decision(name, shape, dtype, quant, reason))
-            prefix = experts_prefix(name)
-            if prefix and not quant and reason.startswith("kept by") and prefix not in user_kept:
-                user_kept[prefix] = f"{name}: {reason}"
-        if user_kept:  # rule 5: one precision per MoE layer
+            group = share_group(name)
+            if group and not quant and reason.startswith("kept by") and group[0] not in user_kept:
+                user_kept[group[0]] = f"{name}: {reason}"
+        if user_kept:  # rules 5 and 6: one precision per MoE layer / per engine-fused projection
             for i, d in enumerate(out):
-                prefix = experts_prefix(d.name)
-                if d.quantize and prefix in user_kept:
+                group = share_group(d.name)
+                if d.quantize and group and group[0] in user_kept:
                     out[i] = Decision(d.name, d.shape, d.dtype, False,
-                                      f"kept: experts of one MoE layer share one precision ({user_kept[prefix]})")
+                                      f"kept: {group[1]} share one precision ({user_kept[group[0]]})")
         return out
 
     def _decide_one(self, name, shape, dtype, first_kept, last_kept) -> tuple[bool, str]:
