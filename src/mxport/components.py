@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from .formats import (
 )
 
 DIRECTIONS = ("rowwise", "columnwise")
+#: output dtypes of dequantize (an FP8 / E8M0 output would silently re-round the decoded values)
+DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def check_direction(direction: str, *, argname: str = "direction") -> str:
@@ -28,10 +31,19 @@ def check_direction(direction: str, *, argname: str = "direction") -> str:
 
 
 def check_block_size(block_size: int, *, argname: str = "block_size") -> int:
-    """MXFP8 blocks hold 32 elements (OCP MX v1.0 §5.2); anything else raises ValueError."""
-    if block_size != BLOCK_SIZE:
+    """MXFP8 blocks hold 32 elements (OCP MX v1.0 §5.2). Returns it as a Python int.
+
+    Raises TypeError for a non-integer (floats are not truncated), ValueError for any other size.
+    """
+    if isinstance(block_size, bool):
+        raise TypeError(f"{argname} must be an integer, got {block_size!r}")
+    try:
+        value = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"{argname} must be an integer, got {block_size!r}") from None
+    if value != BLOCK_SIZE:
         raise ValueError(f"{argname} must be {BLOCK_SIZE} for MXFP8, got {block_size!r}")
-    return block_size
+    return value
 
 
 def compact_scale_shape(shape: tuple[int, ...] | torch.Size, direction: str = "rowwise") -> tuple[int, ...]:
@@ -83,7 +95,7 @@ class MXFP8Components:
             raise ValueError("data must have at least one dimension, got a 0-d tensor")
         object.__setattr__(self, "scale_inv", as_e8m0_bytes(self.scale_inv, argname="scale_inv"))
         check_direction(self.direction)
-        check_block_size(self.block_size)
+        object.__setattr__(self, "block_size", check_block_size(self.block_size))
         expected = compact_scale_shape(self.data.shape, self.direction)
         if tuple(self.scale_inv.shape) != expected:
             raise ValueError(
@@ -160,12 +172,13 @@ def dequantize(components: MXFP8Components, dtype: torch.dtype = torch.float32) 
     Returns a tensor of ``components.shape`` on the components' device. E = 255 decodes to NaN for its block.
 
     Raises:
-        TypeError: ``components`` is not an :class:`MXFP8Components`, or ``dtype`` is not a floating dtype.
+        TypeError: ``components`` is not an :class:`MXFP8Components`, or ``dtype`` is not float32 / bfloat16 /
+            float16 / float64.
     """
     if not isinstance(components, MXFP8Components):
         raise TypeError(f"components must be an MXFP8Components, got {type(components).__name__}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if dtype not in DEQUANTIZE_DTYPES:
+        raise TypeError(f"dtype must be torch.float32, bfloat16, float16 or float64, got {dtype!r}")
     shape = components.shape
     scale = expand_scale(e8m0_to_float(components.scale_inv), shape, components.direction)
     q = components.data.reshape(scale.shape).to(torch.float32)

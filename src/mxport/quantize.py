@@ -68,6 +68,19 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
     return q, e.to(torch.uint8)  # q: uint8 bytes of fp8_dtype
 
 
+#: graphs the fast path may hold: input dtypes (3) x elements (2) x roundings (2) x block_2d (2) x padded K (2)
+RECOMPILE_LIMIT = 64
+
+
+def _dynamo_recompile_limit(limit: int):
+    """Raise dynamo's per-function recompile limit (default 8) for the fast path's calls only."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(limit, getattr(cfg, name))})
+
+
 class _FastPath:
     """Lazily compiled copy of ``_rowwise_kernel``; disabled for good after one failure (with a warning)."""
 
@@ -89,7 +102,8 @@ class _FastPath:
             if self._fn is None:
                 self._fn = torch.compile(_rowwise_kernel, dynamic=True)
         try:
-            return self._fn(*args)
+            with _dynamo_recompile_limit(RECOMPILE_LIMIT):
+                return self._fn(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager kernel
             self.disabled_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})", stacklevel=3)
@@ -102,6 +116,13 @@ FAST_PATH = _FastPath()
 def _check_input(x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor of float32/bfloat16/float16 values, got {type(x).__name__}")
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(
+            f"x must be a plain dense tensor, got the tensor subclass {type(x).__name__} (a quantized or wrapped "
+            "tensor's nominal dtype is not its storage); use mxport.export_components for MXFP8 producers"
+        )
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"x must be a dense (strided) tensor, got layout {x.layout}")
     if is_fp8_dtype(x.dtype):
         raise TypeError(
             f"x must be a high-precision float tensor (float32/bfloat16/float16), got FP8 ({x.dtype}); "
@@ -114,6 +135,8 @@ def _check_input(x) -> None:
 
 
 def _use_fast(fast: bool | None, numel: int) -> bool:
+    if fast is not None and not isinstance(fast, bool):
+        raise TypeError(f"fast must be None, True or False, got {fast!r}")
     if fast is None:
         return FAST_PATH.available and numel >= FAST_MIN_NUMEL
     if fast and not FAST_PATH.available:

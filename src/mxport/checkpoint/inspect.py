@@ -44,15 +44,20 @@ def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
     return None
 
 
-def pair_stats(c: MXFP8Components) -> dict:
-    """Statistics of one rowwise MXFP8 pair: scale exponent range (E - 127, NaN bytes skipped), decoded absmax and
-    mean |x| (FP32, NaN values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all
-    zero."""
-    e = c.scale_inv.to(torch.int32)
+def scale_stats(scale: torch.Tensor) -> dict:
+    """Statistics of E8M0 scale bytes alone (cheap: 1/32 of the values): exponent range E - 127 (NaN bytes
+    skipped), the count of NaN bytes (E = 255) and of zero bytes (E = 0, i.e. 2**-127)."""
+    e = scale.to(torch.int32)
     finite = e[e != 255]
-    out = {"scale_exp_min": int(finite.min()) - 127 if finite.numel() else None,
-           "scale_exp_max": int(finite.max()) - 127 if finite.numel() else None,
-           "nan_scales": int((e == 255).sum())}
+    return {"scale_exp_min": int(finite.min()) - 127 if finite.numel() else None,
+            "scale_exp_max": int(finite.max()) - 127 if finite.numel() else None,
+            "nan_scales": int((e == 255).sum()), "zero_scales": int((e == 0).sum())}
+
+
+def pair_stats(c: MXFP8Components) -> dict:
+    """Statistics of one rowwise MXFP8 pair: :func:`scale_stats`, decoded absmax and mean |x| (FP32, NaN values
+    skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
+    out = scale_stats(c.scale_inv)
     a = c.dequantize(torch.float32).abs()
     a = a[~torch.isnan(a)]  # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
     out["absmax"] = float(a.max()) if a.numel() else 0.0
@@ -148,10 +153,15 @@ def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
             entry["ok"] = False
         if entry["ok"]:
             c = MXFP8Components(d.get(base), d.get(sname), "rowwise")
-            if stats:
-                entry.update(pair_stats(c))
-                if entry["nan_scales"]:
-                    problems.append(f"{sname}: {entry['nan_scales']} NaN scale byte(s) (E = 255)")
+            entry.update(pair_stats(c) if stats else scale_stats(c.scale_inv))
+            if entry["nan_scales"]:
+                problems.append(f"{sname}: {entry['nan_scales']} NaN scale byte(s) (E = 255)")
+            if c.scale_inv.numel() and entry["zero_scales"] == c.scale_inv.numel():
+                if bool(((c.data.view(torch.uint8) & 0x7F) != 0).any()):
+                    problems.append(f"{sname}: every scale byte is 0 (2**-127) but the values are not zero: "
+                                    "scales never written?")
+                else:
+                    warnings.append(f"{base}: an all-zero weight (values and scales all 0)")
             del c
         pairs.append(entry)
     d.close()

@@ -18,7 +18,9 @@ from rich.console import Console
 #: exit codes shared by every subcommand
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
-console = Console(stderr=True)  # tables and progress go to stderr; stdout stays clean for --json
+# tables and progress go to stderr; stdout stays clean for --json. Not a terminal (CI logs, pipes): 160 columns
+# instead of rich's 80, so tables keep their columns.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -62,7 +64,7 @@ def emit_json(obj: Any, path: str | None) -> None:
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``error: message`` to stderr and return the Exit to raise."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, never wrapped
     return typer.Exit(code)
 
 

@@ -13,6 +13,8 @@ dtype codes, and padded / swizzled scale grids -> compact scales. None of these 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..formats import FLOAT8_E8M0FNU, as_e8m0_bytes, is_fp8_dtype
@@ -40,9 +42,9 @@ def resolve_fp8_dtype(value, *, argname: str = "_fp8_dtype") -> torch.dtype:
         code = getattr(value, "value", value)
         if isinstance(code, int) and not isinstance(code, bool) and code in TE_DTYPE_CODES:
             return TE_DTYPE_CODES[code]
-        try:
-            as_int = int(value)
-        except (TypeError, ValueError):
+        try:  # integer-like only (numpy ints, IntEnum): never truncate a float or parse a string
+            as_int = operator.index(value)
+        except TypeError:
             as_int = None
         if as_int in TE_DTYPE_CODES and not isinstance(value, bool):
             return TE_DTYPE_CODES[as_int]
@@ -91,21 +93,28 @@ def scale_bytes(scale, *, argname: str) -> torch.Tensor:
     return as_e8m0_bytes(scale, argname=argname)
 
 
-def compact_from_grid(grid: torch.Tensor, rows: int, cols: int, *, argname: str) -> torch.Tensor:
+def compact_from_grid(grid: torch.Tensor, rows: int, cols: int, *, padded: tuple[int, int] | None = None,
+                      argname: str) -> torch.Tensor:
     """The compact ``(rows, cols)`` corner of a 2-D (padded) scale grid, contiguous.
 
     A view when only rows are cropped (or nothing is); a copy when columns are cropped, since a view cropping
     the last dimension would not be contiguous (consumers such as safetensors need contiguous scales).
-    Padding bytes are never read (TE leaves them uninitialized).
+    Padding bytes are never read (TE leaves them uninitialized). With ``padded`` given, the grid must be exactly
+    that padded shape or the compact ``(rows, cols)`` itself: a larger grid is some other tensor's scales.
 
     Raises:
-        ValueError: ``grid`` is not 2-D, or smaller than ``(rows, cols)``.
+        ValueError: ``grid`` is not 2-D, smaller than ``(rows, cols)``, or (with ``padded``) of another shape.
     """
     if grid.dim() != 2:
         raise ValueError(f"{argname} must be a 2-D scale grid, got shape {tuple(grid.shape)}")
     if grid.shape[0] < rows or grid.shape[1] < cols:
         raise ValueError(
             f"{argname} of shape {tuple(grid.shape)} is too small for the data: needs at least ({rows}, {cols}) scales"
+        )
+    if padded is not None and tuple(grid.shape) not in (tuple(padded), (rows, cols)):
+        raise ValueError(
+            f"{argname} of shape {tuple(grid.shape)} does not match the data: expected TE's padded {tuple(padded)} "
+            f"(or the compact ({rows}, {cols})) scale grid"
         )
     out = unpad(grid, rows, cols)
     return out if out.is_contiguous() else out.contiguous()

@@ -71,15 +71,15 @@ def components_from_te_parts(
         else:
             compact = compact_from_swizzled(scale, cols, rows, argname=sname).t().contiguous()
     else:
+        pr, pc = padded_shape(rows, cols, direction)
         if scale.dim() == 1:
-            pr, pc = padded_shape(rows, cols, direction)
             if scale.numel() != pr * pc:
                 raise ValueError(
                     f"{sname} is 1-D with {scale.numel()} bytes; {direction} data of shape {tuple(values.shape)} "
                     f"needs TE's padded ({pr}, {pc}) grid = {pr * pc} bytes"
                 )
             scale = scale.view(pr, pc)
-        compact = compact_from_grid(scale, rows, cols, argname=sname)
+        compact = compact_from_grid(scale, rows, cols, padded=(pr, pc), argname=sname)
     if direction == "rowwise":
         compact = compact.reshape(*values.shape[:-1], cols)
     return MXFP8Components(values, compact, direction)
