@@ -181,7 +181,8 @@ class MXFP8Linear(nn.Module):
                                    f"(activation={self.activation!r}, failure={self._mx_gemm_failed})")
             return False
         ok = (x2.is_cuda and self.weight.is_cuda and mx_gemm_available(x2.device)
-              and self.fp8_dtype == torch.float8_e4m3fn and self.in_features % BLOCK_SIZE == 0 and self.out_features % 16 == 0 and x2.shape[0] % 16 == 0
+              and self.fp8_dtype == torch.float8_e4m3fn and self.in_features % BLOCK_SIZE == 0
+              and self.out_features % 16 == 0 and x2.shape[0] % 16 == 0
               and os.environ.get("MXPORT_DISABLE_MX_GEMM", "") in ("", "0"))
         if self.use_mx_gemm is True and not ok:
             raise RuntimeError("use_mx_gemm=True but torch._scaled_mm MX GEMM cannot run here (needs a CUDA SM100+ "
