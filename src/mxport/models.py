@@ -22,6 +22,7 @@ import torch
 from ._env import DEFAULT_MODEL_FILE, default_model_file
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CACHE_LAYOUT = 3  # bump when the converted folder's contents change, so stale caches are rebuilt
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,13 @@ def default_model_dir() -> Path:
     stamp = target / "mxport-source.json"
     if stamp.is_file():
         with contextlib.suppress(ValueError, OSError):
-            if json.loads(stamp.read_text()).get("gguf_size") == gguf.stat().st_size:
+            info = json.loads(stamp.read_text())
+            if info.get("gguf_size") == gguf.stat().st_size and info.get("layout") == CACHE_LAYOUT:
                 return target
+    import sys
+
+    print(f"mxport: converting the embedded {DEFAULT_MODEL_NAME} GGUF once into {target} (about 25 s) ...",
+          file=sys.stderr, flush=True)
     _convert_gguf_to_hf_dir(gguf, target)
     return target
 
@@ -119,15 +125,18 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
             state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
+        config = model.config.to_diff_dict()  # only what differs from the class defaults (no id2label filler)
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "dtype", "id2label", "label2id"):
+            config.pop(key, None)
+        config["architectures"] = [type(model).__name__]  # engines (vLLM, SGLang) pick the model class from it
+        config["model_type"] = model.config.model_type
         config["torch_dtype"] = "float32"
-        config.pop("dtype", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if model.generation_config is not None:
             model.generation_config.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        (tmp / "mxport-source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": gguf.stat().st_size}))
+        (tmp / "mxport-source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": gguf.stat().st_size,
+                                                            "layout": CACHE_LAYOUT}))
         if target.exists():  # another process finished first, or a stale copy: replace it
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)

@@ -18,9 +18,30 @@ from rich.console import Console
 #: exit codes shared by every subcommand
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
-# tables and progress go to stderr; stdout stays clean for --json. Not a terminal (CI logs, pipes): 160 columns
-# instead of rich's 80, so tables keep their columns.
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+_REPORTS_TO_STDERR = [False]
+
+
+class _ReportConsole(Console):
+    """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout (``--json -``):
+    then to stderr, so stdout holds JSON only. The stream is looked up at each write (test runners swap them)."""
+
+    @property
+    def file(self):
+        return sys.stderr if _REPORTS_TO_STDERR[0] else sys.stdout
+
+    @file.setter
+    def file(self, value) -> None:  # the stream is chosen per write, above
+        pass
+
+
+# Not a terminal (CI logs, pipes): 160 columns instead of rich's 80, so tables keep their columns.
+console = _ReportConsole(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def json_to_stdout(json_out: str | None) -> None:
+    """Call first in a command: when its JSON goes to stdout (``json_out == "-"``), reports go to stderr."""
+    _REPORTS_TO_STDERR[0] = json_out == "-"
 
 
 def _jsonable(obj: Any) -> Any:
@@ -64,7 +85,7 @@ def emit_json(obj: Any, path: str | None) -> None:
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``error: message`` to stderr and return the Exit to raise."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, never wrapped
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, never wrapped
     return typer.Exit(code)
 
 
@@ -76,4 +97,4 @@ def user_errors() -> Iterator[None]:
         yield
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
             PermissionError) as exc:
-        raise fail(f"{type(exc).__name__}: {exc}") from None
+        raise fail(str(exc) or type(exc).__name__) from None

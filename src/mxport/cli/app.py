@@ -19,3 +19,6 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """MXFP8 weights from training to inference: export, convert, sync (refit), verify."""
+    from ._common import json_to_stdout
+
+    json_to_stdout(None)  # reports to stdout unless the command writes JSON there

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from ..bench import BENCHMARKS, ERROR, run_benchmark, select
 from ..bench.report import machine, rows_table, write_plot
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, user_errors
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
 from .app import app
 
 
@@ -26,6 +26,7 @@ def bench(
     Every value is a median after warm-up; each ratio is the value relative to a baseline measured in the same
     run. Exit 0 on success, 1 when a benchmark failed (an 'error' row), 2 on bad flags.
     """
+    json_to_stdout(json_out)
     with user_errors():
         names = select(only)
         if plot is not None and not plot.lower().endswith(".png"):

@@ -10,7 +10,7 @@ from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_sour
 from ..checkpoint.naming import ALLOWED_FP8, DEFAULT_FORMAT, FORMATS, check_format, check_fp8_dtype
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
-from ._common import console, emit_json, user_errors
+from ._common import console, emit_json, json_to_stdout, user_errors
 from .app import app
 
 _E5M2_FORMATS = ", ".join(f for f in FORMATS if len(ALLOWED_FP8[f]) > 1)
@@ -51,6 +51,7 @@ def export_cmd(
     ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output goes to a
     temporary directory renamed into place. Exit 0 ok, 2 bad input.
     """
+    json_to_stdout(json_out)
     with user_errors():
         check_format(fmt)
         fp8 = _choice(fp8_dtype, FP8_DTYPES, "--fp8-dtype")
@@ -102,7 +103,7 @@ def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite):
 def _print_plan(decisions, label: str) -> None:
     table = Table(title=f"export plan for {label}")
     for col in ("tensor", "shape", "dtype", "decision", "why"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold", min_width=30 if col == "tensor" else None)
     for d in decisions:
         table.add_row(d.name, "x".join(map(str, d.shape)) or "scalar", str(d.dtype).removeprefix("torch."),
                       "[green]MXFP8[/]" if d.quantize else "keep", d.reason)

@@ -12,7 +12,7 @@ from rich.table import Table
 from .. import __version__
 from .._env import default_model_file, mx_gemm_available
 from ..quantize import FAST_PATH
-from ._common import console, emit_json
+from ._common import console, emit_json, json_to_stdout
 from .app import app
 
 _OPTIONAL = ("safetensors", "transformers", "gguf", "accelerate", "torchao", "numpy", "typer", "rich")
@@ -45,6 +45,7 @@ def collect_info() -> dict:
 @app.command()
 def info(json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout).")):
     """Versions, optional packages and which fast paths (torch.compile, MX GEMM) this machine has."""
+    json_to_stdout(json_out)
     data = collect_info()
     if json_out:
         emit_json(data, json_out)

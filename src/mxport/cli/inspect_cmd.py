@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 from ..checkpoint.inspect import inspect_checkpoint
-from ._common import EXIT_CHECK_FAILED, console, emit_json, user_errors
+from ._common import EXIT_CHECK_FAILED, console, emit_json, json_to_stdout, user_errors
 from .app import app
 
 
@@ -22,6 +22,7 @@ def inspect_cmd(
     decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a compact uint8
     scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
     """
+    json_to_stdout("-" if json_flag else None)
     with user_errors():
         report = inspect_checkpoint(path, stats=not no_stats)
     if json_flag:
@@ -38,14 +39,14 @@ def _print(r: dict) -> None:
                   highlight=False)
     t = Table(title="tensors")
     for col in ("name", "shape", "dtype", "role"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold", min_width=30 if col == "name" else None)
     for x in r["tensors"]:
         t.add_row(x["name"], str(x["shape"]), x["dtype"], x["role"])
     console.print(t)
     if r["pairs"]:
         p = Table(title="MXFP8 pairs")
         for col in ("values", "scale shape", "E-127 min..max", "absmax", "mean |x|", "zero blocks"):
-            p.add_column(col)
+            p.add_column(col, overflow="fold", min_width=30 if col == "values" else None)
         for x in r["pairs"]:
             if "absmax" in x:
                 p.add_row(x["values"], str(x["scale_shape"]), f"{x['scale_exp_min']}..{x['scale_exp_max']}",

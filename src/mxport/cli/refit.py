@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, user_errors
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
 from .app import app
 
 MAX_RECEIVERS = 8
@@ -71,6 +71,7 @@ def refit(
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
     Exit 0 on success; 1 if a step is not bit-exact, pointers moved, or a process failed; 2 on bad input.
     """
+    json_to_stdout(json_out)
     from ..refit.plan import ALIGN
 
     with user_errors():
@@ -129,12 +130,12 @@ def refit(
            "median_refit_seconds": statistics.median(r["seconds"] for r in rows) if rows else None}
     emit_json(out, json_out)
     table = Table(title=f"mxport refit {src.label} ({receivers} receiver(s), {bucket_bytes / (1 << 20):g} MiB buckets)")
-    for col in ("step", "loss", "MB", "refit s", "GB/s", "quantize s", "gen_kl_error", "bit_exact", "pointers"):
-        table.add_column(col, justify="right")
+    for col in ("step", "loss", "MB", "refit s", "GB/s", "quant s", "gen_kl", "exact", "ptrs"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(str(r["step"]), f"{r['loss']:.3f}", f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}",
-                      f"{r['gbps']:.2f}", f"{r['quantize_s']:.3f}", f"{r['gen_kl_error']:.3e}",
-                      "yes" if r["bit_exact"] else "[red]NO[/]", "stable" if r["pointers_stable"] else "[red]MOVED[/]")
+                      f"{r['gbps']:.2f}", f"{r['quantize_s']:.3f}", f"{r['gen_kl_error']:.2e}",
+                      "yes" if r["bit_exact"] else "[red]NO[/]", "same" if r["pointers_stable"] else "[red]MOVED[/]")
     console.print(table)
     if rows:
         console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}", highlight=False)

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, user_errors
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
 from .app import app
 
 _FP8 = {"e4m3": "e4m3", "e5m2": "e5m2"}
@@ -77,6 +77,7 @@ def verify(
     Reports gen_kl_error (KL of the full next-token distributions, MXFP8 || source), token_mult_prob_error
     (NeMo-RL), greedy agreement and the weight SQNR of each quantized tensor.
     """
+    json_to_stdout(json_out)
     from ..policy import PrecisionPolicy
     from ..verify import verify as run_verify
 
