@@ -28,7 +28,8 @@ def _good_row(**kw):
 def _assert_rows_finite(rows):
     assert rows
     for r in rows:
-        assert set(r) == set(ROW_KEYS), r
+        assert set(r) - {"met"} == set(ROW_KEYS), r  # the CLI adds "met" (goal reached: true / false / null)
+        assert r.get("met") in (True, False, None), r
         assert math.isfinite(r["value"]) and math.isfinite(r["ratio"]), r
         assert isinstance(r["benchmark"], str) and r["benchmark"] in BENCHMARKS
 
@@ -156,3 +157,13 @@ def test_cli_quick_all_benchmarks_subprocess(tmp_path):
     _assert_rows_finite(rows)
     assert not [r for r in rows if r["metric"] == "error"]
     assert {r["benchmark"] for r in rows} == set(BENCHMARKS)
+
+
+def test_goal_met_reads_ratio_goals():
+    from mxport.bench.report import goal_met
+
+    row = {"metric": "speed", "ratio": 9.9, "goal": "ratio >= 10"}
+    assert goal_met(row) is False and goal_met({**row, "ratio": 10.0}) is True
+    assert goal_met({"metric": "x", "ratio": 0.04, "goal": "ratio <= 0.05"}) is True
+    assert goal_met({"metric": "x", "ratio": 0.06, "goal": "ratio <= 0.05"}) is False
+    assert goal_met({"metric": "x", "ratio": 1.0, "goal": "O(1): microseconds"}) is None

@@ -42,19 +42,32 @@ def _fmt(v: float) -> str:
     return f"{v:.3f}" if a < 10 else f"{v:.1f}"
 
 
+_GOAL_RE = re.compile(r"ratio\s*(>=|<=)\s*([0-9.eE+-]+)")
+
+
+def goal_met(row: dict) -> bool | None:
+    """Whether a row meets a goal written as ``ratio >= X`` / ``ratio <= X``; None for other goals."""
+    m = _GOAL_RE.search(str(row.get("goal", "")))
+    if m is None or row.get("metric") in ("skipped", "error"):
+        return None
+    bound = float(m.group(2))
+    return row["ratio"] >= bound if m.group(1) == ">=" else row["ratio"] <= bound
+
+
 def rows_table(rows: list[dict], title: str = "mxport bench (medians)") -> Table:
-    """One table of rows: benchmark, metric, value, unit, baseline, ratio (= value / baseline), goal."""
+    """One table of rows: benchmark, metric, value, unit, baseline, ratio (= value / baseline), goal, met."""
     table = Table(title=title)
     for col, justify in (("benchmark", "left"), ("metric", "left"), ("value", "right"), ("unit", "left"),
-                         ("baseline", "left"), ("ratio", "right"), ("goal", "left")):
+                         ("baseline", "left"), ("ratio", "right"), ("goal", "left"), ("met", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     for r in rows:
         if r["metric"] in ("skipped", "error"):
             style = "yellow" if r["metric"] == "skipped" else "bold red"
-            table.add_row(r["benchmark"], f"[{style}]{r['metric']}[/]", "", "", r["note"], "", "")
+            table.add_row(r["benchmark"], f"[{style}]{r['metric']}[/]", "", "", r["note"], "", "", "")
             continue
+        met = goal_met(r)
         table.add_row(r["benchmark"], r["metric"], _fmt(r["value"]), r["unit"], r["baseline"],
-                      _fmt(r["ratio"]), r["goal"])
+                      _fmt(r["ratio"]), r["goal"], "" if met is None else ("yes" if met else "[red]no[/]"))
     return table
 
 

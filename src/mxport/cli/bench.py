@@ -9,14 +9,14 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..bench import BENCHMARKS, ERROR, run_benchmark, select
-from ..bench.report import machine, rows_table, write_plot
+from ..bench.report import goal_met, machine, rows_table, write_plot
 from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
 from .app import app
 
 
 @app.command()
 def bench(
-    json_out: str = typer.Option(None, "--json", help="Write {'rows': [...], 'machine': {...}} to FILE ('-': stdout)."),
+    json_out: str = typer.Option(None, "--json", help="Write {'rows': [...], 'machine', 'quick', 'seconds'} to FILE ('-': stdout)."),
     quick: bool = typer.Option(False, "--quick", help="Small tensors and few runs (under a minute here)."),
     only: list[str] = typer.Option(None, "--only", help=f"Run only this benchmark (repeatable): {', '.join(BENCHMARKS)}."),
     plot: str = typer.Option(None, "--plot", help="Write a PNG of quantize throughput vs tensor size to FILE."),
@@ -24,7 +24,8 @@ def bench(
     """Run mxport's benchmarks (quantize vs torchao and the memory bound, export, checkpoint, refit).
 
     Every value is a median after warm-up; each ratio is the value relative to a baseline measured in the same
-    run. Exit 0 on success, 1 when a benchmark failed (an 'error' row), 2 on bad flags.
+    run; "met" says whether a "ratio >= X" / "ratio <= X" goal is reached (JSON: true / false / null). A missed goal
+    is a finding, not a failure: exit 0 on success, 1 when a benchmark failed (an 'error' row), 2 on bad flags.
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -50,6 +51,8 @@ def bench(
             progress.advance(task)
             console.print(f"[dim]{name}: {time.perf_counter() - t0:.1f} s[/]", highlight=False)
     elapsed = time.perf_counter() - t_start
+    for r in rows:
+        r["met"] = goal_met(r)
     if json_out:
         emit_json({"rows": rows, "machine": machine(), "quick": quick, "seconds": elapsed}, json_out)
     console.print(rows_table(rows, title=f"mxport bench{' --quick' if quick else ''} (medians, {elapsed:.0f} s)"))
