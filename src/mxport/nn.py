@@ -16,8 +16,8 @@ ModelOpt checkpoint names (design.md §4). Forward paths:
   ``torch._scaled_mm`` with both operands FP8 and swizzled ``float8_e8m0fnu`` scales (:func:`mxport.layouts.swizzle`,
   the cuBLAS ``VEC32_UE8M0`` layout), as torchao's MX linear calls it (``mx_formats/mx_ops.py``). Chosen
   automatically for E4M3 weights when K is a multiple of 32 and N, M are multiples of 16; any failure falls back
-  to emulation for good (with a warning).
-  **Untested here**: the development machines have no SM100 GPU.
+  to emulation for good (with a warning). ``MXPORT_DISABLE_MX_GEMM=1`` or ``module.use_mx_gemm = False`` forces
+  emulation. **Untested here**: the development machines have no SM100 GPU.
 """
 
 from __future__ import annotations
