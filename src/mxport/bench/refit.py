@@ -63,7 +63,8 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
     from ..refit import RefitPlan, RefitReceiver, RefitSender, TorchDistTransport, TrainerSource
     from ..refit.consumers import allocate_targets
 
-    FAST_PATH.disabled_reason = "refit benchmark: eager kernel"
+    if not cfg["model"]:  # quick mode: a compile would cost more than the whole quick run
+        FAST_PATH.disabled_reason = "refit benchmark --quick: eager kernel"
     torch.set_num_threads(1)
     tr = TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=300)
     try:
@@ -111,6 +112,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
         if rank != 0:
             return None
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
+                "kernel": "compiled" if FAST_PATH.available else "eager",
                 "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "e2e": e2e}
     finally:
         tr.close()
@@ -174,7 +176,8 @@ def rows_from(res: dict, label: str) -> list[dict]:
          "ratio": e2e / raw, "unit": "s", "goal": "informational (quantize + pack + transfer + unpack)",
          "note": note},
     ]
-    for key, what in (("quantize_s", "trainer weights -> MXFP8 (eager kernel, 1 thread)"),
+    kernel = res.get("kernel", "eager")
+    for key, what in (("quantize_s", f"trainer weights -> MXFP8 ({kernel} kernel, 1 thread)"),
                       ("pack_s", "copy into buckets + checksums"), ("transfer_s", "wire time not hidden by packing"),
                       ("unpack_s", "receiver copy_ commit into live tensors")):
         rows.append({"benchmark": BENCHMARK, "metric": f"e2e split: {key[:-2]}", "value": parts[key],

@@ -42,7 +42,7 @@ def _fmt(v: float) -> str:
     return f"{v:.3f}" if a < 10 else f"{v:.1f}"
 
 
-_GOAL_RE = re.compile(r"ratio\s*(>=|<=)\s*([0-9.eE+-]+)")
+_GOAL_RE = re.compile(r"^\s*(?:ratio\s*)?(>=|<=)\s*([0-9.eE+-]+)")
 
 
 def goal_met(row: dict) -> bool | None:
