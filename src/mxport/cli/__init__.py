@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from . import bench, export, info, inspect_cmd  # noqa: F401  (register the subcommands)
-from . import refit as _refit  # noqa: F401  (issue 6: mxport refit)
+from . import bench, export, info, inspect_cmd, refit, verify  # noqa: F401  (register the subcommands)
 from .app import app
-from .verify import verify as _verify  # noqa: F401  (issue 5: mxport verify)
 
 
 def main() -> None:
