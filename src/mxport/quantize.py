@@ -81,6 +81,16 @@ def _dynamo_recompile_limit(limit: int):
     return cfg.patch(**{name: max(limit, getattr(cfg, name))})
 
 
+def _compile_options() -> dict | None:
+    """Inductor options for the fast path: realize per-block intermediates (the scale) of more than 10 ops once per
+    block instead of recomputing them for each of the block's 32 elements (about 30% faster on CPU)."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "realize_opcount_threshold"):
+        return {"realize_opcount_threshold": 10}
+    return None
+
+
 class _FastPath:
     """Lazily compiled copy of ``_rowwise_kernel``; disabled for good after one failure (with a warning)."""
 
@@ -100,7 +110,7 @@ class _FastPath:
     def __call__(self, *args):
         with self._lock:
             if self._fn is None:
-                self._fn = torch.compile(_rowwise_kernel, dynamic=True)
+                self._fn = torch.compile(_rowwise_kernel, dynamic=True, options=_compile_options())
         try:
             with _dynamo_recompile_limit(RECOMPILE_LIMIT):
                 return self._fn(*args)
@@ -195,7 +205,7 @@ def quantize(
     if x2.dtype == torch.float64:
         x2 = x2.to(torch.float32)
     if direction == "columnwise" and not block_2d:
-        x2 = x2.t()  # columnwise blocks = rowwise blocks of the transpose
+        x2 = x2.t().contiguous()  # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
     kernel_args = (
         fmt.max_norm,
         float(np.float32(1.0) / np.float32(fmt.max_norm)),
