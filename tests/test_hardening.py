@@ -100,3 +100,21 @@ def test_block_size_must_be_an_integer_32():
             MXFP8Components(d, s, block_size=bad)
         with pytest.raises(TypeError, match="block_size"):
             quantize(torch.ones(2, 32), block_size=bad)
+
+
+def test_decoded_weight_cache_holds_one_entry_per_dtype():
+    from mxport.nn import MXFP8Linear
+
+    lin = MXFP8Linear.from_components(quantize(torch.randn(8, 64)))
+    w32 = lin.decoded_weight(torch.float32)
+    wbf = lin.decoded_weight(torch.bfloat16)
+    assert wbf.dtype == torch.bfloat16 and lin.decoded_weight(torch.float32) is w32  # not evicted by the bf16 decode
+    lin.weight_scale.add_(1)  # an in-place write still invalidates every entry
+    assert torch.equal(lin.decoded_weight(torch.float32), w32 * 2)
+
+
+def test_inspect_expands_user_home_for_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _one_pair_checkpoint(tmp_path / "ckpt")
+    rep = inspect_checkpoint("~/ckpt")
+    assert rep["format"] == "modelopt" and rep["format_source"] == "config"

@@ -162,12 +162,12 @@ class MXFP8Linear(nn.Module):
 
     def _cached(self, tag: str, dtype: torch.dtype | None, build):
         key = self._key(tag, dtype)
-        hit = self._cache.get(tag)
+        hit = self._cache.get((tag, dtype))  # one entry per dtype: fp32 SQNR decodes don't evict bf16 forwards
         if key is not None and hit is not None and hit[0] == key:
             return hit[1]
         value = build()
         if key is not None:
-            self._cache[tag] = (key, value)
+            self._cache[(tag, dtype)] = (key, value)
         return value
 
     def decoded_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -343,7 +343,11 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
     """
     from .checkpoint import open_checkpoint
 
-    reader = open_checkpoint(path)
+    with open_checkpoint(path) as reader:  # closes the shard files, on errors too
+        return _load_from_reader(model, reader, path, strict=strict, activation=activation)
+
+
+def _load_from_reader(model: nn.Module, reader, path, *, strict: bool, activation: str | None) -> dict:
     if reader.format is None:
         raise ValueError(f"{path} is not an MXFP8 checkpoint (no quantization_config of a known format)")
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -91,7 +91,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
     problems: list[str] = []
     warnings: list[str] = []
 
-    qc = read_quant_config(d.path, d.config) if Path(path).is_dir() else None
+    qc = read_quant_config(d.path, d.config) if Path(path).expanduser().is_dir() else None
     fmt, fmt_src = detect_format(qc), "config"
     if fmt is None:
         fmt, fmt_src = format_by_names(names, dtypes), "names"
@@ -169,8 +169,9 @@ def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
     if qc is not None and fmt_src == "config" and not pair_of:
         problems.append(f"config declares {fmt!r} MXFP8 quantization but no FP8 values/scale pair is in the files")
 
+    values_of = {s: b for b, s in pair_of.items()}  # scale name -> values name
     tensors = [{"name": n, "shape": list(shapes[n]), "dtype": _dtype_str(dtypes[n]), "role": roles[n],
-                "pair": pair_of.get(n) or next((b for b, s in pair_of.items() if s == n), None)} for n in names]
+                "pair": pair_of.get(n) or values_of.get(n)} for n in names]
     by_role = {"values": 0, "scales": 0, "kept": 0}
     bf16 = 0
     for n in names:
