@@ -10,6 +10,7 @@ import torch
 
 from .formats import (
     BLOCK_SIZE,
+    FLOAT_DTYPES,
     as_e8m0_bytes,
     ceil_div,
     e8m0_to_float,
@@ -20,7 +21,7 @@ from .formats import (
 
 DIRECTIONS = ("rowwise", "columnwise")
 #: output dtypes of dequantize (an FP8 / E8M0 output would silently re-round the decoded values)
-DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+DEQUANTIZE_DTYPES = FLOAT_DTYPES
 
 
 def check_direction(direction: str, *, argname: str = "direction") -> str:

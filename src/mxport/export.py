@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .components import MXFP8Components, check_direction
+from .formats import FLOAT_DTYPES
 from .quantize import quantize
 from .sources.grouped import export_te_grouped, is_te_grouped, split_experts
 from .sources.megatron import export_megatron, is_megatron_mxfp8
@@ -37,13 +38,12 @@ def _native(obj, direction: str) -> MXFP8Components | None:
     return None
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _is_float_tensor(obj) -> bool:
     """A plain float tensor or nn.Parameter. Tensor subclasses are excluded: an unknown quantized subclass
     (e.g. TE NVFP4Tensor, whose dtype is its nominal bf16) must not be silently dequantized and requantized."""
-    return type(obj) in (torch.Tensor, torch.nn.Parameter) and type(obj.data) is torch.Tensor and obj.dtype in _FLOATS
+    return type(obj) in (torch.Tensor, torch.nn.Parameter) and type(obj.data) is torch.Tensor and obj.dtype in FLOAT_DTYPES
 
 
 def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> MXFP8Components:

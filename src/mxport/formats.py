@@ -23,6 +23,17 @@ FP8_CANONICAL_NAN = 0x7F  # NaN in both E4M3 (S.1111.111) and E5M2 (S.11111.11)
 #: ``torch.float8_e8m0fnu`` where this torch has it (2.7+), else ``None``. mxport carries scales as uint8 bytes.
 FLOAT8_E8M0FNU = getattr(torch, "float8_e8m0fnu", None)
 
+#: the high-precision float dtypes mxport quantizes from and decodes to
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+#: safetensors header dtype names -> torch dtypes (``F8_E8M0`` where this torch has ``float8_e8m0fnu``)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+    **({"F8_E8M0": FLOAT8_E8M0FNU} if FLOAT8_E8M0FNU is not None else {}),
+}
+
 
 @dataclass(frozen=True)
 class ElementFormat:

@@ -41,15 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+from .formats import FLOAT_DTYPES, SAFETENSORS_DTYPES
+
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _EXPERTS_RE = re.compile(r"^(.*?\.experts)(?:\.|$)")
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-}
 
 
 def _as_dtype(dtype) -> torch.dtype:
@@ -57,8 +53,8 @@ def _as_dtype(dtype) -> torch.dtype:
         return dtype
     if isinstance(dtype, str):
         key = dtype.removeprefix("torch.")
-        if dtype.upper() in _SAFETENSORS_DTYPES:
-            return _SAFETENSORS_DTYPES[dtype.upper()]
+        if dtype.upper() in SAFETENSORS_DTYPES:
+            return SAFETENSORS_DTYPES[dtype.upper()]
         if isinstance(getattr(torch, key, None), torch.dtype):
             return getattr(torch, key)
     raise TypeError(f"entry dtype must be a torch.dtype or a safetensors dtype name like 'BF16', got {dtype!r}")
@@ -249,7 +245,7 @@ class PrecisionPolicy:
         return out
 
     def _decide_one(self, name, shape, dtype, first_kept, last_kept) -> tuple[bool, str]:
-        if dtype not in _FLOAT_DTYPES:
+        if dtype not in FLOAT_DTYPES:
             return False, f"not a floating tensor ({str(dtype).removeprefix('torch.')}): kept as is"
         if len(shape) < 2:
             return False, f"{len(shape)}-D tensor (bias, norm or buffer): kept"
@@ -310,7 +306,7 @@ def exclude_modules(decisions: Iterable[Decision]) -> list[str]:
     """
     out: dict[str, None] = {}
     for d in decisions:
-        if d.quantize or len(d.shape) < 2 or d.dtype not in _FLOAT_DTYPES:
+        if d.quantize or len(d.shape) < 2 or d.dtype not in FLOAT_DTYPES:
             continue
         parts = [p.lower() for p in _parts(d.name)]
         if any("embed" in p or "norm" in p for p in parts):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .components import MXFP8Components, check_block_size, check_direction
 from .formats import (
     BLOCK_SIZE,
+    FLOAT_DTYPES,
     ElementFormat,
     ceil_div,
     e8m0_floor,
@@ -31,7 +32,6 @@ from .formats import (
 )
 
 ROUNDINGS = ("rceil", "floor")
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: tensors with fewer elements than this use the eager path under ``fast=None`` (compiled launch overhead wins).
 FAST_MIN_NUMEL = 1 << 15
 
@@ -138,7 +138,7 @@ def _check_input(x) -> None:
             f"x must be a high-precision float tensor (float32/bfloat16/float16), got FP8 ({x.dtype}); "
             "use mxport.export_components for tensors that are already MXFP8"
         )
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be a float32/bfloat16/float16 tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..components import compact_scale_shape
+from ..formats import FLOAT_DTYPES
 from ..policy import Decision, PrecisionPolicy, exclude_modules
 from ..quantize import quantize
 from .naming import DEFAULT_FORMAT, check_fp8_dtype, hf_quant_config, quantization_config, scale_name
@@ -37,7 +38,6 @@ from .writers import ShardedSafetensorsWriter, TensorSpec, parse_size, plan_shar
 _SKIP_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx")
 _SKIP_NAMES = {"config.json", "hf_quant_config.json", INDEX_NAME, "pytorch_model.bin.index.json",
                "mxport-source.json"}
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -99,7 +99,7 @@ def _output_groups(decisions, fmt, fp8_dtype, dtype) -> list[list[TensorSpec]]:
             groups.append([TensorSpec(d.name, fp8_dtype, d.shape),
                            TensorSpec(scale_name(d.name, fmt), torch.uint8, compact_scale_shape(d.shape))])
         else:
-            out_dtype = dtype if (dtype is not None and d.dtype in _FLOATS) else d.dtype
+            out_dtype = dtype if (dtype is not None and d.dtype in FLOAT_DTYPES) else d.dtype
             groups.append([TensorSpec(d.name, out_dtype, d.shape)])
     return groups
 
@@ -254,7 +254,7 @@ def _stream(reader, decisions, writer: ShardedSafetensorsWriter, fmt: str, fp8_d
                     for sc in scales:
                         submit(sname, sc)
                     scales = []
-            elif dtype is not None and rows.dtype in _FLOATS and rows.dtype != dtype:
+            elif dtype is not None and rows.dtype in FLOAT_DTYPES and rows.dtype != dtype:
                 submit(d.name, rows.to(dtype))
             else:
                 submit(d.name, rows)

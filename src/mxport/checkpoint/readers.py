@@ -21,17 +21,11 @@ from pathlib import Path
 import torch
 
 from ..components import MXFP8Components
-from ..formats import is_fp8_dtype
+from ..formats import SAFETENSORS_DTYPES, is_fp8_dtype
 from .naming import FORMATS, SCALE_SUFFIX, detect_format
 
 #: safetensors dtype names <-> torch dtypes (the ones mxport reads and writes)
-ST_TO_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    ST_TO_TORCH["F8_E8M0"] = torch.float8_e8m0fnu
+ST_TO_TORCH = SAFETENSORS_DTYPES
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
