@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ._env import DEFAULT_MODEL_FILE, default_model_file
+from ._fs import replace_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_LAYOUT = 3  # bump when the converted folder's contents change, so stale caches are rebuilt
@@ -137,9 +138,7 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
         tok.save_pretrained(str(tmp))
         (tmp / "mxport-source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": gguf.stat().st_size,
                                                             "layout": CACHE_LAYOUT}))
-        if target.exists():  # another process finished first, or a stale copy: replace it
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+        replace_dir(tmp, target)  # another process finished first, or a stale copy: swapped, never missing
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .._fs import replace_dir
 from ..components import compact_scale_shape
 from ..formats import FLOAT_DTYPES
 from ..policy import Decision, PrecisionPolicy, exclude_modules
@@ -195,7 +196,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         if fmt == "modelopt":
             (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
         os.chmod(tmp, 0o755)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -264,19 +265,3 @@ def _stream(reader, decisions, writer: ShardedSafetensorsWriter, fmt: str, fp8_d
         while pending:
             pending.popleft().result()
     return in_bytes
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed only after the rename."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, trash / out.name)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(trash / out.name, out)
-        raise
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)

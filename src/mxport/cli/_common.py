@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+
+from .._fs import atomic_write_text
 
 #: exit codes shared by every subcommand
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
@@ -54,21 +54,6 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def emit_json(obj: Any, path: str | None) -> None:
