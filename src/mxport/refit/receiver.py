@@ -196,21 +196,21 @@ class RefitReceiver:
         for the last refit (an independent check of the committed bytes; needs sender checksums)."""
         if not self.last_checksums:
             return False
-        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
-        for b in range(self.plan.num_buckets):
-            payload = scratch[:self.plan.bucket_size(b)]
-            pack_bucket(self.layout, b, self._views, payload)
-            if checksum(payload) != self.last_checksums[b]:
-                return False
-        return True
+        return all(checksum(payload) == self.last_checksums[b] for b, payload in self._live_buckets())
 
     def live_crc32(self) -> int:
         """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding zero):
         equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were sent."""
-        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
         crc = 0
+        for _, payload in self._live_buckets():
+            crc = zlib.crc32(payload.cpu().numpy(), crc)
+        return crc
+
+    def _live_buckets(self):
+        """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer (each
+        payload is valid until the next one is yielded)."""
+        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
         for b in range(self.plan.num_buckets):
             payload = scratch[:self.plan.bucket_size(b)]
             pack_bucket(self.layout, b, self._views, payload)
-            crc = zlib.crc32(payload.cpu().numpy(), crc)
-        return crc
+            yield b, payload

@@ -17,6 +17,13 @@ from .plan import RefitPlan
 from .transport import Transport
 
 
+def _retire_oldest(pending, slot_busy: list) -> None:
+    """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
+    handle, slot, _ = pending.popleft()
+    handle.wait()
+    if slot is not None:
+        slot_busy[slot] = None
+
 class RefitSender:
     """The trainer side of refit.
 
@@ -123,10 +130,7 @@ class RefitSender:
                 else:
                     slot = b % len(self._packbuf)
                     while slot_busy[slot] is not None:  # wait until this pack buffer is off the wire
-                        h, s_, _ = pending.popleft()
-                        h.wait()
-                        if s_ is not None:
-                            slot_busy[s_] = None
+                        _retire_oldest(pending, slot_busy)
                     payload = self._packbuf[slot][:size]
                 t3 = time.perf_counter()
                 if slot is not None:
@@ -139,10 +143,7 @@ class RefitSender:
                 if self._corrupt is not None:
                     self._corrupt(b, payload)
                 while len(pending) >= self.inflight:
-                    h, s_, _ = pending.popleft()
-                    h.wait()
-                    if s_ is not None:
-                        slot_busy[s_] = None
+                    _retire_oldest(pending, slot_busy)
                 t6 = time.perf_counter()
                 pending.append((self.transport.broadcast(payload, async_op=True), slot, payload))
                 if slot is not None:
