@@ -38,7 +38,7 @@ def test_compiled_kernel_is_bit_identical_to_eager(fast_path, kwargs):
     assert fast_path.available, fast_path.disabled_reason
 
 
-def test_fast_true_without_compile_raises():
+def test_fast_true_without_compile_raises(no_native):
     from mxport.quantize import FAST_PATH
 
     if FAST_PATH.available:

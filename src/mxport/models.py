@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ._env import DEFAULT_MODEL_FILE, default_model_file
+from ._env import DEFAULT_MODEL_FILE, cache_dir, default_model_file
 from ._fs import replace_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -42,11 +42,6 @@ class ModelSource:
     @property
     def is_default(self) -> bool:
         return self.label == DEFAULT_MODEL_NAME
-
-
-def cache_dir() -> Path:
-    """mxport's cache folder: ``$MXPORT_CACHE`` or ``~/.cache/mxport``."""
-    return Path(os.environ.get("MXPORT_CACHE") or Path.home() / ".cache" / "mxport")
 
 
 def has_safetensors(path: Path) -> bool:

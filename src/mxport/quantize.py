@@ -1,7 +1,9 @@
 """quantize(): float tensors -> MXFP8 components, bit-exact with Transformer Engine ("rceil") or OCP MX ("floor").
 
-One kernel function (``_rowwise_kernel``) holds the whole algorithm; the eager path calls it directly and the fast
-path calls a ``torch.compile``d copy of the same function, so the two cannot drift apart (tests check bit-identity).
+One kernel function (``_rowwise_kernel``) holds the whole algorithm; the eager path calls it directly and the
+compiled path calls a ``torch.compile``d copy of the same function, so the two cannot drift apart. On CPUs with
+AVX-512 a native C kernel (:mod:`mxport.native`, the same algorithm in one pass) is used instead; it is checked
+byte for byte against ``_rowwise_kernel`` on a probe tensor before its first use (tests check all three agree).
 
 Sources: design.md §2; TE ``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0 §6.3.
 """
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .components import MXFP8Components, check_block_size, check_direction
 from .formats import (
     BLOCK_SIZE,
@@ -123,6 +126,83 @@ class _FastPath:
 FAST_PATH = _FastPath()
 
 
+def _probe_inputs() -> list[torch.Tensor]:
+    """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last block
+    (K = 600), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8 ties and rounding edges, many binades."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(4, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (4, 600), generator=g).float())
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38, 480.0,
+                            464.0, 448.0, 61440.0, 2.0 ** -10, 2.0 ** -9 * 1.5, 2.0 ** -17 * 3, 1.0])
+    x[1, :16] = special
+    x[2, 560:576] = special.flip(0)
+    x[3] = x[3] * 1e-30
+    return [x, x.to(torch.bfloat16), x.to(torch.float16)]
+
+
+class _NativePath:
+    """The native CPU kernel (:mod:`mxport.native`), built and loaded lazily, checked against the eager kernel
+    on probe tensors before first use; disabled for good (with the reason) when any of that fails."""
+
+    def __init__(self) -> None:
+        self._lib = None
+        self._lock = threading.Lock()
+        self.disabled_reason: str | None = None
+        if os.environ.get(native.ENV_DISABLE, "") not in ("", "0"):
+            self.disabled_reason = f"{native.ENV_DISABLE} is set"
+
+    @property
+    def available(self) -> bool:
+        """True when the kernel is built, loaded and passed its self-check (builds it on first call)."""
+        if self._lib is None and self.disabled_reason is None:
+            with self._lock:
+                if self._lib is None and self.disabled_reason is None:
+                    self._load()
+        return self._lib is not None and self.disabled_reason is None
+
+    def _load(self) -> None:
+        try:
+            lib = native.load(native.build())
+            for x in _probe_inputs():
+                for fmt in (element_format(torch.float8_e4m3fn), element_format(torch.float8_e5m2)):
+                    for floor in (False, True):
+                        args = _kernel_args(fmt, floor, block_2d=False)
+                        want = _rowwise_kernel(x, *args)
+                        got = native.quantize_rows(lib, x, *_native_args(fmt, floor))
+                        if not (torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])):
+                            raise native.NativeUnavailable(
+                                f"self-check failed: {x.dtype} -> {fmt.name}, {'floor' if floor else 'rceil'} "
+                                "differs from the eager kernel")
+        except native.NativeUnavailable as exc:
+            self.disabled_reason = str(exc)[:500]
+            return
+        except Exception as exc:  # noqa: BLE001 - anything unexpected disables the native path, never quantize
+            self.disabled_reason = f"native kernel failed to load: {type(exc).__name__}: {exc}"[:500]
+            return
+        self._lib = lib
+
+    def supports(self, x2: torch.Tensor, block_2d: bool) -> bool:
+        """True when the kernel handles this input: CPU float32 / bfloat16 / float16, 1-D blocks."""
+        return (not block_2d and x2.device.type == "cpu" and x2.dtype in native.INPUT_CODES
+                and self.available)
+
+    def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor))
+
+
+NATIVE_PATH = _NativePath()
+
+
+def _kernel_args(fmt: ElementFormat, floor: bool, block_2d: bool) -> tuple:
+    """The trailing arguments of ``_rowwise_kernel`` for an element format and rounding."""
+    return (fmt.max_norm, float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax, fmt.dtype, floor, block_2d)
+
+
+def _native_args(fmt: ElementFormat, floor: bool) -> tuple:
+    """The trailing arguments of :func:`mxport.native.quantize_rows` (same numbers as :func:`_kernel_args`)."""
+    return (0 if fmt.dtype == torch.float8_e4m3fn else 1, floor, float(np.float32(1.0) / np.float32(fmt.max_norm)),
+            fmt.emax)
+
+
 def _check_input(x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor of float32/bfloat16/float16 values, got {type(x).__name__}")
@@ -144,14 +224,43 @@ def _check_input(x) -> None:
         raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")
 
 
-def _use_fast(fast: bool | None, numel: int) -> bool:
+def kernel_for(x2: torch.Tensor, *, block_2d: bool = False, fast: bool | None = None) -> str:
+    """Which kernel :func:`quantize` runs for the 2-D ``(M, K)`` view ``x2``: ``"native"``, ``"compiled"`` or
+    ``"eager"`` (``fast`` as in :func:`quantize`).
+
+    ``fast=None``: native where it supports the input (CPU with AVX-512, float32 / bfloat16 / float16, 1-D
+    blocks), else compiled for ``>= FAST_MIN_NUMEL`` elements when ``torch.compile`` works, else eager.
+    ``fast=True``: native or compiled, RuntimeError when neither is available. ``fast=False``: eager.
+    """
     if fast is not None and not isinstance(fast, bool):
         raise TypeError(f"fast must be None, True or False, got {fast!r}")
+    if fast is False or x2.numel() == 0:
+        return "eager"
+    if NATIVE_PATH.supports(x2, block_2d):
+        return "native"
     if fast is None:
-        return FAST_PATH.available and numel >= FAST_MIN_NUMEL
-    if fast and not FAST_PATH.available:
-        raise RuntimeError(f"fast=True but the compiled path is unavailable: {FAST_PATH.disabled_reason}")
-    return bool(fast)
+        return "compiled" if FAST_PATH.available and x2.numel() >= FAST_MIN_NUMEL else "eager"
+    if not FAST_PATH.available:
+        why_native = NATIVE_PATH.disabled_reason or "does not take this input"
+        raise RuntimeError(f"fast=True but no fast kernel is available (native: {why_native}; "
+                           f"compiled: {FAST_PATH.disabled_reason})")
+    return "compiled"
+
+
+def kernel_label(x: torch.Tensor, *, block_2d: bool = False) -> str:
+    """One line naming the kernel ``quantize(x)`` runs by default, with the reason when it is the eager one
+    (for reports and benchmark notes)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    if x2.dtype == torch.float64:
+        x2 = x2.to(torch.float32)
+    kind = kernel_for(x2, block_2d=block_2d)
+    if kind == "native":
+        return "native (AVX-512 C kernel)"
+    if kind == "compiled":
+        return "compiled (torch.compile)"
+    why = [f"native: {NATIVE_PATH.disabled_reason or 'does not take this input'}",
+           f"compiled: {FAST_PATH.disabled_reason or 'below FAST_MIN_NUMEL'}"]
+    return f"eager ({'; '.join(why)})"
 
 
 def quantize(
@@ -177,8 +286,9 @@ def quantize(
         block_2d: amax over 32×32 blocks of the 2-D ``(M, K)`` view (TE ``with_2d_quantization``, weights); the
             scale keeps the compact layout of ``direction``, repeated over the block's 32 rows (columns).
         block_size: must be 32.
-        fast: ``None`` picks the compiled kernel for large tensors when ``torch.compile`` works, ``True`` forces
-            it, ``False`` forces eager. Both give identical bytes.
+        fast: ``None`` picks the fastest kernel that takes the input (:func:`kernel_for`: the native AVX-512 C
+            kernel on CPU, else the ``torch.compile``d one for large tensors, else eager); ``True`` requires a fast
+            kernel (native or compiled); ``False`` forces eager. All give identical bytes.
 
     A short last block (K not a multiple of 32) keeps its own scale from its valid elements; blocks never cross
     rows. NaN elements are skipped in the amax and stay NaN; Inf saturates to ±max_norm (amax Inf gives E = 254);
@@ -190,6 +300,7 @@ def quantize(
     Raises:
         TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype``.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
+        RuntimeError: ``fast=True`` where no fast kernel is available.
     """
     _check_input(x)
     fmt: ElementFormat = element_format(fp8_dtype)
@@ -206,18 +317,14 @@ def quantize(
         x2 = x2.to(torch.float32)
     if direction == "columnwise" and not block_2d:
         x2 = x2.t().contiguous()  # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
-    kernel_args = (
-        fmt.max_norm,
-        float(np.float32(1.0) / np.float32(fmt.max_norm)),
-        fmt.emax,
-        fmt.dtype,
-        rounding == "floor",
-        block_2d,
-    )
-    if x2.numel() > 0 and _use_fast(fast, x2.numel()):
-        q, e = FAST_PATH(x2, *kernel_args)
+    floor = rounding == "floor"
+    kernel = kernel_for(x2, block_2d=block_2d, fast=fast)
+    if kernel == "native":
+        q, e = NATIVE_PATH(x2, fmt, floor)
+    elif kernel == "compiled":
+        q, e = FAST_PATH(x2, *_kernel_args(fmt, floor, block_2d))
     else:
-        q, e = _rowwise_kernel(x2, *kernel_args)
+        q, e = _rowwise_kernel(x2, *_kernel_args(fmt, floor, block_2d))
     q = q.view(fmt.dtype)
 
     if direction == "rowwise":

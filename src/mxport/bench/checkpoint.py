@@ -95,12 +95,14 @@ def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:
     process's peak RSS."""
 
     if mode == "export":
+        import torch
+
         from ..checkpoint.export import export_checkpoint
-        from ..quantize import FAST_PATH
+        from ..quantize import kernel_label
 
         def once(out):
             export_checkpoint(src, out, max_shard_size="1GB")
-        path = "compiled" if FAST_PATH.available else f"eager ({FAST_PATH.disabled_reason})"
+        path = kernel_label(torch.empty(64, 4096))
     elif mode == "quantize":
         from ..checkpoint.export import CHUNK_NUMEL
         from ..checkpoint.readers import SafetensorsDir

@@ -50,7 +50,7 @@ def run(quick: bool = False) -> list[dict]:
     since each call takes microseconds.
     """
     from ..export import export_components
-    from ..quantize import FAST_MIN_NUMEL, FAST_PATH, quantize
+    from ..quantize import kernel_label, quantize
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     side = QUICK_SIDE if quick else FULL_SIDE
@@ -59,8 +59,7 @@ def run(quick: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(side, side, generator=gen).to(device=device, dtype=torch.bfloat16)
     shape_s = f"{side}x{side}"
-    path = "compiled" if FAST_PATH.available and x.numel() >= FAST_MIN_NUMEL else (
-        f"eager ({FAST_PATH.disabled_reason or 'below FAST_MIN_NUMEL'})")
+    path = kernel_label(x)
 
     # Exports are timed first: right after a compiled quantize, short CPU ops run ~100x slower for about a
     # second (inductor's worker threads / processes settling), which would time that, not the export.

@@ -4,7 +4,9 @@ Rows (``run()``), every figure a median over ``runs`` timed calls after warm-up,
 the contenders timed in interleaved rounds (:func:`interleaved_medians`) so that outside load hits them alike:
 
 * ``first call (compile)`` — seconds of the first ``quantize`` call of the process on the default path (it
-  includes the ``torch.compile`` of the fast kernel); baseline: one steady-state call of the same shape.
+  includes loading — or, once per machine, compiling — the native kernel and its self-check, or the
+  ``torch.compile`` of the compiled kernel where that one is used); baseline: one steady-state call of the same
+  shape.
 * ``speed 4096x4096`` — quantize throughput in GB/s of bytes moved; baseline: torchao 0.18
   ``torchao.prototype.mx_formats.mx_tensor.to_mx(x, float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)`` on the
   same tensor; ratio = the speed-up (goal >= 10).
@@ -87,7 +89,7 @@ def run(quick: bool = False) -> list[dict]:
     the compiled kernel when ``torch.compile`` works (``mxport info`` says), else the eager one (row notes say
     which). Runs on CUDA when available, else CPU.
     """
-    from ..quantize import FAST_MIN_NUMEL, FAST_PATH
+    from ..quantize import kernel_for, kernel_label
     from ..quantize import quantize as mx_quantize
 
     device = _device()
@@ -103,8 +105,7 @@ def run(quick: bool = False) -> list[dict]:
     x = make(side)
     numel = x.numel()
     nbytes = quantize_bytes(numel)
-    path = "compiled (torch.compile)" if FAST_PATH.available and numel >= FAST_MIN_NUMEL else (
-        f"eager ({FAST_PATH.disabled_reason or 'tensor below FAST_MIN_NUMEL'})")
+    path = kernel_label(x)
     shape_s = f"{side}x{side}"
     rows: list[dict] = []
 
@@ -161,7 +162,7 @@ def run(quick: bool = False) -> list[dict]:
                              "plot", ao_missing))
             continue
         g_ao = b / med["torchao"] / 1e9
-        sub_path = "compiled" if FAST_PATH.available and xs.numel() >= FAST_MIN_NUMEL else "eager"
+        sub_path = kernel_for(xs)
         rows.append(_row(f"throughput {n}x{n}", g_mx, "GB/s", f"torchao to_mx RCEIL {g_ao:.3f} GB/s",
                          g_mx / g_ao, "plot", f"{sub_path}; ratio = speed-up over torchao"))
     return rows

@@ -17,7 +17,7 @@ _THROUGHPUT = re.compile(r"^throughput (\d+)x(\d+)$")
 def machine() -> dict:
     """The machine the numbers come from: CPU count, torch threads, versions, CUDA device, fast-path state."""
     from .. import __version__
-    from ..quantize import FAST_PATH
+    from ..quantize import FAST_PATH, NATIVE_PATH
 
     return {
         "platform": platform.platform(),
@@ -28,6 +28,8 @@ def machine() -> dict:
         "torch": torch.__version__,
         "mxport": __version__,
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "native_quantize": NATIVE_PATH.available,
+        "native_quantize_disabled_reason": NATIVE_PATH.disabled_reason,
         "fast_quantize": FAST_PATH.available,
         "fast_quantize_disabled_reason": FAST_PATH.disabled_reason,
     }

