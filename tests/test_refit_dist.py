@@ -3,7 +3,9 @@
 Scenario "main": bucket edges (a tensor exactly one bucket, one larger than a bucket, 2000 tiny tensors) and an
 MXFP8Linear; sentinel-filled receive buffers; a corrupted bucket checksum; the decoded cache following a scale
 change 127 -> 128. Scenario "mismatch": reordered and retyped plans rejected before any payload. Scenario "kill":
-a sender killed mid-transfer, then a new sender on a new group.
+a sender killed mid-transfer, then a new sender on a new group. Scenario "direct": the same refits received straight
+into one arena (``allocate_targets``), the corrupted refit and the killed sender rolled back byte for byte; "kill"
+runs in both modes.
 """
 
 from __future__ import annotations
@@ -159,6 +161,40 @@ def _main_receiver(init):
     return res
 
 
+def _stream(plan, tensors):
+    out = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    for e, t in zip(plan.entries, tensors, strict=True):
+        out[e.offset:e.offset + e.nbytes] = _bytes(t).reshape(-1)
+    return out
+
+
+def _direct_receiver(init):
+    """Against _main_sender (v1, corrupted v2, v3, v4), receiving straight into an arena."""
+    from mxport.refit import RefitError, RefitReceiver, allocate_targets
+    from mxport.refit.buckets import stream_arena
+
+    plan = _plan()
+    targets = allocate_targets(plan)
+    arena = stream_arena(plan, targets)
+    arena.fill_(0xA5)  # sentinel everywhere, alignment padding included
+    receiver = RefitReceiver(_transport(1, init), plan, targets)
+    ptrs0 = receiver.pointers()
+    res = {"direct": receiver.direct, "equal": {}, "pointers": [], "versions": [], "commit_s": []}
+    for v in (1, 2, 3, 4):
+        try:
+            stats = receiver.receive()
+            res["versions"].append(stats["version"])
+            res["commit_s"].append(stats["commit_s"])
+        except RefitError as exc:
+            res["versions"].append("error")
+            res["corrupt_error"] = {"msg": str(exc), "bucket": exc.bucket, "kept": exc.kept_version}
+        want = 1 if v == 2 else v
+        res["equal"][v] = torch.equal(arena, _stream(plan, payload(want)))  # byte-identical, padding too
+        res["pointers"].append(receiver.pointers() == ptrs0 and arena.data_ptr() == ptrs0[0])
+    receiver.transport.close()
+    return res
+
+
 def _mismatch_body(rank, init):
     """Round 1: the receiver's plan has two tensors swapped; round 2: one dtype changed; round 3: plans agree."""
     from mxport.refit import RefitPlanMismatch, RefitReceiver, RefitSender
@@ -213,14 +249,18 @@ def _kill_sender(init, die):
     return {}
 
 
-def _kill_receiver(init, init2):
-    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport
+def _kill_receiver(init, init2, direct=False):
+    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport, allocate_targets
+    from mxport.refit.buckets import stream_arena
 
-    targets = [torch.zeros(shape, dtype=dtype) for _, _, dtype, shape in items()]
     plan = _plan()
+    if direct:
+        targets = allocate_targets(plan)
+    else:
+        targets = [torch.zeros(shape, dtype=dtype) for _, _, dtype, shape in items()]
     receiver = RefitReceiver(_transport(1, init), plan, targets)
     ptrs = receiver.pointers()
-    res = {}
+    res = {"direct": receiver.direct}
     receiver.receive()
     res["v1"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(1), strict=True))
     try:
@@ -229,6 +269,8 @@ def _kill_receiver(init, init2):
     except RefitError as exc:
         res["error"] = {"msg": str(exc), "bucket": exc.bucket, "tensors": exc.tensors[:3]}
     res["kept_v1"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(1), strict=True))
+    if direct:
+        res["kept_v1"] = res["kept_v1"] and torch.equal(stream_arena(plan, targets), _stream(plan, payload(1)))
     res["version_after_error"] = receiver.version
     receiver.transport.close()
     receiver.transport = TorchDistTransport.init(rank=1, world_size=2, init_method=init2, timeout_s=PG_TIMEOUT_S)
@@ -311,11 +353,25 @@ def test_two_process_plan_mismatch_rejected_before_payload(tmp_path):
 
 
 @pytest.mark.slow
-def test_sender_killed_mid_transfer_keeps_weights_then_next_refit_succeeds(tmp_path):
+def test_direct_mode_two_processes_sentinels_corrupt_checksum_rolls_back(tmp_path):
+    init = f"file://{tmp_path}/store"
+    res = _run([("send", _main_sender, (init,)), ("recv", _direct_receiver, (init,))])["recv"]
+    assert res["direct"] is True
+    assert res["versions"] == [1, "error", 3, 4]
+    assert res["equal"] == {1: True, 2: True, 3: True, 4: True}  # v2 rolled back to v1 byte for byte
+    assert res["pointers"] == [True, True, True, True]
+    err = res["corrupt_error"]
+    assert err["bucket"] == 1 and "checksum mismatch" in err["msg"] and err["kept"] == 1
+    assert "restored from the rollback copy" in err["msg"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direct", [False, True], ids=["staging", "direct"])
+def test_sender_killed_mid_transfer_keeps_weights_then_next_refit_succeeds(tmp_path, direct):
     init, init2 = f"file://{tmp_path}/store1", f"file://{tmp_path}/store2"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    recv = ctx.Process(target=_entry, args=(_kill_receiver, (init, init2), q, "recv"), daemon=True)
+    recv = ctx.Process(target=_entry, args=(_kill_receiver, (init, init2, direct), q, "recv"), daemon=True)
     dying = ctx.Process(target=_entry, args=(_kill_sender, (init, True), q, "send"), daemon=True)
     recv.start()
     dying.start()
@@ -335,6 +391,7 @@ def test_sender_killed_mid_transfer_keeps_weights_then_next_refit_succeeds(tmp_p
             if p.is_alive():
                 p.terminate()
     res = results["recv"]
+    assert res["direct"] is direct
     assert res["v1"] is True
     assert res["error"] is not None and res["error"]["bucket"] is not None
     assert f"bucket {res['error']['bucket']}" in res["error"]["msg"]

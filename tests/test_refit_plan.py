@@ -17,10 +17,11 @@ from mxport.refit import (
     RefitReceiver,
     RefitSender,
     TrainerSource,
+    allocate_targets,
     checkpoint_tensors,
     receiver_plan,
 )
-from mxport.refit.buckets import BucketLayout, byte_view
+from mxport.refit.buckets import BucketLayout, byte_view, stream_arena
 from mxport.refit.plan import ALIGN, diff_canonical
 
 DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32]
@@ -36,11 +37,12 @@ def _random(dtype, shape, g):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def _refit_in_process(plan, sources_per_version, targets, **sender_kw):
-    """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list)."""
+def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, corrupt=None, **sender_kw):
+    """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list).
+    ``corrupt(sender, bucket, payload)``: the sender's test hook (after the checksum, before the broadcast)."""
     ch = InProcessChannel(1, timeout_s=30)
     recv_out = []
-    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets, **(receiver_kw or {}))
 
     def rx():
         for _ in sources_per_version:
@@ -52,6 +54,8 @@ def _refit_in_process(plan, sources_per_version, targets, **sender_kw):
     th = threading.Thread(target=rx)
     th.start()
     sender = RefitSender(ch.endpoint(0), plan, **sender_kw)
+    if corrupt is not None:
+        sender._corrupt = lambda b, payload: corrupt(sender, b, payload)
     sent = []
     for src in sources_per_version:
         try:
@@ -267,3 +271,208 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises():
     assert ch._queues[1].empty()  # the receiver still drained every bucket and the trailer: streams stay in step
     assert out[0]["version"] == 1 and isinstance(out[1], RefitError) and "moved or reallocated" in str(out[1])
     assert receiver.version == 1 and torch.equal(byte_view(targets[0]), byte_view(v1[0]))
+
+
+# ---- direct mode: targets in one arena laid out as the stream ----------------------------------------------------
+def _stream_bytes(plan, tensors):
+    """The plan's byte stream of ``tensors`` (padding zero)."""
+    out = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    for e, t in zip(plan.entries, tensors, strict=True):
+        out[e.offset:e.offset + e.nbytes] = byte_view(t)
+    return out
+
+
+def test_allocate_targets_is_one_arena_in_stream_order():
+    items = _items([((3,), torch.uint8), ((0, 5), torch.float32), ((5, 7), torch.float32), ((9,), torch.bfloat16),
+                    ((2, 32), torch.float8_e4m3fn)])
+    plan = RefitPlan(items, 64)
+    targets = allocate_targets(plan)
+    base = targets[0].data_ptr()
+    for e, t in zip(plan.entries, targets, strict=True):
+        assert str(t.dtype).removeprefix("torch.") == e.dtype and tuple(t.shape) == e.shape
+        assert t.is_contiguous() and t.untyped_storage().data_ptr() == targets[0].untyped_storage().data_ptr()
+        if e.nbytes:
+            assert t.data_ptr() == base + e.offset
+    arena = stream_arena(plan, targets)
+    assert arena is not None and arena.data_ptr() == base and arena.numel() == plan.total_bytes
+    assert bool((arena == 0).all())
+    # not an arena: separate tensors, two targets swapped, a stream that would run past the storage
+    assert stream_arena(plan, [torch.zeros(e.shape, dtype=t.dtype) for e, t in zip(plan.entries, targets,
+                                                                                      strict=True)]) is None
+    two = RefitPlan(_items([((4,), torch.float32), ((4,), torch.float32)]), 16)
+    a, b = allocate_targets(two)
+    assert stream_arena(two, [a, b]) is not None and stream_arena(two, [b, a]) is None
+    big = torch.zeros(8)
+    assert stream_arena(two, [big[4:], big[8:]]) is None
+
+
+def test_receiver_picks_direct_mode_from_the_targets():
+    plan = RefitPlan(_items([((40,), torch.float32), ((5,), torch.uint8)]), 64)
+    ep = InProcessChannel(1).endpoint(1)
+    assert RefitReceiver(ep, plan, allocate_targets(plan)).direct is True
+    assert RefitReceiver(ep, plan, allocate_targets(plan), direct=False).direct is False
+    separate = [torch.zeros(40), torch.zeros(5, dtype=torch.uint8)]
+    assert RefitReceiver(ep, plan, separate).direct is False
+    with pytest.raises(ValueError, match="direct=True"):
+        RefitReceiver(ep, plan, separate, direct=True)
+
+
+def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous_version():
+    """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure the
+    arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8),
+                    ((3, 32), torch.float8_e4m3fn)])
+    plan = RefitPlan(items, 64)
+    g = torch.Generator().manual_seed(11)
+    vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(6)]
+    bad = list(vs[3])
+    bad[1] = bad[1].to(torch.float16)
+    short = vs[4][:3]
+    targets = allocate_targets(plan)
+    for t in targets:
+        t.view(torch.uint8).fill_(0xA5)
+    arena = stream_arena(plan, targets)
+    arena.fill_(0xA5)  # padding too: the whole stream is overwritten
+    initial = arena.clone()
+    ptrs = [t.data_ptr() for t in targets]
+
+    def corrupt(sender, b, payload):
+        if sender.version == 2 and b == 3:
+            payload[-1] ^= 0xFF
+
+    sent, got, receiver = _refit_in_process(plan, [vs[0], vs[1], vs[2], bad, short, vs[5]], targets,
+                                            corrupt=corrupt, stream_crc32=True)
+    assert receiver.direct and isinstance(sent[3], ValueError) and isinstance(sent[4], ValueError)
+    assert got[0]["version"] == 1 and got[0]["direct"] is True and got[0]["commit_s"] < 0.05
+    assert isinstance(got[1], RefitError) and got[1].bucket == 3 and "restored from the rollback copy" in str(got[1])
+    assert isinstance(got[3], RefitError) and "aborted" in str(got[3]) and got[3].kept_version == 3
+    assert isinstance(got[4], RefitError) and got[4].kept_version == 3
+    assert got[5]["version"] == 6 and receiver.version == 6
+    assert all(got[i]["backup_s"] > 0 for i in (0, 2, 5))
+    assert not torch.equal(initial, _stream_bytes(plan, vs[5]))
+    assert torch.equal(arena, _stream_bytes(plan, vs[5]))  # bytes equal the sent bytes, padding included
+    assert receiver.live_crc32() == sent[5]["stream_crc32"] and receiver.verify_live()
+    assert [t.data_ptr() for t in targets] == ptrs and receiver.pointers_stable()
+    receiver.wait_backup()
+    assert torch.equal(receiver._staging, arena)  # the rollback copy holds the live version
+
+
+def _direct_run(plan, versions, targets, corrupt, slow_backup_s=0.0):
+    """Like _refit_in_process, but records the live stream after every receive (right after it returns or
+    raises, without waiting for the background backup) and can slow the backup copy down."""
+    ch = InProcessChannel(1, timeout_s=30)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    assert receiver.direct
+    if slow_backup_s:
+        run_backup = receiver._run_backup
+
+        def slow():
+            import time
+
+            time.sleep(slow_backup_s)
+            run_backup()
+
+        receiver._run_backup = slow
+    arena = stream_arena(plan, targets)
+    snaps, outs = [], []
+
+    def rx():
+        for _ in versions:
+            try:
+                outs.append(receiver.receive())
+            except RefitError as exc:
+                outs.append(exc)
+            snaps.append(arena.clone())
+
+    th = threading.Thread(target=rx)
+    th.start()
+    sender = RefitSender(ch.endpoint(0), plan)
+    sender._corrupt = lambda b, payload: corrupt(sender, b, payload)
+    for v in versions:
+        sender.send(v)
+    th.join(timeout=60)
+    assert not th.is_alive()
+    return receiver, outs, snaps
+
+
+def test_direct_failure_right_after_a_success_rolls_back_to_that_success():
+    """The background backup of v2 is slowed down; v3 fails at once: receive() must wait for the backup, so the
+    rollback restores v2 (not v1, which a stale rollback copy would still hold)."""
+    items = _items([((64,), torch.float32), ((100,), torch.uint8)])
+    plan = RefitPlan(items, 64)
+    g = torch.Generator().manual_seed(5)
+    vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(4)]
+
+    def corrupt(sender, b, payload):
+        if sender.version == 3 and b == 0:
+            payload[0] ^= 0x01
+
+    receiver, outs, snaps = _direct_run(plan, vs, allocate_targets(plan), corrupt, slow_backup_s=0.3)
+    assert [o["version"] if isinstance(o, dict) else "error" for o in outs] == [1, 2, "error", 4]
+    assert torch.equal(snaps[1], _stream_bytes(plan, vs[1]))
+    assert torch.equal(snaps[2], _stream_bytes(plan, vs[1]))  # rolled back to v2 exactly
+    assert torch.equal(snaps[3], _stream_bytes(plan, vs[3]))
+
+
+def test_direct_mode_moved_buffer_drains_restores_and_raises():
+    items = _items([((64,), torch.float32), ((40,), torch.uint8)])
+    plan = RefitPlan(items, 64)
+    g = torch.Generator().manual_seed(3)
+    v1, v2 = ([_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(2))
+    targets = allocate_targets(plan)
+    arena = stream_arena(plan, targets)
+    ch = InProcessChannel(1, timeout_s=30)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    out = []
+
+    def rx():
+        out.append(receiver.receive())
+        targets[1].set_(torch.zeros(40, dtype=torch.uint8))
+        try:
+            receiver.receive()
+        except RefitError as exc:
+            out.append(exc)
+
+    th = threading.Thread(target=rx)
+    th.start()
+    sender = RefitSender(ch.endpoint(0), plan)
+    sender.send(v1)
+    sender.send(v2)
+    th.join(timeout=60)
+    assert ch._queues[1].empty()
+    assert out[0]["version"] == 1 and isinstance(out[1], RefitError) and "moved or reallocated" in str(out[1])
+    assert torch.equal(arena, _stream_bytes(plan, v1)) and receiver.version == 1
+
+
+def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
+    """A broadcast writes memory without bumping ``_version``; the receiver bumps it, so the decoded cache of an
+    MXFP8Linear whose buffers are arena views follows (scale byte 127 -> 128 doubles the output)."""
+    from mxport import quantize
+    from mxport.nn import MXFP8Linear
+
+    lin = MXFP8Linear(64, 8)
+    plan, live = receiver_plan(lin, 256)
+    targets = allocate_targets(plan)
+    lin.weight, lin.weight_scale = targets  # the module's buffers are now the arena views
+    w = quantize(torch.randn(8, 64))
+    v1 = [w.data, w.scale_inv]
+    v2 = [w.data, w.scale_inv + 1]
+    x = torch.randn(3, 64)
+    outs_y = []
+    ch = InProcessChannel(1, timeout_s=30)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    assert receiver.direct and live[0].shape == targets[0].shape
+
+    def rx():
+        for _ in range(2):
+            receiver.receive()
+            outs_y.append(lin(x))
+
+    th = threading.Thread(target=rx)
+    th.start()
+    sender = RefitSender(ch.endpoint(0), plan)
+    sender.send(v1)
+    sender.send(v2)
+    th.join(timeout=60)
+    assert torch.equal(outs_y[0], torch.nn.functional.linear(x, w.dequantize()))
+    assert torch.equal(outs_y[1], 2 * outs_y[0])

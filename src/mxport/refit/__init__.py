@@ -3,7 +3,8 @@ checked, in place, all or nothing.
 
 - :class:`RefitPlan` (ordered tensors, bytes, buckets, digest) and :class:`RefitPlanMismatch`;
 - :class:`RefitSender` / :class:`RefitReceiver` (fixed-size byte buckets, overlapped packing, per-bucket checksums,
-  staging then ``copy_`` commit, stable pointers, a version counter) and :class:`RefitError`;
+  stable pointers, a version counter; staging then ``copy_`` commit, or direct receive into an arena from
+  :func:`allocate_targets` with a rollback copy) and :class:`RefitError`;
 - transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated);
 - consumers: :class:`TrainerSource` (policy + quantize), :func:`receiver_plan` (an ``MXFP8Linear`` model's live
   buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM / SGLang loaders).

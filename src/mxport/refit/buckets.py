@@ -130,3 +130,30 @@ def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: lis
     """Copy each segment's bytes from ``payload`` into ``targets[entry]`` (flat uint8 views), in place."""
     for s in segments:
         targets[s.entry][s.src:s.src + s.length].copy_(payload[s.dst:s.dst + s.length])
+
+
+def stream_arena(plan: RefitPlan, targets: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat ``uint8`` tensor over the targets' storage when the targets are laid out exactly as the plan's byte
+    stream (``allocate_targets`` does that): all share one storage, each target's first byte sits at
+    ``base + entry.offset``, and the storage covers ``[base, base + plan.total_bytes)``. None otherwise.
+
+    Writing the returned tensor writes the targets (and the alignment padding between them, which belongs to the
+    stream). Zero-byte entries are not checked (they own no bytes).
+    """
+    storage, base, device = None, None, None
+    for e, t in zip(plan.entries, targets, strict=True):
+        if e.nbytes == 0:
+            continue
+        if not t.is_contiguous():
+            return None
+        s = t.untyped_storage()
+        if storage is None:
+            storage, base, device = s, t.data_ptr() - e.offset, t.device
+        elif s.data_ptr() != storage.data_ptr() or t.device != device or t.data_ptr() - e.offset != base:
+            return None
+    if storage is None:
+        return None
+    start = base - storage.data_ptr()
+    if start < 0 or start + plan.total_bytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (plan.total_bytes,), (1,))

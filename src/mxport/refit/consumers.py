@@ -126,11 +126,30 @@ def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[
 
 
 def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """Fresh receive buffers for ``plan`` (for an engine that loads weights itself, see
-    :func:`checkpoint_tensors`), allocated once and reused for every refit."""
+    """Receive buffers for ``plan`` (for an engine that loads weights itself, see :func:`checkpoint_tensors`),
+    allocated once and reused for every refit.
+
+    One flat zero-filled ``uint8`` arena of ``plan.total_bytes`` bytes is allocated on ``device``; each returned
+    tensor is a view of it with the planned dtype and shape at the entry's byte offset — the arena *is* the plan's
+    byte stream. A :class:`~mxport.refit.RefitReceiver` given these targets receives the buckets straight into
+    them ("direct mode": no staging -> live copy at commit). The views share the arena's storage (and its version
+    counter); keep them alive as long as the engine uses them.
+
+    Raises:
+        ValueError: an entry whose offset is not a multiple of its dtype's item size (cannot happen for plans built
+            by :class:`RefitPlan`, whose offsets are multiples of 16).
+    """
     from .plan import dtype_from_name
 
-    return [torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=device) for e in plan.entries]
+    arena = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+    out = []
+    for e in plan.entries:
+        dt = dtype_from_name(e.dtype)
+        if e.offset % dt.itemsize:
+            raise ValueError(f"tensor {e.name!r}: offset {e.offset} is not a multiple of the {e.dtype} item size "
+                             f"{dt.itemsize}")
+        out.append(arena[e.offset:e.offset + e.nbytes].view(dt).view(e.shape))
+    return out
 
 
 def checkpoint_tensors(plan: RefitPlan, targets: Sequence[torch.Tensor], fmt: str = "modelopt"

@@ -1,8 +1,20 @@
-"""RefitReceiver: receives every bucket and the trailer into staging, validates all of them, then commits with ``copy_`` into the
-live tensors — all or nothing, pointers never move."""
+"""RefitReceiver: receives every bucket and the trailer, validates all of them, and leaves the live tensors on
+exactly one complete version — all or nothing, pointers never move.
+
+Two modes, chosen from the targets:
+
+* **staging** (any targets): buckets land in a staging copy of the byte stream; after the trailer validates, the
+  live tensors are written with ``copy_`` (the commit).
+* **direct** (targets laid out as one arena in the plan's byte order, as :func:`~mxport.refit.allocate_targets`
+  makes them): buckets land straight in the live arena, so there is no commit copy. The staging buffer then holds
+  the *previous* version (a rollback copy): on any failure the touched part of the arena is restored from it before
+  :class:`RefitError` is raised. After a successful refit a background thread copies the new version into staging
+  (off the critical path); the next :meth:`~RefitReceiver.receive` waits for it first.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -18,6 +30,7 @@ from .buckets import (
     checksum,
     pack_bucket,
     read_trailer,
+    stream_arena,
     unpack_segments,
 )
 from .handshake import exchange_plans
@@ -49,19 +62,31 @@ class RefitReceiver:
         transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
         plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
         targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned dtype and
-            shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer). They are only
-            ever written with ``copy_`` into views of their storage: pointers stay put (CUDA-graph safe) and each
-            write bumps the tensor's ``_version`` (so MXFP8Linear's decoded cache follows).
+            shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer, or the views
+            returned by :func:`~mxport.refit.allocate_targets`). They are only ever written in place: pointers stay
+            put (CUDA-graph safe) and every refit bumps each target's ``_version`` (so MXFP8Linear's decoded cache
+            follows).
         use_checksum: verify each bucket's checksum (the sender must write them).
         refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales, caches
             that do not follow ``_version``).
         inflight: broadcasts posted ahead of the one being validated.
+        direct: receive straight into the live tensors (see the module doc). None (default): whenever the targets
+            form one arena laid out as the plan's byte stream; False: always stage then ``copy_``; True: require
+            an arena (ValueError otherwise).
+
+    Direct mode, honestly: *during* :meth:`receive` the live tensors are being written (engines pause generation
+    during a refit anyway); once it returns or raises they hold exactly one complete version — the new one, or the
+    previous one restored from the rollback copy. The rollback copy costs one background ``copy_`` of the stream
+    per refit (and ``plan.total_bytes`` of memory, as staging does), reported as ``backup_s`` /
+    ``backup_wait_s`` in :meth:`receive`'s stats and by :meth:`wait_backup`. The whole arena, alignment padding
+    included, belongs to the stream and is overwritten.
 
     Staging (the whole byte stream) and the trailer are allocated once, on the targets' device.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
-                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (), inflight: int = 4):
+                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (), inflight: int = 4,
+                 direct: bool | None = None):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if transport.is_sender:
@@ -80,14 +105,33 @@ class RefitReceiver:
         self.layout = BucketLayout(plan)
         self._views = [byte_view(t, argname=plan.entries[i].name) for i, t in enumerate(targets)]
         self._pointers = self.pointers()
+        arena = stream_arena(plan, targets) if direct is not False else None
+        if direct and arena is None:
+            raise ValueError("direct=True needs targets that are views of one arena laid out as the plan's byte "
+                             "stream (see allocate_targets)")
+        self.direct = arena is not None
+        self._arena = arena
         device = targets[0].device
-        self._staging = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
-        self._payloads = [self._staging[b * plan.bucket_bytes:b * plan.bucket_bytes + n]
-                          for b, n in enumerate(self.layout.sizes)]
         self._trailer = torch.zeros(TRAILER_FIXED + plan.num_buckets, dtype=torch.int64, device=device)
         self.version = 0
         self.last_checksums: list[int] = []
         self._handshaken = False
+        self._backup: threading.Thread | None = None
+        self._backup_error: BaseException | None = None
+        self.last_backup_s = 0.0
+        if arena is None:
+            self._staging = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+        else:  # the rollback copy starts as the initial live contents
+            t0 = time.perf_counter()
+            self._staging = arena.clone()
+            self.last_backup_s = time.perf_counter() - t0
+        self._payloads = self._bucket_views(self._staging)
+        # where the broadcasts land: the live arena (direct) or staging
+        self._landing = self._bucket_views(arena) if arena is not None else self._payloads
+
+    def _bucket_views(self, stream: torch.Tensor) -> list[torch.Tensor]:
+        B = self.plan.bucket_bytes
+        return [stream[b * B:b * B + n] for b, n in enumerate(self.layout.sizes)]
 
     # -- state ---------------------------------------------------------------------------------------------------
     def pointers(self) -> list[int]:
@@ -103,26 +147,88 @@ class RefitReceiver:
         exchange_plans(self.transport, self.plan, self.version)
         self._handshaken = True
 
+    # -- direct mode: the rollback copy ----------------------------------------------------------------------------
+    def _run_backup(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            self._staging.copy_(self._arena)
+            if self._staging.device.type == "cuda":
+                torch.cuda.current_stream(self._staging.device).synchronize()
+            self.last_backup_s = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - re-done synchronously by wait_backup
+            self._backup_error = exc
+
+    def wait_backup(self) -> float:
+        """Direct mode: block until the rollback copy of the live version is complete (the background copy started
+        by the last successful :meth:`receive`); returns that copy's seconds (0.0 in staging mode). If the
+        background copy failed it is redone here (an error then propagates)."""
+        if self._backup is not None:
+            self._backup.join()
+            self._backup = None
+        if self._backup_error is not None:
+            self._backup_error = None
+            t0 = time.perf_counter()
+            self._staging.copy_(self._arena)
+            self.last_backup_s = time.perf_counter() - t0
+        return self.last_backup_s if self.direct else 0.0
+
+    def _start_backup(self) -> None:
+        self._backup = threading.Thread(target=self._run_backup, name="mxport-refit-backup", daemon=True)
+        self._backup.start()
+
+    def _rollback(self, nbytes: int) -> None:
+        """Direct mode: restore the first ``nbytes`` of the live arena from the rollback copy (previous version)."""
+        if nbytes > 0:
+            self._arena[:nbytes].copy_(self._staging[:nbytes])
+        self._bump_versions()
+
+    def _bump_versions(self) -> None:
+        """Broadcasts write memory without bumping ``_version``: bump every target's so derived caches follow."""
+        for t in self.targets:
+            try:
+                torch.autograd.graph.increment_version(t)
+            except RuntimeError:  # inference tensors have no version counter
+                pass
+
+    def _landed_bytes(self, posted: int) -> int:
+        """Stream bytes that broadcasts ``0..posted-1`` may have written."""
+        n = min(posted, self.plan.num_buckets)
+        return min(n * self.plan.bucket_bytes, self.plan.total_bytes)
+
     # -- one refit ------------------------------------------------------------------------------------------------
     def receive(self) -> dict:
-        """Receive one refit into staging, validate every bucket, then commit all tensors in place.
+        """Receive one refit, validate every bucket, and leave the live tensors on the new version (or, on any
+        failure, on the previous one).
+
+        Staging mode: buckets land in staging; after validation every tensor is committed with ``copy_``. Direct
+        mode: buckets land in the live arena; on a failure the touched part is restored from the rollback copy
+        before raising; on success a background thread refreshes the rollback copy (waited for at the start of the
+        next ``receive``).
 
         Returns:
-            dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``idle_s`` (waiting
-            for the first bucket: the sender was still training / quantizing), ``seconds`` (first bucket in to
-            commit done), ``recv_s`` (receiving + validating after the first bucket), ``commit_s`` (unpack into
-            live tensors + refresh hooks), ``gbps`` (bytes / seconds / 1e9).
+            dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``direct`` (bool),
+            ``idle_s`` (waiting for the first bucket: the sender was still training / quantizing), ``seconds``
+            (first bucket in to commit done), ``recv_s`` (receiving + validating after the first bucket),
+            ``commit_s`` (unpack into live tensors + refresh hooks; no copy in direct mode), ``gbps`` (bytes /
+            seconds / 1e9), ``backup_s`` (direct mode: seconds of the background rollback copy that followed the
+            previous refit, or of the initial copy; 0.0 in staging mode) and ``backup_wait_s`` (how long this call
+            waited for it before receiving).
 
         Raises:
-            RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender, or a
-                live tensor whose dtype/shape/pointer changed. The message names the bucket and its tensors; the
-                live weights are left exactly as they were (previous version). After a checksum mismatch or an
-                abort the transport is still in step and the next refit can succeed; after a dead peer or timeout
-                the transport must be re-created.
+            RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender, a
+                stale version, or a live tensor whose dtype/shape/pointer changed. The message names the bucket and
+                its tensors; the live weights hold exactly the previous version (untouched in staging mode, restored
+                in direct mode). After a checksum mismatch or an abort the transport is still in step and the next
+                refit can succeed; after a dead peer or timeout the transport must be re-created (in direct mode
+                every posted broadcast is waited for before restoring, so a timeout can take up to ``inflight``
+                times the group's timeout to surface).
         """
         if not self._handshaken:
             self.handshake()
         plan, layout = self.plan, self.layout
+        t_wait0 = time.perf_counter()
+        backup_s = self.wait_backup()
+        backup_wait_s = time.perf_counter() - t_wait0
         local_problem = None  # found before receiving: still drain the stream so sender and receivers stay in step
         try:
             for i, t in enumerate(self.targets):
@@ -133,7 +239,7 @@ class RefitReceiver:
             local_problem = "a live tensor was moved or reallocated since the receiver was built"
         t0 = t_first = time.perf_counter()
         n = plan.num_buckets
-        bufs = [*self._payloads, self._trailer]  # n payload broadcasts, then the trailer
+        bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
         got = [0] * n
         posted = 0
@@ -147,12 +253,23 @@ class RefitReceiver:
                 if b == 0:
                     t_first = time.perf_counter()
                 if b < n and self.use_checksum:  # checksum while later buckets are still on the wire
-                    got[b] = checksum(self._payloads[b])
+                    got[b] = checksum(bufs[b])
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 where = f"bucket {b} of {n}" if b < n else "the trailer"
                 names = layout.tensor_names(b) if b < n else []
+                restored = ""
+                if self.direct:
+                    for h in handles:  # nothing may still write into the live arena after the restore
+                        if h is not None:
+                            try:
+                                h.wait()
+                            except Exception:  # noqa: BLE001, S110 - the transport is broken anyway
+                                pass
+                    self._rollback(self._landed_bytes(posted))
+                    restored = " (restored from the rollback copy)"
                 raise RefitError(f"refit failed receiving {where} (tensors: {_names(names)}): "
-                                 f"{type(exc).__name__}: {exc}; live weights kept at version {self.version}",
+                                 f"{type(exc).__name__}: {exc}; live weights kept at version {self.version}"
+                                 f"{restored}",
                                  bucket=b if b < n else None, tensors=names, kept_version=self.version) from exc
         magic, version, nb, status, entry, crcs = read_trailer(self._trailer)
         problem: tuple[int | None, str] | None = None
@@ -174,22 +291,32 @@ class RefitReceiver:
         recv_s = time.perf_counter() - t_first
         if problem is not None:
             b, why = problem
+            restored = ""
+            if self.direct:
+                self._rollback(plan.total_bytes)
+                restored = " (restored from the rollback copy)"
             names = layout.tensor_names(b) if b is not None else []
             where = f"at bucket {b} of {n} (tensors: {_names(names)})" if b is not None else f"({n} buckets)"
-            raise RefitError(f"refit rejected {where}: {why}; live weights kept at version {self.version}",
+            raise RefitError(f"refit rejected {where}: {why}; live weights kept at version {self.version}{restored}",
                              bucket=b, tensors=names, kept_version=self.version)
         t1 = time.perf_counter()
-        for b in range(n):
-            unpack_segments(layout.segments[b], self._payloads[b], self._views)
+        if self.direct:
+            self._bump_versions()
+        else:
+            for b in range(n):
+                unpack_segments(layout.segments[b], self._payloads[b], self._views)
         self.version = int(version)
         self.last_checksums = crcs
         for hook in self.refresh_hooks:
             hook()
         t2 = time.perf_counter()
+        if self.direct:
+            self._start_backup()
         seconds = t2 - t_first
-        return {"version": self.version, "bytes": plan.total_bytes, "buckets": n, "seconds": seconds,
-                "idle_s": t_first - t0, "recv_s": recv_s, "commit_s": t2 - t1,
-                "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0}
+        return {"version": self.version, "bytes": plan.total_bytes, "buckets": n, "direct": self.direct,
+                "seconds": seconds, "idle_s": t_first - t0, "recv_s": recv_s, "commit_s": t2 - t1,
+                "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                "backup_s": backup_s, "backup_wait_s": backup_wait_s}
 
     def verify_live(self) -> bool:
         """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender wrote
@@ -209,6 +336,9 @@ class RefitReceiver:
     def _live_buckets(self):
         """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer (each
         payload is valid until the next one is yielded)."""
+        if self.direct:  # the live arena is the stream itself
+            yield from enumerate(self._landing)
+            return
         scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
         for b in range(self.plan.num_buckets):
             payload = scratch[:self.plan.bucket_size(b)]
