@@ -21,7 +21,7 @@ from mxport.refit import (
     checkpoint_tensors,
     receiver_plan,
 )
-from mxport.refit.buckets import BucketLayout, byte_view, stream_arena
+from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket, stream_arena
 from mxport.refit.plan import ALIGN, diff_canonical
 
 DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32]
@@ -134,6 +134,34 @@ def test_bucket_layout_covers_every_byte_once(sizes, bucket):
         assert layout.sizes[b] == plan.bucket_size(b)
     assert all(bool((x == 1).all()) for x in seen)
     assert plan.total_bytes % ALIGN == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3 * CHUNK_BYTES), min_size=1, max_size=6),
+       bucket=st.sampled_from([4096, CHUNK_BYTES, 3 * CHUNK_BYTES + 4096, 5 * CHUNK_BYTES]))
+def test_pack_with_checksum_equals_pack_then_checksum(sizes, bucket):
+    """Packing chunk by chunk and summing each chunk in cache gives the same bytes and checksum as packing first;
+    chunk edges fall inside tensors, inside gaps and between them."""
+    g = torch.Generator().manual_seed(sum(sizes) + bucket)
+    plan = RefitPlan(_items([((n,), torch.uint8) for n in sizes]), bucket)
+    layout = BucketLayout(plan)
+    sources = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in sizes]
+    for b in range(plan.num_buckets):
+        a = torch.full((layout.sizes[b],), 0x5A, dtype=torch.uint8)
+        c = torch.full((layout.sizes[b],), 0xC3, dtype=torch.uint8)
+        assert pack_bucket(layout, b, sources, a) is None
+        crc = pack_bucket(layout, b, sources, c, with_checksum=True)
+        assert torch.equal(a, c) and crc == checksum(a)
+    if c.numel():
+        c[0] ^= 1
+        assert checksum(c) != crc  # one changed byte changes it
+
+
+def test_checksum_sees_swapped_chunks():
+    x = torch.randint(0, 256, (3 * CHUNK_BYTES + 64,), generator=torch.Generator().manual_seed(0),
+                      dtype=torch.uint8)
+    y = torch.cat([x[CHUNK_BYTES:2 * CHUNK_BYTES], x[:CHUNK_BYTES], x[2 * CHUNK_BYTES:]])
+    assert checksum(x) != checksum(y)
 
 
 @settings(max_examples=15, deadline=None)
@@ -476,3 +504,21 @@ def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
     th.join(timeout=60)
     assert torch.equal(outs_y[0], torch.nn.functional.linear(x, w.dequantize()))
     assert torch.equal(outs_y[1], 2 * outs_y[0])
+
+
+def test_sender_sends_an_arena_without_packing():
+    """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by bucket
+    straight from the arena; the receiver gets the same bytes."""
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8)])
+    plan = RefitPlan(items, 64)
+    g = torch.Generator().manual_seed(2)
+    src = allocate_targets(plan)
+    for t in src:
+        t.copy_(_random(t.dtype, tuple(t.shape), g))
+    targets = [torch.zeros(e.shape, dtype=t.dtype) for e, t in zip(plan.entries, src, strict=True)]
+    sent, got, _ = _refit_in_process(plan, [src, list(src)[::-1][::-1], iter(src)], targets)
+    assert sent[0]["zero_copy_buckets"] == plan.num_buckets == sent[1]["zero_copy_buckets"]
+    assert sent[2]["zero_copy_buckets"] < plan.num_buckets  # a generator is packed as usual
+    assert [x["version"] for x in got] == [1, 2, 3]
+    for t, s in zip(targets, src, strict=True):
+        assert torch.equal(byte_view(t), byte_view(s))

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .buckets import STATUS_ABORT, BucketLayout, byte_view, checksum, make_trailer, pack_bucket
+from .buckets import STATUS_ABORT, BucketLayout, byte_view, checksum, make_trailer, pack_bucket, stream_arena
 from .handshake import exchange_plans
 from .plan import RefitPlan
 from .transport import Transport
@@ -76,14 +76,21 @@ class RefitSender:
         or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next tensors
         overlaps the broadcast of the current bucket).
 
+        A list or tuple whose tensors are views of one arena laid out as the plan's byte stream (e.g. filled
+        :func:`~mxport.refit.allocate_targets` views on the sender's device) is sent bucket by bucket straight from
+        the arena, without packing (its alignment padding goes out as it is). Otherwise a bucket that lies inside
+        one tensor is sent from that tensor, and the others are packed; packing sums each checksum chunk while it
+        is in cache, and a zero-copy bucket is summed while it is on the wire.
+
         Each tensor's dtype and shape are checked against the plan. On any error (wrong dtype/shape, too few or too
         many tensors) the remaining buckets are still sent (their content unused) followed by an "abort" trailer,
         so receivers keep their weights and stay in step; then the error is raised here.
 
         Returns:
             dict: ``version``, ``bytes`` (payload bytes), ``buckets``, ``zero_copy_buckets`` (sent without
-            packing), ``seconds`` (whole send), ``produce_s`` (time inside ``tensors``, e.g. quantize), ``pack_s``,
-            ``checksum_s``, ``wait_s`` (waiting for the wire), ``stream_crc32`` (int, or None when off), ``gbps``
+            packing), ``seconds`` (whole send), ``produce_s`` (time inside ``tensors``, e.g. quantize), ``pack_s``
+            (packing, with the packed buckets' checksums summed on the fly), ``checksum_s`` (checksums of the
+            zero-copy buckets, and the optional ``stream_crc32``), ``wait_s`` (waiting for the wire), ``stream_crc32`` (int, or None when off), ``gbps``
             (payload bytes / seconds / 1e9).
         """
         if not self._handshaken:
@@ -91,6 +98,14 @@ class RefitSender:
         plan, layout = self.plan, self.layout
         self.version += 1
         version = self.version
+        # tensors laid out as the plan's byte stream in one arena (e.g. from allocate_targets): every bucket is a
+        # slice of it, sent without packing
+        arena = None
+        if isinstance(tensors, (list, tuple)) and len(tensors) == len(plan) \
+                and all(isinstance(t, torch.Tensor) for t in tensors):
+            arena = stream_arena(plan, list(tensors))
+            if arena is not None and arena.device != self.device:
+                arena = None
         it = iter(tensors)
         sources: list[torch.Tensor | None] = []
         pending: deque = deque()  # (handle, pack slot or None, payload kept alive)
@@ -123,7 +138,10 @@ class RefitSender:
                 size = layout.sizes[b]
                 single = layout.single[b]
                 slot = None
-                if single is not None and sources[single[0]].device == self.device:
+                if arena is not None:
+                    payload = arena[b * plan.bucket_bytes:b * plan.bucket_bytes + size]
+                    zero_copy += 1
+                elif single is not None and sources[single[0]].device == self.device:
                     e, src = single
                     payload = sources[e][src:src + size]
                     zero_copy += 1
@@ -133,10 +151,15 @@ class RefitSender:
                         _retire_oldest(pending, slot_busy)
                     payload = self._packbuf[slot][:size]
                 t3 = time.perf_counter()
-                if slot is not None:
-                    pack_bucket(layout, b, sources, payload)
+                crc = None
+                if slot is not None:  # packing sums each chunk while it is in cache: checksum for one pass less
+                    crc = pack_bucket(layout, b, sources, payload, with_checksum=self.use_checksum)
                 t4 = time.perf_counter()
-                crcs.append(checksum(payload) if self.use_checksum else 0)
+                # a zero-copy bucket is summed once its broadcast is posted, while it is on the wire (the test hook
+                # that corrupts the wire needs the checksum of the bytes before it)
+                late = crc is None and self.use_checksum and self._corrupt is None
+                if crc is None and not late:
+                    crc = checksum(payload) if self.use_checksum else 0
                 if self.stream_crc32:
                     stream_crc = zlib.crc32(payload.cpu().numpy(), stream_crc)
                 t5 = time.perf_counter()
@@ -146,6 +169,11 @@ class RefitSender:
                     _retire_oldest(pending, slot_busy)
                 t6 = time.perf_counter()
                 pending.append((self.transport.broadcast(payload, async_op=True), slot, payload))
+                t6b = time.perf_counter()
+                if late:
+                    crc = checksum(payload)
+                crcs.append(crc)
+                t_crc += time.perf_counter() - t6b
                 if slot is not None:
                     slot_busy[slot] = True
                 # release sources that are fully handed to the wire (a generator's tensors can then be freed)
