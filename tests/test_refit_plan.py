@@ -522,3 +522,19 @@ def test_sender_sends_an_arena_without_packing():
     assert [x["version"] for x in got] == [1, 2, 3]
     for t, s in zip(targets, src, strict=True):
         assert torch.equal(byte_view(t), byte_view(s))
+
+
+def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follows():
+    """A forward before the refit builds the decoded cache; the refit must make it stale (receiver_plan's targets
+    are detach() aliases sharing the buffers' version counters, not .data aliases with counters of their own)."""
+    from mxport import quantize
+    from mxport.nn import MXFP8Linear
+
+    model = torch.nn.Sequential(MXFP8Linear(64, 8))
+    plan, targets = receiver_plan(model, 256)
+    x = torch.randn(3, 64)
+    model(x)  # cache built on the initial (zero) weights
+    w = quantize(torch.randn(8, 64))
+    _, got, _ = _refit_in_process(plan, [[w.data, w.scale_inv]], targets)
+    assert got[0]["version"] == 1
+    assert torch.equal(model(x), torch.nn.functional.linear(x, w.dequantize()))

@@ -101,7 +101,10 @@ def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[
     """The inference side: the plan derived from the live model and its live tensors (the refit targets).
 
     FP8 tensors are "values"; the uint8 tensor named ``scale_name(values)`` in the same module is their "scales";
-    everything else is "kept". The returned tensors are the module's own buffers / parameters (not copies).
+    everything else is "kept". The returned tensors are ``detach()`` aliases of the module's own buffers /
+    parameters (not copies): they share storage *and* version counter, so a refit's in-place writes bump the
+    module tensors' ``_version`` and derived caches (an MXFP8Linear's decoded weight) follow. (``.data`` aliases
+    would not: they get a version counter of their own.)
     """
     tensors = model_tensors(model)
     names = {n for n, _ in tensors}
@@ -112,16 +115,16 @@ def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[
             continue
         if is_fp8_dtype(t.dtype):
             items.append((name, "values", t.dtype, tuple(t.shape)))
-            targets.append(t.data)
+            targets.append(t.detach())
             sname = scale_name(name, PLAN_NAMING)
             if sname in names:
                 s = by_name[sname]
                 items.append((sname, "scales", s.dtype, tuple(s.shape)))
-                targets.append(s.data)
+                targets.append(s.detach())
                 done.add(sname)
         else:
             items.append((name, "kept", t.dtype, tuple(t.shape)))
-            targets.append(t.data)
+            targets.append(t.detach())
     return RefitPlan(items, bucket_bytes), targets
 
 
