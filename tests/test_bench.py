@@ -121,13 +121,18 @@ def test_cli_bad_flags_exit_2(tmp_path):
 
 
 def test_cli_quick_quantize_json_and_plot(tmp_path):
-    """In-process run (conftest turns the compiled path off, so the quantize rows use the eager kernel)."""
+    """In-process run (conftest turns the compiled path off; the quantize rows name the kernel they used: the
+    native one where this machine has it, else eager)."""
+    from mxport.quantize import NATIVE_PATH
+
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     res = CliRunner().invoke(app, ["bench", "--quick", "--only", "quantize", "--json", str(out), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert set(doc) >= {"rows", "machine"}
     assert doc["machine"]["fast_quantize"] is False
+    assert doc["machine"]["native_quantize"] is NATIVE_PATH.available
+    kernel = "native (AVX-512 C kernel)" if NATIVE_PATH.available else "eager"
     rows = doc["rows"]
     _assert_rows_finite(rows)
     metrics = {r["metric"] for r in rows}
@@ -136,7 +141,7 @@ def test_cli_quick_quantize_json_and_plot(tmp_path):
     for r in rows:
         assert r["value"] > 0 and r["ratio"] > 0, r
         if r["metric"].startswith(("speed", "memory bound")):
-            assert "eager" in r["note"]
+            assert kernel in r["note"]
     speed = next(r for r in rows if r["metric"] == "speed 4096x4096")
     bound = next(r for r in rows if r["metric"] == "memory bound 4096x4096")
     assert speed["value"] == bound["value"]  # one quantize figure, two baselines

@@ -187,3 +187,43 @@ def test_bad_compiler_output_is_reported(tmp_path, monkeypatch):
     with pytest.raises(native.NativeUnavailable, match="exit 3.*fake compiler: broken"):
         native.build(tmp_path / "out" / native.LIB_NAME)
     assert not (tmp_path / "out" / native.LIB_NAME).exists()
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_quantize_out_writes_in_place(native_on, request):
+    """``out=(values, scales)``: the same bytes as a fresh quantize, written into the caller's tensors (the
+    native kernel directly, the others by copy), for FP8 or uint8 values and uint8 or E8M0 scales."""
+    if not native_on:
+        request.getfixturevalue("no_native")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 7, 100, generator=g) * 5).to(torch.bfloat16)
+    want = quantize(x, fp8_dtype=torch.float8_e5m2, fast=False)
+    values = torch.full((3, 7, 100), 0xAB, dtype=torch.uint8)
+    scales = torch.full((3, 7, 4), 0xAB, dtype=torch.uint8)
+    got = quantize(x, torch.float8_e5m2, out=(values, scales))
+    assert got.data.dtype == torch.float8_e5m2 and got.data.data_ptr() == values.data_ptr()
+    assert got.scale_inv.data_ptr() == scales.data_ptr()
+    assert torch.equal(values, want.data.view(torch.uint8)) and torch.equal(scales, want.scale_inv)
+    if hasattr(torch, "float8_e8m0fnu"):
+        v2 = torch.empty(3, 7, 100, dtype=torch.float8_e5m2)
+        s2 = torch.empty(3, 7, 4, dtype=torch.float8_e8m0fnu)
+        quantize(x, torch.float8_e5m2, out=(v2, s2))
+        assert torch.equal(s2.view(torch.uint8), want.scale_inv)
+
+
+def test_quantize_out_bad_arguments():
+    x = torch.randn(4, 64)
+    v = torch.empty(4, 64, dtype=torch.float8_e4m3fn)
+    s = torch.empty(4, 2, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="out must be a .values, scales. pair"):
+        quantize(x, out=v)
+    with pytest.raises(ValueError, match=r"out\[0\] \(values\) must have shape \(4, 64\)"):
+        quantize(x, out=(v[:2], s))
+    with pytest.raises(ValueError, match=r"out\[1\] \(scales\) must have shape \(4, 2\)"):
+        quantize(x, out=(v, s[:, :1]))
+    with pytest.raises(TypeError, match=r"out\[0\] \(values\) must be torch.float8_e4m3fn or torch.uint8"):
+        quantize(x, out=(v.view(torch.int8), s))
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize(torch.randn(64, 64), out=(torch.empty(64, 64, dtype=torch.uint8).t(), torch.empty(64, 2, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="direction='rowwise' only"):
+        quantize(x, direction="columnwise", out=(v, s))

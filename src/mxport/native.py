@@ -172,17 +172,22 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, inv_max_norm: float,
-                  emax: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  emax: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel on a 2-D ``(M, K)`` CPU tensor (float32 / bfloat16 / float16, K >= 1).
 
-    Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8. ``elem``: 0 = E4M3,
+    Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8 — new tensors, or ``out``
+    (two contiguous uint8 CPU tensors of those shapes, checked by the caller) written in place. ``elem``: 0 = E4M3,
     1 = E5M2. Rows are split over ``torch.get_num_threads()`` threads for large inputs.
     """
     x2 = x2.detach().contiguous()
     m, k = x2.shape
     nb = -(-k // 32)
-    q = torch.empty((m, k), dtype=torch.uint8)
-    e = torch.empty((m, nb), dtype=torch.uint8)
+    if out is None:
+        q = torch.empty((m, k), dtype=torch.uint8)
+        e = torch.empty((m, nb), dtype=torch.uint8)
+    else:
+        q, e = out
     if m == 0:
         return q, e
     code = INPUT_CODES[x2.dtype]

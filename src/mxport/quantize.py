@@ -24,6 +24,7 @@ from .formats import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
     ElementFormat,
+    as_e8m0_bytes,
     ceil_div,
     e8m0_floor,
     e8m0_multiplier,
@@ -185,8 +186,9 @@ class _NativePath:
         return (not block_2d and x2.device.type == "cpu" and x2.dtype in native.INPUT_CODES
                 and self.available)
 
-    def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor))
+    def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor), out=out)
 
 
 NATIVE_PATH = _NativePath()
@@ -247,6 +249,30 @@ def kernel_for(x2: torch.Tensor, *, block_2d: bool = False, fast: bool | None = 
     return "compiled"
 
 
+def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))`` uint8
+    views of the caller's tensors."""
+    if direction != "rowwise":
+        raise ValueError(f"out is supported for direction='rowwise' only, got direction={direction!r}")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise TypeError("out must be a (values, scales) pair of tensors")
+    values, scales = out
+    shape = tuple(x.shape)
+    m, k = numel_of(shape[:-1]), shape[-1]
+    want_scales = (*shape[:-1], ceil_div(k, BLOCK_SIZE))
+    if values.dtype not in (fmt.dtype, torch.uint8):
+        raise TypeError(f"out[0] (values) must be {fmt.dtype} or torch.uint8, got {values.dtype}")
+    scales_u8 = as_e8m0_bytes(scales, argname="out[1] (scales)")
+    for name, t, want in (("out[0] (values)", values, shape), ("out[1] (scales)", scales, want_scales)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on {x.device}, got {t.device}")
+    return values.view(torch.uint8).reshape(m, k), scales_u8.reshape(m, want_scales[-1])
+
+
 def kernel_label(x: torch.Tensor, *, block_2d: bool = False) -> str:
     """One line naming the kernel ``quantize(x)`` runs by default, with the reason when it is the eager one
     (for reports and benchmark notes)."""
@@ -272,6 +298,7 @@ def quantize(
     block_2d: bool = False,
     block_size: int = BLOCK_SIZE,
     fast: bool | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MXFP8Components:
     """Quantize a float tensor to MXFP8: FP8 values plus one E8M0 shared scale per block of 32.
 
@@ -289,6 +316,11 @@ def quantize(
         fast: ``None`` picks the fastest kernel that takes the input (:func:`kernel_for`: the native AVX-512 C
             kernel on CPU, else the ``torch.compile``d one for large tensors, else eager); ``True`` requires a fast
             kernel (native or compiled); ``False`` forces eager. All give identical bytes.
+        out: optional ``(values, scales)`` to write the result into, rowwise only (e.g. slots of a refit send
+            arena): ``values`` contiguous, ``x.shape``, dtype ``fp8_dtype`` or uint8; ``scales`` contiguous, the
+            rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``. The native kernel writes
+            them directly (no temporary, no page faults of fresh outputs); other kernels copy into them. The
+            returned components are views of them.
 
     A short last block (K not a multiple of 32) keeps its own scale from its valid elements; blocks never cross
     rows. NaN elements are skipped in the amax and stay NaN; Inf saturates to ±max_norm (amax Inf gives E = 254);
@@ -301,6 +333,8 @@ def quantize(
         TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype``.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
         RuntimeError: ``fast=True`` where no fast kernel is available.
+        TypeError / ValueError: ``out`` not a pair of tensors of the dtypes, shapes, device and layout above, or
+            given with ``direction="columnwise"``.
     """
     _check_input(x)
     fmt: ElementFormat = element_format(fp8_dtype)
@@ -312,6 +346,7 @@ def quantize(
     shape = tuple(x.shape)
     k = shape[-1]
     m = numel_of(shape[:-1])
+    out_bytes = None if out is None else _check_out(out, x, fmt, direction)
     x2 = x.reshape(m, k)
     if x2.dtype == torch.float64:
         x2 = x2.to(torch.float32)
@@ -320,11 +355,16 @@ def quantize(
     floor = rounding == "floor"
     kernel = kernel_for(x2, block_2d=block_2d, fast=fast)
     if kernel == "native":
-        q, e = NATIVE_PATH(x2, fmt, floor)
+        q, e = NATIVE_PATH(x2, fmt, floor, out=out_bytes)
     elif kernel == "compiled":
         q, e = FAST_PATH(x2, *_kernel_args(fmt, floor, block_2d))
     else:
         q, e = _rowwise_kernel(x2, *_kernel_args(fmt, floor, block_2d))
+    if out_bytes is not None:
+        if kernel != "native":
+            out_bytes[0].copy_(q)
+            out_bytes[1].copy_(e)
+        return MXFP8Components(out[0].view(fmt.dtype), as_e8m0_bytes(out[1]), "rowwise")
     q = q.view(fmt.dtype)
 
     if direction == "rowwise":
