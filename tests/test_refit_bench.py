@@ -9,6 +9,7 @@ from mxport.bench.refit import rows_from
 def test_rows_from_timings():
     res = {"bytes": 1_000_000_000, "buckets": 30, "tensors": 482,
            "refit_s": [0.5, 0.4, 0.6], "commit_s": [0.1, 0.1, 0.2], "raw_s": [0.2, 0.25, 0.3],
+           "nosum_s": [0.3, 0.35, 0.4],
            "e2e": [{"seconds": 2.0, "quantize_s": 1.0, "pack_s": 0.2, "unpack_s": 0.3},
                    {"seconds": 2.2, "quantize_s": 1.2, "pack_s": 0.2, "unpack_s": 0.3},
                    {"seconds": 1.8, "quantize_s": 0.8, "pack_s": 0.2, "unpack_s": 0.3}]}
@@ -17,6 +18,7 @@ def test_rows_from_timings():
     assert thr["value"] == pytest.approx(1e9 / 0.5 / 1e9) and thr["ratio"] == pytest.approx(0.25 / 0.5)
     assert rows["refit throughput before commit"]["ratio"] == pytest.approx(0.25 / 0.4)
     assert rows["raw broadcast throughput"]["value"] == pytest.approx(4.0)
+    assert rows["refit throughput, checksums off"]["ratio"] == pytest.approx(0.25 / 0.35)
     assert rows["end-to-end refit step"]["value"] == pytest.approx(2.0)
     split = [rows[f"e2e split: {k}"]["value"] for k in ("quantize", "pack", "transfer", "unpack")]
     assert split == pytest.approx([1.0, 0.2, 0.5, 0.3])  # transfer = the remainder of the median step

@@ -256,6 +256,36 @@ def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_p
     assert torch.equal(lin(x), torch.nn.functional.linear(x, expect.dequantize()))  # cache followed the refit
 
 
+def test_trainer_arena_sends_the_same_bytes_without_packing(tmp_path):
+    """TrainerSource(arena=True) quantizes into one stream-ordered send buffer: the same bytes as the default
+    source, tensors that stay put from refit to refit, and buckets inside the arena sent without packing."""
+    from mxport.models import load_causal_lm
+    from mxport.refit.buckets import byte_view
+    from mxport.testing import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80)
+    trainer, _ = load_causal_lm(path, dtype=torch.float32)
+    plain = TrainerSource(trainer, bucket_bytes=4096)
+    arena = TrainerSource(trainer, bucket_bytes=4096, arena=True)
+    assert arena.plan.digest == plain.plan.digest
+    first = list(arena.tensors())
+    want = list(plain.tensors())
+    assert all(torch.equal(byte_view(a), byte_view(b)) for a, b in zip(first, want, strict=True))
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(1.5)
+    second = list(arena.tensors())
+    quantized = [i for i, e in enumerate(arena.plan.entries) if e.role != "kept"]
+    assert [second[i].data_ptr() for i in quantized] == [first[i].data_ptr() for i in quantized]
+    want2 = list(plain.tensors())
+    assert all(torch.equal(byte_view(a), byte_view(b)) for a, b in zip(second, want2, strict=True))
+    targets = [torch.zeros(e.shape, dtype=t.dtype) for e, t in zip(arena.plan.entries, want2, strict=True)]
+    sent, got, _ = _refit_in_process(arena.plan, [arena.tensors(), plain.tensors()], targets)
+    assert [g["version"] for g in got] == [1, 2]
+    assert sent[0]["zero_copy_buckets"] > sent[1]["zero_copy_buckets"]
+    assert all(torch.equal(byte_view(t), byte_view(w)) for t, w in zip(targets, want2, strict=True))
+
+
 def test_checkpoint_tensors_names_per_format():
     plan = RefitPlan([("m.weight", "values", torch.float8_e4m3fn, (2, 32)),
                       ("m.weight_scale", "scales", torch.uint8, (2, 1)),
@@ -508,7 +538,8 @@ def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
 
 def test_sender_sends_an_arena_without_packing():
     """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by bucket
-    straight from the arena; the receiver gets the same bytes."""
+    straight from the arena, whether they come as a list or from a generator; scattered copies of them are packed;
+    the receiver gets the same bytes."""
     items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(2)
@@ -516,9 +547,10 @@ def test_sender_sends_an_arena_without_packing():
     for t in src:
         t.copy_(_random(t.dtype, tuple(t.shape), g))
     targets = [torch.zeros(e.shape, dtype=t.dtype) for e, t in zip(plan.entries, src, strict=True)]
-    sent, got, _ = _refit_in_process(plan, [src, list(src)[::-1][::-1], iter(src)], targets)
+    scattered = [t.clone() for t in src]
+    sent, got, _ = _refit_in_process(plan, [src, iter(src), scattered], targets)
     assert sent[0]["zero_copy_buckets"] == plan.num_buckets == sent[1]["zero_copy_buckets"]
-    assert sent[2]["zero_copy_buckets"] < plan.num_buckets  # a generator is packed as usual
+    assert sent[2]["zero_copy_buckets"] < plan.num_buckets  # separate allocations: packed
     assert [x["version"] for x in got] == [1, 2, 3]
     for t, s in zip(targets, src, strict=True):
         assert torch.equal(byte_view(t), byte_view(s))

@@ -5,8 +5,9 @@ Two spawned processes on loopback gloo (rank 0 the trainer/sender, rank 1 the re
 same run and the same process group, interleaved (refit, raw broadcast, end-to-end refit; repeat), medians over
 ``runs`` after one warm-up:
 
-* ``refit throughput`` — bytes / seconds of a refit of already-quantized tensors (sender: pack into buckets,
-  checksum, async broadcast; receiver: direct mode — buckets land straight in the live arena that
+* ``refit throughput`` — bytes / seconds of a refit of already-quantized tensors (sender: the tensors of
+  ``TrainerSource(arena=True)``, buckets sent from that buffer or from the tensor they lie in, packed only where
+  they straddle the two, checksum, async broadcast; receiver: direct mode — buckets land straight in the live arena that
   ``allocate_targets`` makes, every bucket checksummed, then the version goes live), timed from the sender's start
   to ``receive()`` returning with the new version live (both read ``CLOCK_MONOTONIC``, shared by the processes);
   baseline: one ``dist.broadcast`` of a flat uint8 buffer of the same byte count, timed the same way; ratio =
@@ -17,8 +18,11 @@ same run and the same process group, interleaved (refit, raw broadcast, end-to-e
   (and slows) the baseline or the next refit, and reports its seconds here.
 * ``refit throughput before commit`` — the same refits up to validated data (staging mode used to add a
   staging -> live ``copy_`` here; in direct mode the two rows agree).
+* ``refit throughput, checksums off`` — the same refits with ``use_checksum=False`` on both sides, interleaved
+  with the others: what the two checksum passes cost.
 * ``end-to-end refit step`` — the same with quantizing the weights inside the refit (the trainer's master weights
-  -> MXFP8, lazily, bucket by bucket); split rows give each phase's share: quantize (sender), pack (sender: packing
+  -> MXFP8, lazily, bucket by bucket, straight into the sender's stream-ordered buffer:
+  ``TrainerSource(arena=True)``, so buckets go out without packing); split rows give each phase's share: quantize (sender), pack (sender: packing
   + checksums), unpack (receiver commit: version bumps only in direct mode), transfer (the rest: wire time not
   hidden behind packing).
 
@@ -71,7 +75,7 @@ def _worker(rank: int, init: str, cfg: dict, q) -> None:
 
 
 def _body(rank: int, init: str, cfg: dict) -> dict | None:
-    from ..quantize import FAST_PATH
+    from ..quantize import FAST_PATH, kernel_label
     from ..refit import RefitPlan, RefitReceiver, RefitSender, TorchDistTransport, TrainerSource
     from ..refit.consumers import allocate_targets
 
@@ -87,7 +91,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
                 model, _ = load_causal_lm(None, dtype=torch.float32)
             else:
                 model = _synthetic_model(cfg["layers"])
-            src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"])
+            src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"], arena=True)
             items = [(e.name, e.role, e.dtype, e.shape) for e in src.plan.entries]
             tr.all_gather_object(items)
             plan = src.plan
@@ -111,15 +115,24 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
                 stats["backup_after_s"] = end.wait_backup()
             return t0, t1, stats
 
-        refit_s, commit_s, raw_s, backup_s, e2e = [], [], [], [], []
+        def refit_without_checksums():
+            end.use_checksum = False  # both sides switch, so the receiver does not expect sums
+            try:
+                return end.send(tensors) if rank == 0 else end.receive()
+            finally:
+                end.use_checksum = True
+
+        refit_s, commit_s, raw_s, backup_s, e2e, nosum_s = [], [], [], [], [], []
         for i in range(cfg["warmup"] + cfg["runs"]):
             a = timed(lambda: end.send(tensors) if rank == 0 else end.receive())
             b = timed(lambda: tr.broadcast(flat))
             c = timed(lambda: end.send(src.tensors()) if rank == 0 else end.receive())
-            got = tr.all_gather_object((a, b, c))
+            d = timed(refit_without_checksums)
+            got = tr.all_gather_object((a, b, c, d))
             if i < cfg["warmup"]:
                 continue
-            (sa, sb, sc), (ra, rb, rc) = got
+            (sa, sb, sc, sd), (ra, rb, rc, rd) = got
+            nosum_s.append(rd[1] - sd[0])
             refit_s.append(ra[1] - sa[0])
             commit_s.append(ra[2]["commit_s"])
             backup_s.append(ra[2]["backup_after_s"])
@@ -129,8 +142,9 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
         if rank != 0:
             return None
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
-                "kernel": "compiled" if FAST_PATH.available else "eager", "direct": got[1][0][2]["direct"],
-                "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e}
+                "kernel": kernel_label(torch.empty(576, 576)).split(" (")[0], "direct": got[1][0][2]["direct"],
+                "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e,
+                "nosum_s": nosum_s}
     finally:
         tr.close()
 
@@ -175,6 +189,7 @@ def rows_from(res: dict, label: str) -> list[dict]:
     refit = statistics.median(res["refit_s"])
     raw = statistics.median(res["raw_s"])
     wire = statistics.median(r - c for r, c in zip(res["refit_s"], res["commit_s"], strict=True))
+    nosum = statistics.median(res["nosum_s"])
     e2e = statistics.median(x["seconds"] for x in res["e2e"])
     parts = {k: statistics.median(x[k] for x in res["e2e"]) for k in ("quantize_s", "pack_s", "unpack_s")}
     parts["transfer_s"] = max(0.0, e2e - sum(parts.values()))
@@ -189,6 +204,9 @@ def rows_from(res: dict, label: str) -> list[dict]:
         {"benchmark": BENCHMARK, "metric": "refit throughput before commit", "value": nbytes / wire / 1e9,
          "baseline": base_raw, "ratio": raw / wire, "unit": "GB/s", "goal": "informational",
          "note": "the same refits up to validated data, without the commit (direct mode: no commit copy)"},
+        {"benchmark": BENCHMARK, "metric": "refit throughput, checksums off", "value": nbytes / nosum / 1e9,
+         "baseline": base_raw, "ratio": raw / nosum, "unit": "GB/s", "goal": "informational",
+         "note": "the same refits with use_checksum=False on both sides (one pass over the bytes less on each)"},
         {"benchmark": BENCHMARK, "metric": "raw broadcast throughput", "value": nbytes / raw / 1e9,
          "baseline": "itself", "ratio": 1.0, "unit": "GB/s", "goal": "reference", "note": note},
         {"benchmark": BENCHMARK, "metric": "end-to-end refit step", "value": e2e, "baseline": base_raw,

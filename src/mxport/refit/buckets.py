@@ -103,10 +103,6 @@ class BucketLayout:
                 gaps.append((pos, plan.bucket_size(b) - pos))
             self.gaps.append(gaps)
         self.sizes = [plan.bucket_size(b) for b in range(plan.num_buckets)]
-        #: per bucket, ``(entry, src)`` when the whole bucket is one slice of one tensor (sent without packing)
-        self.single: list[tuple[int, int] | None] = [
-            (segs[0].entry, segs[0].src) if len(segs) == 1 and segs[0].length == self.sizes[b] else None
-            for b, segs in enumerate(self.segments)]
         self._chunks: dict[int, list] = {}
 
     def chunk_pieces(self, b: int) -> list[list[tuple[int, int, int, int]]]:
@@ -182,6 +178,31 @@ def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: lis
     """Copy each segment's bytes from ``payload`` into ``targets[entry]`` (flat uint8 views), in place."""
     for s in segments:
         targets[s.entry][s.src:s.src + s.length].copy_(payload[s.dst:s.dst + s.length])
+
+
+def in_place_payload(segments: list[Segment], sources: list[torch.Tensor], size: int,
+                     device: torch.device) -> torch.Tensor | None:
+    """A bucket's payload as a view of the sources' own memory, when there is one: every segment's bytes sit
+    in one storage on ``device`` exactly where the bucket's layout puts them (a bucket inside one tensor, or
+    tensors laid out as the plan's byte stream in one arena, as :func:`~mxport.refit.allocate_targets` and
+    ``TrainerSource(arena=True)`` make them). The bytes between segments (alignment padding) go out as the
+    storage holds them. ``None`` when the bucket must be packed.
+
+    ``segments``: the bucket's :class:`Segment` list; ``sources``: flat uint8 views per plan entry.
+    """
+    first = sources[segments[0].entry]
+    if first.device != device:
+        return None
+    storage = first.untyped_storage()
+    base = first.data_ptr() + segments[0].src - segments[0].dst  # address of the payload's byte 0
+    for sg in segments[1:]:
+        v = sources[sg.entry]
+        if v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() + sg.src - sg.dst != base:
+            return None
+    start = base - storage.data_ptr()
+    if start < 0 or start + size > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (size,), (1,))
 
 
 def stream_arena(plan: RefitPlan, targets: list[torch.Tensor]) -> torch.Tensor | None:

@@ -56,13 +56,19 @@ class TrainerSource:
         bucket_bytes: payload bytes per bucket.
         fp8_dtype: element format of quantized weights.
         kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
+        arena: quantize into one send buffer laid out as the plan's byte stream (allocated on first use, from the
+            first quantized entry to the last one: about the MXFP8 size of the model, on the weights' device) so
+            that :class:`~mxport.refit.RefitSender` sends its buckets without packing, and no output is allocated
+            per refit. Kept tensors inside that range (norms between layers) are copied into it; the others are
+            sent from their own storage. Costs that memory for the trainer's lifetime; off by default.
 
     Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
     ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil).
     """
 
     def __init__(self, model: nn.Module, policy=None, *, bucket_bytes: int,
-                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None):
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
+                 arena: bool = False):
         from ..policy import PrecisionPolicy
 
         policy = PrecisionPolicy() if policy is None else policy
@@ -79,22 +85,54 @@ class TrainerSource:
             else:
                 items.append((name, "kept", kept_dtype or t.dtype, tuple(t.shape)))
         self.plan = RefitPlan(items, bucket_bytes)
+        self.arena = bool(arena)
+        self._slots: dict[int, torch.Tensor] | None = None
+
+    def _arena_slots(self) -> dict[int, torch.Tensor]:
+        """Plan index -> its view of the send arena, for the entries from the first quantized one to the last."""
+        from .plan import dtype_from_name
+
+        entries = self.plan.entries
+        coded = [i for i, e in enumerate(entries) if e.role != "kept"]
+        if not coded:
+            return {}
+        first, last = coded[0], coded[-1]
+        lo, hi = entries[first].offset, entries[last].offset + entries[last].nbytes
+        buf = torch.zeros(hi - lo, dtype=torch.uint8, device=self.tensors_by_name[0][1].device)
+        return {i: buf[e.offset - lo:e.offset - lo + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+                for i, e in enumerate(entries[first:last + 1], start=first)}
 
     @torch.no_grad()
     def tensors(self) -> Iterator[torch.Tensor]:
-        """Yield the current weights in plan order, quantizing lazily (one weight at a time)."""
-        from ..nn import weight_components
+        """Yield the current weights in plan order, quantizing lazily (one weight at a time); with ``arena`` the
+        yielded tensors are views of the send arena (valid until the next call)."""
+        from ..nn import _plain_float, weight_components
+        from ..quantize import quantize
 
+        if self.arena and self._slots is None:
+            self._slots = self._arena_slots()
+        slots = self._slots or {}
+        i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if q:
-                c = weight_components(t, self.fp8_dtype)
-                yield c.data.contiguous()
-                yield c.scale_inv.contiguous()
+                if i in slots and _plain_float(t):
+                    quantize(t.detach(), self.fp8_dtype, out=(slots[i], slots[i + 1]))
+                    yield slots[i]
+                    yield slots[i + 1]
+                else:
+                    c = weight_components(t, self.fp8_dtype)
+                    yield c.data.contiguous()
+                    yield c.scale_inv.contiguous()
+                i += 2
             else:
                 x = t.detach()
-                if self.kept_dtype is not None and x.dtype != self.kept_dtype:
-                    x = x.to(self.kept_dtype)
-                yield x.contiguous()
+                if i in slots:
+                    yield slots[i].copy_(x)
+                else:
+                    if self.kept_dtype is not None and x.dtype != self.kept_dtype:
+                        x = x.to(self.kept_dtype)
+                    yield x.contiguous()
+                i += 1
 
 
 def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[torch.Tensor]]:

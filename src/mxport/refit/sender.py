@@ -11,7 +11,15 @@ from collections.abc import Iterable
 
 import torch
 
-from .buckets import STATUS_ABORT, BucketLayout, byte_view, checksum, make_trailer, pack_bucket, stream_arena
+from .buckets import (
+    STATUS_ABORT,
+    BucketLayout,
+    byte_view,
+    checksum,
+    in_place_payload,
+    make_trailer,
+    pack_bucket,
+)
 from .handshake import exchange_plans
 from .plan import RefitPlan
 from .transport import Transport
@@ -76,11 +84,12 @@ class RefitSender:
         or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next tensors
         overlaps the broadcast of the current bucket).
 
-        A list or tuple whose tensors are views of one arena laid out as the plan's byte stream (e.g. filled
-        :func:`~mxport.refit.allocate_targets` views on the sender's device) is sent bucket by bucket straight from
-        the arena, without packing (its alignment padding goes out as it is). Otherwise a bucket that lies inside
-        one tensor is sent from that tensor, and the others are packed; packing sums each checksum chunk while it
-        is in cache, and a zero-copy bucket is summed while it is on the wire.
+        A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors that
+        are views of one arena laid out as the plan's byte stream, such as :func:`~mxport.refit.allocate_targets`
+        views or ``TrainerSource(arena=True)``'s tensors) is sent straight from that memory, without packing
+        (:func:`~mxport.refit.buckets.in_place_payload`; alignment padding goes out as it is). The other buckets
+        are packed; packing sums each checksum chunk while it is in cache, and a zero-copy bucket is summed while
+        it is on the wire.
 
         Each tensor's dtype and shape are checked against the plan. On any error (wrong dtype/shape, too few or too
         many tensors) the remaining buckets are still sent (their content unused) followed by an "abort" trailer,
@@ -98,14 +107,6 @@ class RefitSender:
         plan, layout = self.plan, self.layout
         self.version += 1
         version = self.version
-        # tensors laid out as the plan's byte stream in one arena (e.g. from allocate_targets): every bucket is a
-        # slice of it, sent without packing
-        arena = None
-        if isinstance(tensors, (list, tuple)) and len(tensors) == len(plan) \
-                and all(isinstance(t, torch.Tensor) for t in tensors):
-            arena = stream_arena(plan, list(tensors))
-            if arena is not None and arena.device != self.device:
-                arena = None
         it = iter(tensors)
         sources: list[torch.Tensor | None] = []
         pending: deque = deque()  # (handle, pack slot or None, payload kept alive)
@@ -136,14 +137,9 @@ class RefitSender:
                     raise ValueError(f"refit v{version}: more tensors than the {len(plan)} of the plan")
                 t2 = time.perf_counter()
                 size = layout.sizes[b]
-                single = layout.single[b]
                 slot = None
-                if arena is not None:
-                    payload = arena[b * plan.bucket_bytes:b * plan.bucket_bytes + size]
-                    zero_copy += 1
-                elif single is not None and sources[single[0]].device == self.device:
-                    e, src = single
-                    payload = sources[e][src:src + size]
+                payload = in_place_payload(layout.segments[b], sources, size, self.device)
+                if payload is not None:
                     zero_copy += 1
                 else:
                     slot = b % len(self._packbuf)
