@@ -1,7 +1,8 @@
 """The native CPU kernel: rowwise MXFP8 quantization in one AVX-512 pass.
 
 ``mxport/_native/mxfp8_cpu.c`` (no torch headers) is compiled once per machine with the system C compiler
-(``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``) into the mxport cache
+(``$CC``, which may hold arguments such as ``ccache gcc``, else ``cc`` / ``gcc`` / ``clang``;
+``-O3 -march=native``) into the mxport cache
 (``$MXPORT_CACHE/native/<key>/``, written atomically; the key hashes the source, compiler, flags and CPU flags) and
 called through :mod:`ctypes`, which releases the GIL, so row ranges run on ``torch.get_num_threads()`` threads.
 
@@ -21,6 +22,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import threading
@@ -36,7 +38,7 @@ ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: the ABI number the C source reports when it was built with its AVX-512 kernel
-ABI = 1
+ABI = 2
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -53,18 +55,22 @@ def source_text() -> str:
     return resources.files("mxport").joinpath("_native/mxfp8_cpu.c").read_text()
 
 
-def find_compiler() -> str:
-    """The C compiler: ``$CC`` if set, else the first of ``cc``, ``gcc``, ``clang`` on PATH.
+def find_compiler() -> list[str]:
+    """The C compiler command: ``$CC`` if set (split like a shell word list, so ``CC="ccache gcc"`` works), else
+    the first of ``cc``, ``gcc``, ``clang`` on PATH.
 
     Raises NativeUnavailable when there is none.
     """
-    cc = os.environ.get("CC")
+    cc = os.environ.get("CC", "").strip()
     if cc:
-        return cc
+        try:
+            return shlex.split(cc)
+        except ValueError as exc:
+            raise NativeUnavailable(f"CC={cc!r} is not a valid command: {exc}") from exc
     for name in ("cc", "gcc", "clang"):
         path = shutil.which(name)
         if path:
-            return path
+            return [path]
     raise NativeUnavailable("no C compiler found (set CC or install gcc / clang)")
 
 
@@ -78,14 +84,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_key(source: str, cc: str) -> str:
-    """Cache key of a build: source, compiler (and its version line), flags, machine and CPU flags."""
+def build_key(source: str, cc: list[str]) -> str:
+    """Cache key of a build: source, compiler command (and its version line), flags, machine and CPU flags."""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeUnavailable(f"C compiler {cc!r} does not run: {exc}") from exc
+        raise NativeUnavailable(f"C compiler {' '.join(cc)!r} does not run: {exc}") from exc
     h = hashlib.sha256()
-    for part in (source, cc, version.splitlines()[0] if version else "", " ".join(CFLAGS), platform.machine(),
+    for part in (source, " ".join(cc), version.splitlines()[0] if version else "", " ".join(CFLAGS), platform.machine(),
                  _cpu_flags()):
         h.update(part.encode())
         h.update(b"\0")
@@ -112,11 +118,11 @@ def build(target: Path | None = None) -> Path:
     try:
         tmp_src.write_text(source)
         os.replace(tmp_src, src)
-        proc = subprocess.run([cc, *CFLAGS, "-o", str(tmp_lib), str(src)], capture_output=True, text=True,
+        proc = subprocess.run([*cc, *CFLAGS, "-o", str(tmp_lib), str(src)], capture_output=True, text=True,
                               timeout=300)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-            raise NativeUnavailable(f"compiling {src} with {cc} failed (exit {proc.returncode}): {tail}")
+        if proc.returncode != 0 or not tmp_lib.is_file():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or "(no output)"
+            raise NativeUnavailable(f"compiling {src} with {' '.join(cc)} failed (exit {proc.returncode}): {tail}")
         os.replace(tmp_lib, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"compiling the native kernel failed: {type(exc).__name__}: {exc}") from exc
@@ -137,14 +143,14 @@ def load(path: Path) -> ctypes.CDLL:
         raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
     abi = lib.mxport_native_abi()
     if abi != ABI:
-        raise NativeUnavailable("this CPU or compiler has no AVX-512 (F, BW, VL): the native kernel is not built"
-                                if abi == 0 else f"{path} reports ABI {abi}, expected {ABI}")
+        raise NativeUnavailable("this CPU or compiler has no AVX-512 (F, BW, VL, DQ): the native kernel is not "
+                                "built" if abi == 0 else f"{path} reports ABI {abi}, expected {ABI}")
     if not lib.mxport_native_cpu_ok():
-        raise NativeUnavailable("this CPU lacks AVX-512 (F, BW, VL)")
+        raise NativeUnavailable("this CPU lacks AVX-512 (F, BW, VL, DQ)")
     fn = lib.mxport_quantize_rows
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -154,8 +160,8 @@ _POOL_LOCK = threading.Lock()
 
 
 def _reset_pool_after_fork() -> None:
-    global _POOL, _POOL_WORKERS
-    _POOL, _POOL_WORKERS = None, 0
+    global _POOL, _POOL_WORKERS, _POOL_LOCK
+    _POOL, _POOL_WORKERS, _POOL_LOCK = None, 0, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -172,13 +178,14 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, inv_max_norm: float,
-                  emax: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  emax: int, *, block_2d: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel on a 2-D ``(M, K)`` CPU tensor (float32 / bfloat16 / float16, K >= 1).
 
     Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8 — new tensors, or ``out``
     (two contiguous uint8 CPU tensors of those shapes, checked by the caller) written in place. ``elem``: 0 = E4M3,
-    1 = E5M2. Rows are split over ``torch.get_num_threads()`` threads for large inputs.
+    1 = E5M2. ``block_2d``: 32×32 blocks (each row stores its 32-row group's scales, as the eager kernel). Rows are
+    split over ``torch.get_num_threads()`` threads for large inputs (at multiples of 32 rows with ``block_2d``).
     """
     x2 = x2.detach().contiguous()
     m, k = x2.shape
@@ -197,13 +204,14 @@ def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, in
 
     def run(r0: int, r1: int) -> int:
         return fn(xp + r0 * k * esize, r1 - r0, k, qp + r0 * k, ep + r0 * nb, code, elem, int(floor),
-                  inv_max_norm, emax)
+                  inv_max_norm, emax, int(block_2d))
 
     threads = max(1, min(torch.get_num_threads(), m, x2.numel() // MIN_NUMEL_PER_THREAD))
     if threads == 1:
         rcs = [run(0, m)]
     else:
-        bounds = [m * i // threads for i in range(threads + 1)]
+        step = 32 if block_2d else 1  # 32x32 blocks: split between row groups
+        bounds = [min(m, (m * i // threads + step - 1) // step * step) for i in range(threads + 1)]
         futures = [_pool(threads - 1).submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
         rcs = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
     if any(rcs):

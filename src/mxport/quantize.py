@@ -10,6 +10,7 @@ Sources: design.md §2; TE ``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import warnings
@@ -129,14 +130,16 @@ FAST_PATH = _FastPath()
 
 def _probe_inputs() -> list[torch.Tensor]:
     """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last block
-    (K = 600), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8 ties and rounding edges, many binades."""
+    (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8 ties
+    and rounding edges, many binades."""
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(4, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (4, 600), generator=g).float())
+    x = torch.randn(36, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (36, 600), generator=g).float())
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38, 480.0,
                             464.0, 448.0, 61440.0, 2.0 ** -10, 2.0 ** -9 * 1.5, 2.0 ** -17 * 3, 1.0])
     x[1, :16] = special
     x[2, 560:576] = special.flip(0)
     x[3] = x[3] * 1e-30
+    x[34, 100] = float("nan")
     return [x, x.to(torch.bfloat16), x.to(torch.float16)]
 
 
@@ -163,16 +166,15 @@ class _NativePath:
     def _load(self) -> None:
         try:
             lib = native.load(native.build())
-            for x in _probe_inputs():
-                for fmt in (element_format(torch.float8_e4m3fn), element_format(torch.float8_e5m2)):
-                    for floor in (False, True):
-                        args = _kernel_args(fmt, floor, block_2d=False)
-                        want = _rowwise_kernel(x, *args)
-                        got = native.quantize_rows(lib, x, *_native_args(fmt, floor))
-                        if not (torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])):
-                            raise native.NativeUnavailable(
-                                f"self-check failed: {x.dtype} -> {fmt.name}, {'floor' if floor else 'rceil'} "
-                                "differs from the eager kernel")
+            for x, fmt, floor, block_2d in itertools.product(
+                    _probe_inputs(), (element_format(torch.float8_e4m3fn), element_format(torch.float8_e5m2)),
+                    (False, True), (False, True)):
+                want = _rowwise_kernel(x, *_kernel_args(fmt, floor, block_2d))
+                got = native.quantize_rows(lib, x, *_native_args(fmt, floor), block_2d=block_2d)
+                if not (torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])):
+                    raise native.NativeUnavailable(
+                        f"self-check failed: {x.dtype} -> {fmt.name}, {'floor' if floor else 'rceil'}"
+                        f"{', 32x32 blocks' if block_2d else ''} differs from the eager kernel")
         except native.NativeUnavailable as exc:
             self.disabled_reason = str(exc)[:500]
             return
@@ -181,17 +183,27 @@ class _NativePath:
             return
         self._lib = lib
 
-    def supports(self, x2: torch.Tensor, block_2d: bool) -> bool:
-        """True when the kernel handles this input: CPU float32 / bfloat16 / float16, 1-D blocks."""
-        return (not block_2d and x2.device.type == "cpu" and x2.dtype in native.INPUT_CODES
-                and self.available)
+    def supports(self, x2: torch.Tensor) -> bool:
+        """True when the kernel handles this input: a CPU float32 / bfloat16 / float16 tensor."""
+        return x2.device.type == "cpu" and x2.dtype in native.INPUT_CODES and self.available
 
-    def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool,
+    def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool, block_2d: bool = False,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor), out=out)
+        return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor), block_2d=block_2d, out=out)
 
 
 NATIVE_PATH = _NativePath()
+
+
+def _reset_locks_after_fork() -> None:
+    """A fork while another thread held a path's lock (building the native kernel, compiling) would leave the
+    child waiting forever on a lock nobody owns: the child gets fresh locks (an unfinished build is redone)."""
+    NATIVE_PATH._lock = threading.Lock()
+    FAST_PATH._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_locks_after_fork)
 
 
 def _kernel_args(fmt: ElementFormat, floor: bool, block_2d: bool) -> tuple:
@@ -226,19 +238,19 @@ def _check_input(x) -> None:
         raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")
 
 
-def kernel_for(x2: torch.Tensor, *, block_2d: bool = False, fast: bool | None = None) -> str:
+def kernel_for(x2: torch.Tensor, *, fast: bool | None = None) -> str:
     """Which kernel :func:`quantize` runs for the 2-D ``(M, K)`` view ``x2``: ``"native"``, ``"compiled"`` or
     ``"eager"`` (``fast`` as in :func:`quantize`).
 
-    ``fast=None``: native where it supports the input (CPU with AVX-512, float32 / bfloat16 / float16, 1-D
-    blocks), else compiled for ``>= FAST_MIN_NUMEL`` elements when ``torch.compile`` works, else eager.
+    ``fast=None``: native where it supports the input (CPU with AVX-512, float32 / bfloat16 / float16), else
+    compiled for ``>= FAST_MIN_NUMEL`` elements when ``torch.compile`` works, else eager.
     ``fast=True``: native or compiled, RuntimeError when neither is available. ``fast=False``: eager.
     """
     if fast is not None and not isinstance(fast, bool):
         raise TypeError(f"fast must be None, True or False, got {fast!r}")
     if fast is False or x2.numel() == 0:
         return "eager"
-    if NATIVE_PATH.supports(x2, block_2d):
+    if NATIVE_PATH.supports(x2):
         return "native"
     if fast is None:
         return "compiled" if FAST_PATH.available and x2.numel() >= FAST_MIN_NUMEL else "eager"
@@ -270,16 +282,38 @@ def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tupl
             raise ValueError(f"{name} must be contiguous")
         if t.device != x.device:
             raise ValueError(f"{name} must be on {x.device}, got {t.device}")
+    for a, b, what in ((values, x, "out[0] (values) and x"), (scales, x, "out[1] (scales) and x"),
+                       (values, scales, "out[0] (values) and out[1] (scales)")):
+        if _overlap(a, b):
+            raise ValueError(f"{what} share memory: out must not overlap the input or each other")
     return values.view(torch.uint8).reshape(m, k), scales_u8.reshape(m, want_scales[-1])
 
 
-def kernel_label(x: torch.Tensor, *, block_2d: bool = False) -> str:
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` byte addresses a strided tensor's elements can touch (empty for an empty tensor; torch
+    strides are never negative)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (extent + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors on the same device may share bytes (same storage, intersecting spans)."""
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def kernel_label(x: torch.Tensor) -> str:
     """One line naming the kernel ``quantize(x)`` runs by default, with the reason when it is the eager one
     (for reports and benchmark notes)."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
     if x2.dtype == torch.float64:
         x2 = x2.to(torch.float32)
-    kind = kernel_for(x2, block_2d=block_2d)
+    kind = kernel_for(x2)
     if kind == "native":
         return "native (AVX-512 C kernel)"
     if kind == "compiled":
@@ -318,9 +352,10 @@ def quantize(
             kernel (native or compiled); ``False`` forces eager. All give identical bytes.
         out: optional ``(values, scales)`` to write the result into, rowwise only (e.g. slots of a refit send
             arena): ``values`` contiguous, ``x.shape``, dtype ``fp8_dtype`` or uint8; ``scales`` contiguous, the
-            rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``. The native kernel writes
+            rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``, overlapping neither ``x`` nor
+            each other. The native kernel writes
             them directly (no temporary, no page faults of fresh outputs); other kernels copy into them. The
-            returned components are views of them.
+            returned components are views of them (``scale_inv`` as uint8 bytes).
 
     A short last block (K not a multiple of 32) keeps its own scale from its valid elements; blocks never cross
     rows. NaN elements are skipped in the amax and stay NaN; Inf saturates to ±max_norm (amax Inf gives E = 254);
@@ -333,8 +368,8 @@ def quantize(
         TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype``.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
         RuntimeError: ``fast=True`` where no fast kernel is available.
-        TypeError / ValueError: ``out`` not a pair of tensors of the dtypes, shapes, device and layout above, or
-            given with ``direction="columnwise"``.
+        TypeError / ValueError: ``out`` not a pair of tensors of the dtypes, shapes, device and layout above,
+            overlapping ``x`` or each other, or given with ``direction="columnwise"``.
     """
     _check_input(x)
     fmt: ElementFormat = element_format(fp8_dtype)
@@ -353,9 +388,9 @@ def quantize(
     if direction == "columnwise" and not block_2d:
         x2 = x2.t().contiguous()  # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
     floor = rounding == "floor"
-    kernel = kernel_for(x2, block_2d=block_2d, fast=fast)
+    kernel = kernel_for(x2, fast=fast)
     if kernel == "native":
-        q, e = NATIVE_PATH(x2, fmt, floor, out=out_bytes)
+        q, e = NATIVE_PATH(x2, fmt, floor, block_2d, out=out_bytes)
     elif kernel == "compiled":
         q, e = FAST_PATH(x2, *_kernel_args(fmt, floor, block_2d))
     else:

@@ -11,7 +11,8 @@
  *     E4M3 / E5M2 computed on the float32 bits (Inf -> +-max_norm, every NaN -> the byte 0x7F).
  *
  * Sixteen blocks are handled together: their amaxes meet in one vector through a shuffle tree, their scales are
- * computed in one vector, then each block is re-read from L1 and cast. No torch headers: the Python side
+ * computed in one vector, then each block is re-read from L1 and cast. 32x32 blocks (TE with_2d_quantization) take
+ * the max of those amax vectors over 32 rows. No torch headers: the Python side
  * (mxport/native.py) compiles this file once with the system C compiler and calls it through ctypes, splitting
  * rows across threads.
  *
@@ -21,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MXPORT_NATIVE_ABI 1
+#define MXPORT_NATIVE_ABI 2
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
@@ -210,15 +211,14 @@ INLINE void cast_block(const char *p, uint8_t *out, int n, int full, int in_dt, 
         _mm256_mask_storeu_epi8(out, (__mmask32)((1u << n) - 1u), q);
 }
 
-/* One group of g (1..16) blocks starting at block b0 of a row of k elements: sixteen amaxes in one vector, their
- * scales in one vector, then each block re-read (from L1) and cast. */
-INLINE void quantize_group(const char *xr, uint8_t *qr, uint8_t *er, int64_t k, int64_t b0, int g, int full,
-                           int in_dt, int elem, int floor_r, float inv_max_norm, int emax) {
+/* The amaxes of one row's group of g (1..16) blocks starting at block b0 (a row of k elements), one per 32-bit lane,
+ * as magnitude bits of the input dtype (16-bit for 16-bit inputs: comparable as unsigned, NaN skipped); *nan is
+ * set when the group holds a NaN. */
+INLINE __m512i group_amax(const char *xr, int64_t k, int64_t b0, int g, int full, int in_dt, int *nan) {
     const int esize = in_dt == IN_F32 ? 4 : 2;
     const int u16 = in_dt != IN_F32;
     __m512i mags[16];
-    int nan = 0;
-    __m512i amax;
+    __m512i amax = _mm512_setzero_si512();
     for (int pass = 0; pass < 2; pass++) {  /* pass 1 (skip_nan) only when pass 0 met a NaN */
         for (int j = 0; j < 16; j++) {
             if (!full && j >= g) {
@@ -239,21 +239,36 @@ INLINE void quantize_group(const char *xr, uint8_t *qr, uint8_t *er, int64_t k, 
         if (pass == 1)
             break;
         const int inf = in_dt == IN_F32 ? 0x7F800000 : in_dt == IN_BF16 ? 0x7F80 : 0x7C00;
-        nan = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(inf)) != 0;
-        if (!nan)
+        if (_mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(inf)) == 0)
             break;
+        *nan = 1;
     }
+    return amax;
+}
+
+/* E8M0 bytes of a group from its amaxes (group_amax's magnitude bits); the multipliers 2^(127-E) go to mult. */
+INLINE __m512i group_scales(__m512i amax, int in_dt, int floor_r, float inv_max_norm, int emax, float *mult) {
     if (in_dt == IN_BF16)
         amax = _mm512_slli_epi32(amax, 16);
     else if (in_dt == IN_F16)
         amax = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(amax)));
     __m512i e = scale_bytes(amax, floor_r, inv_max_norm, emax);
-    __attribute__((aligned(64))) float mult[16];
     _mm512_store_ps(mult, multipliers(e));
+    return e;
+}
+
+/* Store a group's E8M0 bytes (g of them) at er + b0. */
+INLINE void store_scales(uint8_t *er, int64_t b0, int g, int full, __m512i e) {
     if (full)
         _mm_storeu_si128((__m128i *)(er + b0), _mm512_cvtepi32_epi8(e));
     else
         _mm_mask_storeu_epi8(er + b0, (__mmask16)((1u << g) - 1u), _mm512_cvtepi32_epi8(e));
+}
+
+/* Cast one row's group of blocks (re-read from L1) with the multipliers mult. */
+INLINE void cast_group(const char *xr, uint8_t *qr, int64_t k, int64_t b0, int g, int full, int in_dt, int elem,
+                       const float *mult, int nan) {
+    const int esize = in_dt == IN_F32 ? 4 : 2;
     for (int j = 0; j < (full ? 16 : g); j++) {
         int64_t start = (b0 + j) * 32;
         int n = full ? 32 : (int)(k - start < 32 ? k - start : 32);
@@ -265,24 +280,49 @@ INLINE void quantize_group(const char *xr, uint8_t *qr, uint8_t *er, int64_t k, 
     }
 }
 
-INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
+/* Rows [r0, r0 + nr) share their scales: nr = 1 for 1-D blocks, up to 32 for 32x32 blocks (the amax of a block is
+ * the max over its rows; every row of the row group stores the same scale bytes, as the eager kernel does). */
+INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax) {
     const int esize = in_dt == IN_F32 ? 4 : 2;
     const int64_t nb = (k + 31) / 32, full_groups = (k / 32) / 16;
-    for (int64_t r = 0; r < rows; r++) {
-        const char *xr = x + r * k * esize;
-        uint8_t *qr = q + r * k, *er = e + r * nb;
-        int64_t b0 = 0;
-        for (int64_t gi = 0; gi < full_groups; gi++, b0 += 16)
-            quantize_group(xr, qr, er, k, b0, 16, 1, in_dt, elem, floor_r, inv_max_norm, emax);
-        if (b0 < nb)
-            quantize_group(xr, qr, er, k, b0, (int)(nb - b0), 0, in_dt, elem, floor_r, inv_max_norm, emax);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int full = b0 / 16 < full_groups, g = (int)(nb - b0 < 16 ? nb - b0 : 16);
+        __m512i amax = _mm512_setzero_si512();
+        int nan = 0;
+        for (int r = 0; r < nr; r++) {
+            const char *xr = x + (r0 + r) * k * esize;
+            __m512i a = full ? group_amax(xr, k, b0, 16, 1, in_dt, &nan) : group_amax(xr, k, b0, g, 0, in_dt, &nan);
+            amax = _mm512_max_epu32(amax, a);
+        }
+        __attribute__((aligned(64))) float mult[16];
+        __m512i eb = group_scales(amax, in_dt, floor_r, inv_max_norm, emax, mult);
+        for (int r = 0; r < nr; r++) {
+            const char *xr = x + (r0 + r) * k * esize;
+            store_scales(e + (r0 + r) * nb, b0, g, full, eb);
+            if (full)
+                cast_group(xr, q + (r0 + r) * k, k, b0, 16, 1, in_dt, elem, mult, nan);
+            else
+                cast_group(xr, q + (r0 + r) * k, k, b0, g, 0, in_dt, elem, mult, nan);
+        }
     }
+}
+
+INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
+                               int elem, int floor_r, float inv_max_norm, int emax, int block_2d) {
+    if (!block_2d) {
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row_group(x, r, 1, k, q, e, in_dt, elem, floor_r, inv_max_norm, emax);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 32)
+        quantize_row_group(x, r0, (int)(rows - r0 < 32 ? rows - r0 : 32), k, q, e, in_dt, elem, floor_r,
+                           inv_max_norm, emax);
 }
 
 #define MXPORT_CASE(IN, EL, FL) \
     case (IN) * 4 + (EL) * 2 + (FL): \
-        quantize_rows_impl(x, rows, k, q, e, IN, EL, FL, inv_max_norm, emax); \
+        quantize_rows_impl(x, rows, k, q, e, IN, EL, FL, inv_max_norm, emax, block_2d); \
         return 0;
 
 #endif /* MXPORT_HAVE_KERNEL */
@@ -291,13 +331,14 @@ INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *
  * Quantize `rows` contiguous rows of `k` elements (x: float32 / bfloat16 / float16 by in_dtype 0 / 1 / 2) into
  * q (rows x k FP8 bytes, E4M3 for elem 0, E5M2 for elem 1) and e (rows x ceil(k/32) E8M0 bytes).
  * floor_rounding: 0 = rceil, 1 = floor. inv_max_norm: f32(1 / max_norm); emax: the element's emax (8 / 15).
+ * block_2d: 1 = 32x32 blocks (rows taken in groups of 32 from the first; each row stores its group's scales).
  * Returns 0, or -1 for arguments it does not handle (the caller then uses another path).
  */
 int mxport_quantize_rows(const void *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dtype, int elem,
-                         int floor_rounding, float inv_max_norm, int emax) {
+                         int floor_rounding, float inv_max_norm, int emax, int block_2d) {
 #if MXPORT_HAVE_KERNEL
     if (rows < 0 || k < 1 || in_dtype < 0 || in_dtype > 2 || elem < 0 || elem > 1 || floor_rounding < 0 ||
-        floor_rounding > 1)
+        floor_rounding > 1 || block_2d < 0 || block_2d > 1)
         return -1;
     switch (in_dtype * 4 + elem * 2 + floor_rounding) {
         MXPORT_CASE(IN_F32, EL_E4M3, 0) MXPORT_CASE(IN_F32, EL_E4M3, 1)
@@ -310,7 +351,7 @@ int mxport_quantize_rows(const void *x, int64_t rows, int64_t k, uint8_t *q, uin
     return -1;
 #else
     (void)x; (void)rows; (void)k; (void)q; (void)e; (void)in_dtype; (void)elem; (void)floor_rounding;
-    (void)inv_max_norm; (void)emax;
+    (void)inv_max_norm; (void)emax; (void)block_2d;
     return -1;
 #endif
 }
