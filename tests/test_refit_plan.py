@@ -60,7 +60,7 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, c
     for src in sources_per_version:
         try:
             sent.append(sender.send(src))
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the test looks at what send raised
             sent.append(exc)
     th.join(timeout=60)
     assert not th.is_alive()
@@ -570,3 +570,76 @@ def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follo
     _, got, _ = _refit_in_process(plan, [[w.data, w.scale_inv]], targets)
     assert got[0]["version"] == 1
     assert torch.equal(model(x), torch.nn.functional.linear(x, w.dequantize()))
+
+
+def test_direct_rollback_restores_what_was_live_when_the_refit_started():
+    """Direct mode: values written into the arena after the receiver was built (a checkpoint load, say) are what a
+    failed refit restores, as in staging mode (the rollback copy is retaken when the targets' versions moved)."""
+    items = _items([((16,), torch.float32), ((8,), torch.bfloat16)])
+    plan = RefitPlan(items, 64)
+    targets = allocate_targets(plan)
+    ch = InProcessChannel(1, timeout_s=30)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    assert receiver.direct
+    for t in targets:
+        t.fill_(7.0)  # loaded after the receiver was built
+    out = []
+    th = threading.Thread(target=lambda: out.append(_catch(receiver.receive)))
+    th.start()
+    sender = RefitSender(ch.endpoint(0), plan)
+    sender._corrupt = lambda b, payload: payload.fill_(1) if b == 0 else None
+    sender.send([torch.full((16,), 3.0), torch.full((8,), 3.0, dtype=torch.bfloat16)])
+    th.join(timeout=30)
+    assert isinstance(out[0], RefitError)
+    assert all(bool((t == 7.0).all()) for t in targets)
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except RefitError as exc:
+        return exc
+
+
+def test_empty_plan_refits():
+    """A plan whose tensors are all empty (0 bytes, one empty bucket) refits cleanly."""
+    plan = RefitPlan([("e", "kept", torch.float32, (0, 4))], 64)
+    targets = [torch.zeros(0, 4)]
+    sent, got, _ = _refit_in_process(plan, [[torch.zeros(0, 4)], [torch.zeros(0, 4)]], targets)
+    assert [g["version"] for g in got] == [1, 2] and sent[0]["bytes"] == 0
+
+
+def test_zero_copy_never_sends_foreign_padding():
+    """A source that is a view into a larger storage (a flat parameter buffer) must not send its neighbours'
+    bytes as padding: the bucket is packed, and a staging receiver's verification holds."""
+    flat = torch.arange(100, dtype=torch.float32) + 1
+    plan = RefitPlan([("w", "kept", torch.float32, (3,))], 16)  # 12 bytes -> 16 in the stream
+    targets = [torch.zeros(3)]
+    sent, got, receiver = _refit_in_process(plan, [[flat[:3]]], targets, stream_crc32=True)
+    assert sent[0]["zero_copy_buckets"] == 0
+    assert torch.equal(targets[0], flat[:3]) and receiver.verify_live()
+    assert receiver.live_crc32() == sent[0]["stream_crc32"]
+    arena = allocate_targets(plan)  # zero padding: sent in place
+    arena[0].copy_(flat[:3])
+    sent, _, receiver = _refit_in_process(plan, [arena], [torch.zeros(3)])
+    assert sent[0]["zero_copy_buckets"] == 1 and receiver.verify_live()
+
+
+def test_a_failing_producer_aborts_the_refit():
+    """A tensors() generator that raises something else than ValueError / TypeError (an OOM while quantizing)
+    still aborts the refit: the receiver keeps its weights, the error reaches the caller, the next refit works."""
+    items = _items([((64,), torch.float32)] * 4)
+    plan = RefitPlan(items, 256)
+
+    def gen(fail):
+        for i in range(4):
+            if fail and i == 2:
+                raise RuntimeError("simulated OOM while quantizing")
+            yield torch.full((64,), float(i + 10 * fail))
+
+    targets = [torch.zeros(64) for _ in range(4)]
+    sent, got, _ = _refit_in_process(plan, [gen(False), gen(True), gen(False)], targets)
+    assert isinstance(sent[1], RuntimeError) and "simulated OOM" in str(sent[1])
+    assert isinstance(got[1], RefitError) and "aborted" in str(got[1])
+    assert [g["version"] for g in (got[0], got[2])] == [1, 3]
+    assert [float(t[0]) for t in targets] == [0.0, 1.0, 2.0, 3.0]

@@ -180,16 +180,20 @@ def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: lis
         targets[s.entry][s.src:s.src + s.length].copy_(payload[s.dst:s.dst + s.length])
 
 
-def in_place_payload(segments: list[Segment], sources: list[torch.Tensor], size: int,
+def in_place_payload(segments: list[Segment], gaps: list[tuple[int, int]], sources: list[torch.Tensor], size: int,
                      device: torch.device) -> torch.Tensor | None:
     """A bucket's payload as a view of the sources' own memory, when there is one: every segment's bytes sit
     in one storage on ``device`` exactly where the bucket's layout puts them (a bucket inside one tensor, or
     tensors laid out as the plan's byte stream in one arena, as :func:`~mxport.refit.allocate_targets` and
-    ``TrainerSource(arena=True)`` make them). The bytes between segments (alignment padding) go out as the
-    storage holds them. ``None`` when the bucket must be packed.
+    ``TrainerSource(arena=True)`` make them) and the bucket's gaps (alignment padding, the tail of the last
+    bucket) hold zeros there, as packing would write them (so the bytes on the wire never depend on the sender's
+    memory layout). ``None`` when the bucket must be packed.
 
-    ``segments``: the bucket's :class:`Segment` list; ``sources``: flat uint8 views per plan entry.
+    ``segments``: the bucket's :class:`Segment` list; ``sources``: flat uint8 views per plan entry; ``gaps``: the
+    bucket's ``(start, length)`` gaps (:attr:`BucketLayout.gaps`).
     """
+    if not segments:
+        return None
     first = sources[segments[0].entry]
     if first.device != device:
         return None
@@ -202,7 +206,10 @@ def in_place_payload(segments: list[Segment], sources: list[torch.Tensor], size:
     start = base - storage.data_ptr()
     if start < 0 or start + size > storage.nbytes():
         return None
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (size,), (1,))
+    payload = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (size,), (1,))
+    if gaps and any(bool(payload[g0:g0 + n].any()) for g0, n in gaps):
+        return None
+    return payload
 
 
 def stream_arena(plan: RefitPlan, targets: list[torch.Tensor]) -> torch.Tensor | None:

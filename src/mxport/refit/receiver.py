@@ -125,6 +125,8 @@ class RefitReceiver:
             t0 = time.perf_counter()
             self._staging = arena.clone()
             self.last_backup_s = time.perf_counter() - t0
+        #: the targets' version counters when the rollback copy was last taken (None: not trackable)
+        self._backup_versions = self._target_versions()
         self._payloads = self._bucket_views(self._staging)
         # where the broadcasts land: the live arena (direct) or staging
         self._landing = self._bucket_views(arena) if arena is not None else self._payloads
@@ -161,18 +163,33 @@ class RefitReceiver:
     def wait_backup(self) -> float:
         """Direct mode: block until the rollback copy of the live version is complete (the background copy started
         by the last successful :meth:`receive`); returns that copy's seconds (0.0 in staging mode). If the
-        background copy failed it is redone here (an error then propagates)."""
+        background copy failed, or the live tensors were written in place since it was taken (their ``_version``
+        counters moved: a checkpoint load into ``allocate_targets`` views, say), it is taken again here, so a
+        failed refit always restores what was live when it started."""
         if self._backup is not None:
             self._backup.join()
             self._backup = None
-        if self._backup_error is not None:
+        stale = self.direct and self._target_versions() != self._backup_versions
+        if self._backup_error is not None or stale:
+            # the background copy failed, or the live tensors were written in place since the copy was taken
+            # (a checkpoint load, an engine's own update): take it again now so a rollback restores what is live
             self._backup_error = None
             t0 = time.perf_counter()
             self._staging.copy_(self._arena)
             self.last_backup_s = time.perf_counter() - t0
+            self._backup_versions = self._target_versions()
         return self.last_backup_s if self.direct else 0.0
 
+    def _target_versions(self) -> tuple[int, ...] | None:
+        """The live targets' ``_version`` counters (bumped by every in-place torch write), or None where they have
+        none (inference tensors): then only writes made through this receiver are known."""
+        try:
+            return tuple(t._version for t in self.targets)
+        except RuntimeError:
+            return None
+
     def _start_backup(self) -> None:
+        self._backup_versions = self._target_versions()
         self._backup = threading.Thread(target=self._run_backup, name="mxport-refit-backup", daemon=True)
         self._backup.start()
 
@@ -181,6 +198,7 @@ class RefitReceiver:
         if nbytes > 0:
             self._arena[:nbytes].copy_(self._staging[:nbytes])
         self._bump_versions()
+        self._backup_versions = self._target_versions()
 
     def _bump_versions(self) -> None:
         """Broadcasts write memory without bumping ``_version``: bump every target's so derived caches follow."""

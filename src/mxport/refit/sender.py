@@ -25,6 +25,15 @@ from .plan import RefitPlan
 from .transport import Transport
 
 
+class _ProducerFailed(Exception):
+    """Carries an exception raised by the ``tensors`` iterator, so that ``send`` aborts the refit (the receivers
+    keep their weights and stay in step) before re-raising it."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _retire_oldest(pending, slot_busy: list) -> None:
     """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
     handle, slot, _ = pending.popleft()
@@ -92,7 +101,7 @@ class RefitSender:
         it is on the wire.
 
         Each tensor's dtype and shape are checked against the plan. On any error (wrong dtype/shape, too few or too
-        many tensors) the remaining buckets are still sent (their content unused) followed by an "abort" trailer,
+        many tensors, any exception raised by the ``tensors`` iterator itself) the remaining buckets are still sent (their content unused) followed by an "abort" trailer,
         so receivers keep their weights and stay in step; then the error is raised here.
 
         Returns:
@@ -130,6 +139,10 @@ class RefitSender:
                     except StopIteration:
                         raise ValueError(f"refit v{version}: got {i} tensors, the plan has {len(plan)} "
                                          f"(first missing: {plan.entries[i].name!r})") from None
+                    except (ValueError, TypeError):
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the producer failed (OOM, a kernel error): abort below
+                        raise _ProducerFailed(exc) from exc
                     plan.check_tensor(i, t)
                     sources.append(byte_view(t, argname=plan.entries[i].name))
                 if b == plan.num_buckets - 1 and next(it, None) is not None:
@@ -138,7 +151,7 @@ class RefitSender:
                 t2 = time.perf_counter()
                 size = layout.sizes[b]
                 slot = None
-                payload = in_place_payload(layout.segments[b], sources, size, self.device)
+                payload = in_place_payload(layout.segments[b], layout.gaps[b], sources, size, self.device)
                 if payload is not None:
                     zero_copy += 1
                 else:
@@ -181,6 +194,8 @@ class RefitSender:
                 t_pack += t4 - t3
                 t_crc += t5 - t4
                 t_wait += (t3 - t2) + (t6 - t5)
+        except _ProducerFailed as exc:
+            error = exc.error
         except (ValueError, TypeError) as exc:
             error = exc
         t7 = time.perf_counter()
