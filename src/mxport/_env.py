@@ -39,3 +39,17 @@ def mx_gemm_available(device: torch.device | int | None = None) -> bool:
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 10
+
+
+#: third-party loggers whose import-time warnings say nothing about mxport's work (torchao, pulled in by
+#: transformers or the benchmarks, warns about its optional CUDA / other-Python binaries and torch's pytree about
+#: a deprecated registration): the command line shows their errors only; the library leaves logging alone
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party_logs() -> None:
+    """Raise :data:`QUIET_LOGGERS` to ERROR (called by the ``mxport`` command and its worker processes)."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -68,6 +68,9 @@ def _synthetic_model(layers: int) -> torch.nn.Module:
 
 
 def _worker(rank: int, init: str, cfg: dict, q) -> None:
+    from .._env import quiet_third_party_logs
+
+    quiet_third_party_logs()
     try:
         q.put(("ok", rank, _body(rank, init, cfg)))
     except BaseException as exc:  # noqa: BLE001 - report to the parent

@@ -19,6 +19,8 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """MXFP8 weights from training to inference: export, convert, sync (refit), verify."""
+    from .._env import quiet_third_party_logs
     from ._common import json_to_stdout
 
+    quiet_third_party_logs()
     json_to_stdout(None)  # reports to stdout unless the command writes JSON there

@@ -154,9 +154,11 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
 
 def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
     """Entry point of one spawned process: rank 0 trains and sends, ranks >= 1 receive and generate."""
+    from .._env import quiet_third_party_logs
     from ..quantize import FAST_PATH
     from .transport import TorchDistTransport
 
+    quiet_third_party_logs()
     cfg = DemoConfig(**cfg_dict)
     if cfg.log_dir:  # keep the parent's terminal for the progress display: library chatter goes to a log file
         fd = os.open(os.path.join(cfg.log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
