@@ -84,3 +84,22 @@ def test_bad_inputs():
         layouts.unpad(torch.zeros(128, 4, dtype=torch.uint8), 129, 2)
     with pytest.raises(ValueError, match="direction"):
         layouts.pad(torch.zeros(3, 2, dtype=torch.uint8), "sideways")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (129, 5), (257, 130), (128, 4)])
+def test_word_and_byte_paths_agree(shape):
+    """The swizzle moves 4-byte words when the grid's memory allows it, else bytes: misaligned and
+    non-contiguous inputs (the byte path) give the same bytes as aligned ones (the word path)."""
+    r, c = shape
+    g = torch.Generator().manual_seed(r * 1000 + c)
+    x = torch.randint(0, 256, (r, c), generator=g, dtype=torch.uint8)
+    want = layouts.swizzle(x)
+    wide = torch.randint(0, 256, (c, r), generator=g, dtype=torch.uint8)
+    wide.t()[:] = x
+    assert not wide.t().is_contiguous() or (r, c) == (1, 1)
+    assert torch.equal(layouts.swizzle(wide.t()), want)
+    buf = torch.zeros(want.numel() + 1, dtype=torch.uint8)
+    buf[1:] = want.reshape(-1)
+    assert buf[1:].data_ptr() % 4 != 0
+    assert torch.equal(layouts.unswizzle(buf[1:], r, c), x)
+    assert torch.equal(layouts.unswizzle(want, r, c), x)

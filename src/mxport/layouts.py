@@ -85,9 +85,21 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
         grid[:r, :c] = scale
     else:
         grid = scale
-    # r = 128a + 32b + i, c = 4d + j  ->  offset (a, d, i, b, j)
+    # r = 128a + 32b + i, c = 4d + j  ->  offset (a, d, i, b, j); the 4 bytes j move together
+    words = _as_words(grid)
+    if words is not None:
+        tiles = words.reshape(pr // TILE_ROWS, 4, 32, pc // TILE_COLS).permute(0, 3, 2, 1)
+        return tiles.contiguous().view(torch.uint8).reshape(pr, pc)
     tiles = grid.reshape(pr // TILE_ROWS, 4, 32, pc // TILE_COLS, TILE_COLS).permute(0, 3, 2, 1, 4)
     return tiles.contiguous().reshape(pr, pc)
+
+
+def _as_words(grid: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous uint8 grid whose rows are multiples of 4 bytes as int32 words (one word = the 4 scale bytes a
+    swizzle moves together: a permute of 4x fewer elements), or None when its memory is not 4-byte aligned."""
+    if not grid.is_contiguous() or grid.data_ptr() % 4 or grid.shape[-1] % 4:
+        return None
+    return grid.view(torch.int32)
 
 
 def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -101,5 +113,9 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         raise ValueError(
             f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to {pr}x{pc} = {pr * pc} bytes"
         )
+    words = _as_words(sw.reshape(pr, pc)) if sw.is_contiguous() else None
+    if words is not None:
+        tiles = words.reshape(pr // TILE_ROWS, pc // TILE_COLS, 32, 4).permute(0, 3, 2, 1)
+        return tiles.contiguous().view(torch.uint8).reshape(pr, pc)[:rows, :cols].contiguous()
     tiles = sw.reshape(pr // TILE_ROWS, pc // TILE_COLS, 32, 4, TILE_COLS).permute(0, 3, 2, 1, 4)
     return tiles.reshape(pr, pc)[:rows, :cols].contiguous()
