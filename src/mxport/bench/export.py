@@ -3,8 +3,8 @@
 Rows (``run()``), medians over ``runs`` timed calls after warm-up, all measured in the same process on CUDA when
 available, else CPU:
 
-* ``quantize NxN`` — :func:`mxport.quantize` of the BF16 weight on its default path (compiled when
-  ``torch.compile`` works); the baseline of the rows below.
+* ``quantize NxN`` — :func:`mxport.quantize` of the BF16 weight on its default kernel (native, compiled or eager:
+  the note names it); the baseline of the rows below.
 * ``view export NxN`` — :func:`mxport.export_components` of a TE rowwise storage whose scales need no crop of the
   last dimension and no unswizzle (N % 128 == 0): views only. Ratio to quantize; goal: O(1), microseconds.
 * ``view export 256x256`` — the same on a small weight; ratio = small / large (about 1: independent of size).
@@ -45,8 +45,8 @@ def te_storage(components, swizzled: bool) -> SimpleNamespace:
 def run(quick: bool = False) -> list[dict]:
     """Run the export benchmark; return rows (see the module docstring).
 
-    ``quick=True``: a 2048x2048 weight, 5 runs after 1 warm-up for quantize (about 10 s on 2 CPU cores including
-    the compile of the fast kernel, less when it is already compiled); the export timings always use >= 30 runs after 30 warm-ups
+    ``quick=True``: a 2048x2048 weight, 5 runs after 1 warm-up for quantize (seconds on 2 CPU cores; more the
+    first time where the compiled kernel is used); the export timings always use >= 30 runs after 30 warm-ups
     since each call takes microseconds.
     """
     from ..export import export_components

@@ -84,10 +84,10 @@ def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal
 def run(quick: bool = False) -> list[dict]:
     """Run the quantize benchmark; return rows (see the module docstring).
 
-    ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds plus the
-    compile: ~20 s cold, ~10 s with a warm inductor cache on 2 CPU cores). The default path is used in both modes:
-    the compiled kernel when ``torch.compile`` works (``mxport info`` says), else the eager one (row notes say
-    which). Runs on CUDA when available, else CPU.
+    ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds; plus
+    ~20 s the first time where the compiled kernel is used). The default kernel is used in both modes: native
+    where the CPU has AVX-512, else compiled when ``torch.compile`` works, else eager (``mxport info`` says; row
+    notes name it). Runs on CUDA when available, else CPU.
     """
     from ..quantize import kernel_for, kernel_label
     from ..quantize import quantize as mx_quantize
