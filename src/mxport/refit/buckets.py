@@ -104,6 +104,16 @@ class BucketLayout:
             self.gaps.append(gaps)
         self.sizes = [plan.bucket_size(b) for b in range(plan.num_buckets)]
         self._chunks: dict[int, list] = {}
+        self._gap_index: dict[tuple[int, str], torch.Tensor | None] = {}
+
+    def gap_index(self, b: int, device: torch.device) -> torch.Tensor | None:
+        """Bucket ``b``'s gap byte positions (alignment padding) as one int64 index on ``device``, or None when it
+        has no gaps. Computed once per bucket and device, so checking the gaps costs one gather per bucket."""
+        key = (b, str(device))
+        if key not in self._gap_index:
+            ranges = [torch.arange(g0, g0 + n) for g0, n in self.gaps[b]]
+            self._gap_index[key] = torch.cat(ranges).to(device) if ranges else None
+        return self._gap_index[key]
 
     def chunk_pieces(self, b: int) -> list[list[tuple[int, int, int, int]]]:
         """Bucket ``b``'s segments and gaps cut at :data:`CHUNK_BYTES` boundaries: per checksum chunk, pieces
@@ -180,8 +190,8 @@ def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: lis
         targets[s.entry][s.src:s.src + s.length].copy_(payload[s.dst:s.dst + s.length])
 
 
-def in_place_payload(segments: list[Segment], gaps: list[tuple[int, int]], sources: list[torch.Tensor], size: int,
-                     device: torch.device) -> torch.Tensor | None:
+def in_place_payload(segments: list[Segment], gap_index: torch.Tensor | None, sources: list[torch.Tensor],
+                     size: int, device: torch.device) -> torch.Tensor | None:
     """A bucket's payload as a view of the sources' own memory, when there is one: every segment's bytes sit
     in one storage on ``device`` exactly where the bucket's layout puts them (a bucket inside one tensor, or
     tensors laid out as the plan's byte stream in one arena, as :func:`~mxport.refit.allocate_targets` and
@@ -189,8 +199,8 @@ def in_place_payload(segments: list[Segment], gaps: list[tuple[int, int]], sourc
     bucket) hold zeros there, as packing would write them (so the bytes on the wire never depend on the sender's
     memory layout). ``None`` when the bucket must be packed.
 
-    ``segments``: the bucket's :class:`Segment` list; ``sources``: flat uint8 views per plan entry; ``gaps``: the
-    bucket's ``(start, length)`` gaps (:attr:`BucketLayout.gaps`).
+    ``segments``: the bucket's :class:`Segment` list; ``gap_index``: its gap byte positions
+    (:meth:`BucketLayout.gap_index`); ``sources``: flat uint8 views per plan entry.
     """
     if not segments:
         return None
@@ -207,7 +217,7 @@ def in_place_payload(segments: list[Segment], gaps: list[tuple[int, int]], sourc
     if start < 0 or start + size > storage.nbytes():
         return None
     payload = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (size,), (1,))
-    if gaps and any(bool(payload[g0:g0 + n].any()) for g0, n in gaps):
+    if gap_index is not None and bool(payload[gap_index].any()):
         return None
     return payload
 

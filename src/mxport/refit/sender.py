@@ -151,7 +151,8 @@ class RefitSender:
                 t2 = time.perf_counter()
                 size = layout.sizes[b]
                 slot = None
-                payload = in_place_payload(layout.segments[b], layout.gaps[b], sources, size, self.device)
+                payload = in_place_payload(layout.segments[b], layout.gap_index(b, self.device), sources, size,
+                                           self.device)
                 if payload is not None:
                     zero_copy += 1
                 else:
