@@ -37,12 +37,17 @@ def _random(dtype, shape, g):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, corrupt=None, **sender_kw):
+def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, corrupt=None, prepare=None,
+                      after_receive=None, **sender_kw):
     """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list).
-    ``corrupt(sender, bucket, payload)``: the sender's test hook (after the checksum, before the broadcast)."""
+    ``corrupt(sender, bucket, payload)``: the sender's test hook (after the checksum, before the broadcast);
+    ``prepare(receiver)``: called before any refit; ``after_receive()``: called right after each receive returns
+    or raises."""
     ch = InProcessChannel(1, timeout_s=30)
     recv_out = []
     receiver = RefitReceiver(ch.endpoint(1), plan, targets, **(receiver_kw or {}))
+    if prepare is not None:
+        prepare(receiver)
 
     def rx():
         for _ in sources_per_version:
@@ -50,6 +55,8 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, c
                 recv_out.append(receiver.receive())
             except RefitError as exc:
                 recv_out.append(exc)
+            if after_receive is not None:
+                after_receive()
 
     th = threading.Thread(target=rx)
     th.start()
@@ -421,40 +428,26 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
 
 
 def _direct_run(plan, versions, targets, corrupt, slow_backup_s=0.0):
-    """Like _refit_in_process, but records the live stream after every receive (right after it returns or
-    raises, without waiting for the background backup) and can slow the backup copy down."""
-    ch = InProcessChannel(1, timeout_s=30)
-    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
-    assert receiver.direct
-    if slow_backup_s:
-        run_backup = receiver._run_backup
-
-        def slow():
-            import time
-
-            time.sleep(slow_backup_s)
-            run_backup()
-
-        receiver._run_backup = slow
+    """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or raises,
+    without waiting for the background backup), with the backup copy slowed down by ``slow_backup_s``."""
     arena = stream_arena(plan, targets)
-    snaps, outs = [], []
+    snaps = []
 
-    def rx():
-        for _ in versions:
-            try:
-                outs.append(receiver.receive())
-            except RefitError as exc:
-                outs.append(exc)
-            snaps.append(arena.clone())
+    def prepare(receiver):
+        assert receiver.direct
+        if slow_backup_s:
+            run_backup = receiver._run_backup
 
-    th = threading.Thread(target=rx)
-    th.start()
-    sender = RefitSender(ch.endpoint(0), plan)
-    sender._corrupt = lambda b, payload: corrupt(sender, b, payload)
-    for v in versions:
-        sender.send(v)
-    th.join(timeout=60)
-    assert not th.is_alive()
+            def slow():
+                import time
+
+                time.sleep(slow_backup_s)
+                run_backup()
+
+            receiver._run_backup = slow
+
+    _, outs, receiver = _refit_in_process(plan, versions, targets, corrupt=corrupt, prepare=prepare,
+                                          after_receive=lambda: snaps.append(arena.clone()))
     return receiver, outs, snaps
 
 
@@ -492,21 +485,9 @@ def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
     v2 = [w.data, w.scale_inv + 1]
     x = torch.randn(3, 64)
     outs_y = []
-    ch = InProcessChannel(1, timeout_s=30)
-    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
-    assert receiver.direct and live[0].shape == targets[0].shape
-
-    def rx():
-        for _ in range(2):
-            receiver.receive()
-            outs_y.append(lin(x))
-
-    th = threading.Thread(target=rx)
-    th.start()
-    sender = RefitSender(ch.endpoint(0), plan)
-    sender.send(v1)
-    sender.send(v2)
-    th.join(timeout=60)
+    assert live[0].shape == targets[0].shape
+    _, got, receiver = _refit_in_process(plan, [v1, v2], targets, after_receive=lambda: outs_y.append(lin(x)))
+    assert receiver.direct and [g["version"] for g in got] == [1, 2]
     assert torch.equal(outs_y[0], torch.nn.functional.linear(x, w.dequantize()))
     assert torch.equal(outs_y[1], 2 * outs_y[0])
 
