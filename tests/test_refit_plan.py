@@ -293,6 +293,68 @@ def test_trainer_arena_sends_the_same_bytes_without_packing(tmp_path):
     assert all(torch.equal(byte_view(t), byte_view(w)) for t, w in zip(targets, want2, strict=True))
 
 
+def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path):
+    """With arena=True the kept tensors that own their storage (the tied embedding, the norms) are adopted: their
+    .data becomes their view of the send buffer, so the model still computes the same, the optimizer updates them in
+    place there, and every bucket of every refit goes out without packing, with the right bytes."""
+    from mxport.models import load_causal_lm
+    from mxport.testing import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80)
+    trainer, _ = load_causal_lm(path, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        before = trainer(ids).logits
+    embed = trainer.get_submodule("model.embed_tokens").weight
+    src = TrainerSource(trainer, bucket_bytes=4096, arena=True)
+    first = list(src.tensors())
+    kept = [i for i, e in enumerate(src.plan.entries) if e.role == "kept"]
+    assert kept and all(first[i].data_ptr() == src._slots[i].data_ptr() for i in kept)
+    i_embed = src.plan.index("model.embed_tokens.weight")
+    assert embed.data_ptr() == first[i_embed].data_ptr()  # the Parameter object itself now lives in the buffer
+    with torch.no_grad():
+        assert torch.equal(trainer(ids).logits, before)
+    opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
+    trainer(ids, labels=ids).loss.backward()
+    opt.step()
+    assert embed.data_ptr() == first[i_embed].data_ptr()  # updated in place, still adopted
+    want = [t.clone() for t in TrainerSource(trainer, bucket_bytes=4096).tensors()]
+    targets = [torch.zeros(e.shape, dtype=t.dtype) for e, t in zip(src.plan.entries, want, strict=True)]
+    sent, got, receiver = _refit_in_process(src.plan, [src.tensors()], targets, stream_crc32=True)
+    assert got[0]["version"] == 1
+    assert sent[0]["zero_copy_buckets"] == src.plan.num_buckets  # nothing packed
+    assert src.stream_crc32() == sent[0]["stream_crc32"] == receiver.live_crc32()
+    with pytest.raises(ValueError, match="arena=True"):
+        TrainerSource(trainer, bucket_bytes=4096).stream_crc32()
+    assert all(torch.equal(byte_view(t), byte_view(w)) for t, w in zip(targets, want, strict=True))
+
+
+def test_trainer_arena_copies_what_it_cannot_adopt():
+    """Kept tensors that are views of a larger storage, or need a cast to the planned dtype, stay where they are and
+    are copied into the buffer at every refit (so later updates still reach the wire); a tensor whose .data is
+    replaced after adoption is copied in from its new storage."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(64, 32, bias=False)
+    shared = torch.randn(2, 16)
+    model.a = torch.nn.Parameter(shared[0])  # two views of one storage: never adopted
+    model.b = torch.nn.Parameter(shared[1])
+    model.norm = torch.nn.Parameter(torch.randn(16))  # owns its storage: adopted
+    src = TrainerSource(model, bucket_bytes=256, kept_dtype=None, arena=True)
+    out = dict(zip([e.name for e in src.plan.entries], src.tensors(), strict=True))
+    assert model.a.data_ptr() != out["a"].data_ptr() and model.norm.data_ptr() == out["norm"].data_ptr()
+    with torch.no_grad():
+        model.a.add_(1.0)
+        model.norm.data = torch.full((16,), 3.0)  # replaced: no longer the buffer's view
+    out = dict(zip([e.name for e in src.plan.entries], src.tensors(), strict=True))
+    assert torch.equal(out["a"], model.a.detach()) and torch.equal(out["b"], model.b.detach())
+    assert torch.equal(out["norm"], torch.full((16,), 3.0)) and out["norm"].data_ptr() != model.norm.data_ptr()
+    bf = TrainerSource(model, bucket_bytes=256, kept_dtype=torch.bfloat16, arena=True)
+    out = dict(zip([e.name for e in bf.plan.entries], bf.tensors(), strict=True))
+    assert out["norm"].dtype == torch.bfloat16 and torch.equal(out["norm"], torch.full((16,), 3.0).bfloat16())
+    assert model.norm.dtype == torch.float32  # a cast is never adopted
+
+
 def test_checkpoint_tensors_names_per_format():
     plan = RefitPlan([("m.weight", "values", torch.float8_e4m3fn, (2, 32)),
                       ("m.weight_scale", "scales", torch.uint8, (2, 1)),

@@ -6,8 +6,8 @@ same run and the same process group, interleaved (refit, raw broadcast, end-to-e
 ``runs`` after one warm-up:
 
 * ``refit throughput`` — bytes / seconds of a refit of already-quantized tensors (sender: the tensors of
-  ``TrainerSource(arena=True)``, buckets sent from that buffer or from the tensor they lie in, packed only where
-  they straddle the two, checksum, async broadcast; receiver: direct mode — buckets land straight in the live arena that
+  ``TrainerSource(arena=True)``, every bucket sent straight from that stream-ordered buffer, which also holds the
+  adopted kept tensors, checksum, async broadcast; receiver: direct mode — buckets land straight in the live arena that
   ``allocate_targets`` makes, every bucket checksummed, then the version goes live), timed from the sender's start
   to ``receive()`` returning with the new version live (both read ``CLOCK_MONOTONIC``, shared by the processes);
   baseline: one ``dist.broadcast`` of a flat uint8 buffer of the same byte count, timed the same way; ratio =
@@ -22,8 +22,8 @@ same run and the same process group, interleaved (refit, raw broadcast, end-to-e
   with the others: what the two checksum passes cost.
 * ``end-to-end refit step`` — the same with quantizing the weights inside the refit (the trainer's master weights
   -> MXFP8, lazily, bucket by bucket, straight into the sender's stream-ordered buffer:
-  ``TrainerSource(arena=True)``, so buckets go out without packing); split rows give each phase's share: quantize (sender), pack (sender: packing
-  + checksums), unpack (receiver commit: version bumps only in direct mode), transfer (the rest: wire time not
+  ``TrainerSource(arena=True)``, so buckets go out without packing); split rows give each phase's share: quantize
+  (sender), pack (sender: packing, none here, + checksums), unpack (receiver commit: version bumps only in direct mode), transfer (the rest: wire time not
   hidden behind packing).
 
 On CPU loopback gloo the "wire" is two kernel copies that keep both of the machine's 2 cores busy, so every extra

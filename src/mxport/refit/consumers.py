@@ -56,11 +56,17 @@ class TrainerSource:
         bucket_bytes: payload bytes per bucket.
         fp8_dtype: element format of quantized weights.
         kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
-        arena: quantize into one send buffer laid out as the plan's byte stream (allocated on first use, from the
-            first quantized entry to the last one: about the MXFP8 size of the model, on the weights' device) so
-            that :class:`~mxport.refit.RefitSender` sends its buckets without packing, and no output is allocated
-            per refit. Kept tensors inside that range (norms between layers) are copied into it; the others are
-            sent from their own storage. Costs that memory for the trainer's lifetime; off by default.
+        arena: keep one send buffer laid out as the whole plan's byte stream (:func:`allocate_targets` on the
+            weights' device, allocated on first use, ``plan.total_bytes``) so that :class:`~mxport.refit.RefitSender`
+            sends every bucket straight from it, without packing, and nothing is allocated per refit. Quantized
+            weights are written into it by ``quantize(..., out=...)``. A kept tensor (embedding, norms) that owns
+            its whole storage and already has the planned dtype and the buffer's device is *adopted*: its bytes are
+            copied in once and its ``.data`` becomes its view of the buffer (like Megatron's contiguous parameter
+            buffer), so the optimizer updates it in place there and a refit never copies it; the module, its
+            parameter objects and the optimizer's references are unchanged. Any other kept tensor (another dtype, a
+            view of a larger storage, one whose ``.data`` was replaced since) is copied in at every refit. Costs
+            about the model's refit size for the trainer's lifetime, less the adopted tensors' old storage; off by
+            default.
 
     Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
     ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil).
@@ -86,21 +92,50 @@ class TrainerSource:
                 items.append((name, "kept", kept_dtype or t.dtype, tuple(t.shape)))
         self.plan = RefitPlan(items, bucket_bytes)
         self.arena = bool(arena)
-        self._slots: dict[int, torch.Tensor] | None = None
+        self._slots: list[torch.Tensor] | None = None
 
-    def _arena_slots(self) -> dict[int, torch.Tensor]:
-        """Plan index -> its view of the send arena, for the entries from the first quantized one to the last."""
-        from .plan import dtype_from_name
+    @torch.no_grad()
+    def _arena_slots(self) -> list[torch.Tensor]:
+        """Per plan entry, its view of the send buffer (the whole stream); adopts the kept tensors it can (see
+        ``arena`` in the class doc)."""
+        device = self.tensors_by_name[0][1].device
+        slots = allocate_targets(self.plan, device)
+        owners: dict[int, int] = {}
+        for _, t in self.tensors_by_name:
+            ptr = t.untyped_storage().data_ptr()
+            owners[ptr] = owners.get(ptr, 0) + 1
+        i = 0
+        for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            if q:
+                i += 2
+                continue
+            slot = slots[i]
+            raw = t.data if isinstance(t, nn.Parameter) else t
+            if (type(raw) is torch.Tensor and raw.dtype == slot.dtype and raw.device == slot.device
+                    and raw.is_contiguous() and raw.storage_offset() == 0 and raw.nbytes > 0
+                    and raw.untyped_storage().nbytes() == raw.nbytes
+                    and owners[raw.untyped_storage().data_ptr()] == 1):
+                slot.copy_(raw)
+                t.data = slot
+            i += 1
+        return slots
 
-        entries = self.plan.entries
-        coded = [i for i, e in enumerate(entries) if e.role != "kept"]
-        if not coded:
-            return {}
-        first, last = coded[0], coded[-1]
-        lo, hi = entries[first].offset, entries[last].offset + entries[last].nbytes
-        buf = torch.zeros(hi - lo, dtype=torch.uint8, device=self.tensors_by_name[0][1].device)
-        return {i: buf[e.offset - lo:e.offset - lo + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
-                for i, e in enumerate(entries[first:last + 1], start=first)}
+    def stream_crc32(self) -> int:
+        """CRC-32 (``zlib.crc32``) of the send buffer, which with ``arena=True`` holds the last :meth:`tensors`
+        call's bytes laid out as the plan's byte stream (padding zero): the value a receiver's
+        :meth:`~mxport.refit.RefitReceiver.live_crc32` must equal after that refit. Computed outside the refit
+        (about 3 GB/s on CPU), so a bit-exactness check does not slow the send.
+
+        Raises:
+            ValueError: without ``arena=True``, or before the first :meth:`tensors` call.
+        """
+        import zlib
+
+        if not self.arena or self._slots is None:
+            raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call before it")
+        from .buckets import stream_arena
+
+        return zlib.crc32(stream_arena(self.plan, self._slots).cpu().numpy())
 
     @torch.no_grad()
     def tensors(self) -> Iterator[torch.Tensor]:
@@ -111,11 +146,11 @@ class TrainerSource:
 
         if self.arena and self._slots is None:
             self._slots = self._arena_slots()
-        slots = self._slots or {}
+        slots = self._slots
         i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if q:
-                if i in slots and _plain_float(t):
+                if slots is not None and _plain_float(t):
                     quantize(t.detach(), self.fp8_dtype, out=(slots[i], slots[i + 1]))
                     yield slots[i]
                     yield slots[i + 1]
@@ -126,14 +161,16 @@ class TrainerSource:
                 i += 2
             else:
                 x = t.detach()
-                if i in slots:
-                    yield slots[i].copy_(x)
+                if slots is not None and x.shape == slots[i].shape:
+                    slot = slots[i]
+                    if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:  # not adopted: copy (and cast) in
+                        slot.copy_(x)
+                    yield slot
                 else:
                     if self.kept_dtype is not None and x.dtype != self.kept_dtype:
                         x = x.to(self.kept_dtype)
                     yield x.contiguous()
                 i += 1
-
 
 def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[torch.Tensor]]:
     """The inference side: the plan derived from the live model and its live tensors (the refit targets).
