@@ -355,6 +355,28 @@ def test_trainer_arena_copies_what_it_cannot_adopt():
     assert model.norm.dtype == torch.float32  # a cast is never adopted
 
 
+def test_trainer_arena_takes_native_mxfp8_storage_too():
+    """A weight held as native MXFP8 storage (a torchao MXTensor parameter: a wrapper subclass without a plain
+    storage) is exported as is and copied into the send buffer, so the buffer is the whole stream: the same bytes
+    as without the arena, every bucket zero-copy, and stream_crc32() equals the receiver's live CRC."""
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(64, 32, bias=False)
+    model.lin.weight = torch.nn.Parameter(mx_tensor.MXTensor.to_mx(torch.randn(32, 64), torch.float8_e4m3fn, 32),
+                                          requires_grad=False)
+    model.norm = torch.nn.Parameter(torch.randn(16))
+    src = TrainerSource(model, bucket_bytes=256, arena=True)
+    want = [t.clone() for t in TrainerSource(model, bucket_bytes=256).tensors()]
+    got = list(src.tensors())
+    assert all(torch.equal(byte_view(a), byte_view(b)) for a, b in zip(got, want, strict=True))
+    assert [g.data_ptr() for g in got] == [s.data_ptr() for s in src._slots]
+    targets = [torch.zeros(e.shape, dtype=t.dtype) for e, t in zip(src.plan.entries, want, strict=True)]
+    sent, _, receiver = _refit_in_process(src.plan, [src.tensors()], targets)
+    assert sent[0]["zero_copy_buckets"] == src.plan.num_buckets
+    assert receiver.live_crc32() == src.stream_crc32()
+
+
 def test_checkpoint_tensors_names_per_format():
     plan = RefitPlan([("m.weight", "values", torch.float8_e4m3fn, (2, 32)),
                       ("m.weight_scale", "scales", torch.uint8, (2, 1)),

@@ -64,7 +64,9 @@ class TrainerSource:
             copied in once and its ``.data`` becomes its view of the buffer (like Megatron's contiguous parameter
             buffer), so the optimizer updates it in place there and a refit never copies it; the module, its
             parameter objects and the optimizer's references are unchanged. Any other kept tensor (another dtype, a
-            view of a larger storage, one whose ``.data`` was replaced since) is copied in at every refit. Costs
+            view of a larger storage, one whose ``.data`` was replaced since) is copied in at every refit, and
+            so is a weight exported from native MXFP8 storage. References to an adopted tensor's old storage taken
+            before (a ``p.data`` kept elsewhere) no longer follow the parameter. Costs
             about the model's refit size for the trainer's lifetime, less the adopted tensors' old storage; off by
             default.
 
@@ -100,10 +102,12 @@ class TrainerSource:
         ``arena`` in the class doc)."""
         device = self.tensors_by_name[0][1].device
         slots = allocate_targets(self.plan, device)
-        owners: dict[int, int] = {}
+        owners: dict[int, int] = {}  # storages of plain tensors -> how many model tensors use them
         for _, t in self.tensors_by_name:
-            ptr = t.untyped_storage().data_ptr()
-            owners[ptr] = owners.get(ptr, 0) + 1
+            raw = t.data if isinstance(t, nn.Parameter) else t
+            if type(raw) is torch.Tensor:  # wrapper subclasses (torchao MXTensor, TE storage) have no plain storage
+                ptr = raw.untyped_storage().data_ptr()
+                owners[ptr] = owners.get(ptr, 0) + 1
         i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if q:
@@ -156,8 +160,10 @@ class TrainerSource:
                     yield slots[i + 1]
                 else:
                     c = weight_components(t, self.fp8_dtype)
-                    yield c.data.contiguous()
-                    yield c.scale_inv.contiguous()
+                    for j, part in ((i, c.data), (i + 1, c.scale_inv)):
+                        if slots is not None and part.dtype == slots[j].dtype and part.shape == slots[j].shape:
+                            part = slots[j].copy_(part)  # native storage: into the send buffer too (one copy)
+                        yield part.contiguous()
                 i += 2
             else:
                 x = t.detach()
