@@ -230,8 +230,12 @@ def test_receiver_rejects_bad_targets():
 
 
 # ---- consumers: a tiny Llama trainer -> an MXFP8Linear inference model --------------------------------------------
+@pytest.mark.parametrize("arena", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
-def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied):
+def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied, arena):
+    """Both sides' plans agree; a refit lands the trainer's quantized bytes in the inference model. With arena=True
+    on both sides the trainer sends every bucket without packing and the receiver takes them in direct mode, into
+    the model's own tensors, moved into one arena without changing what the model computes."""
     from mxport import quantize
     from mxport.models import load_causal_lm
     from mxport.nn import MXFP8Linear, quantize_model
@@ -241,9 +245,15 @@ def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_p
     trainer, _ = load_causal_lm(path, dtype=torch.float32)
     infer, _ = load_causal_lm(path, dtype=torch.float32)
     quantize_model(infer)
-    src = TrainerSource(trainer, bucket_bytes=4096)
-    plan, targets = receiver_plan(infer, 4096)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        before = infer(ids).logits
+    src = TrainerSource(trainer, bucket_bytes=4096, arena=arena)
+    plan, targets = receiver_plan(infer, 4096, arena=arena)
     assert plan.digest == src.plan.digest
+    assert (stream_arena(plan, targets) is not None) is arena
+    with torch.no_grad():
+        assert torch.equal(infer(ids).logits, before)  # moving into the arena changes no value
     names = [e.name for e in plan.entries]
     assert ("lm_head.weight" in names) is (not tied)  # a tied head is sent once, as the embedding
     q = "model.layers.0.self_attn.q_proj.weight"
@@ -251,10 +261,12 @@ def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_p
     with torch.no_grad():  # the trainer moves away from the initial weights
         for p in trainer.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    _, got, receiver = _refit_in_process(src.plan, [src.tensors()], targets)
-    assert got[0]["version"] == 1 and receiver.pointers_stable()
+    sent, got, receiver = _refit_in_process(src.plan, [src.tensors()], targets)
+    assert got[0]["version"] == 1 and receiver.pointers_stable() and receiver.direct is arena
+    assert (sent[0]["zero_copy_buckets"] == plan.num_buckets) is arena
     lin = infer.get_submodule("model.layers.0.self_attn.q_proj")
     assert isinstance(lin, MXFP8Linear)
+    assert lin.weight.data_ptr() == targets[plan.index(q)].data_ptr()  # the module's own buffer was written
     expect = quantize(trainer.get_submodule("model.layers.0.self_attn.q_proj").weight.detach())
     assert torch.equal(lin.weight.view(torch.uint8), expect.data.view(torch.uint8))
     assert torch.equal(lin.weight_scale, expect.scale_inv)
@@ -596,20 +608,39 @@ def test_sender_sends_an_arena_without_packing():
         assert torch.equal(byte_view(t), byte_view(s))
 
 
-def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follows():
+@pytest.mark.parametrize("arena", [False, True])
+def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follows(arena):
     """A forward before the refit builds the decoded cache; the refit must make it stale (receiver_plan's targets
-    are detach() aliases sharing the buffers' version counters, not .data aliases with counters of their own)."""
+    are detach() aliases sharing the buffers' version counters, not .data aliases with counters of their own) —
+    also when the buffers were moved into an arena (after a first forward, so a cache of the old storage exists)."""
     from mxport import quantize
     from mxport.nn import MXFP8Linear
 
     model = torch.nn.Sequential(MXFP8Linear(64, 8))
-    plan, targets = receiver_plan(model, 256)
     x = torch.randn(3, 64)
-    model(x)  # cache built on the initial (zero) weights
+    w0 = quantize(torch.randn(8, 64))
+    model[0].weight.copy_(w0.data)
+    model[0].weight_scale.copy_(w0.scale_inv)
+    assert torch.equal(model(x), torch.nn.functional.linear(x, w0.dequantize()))  # cache of the first weights
+    plan, targets = receiver_plan(model, 256, arena=arena)
+    assert torch.equal(model(x), torch.nn.functional.linear(x, w0.dequantize()))  # cache built (again) here
     w = quantize(torch.randn(8, 64))
-    _, got, _ = _refit_in_process(plan, [[w.data, w.scale_inv]], targets)
-    assert got[0]["version"] == 1
+    _, got, receiver = _refit_in_process(plan, [[w.data, w.scale_inv]], targets)
+    assert got[0]["version"] == 1 and receiver.direct is arena
     assert torch.equal(model(x), torch.nn.functional.linear(x, w.dequantize()))
+
+
+def test_receiver_plan_arena_refuses_tensors_it_cannot_move():
+    """Two parameters sharing one storage cannot each own a slot of the arena: ValueError naming the tensor, and
+    nothing was moved."""
+    model = torch.nn.Module()
+    model.norm = torch.nn.Parameter(torch.randn(16))
+    shared = torch.randn(2, 16)
+    model.a, model.b = torch.nn.Parameter(shared[0]), torch.nn.Parameter(shared[1])
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match="'a' cannot move into the refit arena"):
+        receiver_plan(model, 256, arena=True)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
 def test_direct_rollback_restores_what_was_live_when_the_refit_started():

@@ -46,6 +46,39 @@ def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.data if isinstance(t, nn.Parameter) else t
+
+
+def _storage_users(tensors) -> dict[int, int]:
+    """Storage address -> how many of ``tensors`` use it (plain tensors only: wrapper subclasses such as torchao's
+    MXTensor or TE's MXFP8 storage have no plain storage of their own)."""
+    users: dict[int, int] = {}
+    for t in tensors:
+        raw = _raw(t)
+        if type(raw) is torch.Tensor:
+            ptr = raw.untyped_storage().data_ptr()
+            users[ptr] = users.get(ptr, 0) + 1
+    return users
+
+
+def _adoptable(t: torch.Tensor, slot: torch.Tensor, users: dict[int, int]) -> bool:
+    """True when ``t`` can move into ``slot`` (its view of an arena): a plain tensor with ``slot``'s dtype, shape
+    and device that owns its whole storage and shares it with no other tensor of the model."""
+    raw = _raw(t)
+    return (type(raw) is torch.Tensor and raw.dtype == slot.dtype and raw.shape == slot.shape
+            and raw.device == slot.device and raw.nbytes > 0 and raw.is_contiguous() and raw.storage_offset() == 0
+            and raw.untyped_storage().nbytes() == raw.nbytes and users.get(raw.untyped_storage().data_ptr()) == 1)
+
+
+@torch.no_grad()
+def _adopt(t: torch.Tensor, slot: torch.Tensor) -> None:
+    """Copy ``t``'s bytes into ``slot`` and make ``slot`` its storage (``t.data = slot``): the same tensor object
+    (parameter, buffer), its autograd identity and version counter unchanged, now living in the arena."""
+    slot.copy_(_raw(t))
+    t.data = slot
+
+
 class TrainerSource:
     """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
 
@@ -100,28 +133,13 @@ class TrainerSource:
     def _arena_slots(self) -> list[torch.Tensor]:
         """Per plan entry, its view of the send buffer (the whole stream); adopts the kept tensors it can (see
         ``arena`` in the class doc)."""
-        device = self.tensors_by_name[0][1].device
-        slots = allocate_targets(self.plan, device)
-        owners: dict[int, int] = {}  # storages of plain tensors -> how many model tensors use them
-        for _, t in self.tensors_by_name:
-            raw = t.data if isinstance(t, nn.Parameter) else t
-            if type(raw) is torch.Tensor:  # wrapper subclasses (torchao MXTensor, TE storage) have no plain storage
-                ptr = raw.untyped_storage().data_ptr()
-                owners[ptr] = owners.get(ptr, 0) + 1
+        slots = allocate_targets(self.plan, self.tensors_by_name[0][1].device)
+        users = _storage_users(t for _, t in self.tensors_by_name)
         i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
-            if q:
-                i += 2
-                continue
-            slot = slots[i]
-            raw = t.data if isinstance(t, nn.Parameter) else t
-            if (type(raw) is torch.Tensor and raw.dtype == slot.dtype and raw.device == slot.device
-                    and raw.is_contiguous() and raw.storage_offset() == 0 and raw.nbytes > 0
-                    and raw.untyped_storage().nbytes() == raw.nbytes
-                    and owners[raw.untyped_storage().data_ptr()] == 1):
-                slot.copy_(raw)
-                t.data = slot
-            i += 1
+            if not q and _adoptable(t, slots[i], users):
+                _adopt(t, slots[i])
+            i += 2 if q else 1
         return slots
 
     def stream_crc32(self) -> int:
@@ -178,7 +196,8 @@ class TrainerSource:
                     yield x.contiguous()
                 i += 1
 
-def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[torch.Tensor]]:
+def receiver_plan(model: nn.Module, bucket_bytes: int, *, arena: bool = False
+                  ) -> tuple[RefitPlan, list[torch.Tensor]]:
     """The inference side: the plan derived from the live model and its live tensors (the refit targets).
 
     FP8 tensors are "values"; the uint8 tensor named ``scale_name(values)`` in the same module is their "scales";
@@ -186,27 +205,50 @@ def receiver_plan(model: nn.Module, bucket_bytes: int) -> tuple[RefitPlan, list[
     parameters (not copies): they share storage *and* version counter, so a refit's in-place writes bump the
     module tensors' ``_version`` and derived caches (an MXFP8Linear's decoded weight) follow. (``.data`` aliases
     would not: they get a version counter of their own.)
+
+    ``arena=True`` first moves the model's refit tensors into one buffer laid out as the plan's byte stream
+    (:func:`allocate_targets` on the model's device): each tensor's bytes are copied in and its ``.data`` becomes its
+    view of the buffer — the same parameter / buffer objects, same values, new (from then on stable) addresses. A
+    :class:`~mxport.refit.RefitReceiver` given these targets then receives in direct mode: buckets land straight in
+    the live weights, with no staging -> live copy per refit. Do it before anything records the weights'
+    addresses (CUDA graph capture); references to the old storages taken before no longer follow the model.
+
+    Raises:
+        ValueError: with ``arena=True``, a tensor that cannot move (a view of a larger or shared storage, a tensor
+            subclass, another device); nothing is moved then.
     """
     tensors = model_tensors(model)
     names = {n for n, _ in tensors}
     by_name = dict(tensors)
-    items, targets, done = [], [], set()
+    items, live, done = [], [], set()
     for name, t in tensors:
         if name in done:
             continue
         if is_fp8_dtype(t.dtype):
             items.append((name, "values", t.dtype, tuple(t.shape)))
-            targets.append(t.detach())
+            live.append(t)
             sname = scale_name(name, PLAN_NAMING)
             if sname in names:
                 s = by_name[sname]
                 items.append((sname, "scales", s.dtype, tuple(s.shape)))
-                targets.append(s.detach())
+                live.append(s)
                 done.add(sname)
         else:
             items.append((name, "kept", t.dtype, tuple(t.shape)))
-            targets.append(t.detach())
-    return RefitPlan(items, bucket_bytes), targets
+            live.append(t)
+    plan = RefitPlan(items, bucket_bytes)
+    if arena:
+        slots = allocate_targets(plan, live[0].device)
+        users = _storage_users(t for _, t in tensors)
+        for e, t, slot in zip(plan.entries, live, slots, strict=True):
+            if e.nbytes and not _adoptable(t, slot, users):
+                raise ValueError(f"receiver_plan(arena=True): {e.name!r} cannot move into the refit arena (it must "
+                                 f"be a plain contiguous tensor on {slot.device} that owns its storage alone); "
+                                 f"nothing was moved, use arena=False")
+        for e, t, slot in zip(plan.entries, live, slots, strict=True):
+            if e.nbytes:
+                _adopt(t, slot)
+    return plan, [t.detach() for t in live]
 
 
 def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> list[torch.Tensor]:

@@ -127,7 +127,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     quantize_model(model)
-    plan, targets = receiver_plan(model, cfg.bucket_bytes)
+    plan, targets = receiver_plan(model, cfg.bucket_bytes, arena=True)  # weights in one arena: direct receive
     receiver = RefitReceiver(transport, plan, targets)
     ptrs0 = [t.data_ptr() for t in targets]
     receiver.handshake()
