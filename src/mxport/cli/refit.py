@@ -61,8 +61,10 @@ def refit(
     """Train and refit: a trainer process and R inference processes on loopback gloo.
 
     Each step the trainer (float32 master weights) takes an AdamW step on a text batch, quantizes the linear
-    weights to MXFP8 (default precision policy) and broadcasts them in byte buckets; each inference process (its
-    model converted once to MXFP8Linear) receives into staging, validates bucket checksums, commits in place, and generates.
+    weights to MXFP8 (default precision policy) straight into its send buffer and broadcasts it in byte buckets;
+    each inference process (its model converted once to MXFP8Linear, its weights moved once into one arena)
+    receives the buckets in place, validates their checksums (restoring the previous weights on any failure), and
+    generates.
     Per step: bytes, seconds (quantize + pack + transfer + commit), GB/s, gen_kl_error (trainer vs inference
     log-probs on the generated tokens, worst receiver), bit_exact (the live bytes, re-packed, have the sender's
     per-bucket checksums and the CRC-32 of the whole stream it sent), pointers_stable.
