@@ -367,6 +367,58 @@ def test_trainer_arena_copies_what_it_cannot_adopt():
     assert model.norm.dtype == torch.float32  # a cast is never adopted
 
 
+def test_trainer_arena_adopts_at_construction_and_respects_the_plan():
+    """Review findings, each with the right behaviour: adoption happens when the source is built (before a CUDA
+    graph of the training step would be captured), not at the first refit; a parameter that a non-persistent buffer
+    aliases is not adopted (the module would compute with a stale copy); a kept tensor whose dtype drifted from the
+    plan is refused like without an arena (not cast back silently); kept_dtype never casts integer buffers;
+    stream_crc32() refuses a half-consumed tensors() call and is 0 for a plan of empty tensors."""
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(64, 32, bias=False)
+    model.norm = torch.nn.Parameter(torch.randn(16))
+    model.scale = torch.nn.Parameter(torch.randn(16))
+    model.register_buffer("scale_alias", model.scale.data, persistent=False)  # the module's own alias
+    model.register_buffer("step", torch.tensor([7], dtype=torch.int64))
+    src = TrainerSource(model, bucket_bytes=256, kept_dtype=torch.bfloat16, arena=True)
+    by_name = {e.name: i for i, e in enumerate(src.plan.entries)}
+    assert src.plan.entries[by_name["step"]].dtype == "int64"  # not cast to bfloat16
+    assert src.plan.entries[by_name["norm"]].dtype == "bfloat16"
+    f32 = TrainerSource(model, bucket_bytes=256, arena=True)  # built, not yet used: already adopted
+    assert model.norm.data_ptr() == f32._slots[f32.plan.index("norm")].data_ptr()
+    assert model.scale.data_ptr() == model.scale_alias.data_ptr()  # not adopted: the alias still follows
+    assert model.scale.data_ptr() != f32._slots[f32.plan.index("scale")].data_ptr()
+    out = dict(zip([e.name for e in src.plan.entries], src.tensors(), strict=True))
+    assert out["step"].dtype == torch.int64 and int(out["step"]) == 7
+    gen = f32.tensors()
+    next(gen)
+    with pytest.raises(ValueError, match="ran to its end"):
+        f32.stream_crc32()
+    list(gen)
+    assert isinstance(f32.stream_crc32(), int)
+    model.half()
+    drifted = list(f32.tensors())
+    norm = drifted[f32.plan.index("norm")]
+    assert norm.dtype == torch.float16  # as the plain source does: the sender refuses it
+    with pytest.raises(ValueError, match="norm"):
+        f32.plan.check_tensor(f32.plan.index("norm"), norm)
+    empty = torch.nn.Module()
+    empty.w = torch.nn.Parameter(torch.zeros(0))
+    e_src = TrainerSource(empty, bucket_bytes=64, arena=True)
+    list(e_src.tensors())
+    assert e_src.stream_crc32() == 0
+
+
+def test_canonical_device_fills_in_the_index(monkeypatch):
+    """RefitSender(device="cuda") must recognise tensors on cuda:0 as already there (torch.device("cuda") !=
+    torch.device("cuda:0")), or it would pack every bucket (found on an H200)."""
+    from mxport.refit.buckets import canonical_device
+
+    assert canonical_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert canonical_device("cuda") == torch.device("cuda", 0)
+    assert canonical_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
 def test_trainer_arena_takes_native_mxfp8_storage_too():
     """A weight held as native MXFP8 storage (a torchao MXTensor parameter: a wrapper subclass without a plain
     storage) is exported as is and copied into the send buffer, so the buffer is the whole stream: the same bytes

@@ -24,6 +24,17 @@ TRAILER_FIXED = 6
 STATUS_OK, STATUS_ABORT = 0, 1
 
 
+def canonical_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to the device of a
+    tensor on it (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            return torch.device(device.type, module.current_device())
+    return device
+
+
 def byte_view(t: torch.Tensor, *, argname: str = "tensor") -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor's bytes (same storage; ValueError if not contiguous)."""
     if not t.is_contiguous():

@@ -50,11 +50,21 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.data if isinstance(t, nn.Parameter) else t
 
 
-def _storage_users(tensors) -> dict[int, int]:
-    """Storage address -> how many of ``tensors`` use it (plain tensors only: wrapper subclasses such as torchao's
-    MXTensor or TE's MXFP8 storage have no plain storage of their own)."""
+def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a kept tensor travels in: ``kept_dtype`` for floating-point tensors, else its own (integer and
+    bool buffers are never cast)."""
+    return kept_dtype if kept_dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _storage_users(model: nn.Module) -> dict[int, int]:
+    """Storage address -> how many of ``model``'s parameters and buffers (non-persistent ones too) use it; plain
+    tensors only (wrapper subclasses such as torchao's MXTensor or TE's MXFP8 storage have no plain storage)."""
     users: dict[int, int] = {}
-    for t in tensors:
+    seen: set[int] = set()
+    for t in (*model.parameters(), *model.buffers()):
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
         raw = _raw(t)
         if type(raw) is torch.Tensor:
             ptr = raw.untyped_storage().data_ptr()
@@ -90,18 +100,21 @@ class TrainerSource:
         fp8_dtype: element format of quantized weights.
         kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
         arena: keep one send buffer laid out as the whole plan's byte stream (:func:`allocate_targets` on the
-            weights' device, allocated on first use, ``plan.total_bytes``) so that :class:`~mxport.refit.RefitSender`
-            sends every bucket straight from it, without packing, and nothing is allocated per refit. Quantized
-            weights are written into it by ``quantize(..., out=...)``. A kept tensor (embedding, norms) that owns
-            its whole storage and already has the planned dtype and the buffer's device is *adopted*: its bytes are
-            copied in once and its ``.data`` becomes its view of the buffer (like Megatron's contiguous parameter
-            buffer), so the optimizer updates it in place there and a refit never copies it; the module, its
-            parameter objects and the optimizer's references are unchanged. Any other kept tensor (another dtype, a
-            view of a larger storage, one whose ``.data`` was replaced since) is copied in at every refit, and
-            so is a weight exported from native MXFP8 storage. References to an adopted tensor's old storage taken
-            before (a ``p.data`` kept elsewhere) no longer follow the parameter. Costs
-            about the model's refit size for the trainer's lifetime, less the adopted tensors' old storage; off by
-            default.
+            weights' device, ``plan.total_bytes``, allocated here) so that :class:`~mxport.refit.RefitSender` sends
+            every bucket straight from it, without packing, and nothing is allocated per refit. Quantized weights
+            are written into it by ``quantize(..., out=...)``. A kept tensor (embedding, norms) that owns its whole
+            storage alone (no other parameter or buffer of the model, persistent or not, shares it) and already has
+            the planned dtype and the buffer's device is *adopted*, here: its bytes are copied in and its ``.data``
+            becomes its view of the buffer (like Megatron's contiguous parameter buffer), so the optimizer updates
+            it in place there and a refit never copies it; the parameter objects, their values, gradients and the
+            optimizer's references are unchanged, their addresses are not — build the source before capturing CUDA
+            graphs of the training step (a graph captured earlier keeps writing the old, freed storage). Any other
+            kept tensor (another dtype, a view of a larger storage, one whose ``.data`` was replaced since) and
+            any weight exported from native MXFP8 storage are copied in at every refit. References to an adopted
+            tensor's old storage taken before (a ``p.data`` kept elsewhere) no longer follow the parameter, and
+            ``torch.save`` of an adopted tensor (or of a ``state_dict``) writes the whole send buffer it is a view
+            of, once (``save_pretrained`` / safetensors write each tensor's own bytes). Costs about the model's
+            refit size for the trainer's lifetime, less the adopted tensors' old storage; off by default.
 
     Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
     ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil).
@@ -124,17 +137,18 @@ class TrainerSource:
                 items.append((scale_name(name, PLAN_NAMING), "scales", torch.uint8,
                               compact_scale_shape(t.shape, "rowwise")))
             else:
-                items.append((name, "kept", kept_dtype or t.dtype, tuple(t.shape)))
+                items.append((name, "kept", _kept_dtype(t, kept_dtype), tuple(t.shape)))
         self.plan = RefitPlan(items, bucket_bytes)
         self.arena = bool(arena)
-        self._slots: list[torch.Tensor] | None = None
+        self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
+        self._complete = False  # the last tensors() call ran to its end (stream_crc32 covers a whole refit)
 
     @torch.no_grad()
     def _arena_slots(self) -> list[torch.Tensor]:
         """Per plan entry, its view of the send buffer (the whole stream); adopts the kept tensors it can (see
         ``arena`` in the class doc)."""
         slots = allocate_targets(self.plan, self.tensors_by_name[0][1].device)
-        users = _storage_users(t for _, t in self.tensors_by_name)
+        users = _storage_users(self.model)
         i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if not q and _adoptable(t, slots[i], users):
@@ -143,32 +157,35 @@ class TrainerSource:
         return slots
 
     def stream_crc32(self) -> int:
-        """CRC-32 (``zlib.crc32``) of the send buffer, which with ``arena=True`` holds the last :meth:`tensors`
-        call's bytes laid out as the plan's byte stream (padding zero): the value a receiver's
-        :meth:`~mxport.refit.RefitReceiver.live_crc32` must equal after that refit. Computed outside the refit
-        (about 3 GB/s on CPU), so a bit-exactness check does not slow the send.
+        """CRC-32 (``zlib.crc32``) of the send buffer as it is now, laid out as the plan's byte stream (padding
+        zero): right after a refit of a complete :meth:`tensors` call, and before the trainer changes its weights
+        again (the adopted kept tensors live in the buffer), it is the CRC of what was sent — the value a
+        receiver's :meth:`~mxport.refit.RefitReceiver.live_crc32` must equal. Computed outside the refit (about
+        3 GB/s on CPU), so a bit-exactness check does not slow the send. 0 for a plan of empty tensors.
 
         Raises:
-            ValueError: without ``arena=True``, or before the first :meth:`tensors` call.
+            ValueError: without ``arena=True``, or when no :meth:`tensors` call has run to its end.
         """
         import zlib
 
-        if not self.arena or self._slots is None:
-            raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call before it")
+        if not self.arena or not self._complete:
+            raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran to its "
+                             "end (a complete refit) before it")
         from .buckets import stream_arena
 
-        return zlib.crc32(stream_arena(self.plan, self._slots).cpu().numpy())
+        stream = stream_arena(self.plan, self._slots)
+        return 0 if stream is None else zlib.crc32(stream.cpu().numpy())
 
     @torch.no_grad()
     def tensors(self) -> Iterator[torch.Tensor]:
-        """Yield the current weights in plan order, quantizing lazily (one weight at a time); with ``arena`` the
-        yielded tensors are views of the send arena (valid until the next call)."""
+        """Yield the current weights in plan order, quantizing lazily (one weight at a time). With ``arena`` the
+        yielded tensors are views of the send buffer: quantized ones hold this call's bytes until the next call,
+        adopted kept ones *are* the trainer's parameters (they change when the optimizer steps)."""
         from ..nn import _plain_float, weight_components
         from ..quantize import quantize
 
-        if self.arena and self._slots is None:
-            self._slots = self._arena_slots()
         slots = self._slots
+        self._complete = False
         i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if q:
@@ -185,16 +202,16 @@ class TrainerSource:
                 i += 2
             else:
                 x = t.detach()
-                if slots is not None and x.shape == slots[i].shape:
+                want = _kept_dtype(x, self.kept_dtype)
+                if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
                     slot = slots[i]
                     if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:  # not adopted: copy (and cast) in
                         slot.copy_(x)
                     yield slot
-                else:
-                    if self.kept_dtype is not None and x.dtype != self.kept_dtype:
-                        x = x.to(self.kept_dtype)
-                    yield x.contiguous()
+                else:  # (a tensor whose dtype or shape drifted from the plan goes out as is: the sender refuses it)
+                    yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
+        self._complete = True
 
 def receiver_plan(model: nn.Module, bucket_bytes: int, *, arena: bool = False
                   ) -> tuple[RefitPlan, list[torch.Tensor]]:
@@ -239,7 +256,7 @@ def receiver_plan(model: nn.Module, bucket_bytes: int, *, arena: bool = False
     plan = RefitPlan(items, bucket_bytes)
     if arena:
         slots = allocate_targets(plan, live[0].device)
-        users = _storage_users(t for _, t in tensors)
+        users = _storage_users(model)
         for e, t, slot in zip(plan.entries, live, slots, strict=True):
             if e.nbytes and not _adoptable(t, slot, users):
                 raise ValueError(f"receiver_plan(arena=True): {e.name!r} cannot move into the refit arena (it must "

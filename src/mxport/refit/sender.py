@@ -15,6 +15,7 @@ from .buckets import (
     STATUS_ABORT,
     BucketLayout,
     byte_view,
+    canonical_device,
     checksum,
     in_place_payload,
     make_trailer,
@@ -69,7 +70,7 @@ class RefitSender:
             raise ValueError(f"inflight must be >= 1, got {inflight}")
         self.transport, self.plan, self.use_checksum = transport, plan, use_checksum
         self.stream_crc32 = stream_crc32
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.layout = BucketLayout(plan)
         self.inflight = inflight
         self.version = 0
