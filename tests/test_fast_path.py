@@ -45,3 +45,36 @@ def test_fast_true_without_compile_raises(no_native):
         pytest.skip("compile is enabled in this run")
     with pytest.raises(RuntimeError, match="fast=True"):
         quantize(torch.ones(2, 32), fast=True)
+
+
+def test_compiled_kernels_take_only_the_tensor_and_its_sizes(fast_path, monkeypatch):
+    """One compiled kernel per element format / rounding, whose only inputs are x and its (dynamic) sizes: the
+    scalar parameters are constants. Passed as arguments they became graph inputs (emax a symbolic int64), and on
+    an H200 (torch 2.11) triton then failed to bitcast the int64 E8M0 arithmetic to float32, so the second
+    element format / rounding never compiled. A new shape must not recompile."""
+    import sys
+
+    q = sys.modules["mxport.quantize"]
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=capture))
+    monkeypatch.setattr(q, "FAST_PATH", q._FastPath())
+    q.FAST_PATH.disabled_reason = None
+    cases = [(torch.float8_e4m3fn, "floor"), (torch.float8_e5m2, "floor"), (torch.float8_e4m3fn, "rceil")]
+    for fp8, rounding in cases:
+        for shape in ((300, 200), (301, 77)):
+            x = _special_tensor(*shape, seed=shape[1])
+            _same(quantize(x, fp8, rounding=rounding, fast=True), quantize(x, fp8, rounding=rounding, fast=False))
+    assert q.FAST_PATH.disabled_reason is None
+    assert len(graphs) == len(cases)  # no recompile for the second shape
+    for gm in graphs:
+        inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
+        assert len(tensors) == 1 and tensors[0].dim() == 2  # x2 only: no scalar parameter became an input
+        assert all(isinstance(v, torch.SymInt) for v in inputs if not isinstance(v, torch.Tensor))
+        assert len(inputs) <= 3  # x2 and its two sizes

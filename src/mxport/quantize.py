@@ -73,7 +73,8 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
     return q, e.to(torch.uint8)  # q: uint8 bytes of fp8_dtype
 
 
-#: graphs the fast path may hold: input dtypes (3) x elements (2) x roundings (2) x block_2d (2) x padded K (2)
+#: graphs one compiled kernel (one element format, rounding and block shape) may hold: input dtypes (3) x padded K
+#: (2), with room to spare
 RECOMPILE_LIMIT = 64
 
 
@@ -96,11 +97,25 @@ def _compile_options() -> dict | None:
     return None
 
 
+def _bound_kernel(params: tuple):
+    """``_rowwise_kernel`` with its scalar parameters (max_norm, inv_max_norm, emax, fp8_dtype, floor, block_2d)
+    closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are marked dynamic):
+    the parameters are constants of the compiled kernel. Passed as arguments under ``dynamic=True`` they became
+    graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton then failed to bitcast the int64
+    E8M0 arithmetic to float32, so the floor rounding (and, after it, every other kernel) never compiled there."""
+    def kernel(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rowwise_kernel(x2, *params)
+    tag = "_".join(str(p).replace("torch.", "").replace(".", "p").replace("-", "m") for p in params)
+    kernel.__code__ = kernel.__code__.replace(co_name=f"mxfp8_kernel_{tag}")
+    return kernel
+
+
 class _FastPath:
-    """Lazily compiled copy of ``_rowwise_kernel``; disabled for good after one failure (with a warning)."""
+    """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format, rounding,
+    block shape); disabled for good after one failure (with a warning)."""
 
     def __init__(self) -> None:
-        self._fn = None
+        self._fns: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self.disabled_reason: str | None = None
         if os.environ.get("MXPORT_DISABLE_COMPILE", "") not in ("", "0"):
@@ -112,17 +127,20 @@ class _FastPath:
     def available(self) -> bool:
         return self.disabled_reason is None
 
-    def __call__(self, *args):
+    def __call__(self, x2: torch.Tensor, *params):
         with self._lock:
-            if self._fn is None:
-                self._fn = torch.compile(_rowwise_kernel, dynamic=True, options=_compile_options())
+            fn = self._fns.get(params)
+            if fn is None:
+                fn = self._fns[params] = torch.compile(_bound_kernel(params), options=_compile_options())
         try:
+            for dim in range(x2.dim()):  # any M, K without a recompile; the parameters stay constants
+                torch._dynamo.maybe_mark_dynamic(x2, dim)
             with _dynamo_recompile_limit(RECOMPILE_LIMIT):
-                return self._fn(*args)
+                return fn(x2)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager kernel
             self.disabled_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})", stacklevel=3)
-            return _rowwise_kernel(*args)
+            return _rowwise_kernel(x2, *params)
 
 
 FAST_PATH = _FastPath()
