@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ._env import DEFAULT_MODEL_FILE, cache_dir, default_model_file
-from ._fs import replace_dir
+from ._fs import default_file_mode, replace_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_LAYOUT = 3  # bump when the converted folder's contents change, so stale caches are rebuilt
@@ -121,6 +121,7 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
             state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", default_file_mode())  # safetensors writes 0o600
         config = model.config.to_diff_dict()  # only what differs from the class defaults (no id2label filler)
         for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "dtype", "id2label", "label2id"):
             config.pop(key, None)

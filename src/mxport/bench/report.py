@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import platform
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 from rich.table import Table
+
+from .._fs import mkstemp_like_open
 
 _THROUGHPUT = re.compile(r"^throughput (\d+)x(\d+)$")
 
@@ -130,7 +131,7 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    fd, tmp = mkstemp_like_open(path, suffix=".png")
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")

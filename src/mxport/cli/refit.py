@@ -65,7 +65,8 @@ def refit(
     each inference process (its model converted once to MXFP8Linear, its weights moved once into one arena)
     receives the buckets in place, validates their checksums (restoring the previous weights on any failure), and
     generates.
-    Per step: bytes, seconds (quantize + pack + transfer + commit), GB/s, gen_kl_error (trainer vs inference
+    Per step: bytes, seconds (the trainer's whole send — quantizing bucket by bucket while earlier buckets are on
+    the wire, checksums, transfer — plus the slowest receiver's commit; quant s is the part spent quantizing), GB/s, gen_kl_error (trainer vs inference
     log-probs on the generated tokens, worst receiver), bit_exact (the live bytes, re-packed, have the sender's
     per-bucket checksums and the CRC-32 of the whole stream it sent), pointers_stable.
 
