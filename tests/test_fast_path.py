@@ -78,3 +78,18 @@ def test_compiled_kernels_take_only_the_tensor_and_its_sizes(fast_path, monkeypa
         assert len(tensors) == 1 and tensors[0].dim() == 2  # x2 only: no scalar parameter became an input
         assert all(isinstance(v, torch.SymInt) for v in inputs if not isinstance(v, torch.Tensor))
         assert len(inputs) <= 3  # x2 and its two sizes
+
+
+def test_native_kernel_on_avx2_cpus():
+    """A CPU with AVX2 + F16C and a C compiler gets the native kernel (before the AVX2 build only AVX-512 CPUs did,
+    and quantize on AMD Zen ran the eager kernel, about 100x slower)."""
+    import shutil
+    from pathlib import Path
+
+    from mxport.quantize import NATIVE_PATH
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines() if ln.startswith("flags")), set())
+    if not {"avx2", "f16c"} <= flags or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("needs an x86-64 CPU with AVX2 + F16C and a C compiler")
+    assert NATIVE_PATH.available, NATIVE_PATH.disabled_reason

@@ -284,3 +284,35 @@ def test_cc_with_arguments(monkeypatch, tmp_path):
     lib = native.load(native.build(tmp_path / native.LIB_NAME))
     q, e = native.quantize_rows(lib, torch.ones(1, 32), 0, False, 1 / 448, 8)
     assert e.tolist() == [[119]]
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_kernel_isa_matches_the_cpu():
+    """The kernel is built for the widest instruction set the CPU has: AVX-512 (F, BW, VL, DQ), else AVX2 + F16C
+    (AMD Zen and pre-2017 Intel have no AVX-512: before the AVX2 kernel these machines had no native path)."""
+    flags = _cpu_flags()
+    lib = native.load(native.build())
+    want = "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else "avx2"
+    assert native.isa(lib) == want
+
+
+@pytest.mark.parametrize("flags", [("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c"),
+                                   ("-mavx2", "-mf16c", "-mno-avx512f"), ("-mno-avx2", "-mno-avx512f")])
+def test_every_isa_branch_compiles(tmp_path, flags):
+    """Each branch of the C source (AVX-512, AVX2 + F16C, none) compiles warning-free, whichever this CPU runs."""
+    import subprocess
+
+    src = tmp_path / "k.c"
+    src.write_text(native.source_text())
+    cc = native.find_compiler()
+    proc = subprocess.run([*cc, "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", *flags,
+                           "-o", str(tmp_path / "k.so"), str(src)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The native CPU kernel: rowwise MXFP8 quantization in one AVX-512 pass.
+"""The native CPU kernel: rowwise MXFP8 quantization in one pass (AVX-512, or AVX2 + F16C).
 
 ``mxport/_native/mxfp8_cpu.c`` (no torch headers) is compiled once per machine with the system C compiler
 (``$CC``, which may hold arguments such as ``ccache gcc``, else ``cc`` / ``gcc`` / ``clang``;
@@ -8,7 +8,7 @@ called through :mod:`ctypes`, which releases the GIL, so row ranges run on ``tor
 
 Why a C kernel: on CPU, ``torch.compile`` lowers the quantizer to an amax pass, a scale pass and a cast pass with
 scalar bit casts; the C kernel reads each block once into registers (sixteen blocks share one shuffle-tree amax and
-one vector of scales) and runs about three times faster. It follows the same algorithm as
+one vector of scales; the AVX2 build takes one block at a time, eight lanes wide) and runs several times faster. It follows the same algorithm as
 :func:`mxport.quantize._rowwise_kernel` byte for byte; :mod:`mxport.quantize` checks that on a probe tensor
 before first use and falls back to the other paths if it ever differs.
 
@@ -37,7 +37,7 @@ from ._env import cache_dir
 ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
-#: the ABI number the C source reports when it was built with its AVX-512 kernel
+#: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C)
 ABI = 2
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -133,7 +133,7 @@ def build(target: Path | None = None) -> Path:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """Load a built library and check that it has the AVX-512 kernel and that this CPU can run it.
+    """Load a built library and check that it has a kernel (AVX-512 or AVX2) and that this CPU can run it.
 
     Raises NativeUnavailable otherwise.
     """
@@ -143,15 +143,22 @@ def load(path: Path) -> ctypes.CDLL:
         raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
     abi = lib.mxport_native_abi()
     if abi != ABI:
-        raise NativeUnavailable("this CPU or compiler has no AVX-512 (F, BW, VL, DQ): the native kernel is not "
-                                "built" if abi == 0 else f"{path} reports ABI {abi}, expected {ABI}")
+        raise NativeUnavailable("this CPU or compiler has neither AVX-512 (F, BW, VL, DQ) nor AVX2 + F16C: the "
+                                "native kernel is not built" if abi == 0 else f"{path} reports ABI {abi}, expected {ABI}")
     if not lib.mxport_native_cpu_ok():
-        raise NativeUnavailable("this CPU lacks AVX-512 (F, BW, VL, DQ)")
+        raise NativeUnavailable(f"this CPU lacks the instructions the kernel was built for ({isa(lib)})")
     fn = lib.mxport_quantize_rows
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The instruction set a loaded library's kernel was built for: ``"avx512"`` or ``"avx2"``."""
+    fn = lib.mxport_native_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -16,8 +16,11 @@
  * (mxport/native.py) compiles this file once with the system C compiler and calls it through ctypes, splitting
  * rows across threads.
  *
- * Built without AVX-512 (F, BW, VL, DQ) the library exports only mxport_native_abi() == 0, and Python uses the
- * torch.compile path instead.
+ * Without AVX-512 (F, BW, VL, DQ) but with AVX2 and F16C (most x86-64 CPUs since 2013, AMD Zen included) the
+ * same algorithm runs eight lanes wide, one block at a time: a block's 32 elements are loaded once as four float32
+ * vectors, their amax is reduced to one scalar, the scale computed in scalar code, and the four vectors cast from
+ * registers. Built with neither, the library exports only mxport_native_abi() == 0, and Python uses the
+ * torch.compile path instead. mxport_native_isa() names the kernel that was built.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,29 +29,195 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
+#define MXPORT_ISA "avx512"
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__F16C__)
+#define MXPORT_HAVE_KERNEL 2
+#define MXPORT_ISA "avx2"
 #include <immintrin.h>
 #else
 #define MXPORT_HAVE_KERNEL 0
+#define MXPORT_ISA ""
 #endif
 
 int mxport_native_abi(void) { return MXPORT_HAVE_KERNEL ? MXPORT_NATIVE_ABI : 0; }
 
+/* The instruction set the kernel was built for: "avx512", "avx2", or "" (no kernel). */
+const char *mxport_native_isa(void) { return MXPORT_ISA; }
+
 int mxport_native_cpu_ok(void) {
-#if MXPORT_HAVE_KERNEL
+#if MXPORT_HAVE_KERNEL == 1
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#elif MXPORT_HAVE_KERNEL == 2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
 }
 
-#if MXPORT_HAVE_KERNEL
-
 enum { IN_F32 = 0, IN_BF16 = 1, IN_F16 = 2 };
 enum { EL_E4M3 = 0, EL_E5M2 = 1 };
 
 #define INLINE static inline __attribute__((always_inline))
+
+#if MXPORT_HAVE_KERNEL == 2
+/* ---- AVX2 + F16C kernel: one block of 32 elements at a time, eight float32 lanes wide ---------------------- */
+
+/* 32 elements (n valid, 1..32; the rest read as +0.0) as four float32 vectors. */
+INLINE void load_block8(const char *p, int n, int in_dt, __m256 v[4]) {
+    const int esize = in_dt == IN_F32 ? 4 : 2;
+    __attribute__((aligned(32))) char tmp[128];
+    if (n < 32) {  /* a short last block: copy its valid elements next to zeros */
+        memset(tmp, 0, sizeof tmp);
+        memcpy(tmp, p, (size_t)n * esize);
+        p = tmp;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (in_dt == IN_F32) {
+            v[i] = _mm256_loadu_ps((const float *)p + 8 * i);
+        } else {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+            v[i] = in_dt == IN_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                                    : _mm256_cvtph_ps(raw);  /* exact: every float16 is a float32 */
+        }
+    }
+}
+
+/* The amax of a block as float32 magnitude bits (NaN lanes skipped: their magnitude bits exceed 0x7F800000; the
+ * bits are non-negative, so signed 32-bit compares and maxima order them). */
+INLINE uint32_t block_amax8(const __m256 v[4]) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    __m256i m = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256i a = _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask);
+        a = _mm256_andnot_si256(_mm256_cmpgt_epi32(a, inf), a);
+        m = _mm256_max_epi32(m, a);
+    }
+    __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    return (uint32_t)_mm_cvtsi128_si32(h);
+}
+
+/* The E8M0 byte of a block from its amax bits (non-negative, finite or +Inf): the scalar form of scale_bytes. */
+INLINE uint32_t scale_byte1(uint32_t amax_bits, int floor_r, float inv_max_norm, int emax) {
+    if (floor_r) {
+        int ex = (int)(amax_bits >> 23);
+        if (ex == 255)
+            return 254;
+        int e = ex - emax;
+        return (uint32_t)(e < 0 ? 0 : e > 254 ? 254 : e);
+    }
+    float a, v;
+    uint32_t vb;
+    memcpy(&a, &amax_bits, 4);
+    v = a * inv_max_norm;
+    memcpy(&vb, &v, 4);
+    uint32_t ex = vb >> 23, mant = vb & 0x7FFFFF;
+    if (mant > 0 && (ex != 0 || mant > 0x400000))
+        ex += 1;
+    return ex > 254 ? 254 : ex;
+}
+
+/* float32 2^(127-E) for an E8M0 byte E <= 254, built from bits. */
+INLINE float multiplier1(uint32_t e) {
+    uint32_t field = 254 - e, bits = field >= 1 ? field << 23 : 0x00400000u;
+    float m;
+    memcpy(&m, &bits, 4);
+    return m;
+}
+
+/* Saturating round-to-nearest-even float32 -> FP8 codes (eight int32 lanes), NaN -> 0x7F: cast_fp8, eight wide. */
+INLINE __m256i cast_fp8_8(__m256 y, int elem) {
+    const int mbits = elem == EL_E4M3 ? 3 : 2, bias = elem == EL_E4M3 ? 7 : 15, shift = 23 - mbits;
+    const float max_norm = elem == EL_E4M3 ? 448.0f : 57344.0f;
+    const float min_normal = elem == EL_E4M3 ? 0.015625f : 6.103515625e-05f;  /* 2^(1-bias) */
+    const float sub_scale = elem == EL_E4M3 ? 512.0f : 65536.0f;               /* 2^(bias-1+mbits) */
+    __m256i ybits = _mm256_castps_si256(y);
+    /* a = min(|y|, max_norm): Inf saturates; a NaN lane gives max_norm here and is replaced below */
+    __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(ybits, _mm256_set1_epi32(0x7FFFFFFF))),
+                             _mm256_set1_ps(max_norm));
+    __m256i bits = _mm256_castps_si256(a);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, shift), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(
+        _mm256_add_epi32(bits, _mm256_set1_epi32((1 << (shift - 1)) - 1 - ((127 - bias) << (mbits + shift)))), lsb);
+    __m256i mag = _mm256_max_epi32(_mm256_srai_epi32(rounded, shift), _mm256_setzero_si256());
+    __m256 is_sub = _mm256_cmp_ps(a, _mm256_set1_ps(min_normal), _CMP_LT_OQ);
+    if (_mm256_movemask_ps(is_sub)) {
+        __m256 s = _mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(sub_scale)), _mm256_set1_ps(8388608.0f));
+        __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(s), _mm256_set1_epi32(0x4B000000));
+        mag = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(sub), is_sub));
+    }
+    __m256i q = _mm256_or_si256(mag, _mm256_and_si256(_mm256_srli_epi32(ybits, 24), _mm256_set1_epi32(0x80)));
+    __m256 nan = _mm256_cmp_ps(y, y, _CMP_UNORD_Q);
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(q), _mm256_castsi256_ps(_mm256_set1_epi32(0x7F)),
+                                                nan));
+}
+
+/* Cast a loaded block with multiplier m and store its n bytes. */
+INLINE void cast_block8(const __m256 v[4], uint8_t *out, int n, float m, int elem) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256i c[4];
+    for (int i = 0; i < 4; i++)
+        c[i] = cast_fp8_8(_mm256_mul_ps(v[i], mv), elem);
+    /* codes are 0..255: the two saturating packs are exact; they interleave 128-bit lanes, undone by the permute */
+    __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (n == 32) {
+        _mm256_storeu_si256((__m256i *)out, p);
+    } else {
+        __attribute__((aligned(32))) uint8_t tmp[32];
+        _mm256_store_si256((__m256i *)tmp, p);
+        memcpy(out, tmp, (size_t)n);
+    }
+}
+
+/* Rows [r0, r0 + nr) share their scales (nr = 1 for 1-D blocks, up to 32 for 32x32 blocks). */
+INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
+                               int elem, int floor_r, float inv_max_norm, int emax) {
+    const int esize = in_dt == IN_F32 ? 4 : 2;
+    const int64_t nb = (k + 31) / 32;
+    __m256 v[4];
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t start = b * 32;
+        const int n = (int)(k - start < 32 ? k - start : 32);
+        if (nr == 1) {  /* one pass: the block stays in registers from amax to cast */
+            const char *xr = x + r0 * k * esize;
+            load_block8(xr + start * esize, n, in_dt, v);
+            uint32_t eb = scale_byte1(block_amax8(v), floor_r, inv_max_norm, emax);
+            e[r0 * nb + b] = (uint8_t)eb;
+            cast_block8(v, q + r0 * k + start, n, multiplier1(eb), elem);
+            continue;
+        }
+        uint32_t amax = 0;
+        for (int r = 0; r < nr; r++) {
+            load_block8(x + ((r0 + r) * k + start) * esize, n, in_dt, v);
+            uint32_t a = block_amax8(v);
+            amax = a > amax ? a : amax;
+        }
+        uint32_t eb = scale_byte1(amax, floor_r, inv_max_norm, emax);
+        float m = multiplier1(eb);
+        for (int r = 0; r < nr; r++) {
+            load_block8(x + ((r0 + r) * k + start) * esize, n, in_dt, v);
+            e[(r0 + r) * nb + b] = (uint8_t)eb;
+            cast_block8(v, q + (r0 + r) * k + start, n, m, elem);
+        }
+    }
+}
+
+INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
+                               int elem, int floor_r, float inv_max_norm, int emax, int block_2d) {
+    const int group = block_2d ? 32 : 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += group)
+        quantize_row_group(x, r0, (int)(rows - r0 < group ? rows - r0 : group), k, q, e, in_dt, elem, floor_r,
+                           inv_max_norm, emax);
+}
+#endif
+
+#if MXPORT_HAVE_KERNEL == 1
 
 /* Raw 16-bit elements of a block (n valid; the rest read as +0.0). */
 INLINE __m512i load_raw16(const char *p, int n, int full) {
@@ -320,12 +489,14 @@ INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *
                            inv_max_norm, emax);
 }
 
+#endif /* MXPORT_HAVE_KERNEL == 1 */
+
+#if MXPORT_HAVE_KERNEL
 #define MXPORT_CASE(IN, EL, FL) \
     case (IN) * 4 + (EL) * 2 + (FL): \
         quantize_rows_impl(x, rows, k, q, e, IN, EL, FL, inv_max_norm, emax, block_2d); \
         return 0;
-
-#endif /* MXPORT_HAVE_KERNEL */
+#endif
 
 /*
  * Quantize `rows` contiguous rows of `k` elements (x: float32 / bfloat16 / float16 by in_dtype 0 / 1 / 2) into
