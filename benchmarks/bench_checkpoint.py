@@ -1,7 +1,8 @@
 """Issue 4's benchmark: export of a synthetic sharded BF16 checkpoint to MXFP8 (modelopt) vs a plain safetensors
 load-and-save of the same checkpoint: throughput (GB/s of input) and peak RSS, each side in its own process.
 
-Usage: ``.venv/bin/python benchmarks/bench_checkpoint.py [--quick]`` (same rows as ``mxport bench --only checkpoint``).
+Usage: ``.venv/bin/python benchmarks/bench_checkpoint.py [--quick]`` (same rows as ``mxport bench --only
+    checkpoint``).
 """
 
 from mxport.bench.report import script_main

@@ -1,8 +1,8 @@
 """Draw docs/img/swizzle_128x4.png: where each compact E8M0 scale lands in one 512-byte 128x4 swizzle tile.
 
-Positions are computed with :func:`mxport.layouts.swizzle` itself (not re-derived from the formula): the compact
-grid is swizzled twice, once carrying ``row + 1`` and once carrying ``col + 1`` in its bytes, so each swizzled byte
-names the compact entry it holds (0 = padding).
+Positions are computed with :func:`mxport.layouts.swizzle` itself (not re-derived from the formula): the
+compact grid is swizzled twice, once carrying ``row + 1`` and once carrying ``col + 1`` in its bytes, so each
+swizzled byte names the compact entry it holds (0 = padding).
 
 Usage: ``.venv/bin/python scripts/make_swizzle_figure.py [OUT.png]`` (default ``docs/img/swizzle_128x4.png``).
 """
@@ -24,8 +24,8 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img" / "swizzle_12
 def tile_sources(rows: int = 128, cols: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """For a compact ``(rows, cols)`` grid (rows <= 255, cols <= 255): the swizzled bytes' source row and column.
 
-    Returns two int64 tensors shaped like ``swizzle``'s output viewed as 16-byte lines, ``(-1, 16)``; entry = the
-    compact row / column whose scale sits at that byte, or -1 for a padding byte.
+    Returns two int64 tensors shaped like ``swizzle``'s output viewed as 16-byte lines, ``(-1, 16)``; entry =
+    the compact row / column whose scale sits at that byte, or -1 for a padding byte.
     """
     if not (0 < rows <= 255 and 0 < cols <= 255):
         raise ValueError(f"rows and cols must be in 1..255, got ({rows}, {cols})")

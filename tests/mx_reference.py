@@ -1,7 +1,7 @@
 """An independent MXFP8 reference in numpy + ml_dtypes, written from design.md §2 (not from mxport's code).
 
-Differences in method from mxport: E is found with ``math.frexp`` on float64 (exact for float32 inputs) instead of
-bit fields, the FP8 cast is ml_dtypes' (round-to-nearest-even), loops run per block.
+Differences in method from mxport: E is found with ``math.frexp`` on float64 (exact for float32 inputs)
+instead of bit fields, the FP8 cast is ml_dtypes' (round-to-nearest-even), loops run per block.
 """
 
 from __future__ import annotations

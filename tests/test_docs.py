@@ -4,8 +4,8 @@
 Markers, an HTML comment on the line(s) right before a fence:
 
 - ``<!-- requires: mxport.refit, mxport.nn, cli:export -->``: skip the block while one of those modules is not
-  importable, or (``cli:NAME``) while ``mxport NAME`` is not registered (a feature still being built); the block
-  runs as soon as it lands.
+  importable, or (``cli:NAME``) while ``mxport NAME`` is not registered (a feature still being built); the
+  block runs as soon as it lands.
 - ``<!-- skip: reason -->``: never run (e.g. it needs vLLM or a GPU); the reason is reported.
 - ``<!-- run -->`` / ``<!-- run: exit=1 -->`` (bash blocks only): run each line, expect that exit code.
 

@@ -49,8 +49,8 @@ def test_fast_true_without_compile_raises(no_native):
 
 def test_compiled_kernels_take_only_the_tensor_and_its_sizes(fast_path, monkeypatch):
     """One compiled kernel per element format / rounding, whose only inputs are x and its (dynamic) sizes: the
-    scalar parameters are constants. Passed as arguments they became graph inputs (emax a symbolic int64), and on
-    an H200 (torch 2.11) triton then failed to bitcast the int64 E8M0 arithmetic to float32, so the second
+    scalar parameters are constants. Passed as arguments they became graph inputs (emax a symbolic int64), and
+    on an H200 (torch 2.11) triton then failed to bitcast the int64 E8M0 arithmetic to float32, so the second
     element format / rounding never compiled. A new shape must not recompile."""
     import sys
 

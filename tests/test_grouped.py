@@ -1,7 +1,7 @@
 """Grouped MoE storage -> one MXFP8Components per expert, in order.
 
-The TE grouped storage stand-in follows transformer_engine/pytorch/tensor/storage/grouped_tensor_storage.py: one
-flat uint8 data buffer, per-expert element offsets, per-expert TE-padded scale grids back to back.
+The TE grouped storage stand-in follows transformer_engine/pytorch/tensor/storage/grouped_tensor_storage.py:
+one flat uint8 data buffer, per-expert element offsets, per-expert TE-padded scale grids back to back.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def test_te_grouped_bad_inputs():
         mxport.export_grouped_components(store, rounding="floor")
 
 
-# -- 3-D [E, N, K] expert weights ---------------------------------------------------------------------------------
+# -- 3-D [E, N, K] expert weights
+# ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 def test_float_3d_quantized_per_expert(direction):
     w = torch.stack(experts([(40, 80)] * 4, seed=4))

@@ -1,5 +1,6 @@
 """The native CPU kernel (mxport/_native/mxfp8_cpu.c via mxport.native) gives the same bytes as the eager kernel
-on every bfloat16 / float16 bit pattern, on random float32 bit patterns and shapes, with NaN / Inf / subnormals,
+on every bfloat16 / float16 bit pattern, on random float32 bit patterns and shapes, with NaN / Inf /
+subnormals,
 split over threads or not; and quantize falls back cleanly where it cannot be built or fails its self-check."""
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d):
        specials=st.booleans(), block_2d=st.booleans())
 def test_native_equals_eager_property(m, k, seed, dtype, fp8_dtype, floor, binade, specials, block_2d):
     """Shapes with K not a multiple of 32 or of 512 (partial blocks, partial groups of 16 blocks), M not a multiple
-    of 32 (partial 32x32 blocks), 1-row inputs, magnitudes from subnormal to huge, and NaN / ±Inf / ±0 sprinkled
+    of 32 (partial 32x32 blocks), 1-row inputs, magnitudes from subnormal to huge, and NaN / ±Inf / ±0
+    sprinkled
     in."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * 2.0 ** binade

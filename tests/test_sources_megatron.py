@@ -1,7 +1,7 @@
 """Megatron-LM inference MXFP8Tensor (data + cuBLAS-swizzled E8M0 scale + backend) -> export_components.
 
-The stand-in dataclass mirrors megatron/core/inference/quantization/mxfp8_tensor.py; the swizzled bytes are built
-with design.md §3's byte formula, independently of mxport.layouts.
+The stand-in dataclass mirrors megatron/core/inference/quantization/mxfp8_tensor.py; the swizzled bytes are
+built with design.md §3's byte formula, independently of mxport.layouts.
 """
 
 from __future__ import annotations

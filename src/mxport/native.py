@@ -1,16 +1,17 @@
 """The native CPU kernel: rowwise MXFP8 quantization in one pass (AVX-512, or AVX2 + F16C).
 
 ``mxport/_native/mxfp8_cpu.c`` (no torch headers) is compiled once per machine with the system C compiler
-(``$CC``, which may hold arguments such as ``ccache gcc``, else ``cc`` / ``gcc`` / ``clang``;
-``-O3 -march=native``) into the mxport cache
-(``$MXPORT_CACHE/native/<key>/``, written atomically; the key hashes the source, compiler, flags and CPU flags) and
-called through :mod:`ctypes`, which releases the GIL, so row ranges run on ``torch.get_num_threads()`` threads.
+(``$CC``, which may hold arguments such as ``ccache gcc``, else ``cc`` / ``gcc`` / ``clang``; ``-O3
+-march=native``) into the mxport cache (``$MXPORT_CACHE/native/<key>/``, written atomically; the key hashes
+the source, compiler, flags and CPU flags) and called through :mod:`ctypes`, which releases the GIL, so row
+ranges run on ``torch.get_num_threads()`` threads.
 
-Why a C kernel: on CPU, ``torch.compile`` lowers the quantizer to an amax pass, a scale pass and a cast pass with
-scalar bit casts; the C kernel reads each block once into registers (sixteen blocks share one shuffle-tree amax and
-one vector of scales; the AVX2 build takes one block at a time, eight lanes wide) and runs several times faster. It follows the same algorithm as
-:func:`mxport.quantize._rowwise_kernel` byte for byte; :mod:`mxport.quantize` checks that on a probe tensor
-before first use and falls back to the other paths if it ever differs.
+Why a C kernel: on CPU, ``torch.compile`` lowers the quantizer to an amax pass, a scale pass and a cast pass
+with scalar bit casts; the C kernel reads each block once into registers (sixteen blocks share one
+shuffle-tree amax and one vector of scales; the AVX2 build takes one block at a time, eight lanes wide) and
+runs several times faster. It follows the same algorithm as :func:`mxport.quantize._rowwise_kernel` byte for
+byte; :mod:`mxport.quantize` checks that on a probe tensor before first use and falls back to the other paths
+if it ever differs.
 
 This module only builds, loads and calls the library; which kernel ``quantize`` uses is decided in
 :mod:`mxport.quantize`. ``MXPORT_DISABLE_NATIVE=1`` turns it off.
@@ -189,10 +190,11 @@ def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, in
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel on a 2-D ``(M, K)`` CPU tensor (float32 / bfloat16 / float16, K >= 1).
 
-    Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8 — new tensors, or ``out``
-    (two contiguous uint8 CPU tensors of those shapes, checked by the caller) written in place. ``elem``: 0 = E4M3,
-    1 = E5M2. ``block_2d``: 32×32 blocks (each row stores its 32-row group's scales, as the eager kernel). Rows are
-    split over ``torch.get_num_threads()`` threads for large inputs (at multiples of 32 rows with ``block_2d``).
+    Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8 — new tensors, or
+    ``out`` (two contiguous uint8 CPU tensors of those shapes, checked by the caller) written in place.
+    ``elem``: 0 = E4M3, 1 = E5M2. ``block_2d``: 32×32 blocks (each row stores its 32-row group's scales, as
+    the eager kernel). Rows are split over ``torch.get_num_threads()`` threads for large inputs (at multiples
+    of 32 rows with ``block_2d``).
     """
     x2 = x2.detach().contiguous()
     m, k = x2.shape

@@ -1,31 +1,32 @@
 """The precision policy: which tensors of a model become MXFP8 and which stay in high precision, and why.
 
 One object used by export, verify and refit alike (issue 4). Input is the model's tensors in model order as
-``(name, shape, dtype)`` entries (a safetensors header, a ``state_dict()``); output is one :class:`Decision` per
-entry, each with a one-line reason (what ``mxport export --dry-run`` prints).
+``(name, shape, dtype)`` entries (a safetensors header, a ``state_dict()``); output is one :class:`Decision`
+per entry, each with a one-line reason (what ``mxport export --dry-run`` prints).
 
 Default rules (in this order; the first that applies gives the reason):
 
-1. kept: anything that is not a floating tensor (int buffers, already-FP8 values), or has fewer than 2 dimensions
-   (norms' weights, biases, 1-D buffers);
-2. kept: embeddings (a module name part containing ``embed``, or ``wte`` / ``wpe``), the output head (``lm_head``),
-   norms (a part containing ``norm`` or starting ``ln``), MoE routers (last module part ``gate`` / ``router`` /
-   ``*_gate`` other than ``gate_proj``, e.g. ``mlp.gate``, ``block_sparse_moe.gate``);
-3. quantized candidates: 2-D ``*.weight`` tensors (the weights of linear layers, [N, K] with K the input dimension)
-   and fused 3-D expert weights under an ``experts`` module ([E, N, K], e.g. ``mlp.experts.gate_up_proj``); any
-   other tensor is kept ("not a linear or expert weight");
-4. user rules on candidates: ``exclude`` patterns keep a match; when ``include`` patterns are given, a candidate
-   that matches none is kept; ``keep_first`` / ``keep_last`` keep the first / last N decoder layers (layer index
-   from a ``.layers.<i>.`` / ``.h.<i>.`` / ``.blocks.<i>.`` part of the name, layer count = largest index + 1);
+1. kept: anything that is not a floating tensor (int buffers, already-FP8 values), or has fewer than 2
+   dimensions (norms' weights, biases, 1-D buffers);
+2. kept: embeddings (a module name part containing ``embed``, or ``wte`` / ``wpe``), the output head
+   (``lm_head``), norms (a part containing ``norm`` or starting ``ln``), MoE routers (last module part
+   ``gate`` / ``router`` / ``*_gate`` other than ``gate_proj``, e.g. ``mlp.gate``, ``block_sparse_moe.gate``);
+3. quantized candidates: 2-D ``*.weight`` tensors (the weights of linear layers, [N, K] with K the input
+   dimension) and fused 3-D expert weights under an ``experts`` module ([E, N, K], e.g.
+   ``mlp.experts.gate_up_proj``); any other tensor is kept ("not a linear or expert weight");
+4. user rules on candidates: ``exclude`` patterns keep a match; when ``include`` patterns are given, a
+   candidate that matches none is kept; ``keep_first`` / ``keep_last`` keep the first / last N decoder layers
+   (layer index from a ``.layers.<i>.`` / ``.h.<i>.`` / ``.blocks.<i>.`` part of the name, layer count =
+   largest index + 1);
 5. all experts of one MoE layer share one precision: if a user rule keeps any expert weight under
-   ``<prefix>.experts.``, every expert weight under that prefix is kept (vLLM's FusedMoE takes one quant method
-   per layer);
-6. likewise ``q_proj`` / ``k_proj`` / ``v_proj`` of one attention and ``gate_proj`` / ``up_proj`` of one MLP share
-   one precision (vLLM fuses them into ``qkv_proj`` / ``gate_up_proj`` and rejects mixed shards); see
+   ``<prefix>.experts.``, every expert weight under that prefix is kept (vLLM's FusedMoE takes one quant
+   method per layer);
+6. likewise ``q_proj`` / ``k_proj`` / ``v_proj`` of one attention and ``gate_proj`` / ``up_proj`` of one MLP
+   share one precision (vLLM fuses them into ``qkv_proj`` / ``gate_up_proj`` and rejects mixed shards); see
    :func:`share_group`.
 
-Patterns are shell-style (:func:`fnmatch.fnmatchcase`: ``*``, ``?``, ``[seq]``; ``*`` also matches dots) and are
-tried against both the tensor name (``model.layers.0.mlp.down_proj.weight``) and its module name (the name
+Patterns are shell-style (:func:`fnmatch.fnmatchcase`: ``*``, ``?``, ``[seq]``; ``*`` also matches dots) and
+are tried against both the tensor name (``model.layers.0.mlp.down_proj.weight``) and its module name (the name
 without a trailing ``.weight``: ``model.layers.0.mlp.down_proj``). Examples: ``--exclude '*.mlp.*'``,
 ``--exclude 'model.layers.0.*'``, ``--include '*q_proj'``.
 
@@ -85,8 +86,8 @@ def share_group(name: str) -> tuple[str, str] | None:
     """The group of weights that must share one precision, as (key, description), or None.
 
     * every weight under ``<prefix>.experts`` (one MoE layer: vLLM's FusedMoE takes one quant method);
-    * ``q_proj`` / ``k_proj`` / ``v_proj`` of one attention and ``gate_proj`` / ``up_proj`` of one MLP (vLLM loads
-      them into one fused ``qkv_proj`` / ``gate_up_proj`` layer and rejects shards of mixed precision).
+    * ``q_proj`` / ``k_proj`` / ``v_proj`` of one attention and ``gate_proj`` / ``up_proj`` of one MLP (vLLM
+      loads them into one fused ``qkv_proj`` / ``gate_up_proj`` layer and rejects shards of mixed precision).
     """
     prefix = experts_prefix(name)
     if prefix:
@@ -205,8 +206,8 @@ class PrecisionPolicy:
     def decide_all(self, entries: Iterable[tuple[str, Sequence[int], torch.dtype | str]]) -> list[Decision]:
         """One :class:`Decision` per ``(name, shape, dtype)`` entry, in the order given (model order).
 
-        ``dtype`` is a torch.dtype or a safetensors dtype name ("BF16", "F32", ...). Decisions depend on the whole
-        list (layer count for ``keep_last``, MoE groups), hence one call for all entries.
+        ``dtype`` is a torch.dtype or a safetensors dtype name ("BF16", "F32", ...). Decisions depend on the
+        whole list (layer count for ``keep_last``, MoE groups), hence one call for all entries.
 
         Raises:
             TypeError: an entry that is not a (str, shape, dtype) triple.

@@ -2,7 +2,8 @@
 lists, translation, creative writing, instructions), one user turn each.
 
 A ``--prompts FILE`` replaces them: a text file with one prompt per line (blank lines and lines starting with
-``#`` skipped), or a JSON list of strings, or a JSON list of chat message lists (``[{"role", "content"}, ...]``).
+``#`` skipped), or a JSON list of strings, or a JSON list of chat message lists (``[{"role", "content"},
+...]``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A row holds ``benchmark``, ``metric``, ``value`` (a median), ``unit``, ``baselin
 measured in the same run), ``ratio`` (value relative to that baseline), ``goal`` and an optional ``note``.
 
 The registry :data:`BENCHMARKS` names modules, imported lazily: a module that is not there (yet) gives one
-``skipped`` row, a module that fails gives one ``error`` row, so one missing or broken benchmark never hides the
-others.
+``skipped`` row, a module that fails gives one ``error`` row, so one missing or broken benchmark never hides
+the others.
 """
 
 from __future__ import annotations

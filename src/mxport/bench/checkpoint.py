@@ -1,15 +1,16 @@
 """Issue 4's benchmark: export of a synthetic sharded BF16 safetensors checkpoint to a modelopt MXFP8 checkpoint,
-against a plain ``safetensors`` load-and-save (``load_file`` + ``save_file`` per shard) of the same checkpoint.
+against a plain ``safetensors`` load-and-save (``load_file`` + ``save_file`` per shard) of the same
+checkpoint.
 
 Each side runs in its own child process (``python -m mxport.bench.checkpoint``) so that its peak RSS
 (``VmHWM``) is its own: one warm-up run, then ``runs`` timed runs; the child reports the median. Rows:
 
-* ``export throughput`` — GB/s of input (source tensor bytes / median seconds); baseline: the plain copy's GB/s;
-  ratio = export / copy (goal >= 0.5).
+* ``export throughput`` — GB/s of input (source tensor bytes / median seconds); baseline: the plain copy's
+  GB/s; ratio = export / copy (goal >= 0.5).
 * ``export vs quantize alone`` — the same GB/s against :func:`mxport.quantize` alone on the same tensors
   (chunked as export does, reads not timed): the compute bound on this machine; ratio = export / quantize.
-* ``export peak RSS`` — MB (``VmHWM`` of the child); baseline: the goal's limit, 2 x the largest tensor + 500 MB;
-  ratio = RSS / limit (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
+* ``export peak RSS`` — MB (``VmHWM`` of the child); baseline: the goal's limit, 2 x the largest tensor + 500
+  MB; ratio = RSS / limit (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
 
 Full: 4 tensors of 16384 x 16384 BF16 (2 GiB, one shard each) on the default quantize kernel (native where the
 CPU has AVX-512, else compiled when ``torch.compile`` works — its compile time is in the warm-up), 5 runs after 1

@@ -1,12 +1,12 @@
 """Issue 3's benchmark: export_components of a TE-layout weight (views / unswizzle) against quantize of it.
 
-Rows (``run()``), medians over ``runs`` timed calls after warm-up, all measured in the same process on CUDA when
-available, else CPU:
+Rows (``run()``), medians over ``runs`` timed calls after warm-up, all measured in the same process on CUDA
+when available, else CPU:
 
-* ``quantize NxN`` — :func:`mxport.quantize` of the BF16 weight on its default kernel (native, compiled or eager:
-  the note names it); the baseline of the rows below.
-* ``view export NxN`` — :func:`mxport.export_components` of a TE rowwise storage whose scales need no crop of the
-  last dimension and no unswizzle (N % 128 == 0): views only. Ratio to quantize; goal: O(1), microseconds.
+* ``quantize NxN`` — :func:`mxport.quantize` of the BF16 weight on its default kernel (native, compiled or
+  eager: the note names it); the baseline of the rows below.
+* ``view export NxN`` — :func:`mxport.export_components` of a TE rowwise storage whose scales need no crop of
+  the last dimension and no unswizzle (N % 128 == 0): views only. Ratio to quantize; goal: O(1), microseconds.
 * ``view export 256x256`` — the same on a small weight; ratio = small / large (about 1: independent of size).
 * ``swizzled export NxN`` — the same storage with ``_with_gemm_swizzled_scales`` (one unswizzle permute of the
   scales). Ratio to quantize; goal <= 0.05.

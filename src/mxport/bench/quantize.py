@@ -1,21 +1,22 @@
 """Issue 2's benchmark: BF16 -> MXFP8 rowwise with :func:`mxport.quantize`, against torchao and the memory bound.
 
-Rows (``run()``), every figure a median over ``runs`` timed calls after warm-up, all measured in the same process,
-the contenders timed in interleaved rounds (:func:`interleaved_medians`) so that outside load hits them alike:
+Rows (``run()``), every figure a median over ``runs`` timed calls after warm-up, all measured in the same
+process, the contenders timed in interleaved rounds (:func:`interleaved_medians`) so that outside load hits
+them alike:
 
 * ``first call (compile)`` — seconds of the first ``quantize`` call of the process on the default path (it
   includes loading — or, once per machine, compiling — the native kernel and its self-check, or the
-  ``torch.compile`` of the compiled kernel where that one is used); baseline: one steady-state call of the same
-  shape.
+  ``torch.compile`` of the compiled kernel where that one is used); baseline: one steady-state call of the
+  same shape.
 * ``speed 4096x4096`` — quantize throughput in GB/s of bytes moved; baseline: torchao 0.18
   ``torchao.prototype.mx_formats.mx_tensor.to_mx(x, float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)`` on the
   same tensor; ratio = the speed-up (goal >= 10).
-* ``memory bound 4096x4096`` — the same throughput against a ``Tensor.copy_`` of the same BF16 tensor (bytes read
-  + written), ratio = the fraction of the memory bound reached (goal >= 0.25).
+* ``memory bound 4096x4096`` — the same throughput against a ``Tensor.copy_`` of the same BF16 tensor (bytes
+  read + written), ratio = the fraction of the memory bound reached (goal >= 0.25).
 * ``throughput NxN`` — mxport vs torchao over a range of square sizes (the plot of ``mxport bench --plot``).
 
-Bytes moved by a quantize of ``n`` BF16 elements: ``2n`` read + ``n`` FP8 written + ``n/32`` E8M0 bytes written
-(the same count is used for torchao, so GB/s ratios are speed ratios).
+Bytes moved by a quantize of ``n`` BF16 elements: ``2n`` read + ``n`` FP8 written + ``n/32`` E8M0 bytes
+written (the same count is used for torchao, so GB/s ratios are speed ratios).
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal
 def run(quick: bool = False) -> list[dict]:
     """Run the quantize benchmark; return rows (see the module docstring).
 
-    ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds; plus
-    ~20 s the first time where the compiled kernel is used). The default kernel is used in both modes: native
-    where the CPU has AVX-512, else compiled when ``torch.compile`` works, else eager (``mxport info`` says; row
-    notes name it). Runs on CUDA when available, else CPU.
+    ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds;
+    plus ~20 s the first time where the compiled kernel is used). The default kernel is used in both modes:
+    native where the CPU has AVX-512, else compiled when ``torch.compile`` works, else eager (``mxport info``
+    says; row notes name it). Runs on CUDA when available, else CPU.
     """
     from ..quantize import kernel_for, kernel_label
     from ..quantize import quantize as mx_quantize

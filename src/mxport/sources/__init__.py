@@ -98,9 +98,9 @@ def compact_from_grid(grid: torch.Tensor, rows: int, cols: int, *, padded: tuple
     """The compact ``(rows, cols)`` corner of a 2-D (padded) scale grid, contiguous.
 
     A view when only rows are cropped (or nothing is); a copy when columns are cropped, since a view cropping
-    the last dimension would not be contiguous (consumers such as safetensors need contiguous scales).
-    Padding bytes are never read (TE leaves them uninitialized). With ``padded`` given, the grid must be exactly
-    that padded shape or the compact ``(rows, cols)`` itself: a larger grid is some other tensor's scales.
+    the last dimension would not be contiguous (consumers such as safetensors need contiguous scales). Padding
+    bytes are never read (TE leaves them uninitialized). With ``padded`` given, the grid must be exactly that
+    padded shape or the compact ``(rows, cols)`` itself: a larger grid is some other tensor's scales.
 
     Raises:
         ValueError: ``grid`` is not 2-D, smaller than ``(rows, cols)``, or (with ``padded``) of another shape.
@@ -125,7 +125,8 @@ def compact_from_swizzled(swizzled: torch.Tensor, rows: int, cols: int, *, argna
     ``roundup(rows,128) * roundup(cols,4)`` bytes): one permute + copy via :func:`mxport.layouts.unswizzle`.
 
     Raises:
-        ValueError: the byte count does not match (a grid too small or too large for the data), naming ``argname``.
+        ValueError: the byte count does not match (a grid too small or too large for the data), naming
+            ``argname``.
     """
     try:
         return unswizzle(swizzled, rows, cols)

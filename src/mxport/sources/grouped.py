@@ -84,8 +84,8 @@ def export_te_grouped(obj, direction: str = "rowwise") -> list[MXFP8Components]:
 
     Returns:
         ``num_tensors`` :class:`MXFP8Components`, in expert order. Each ``data`` is a view of the flat buffer
-        (same storage); each ``scale_inv`` a view of that expert's padded grid when only rows are padded, else a
-        compact copy (always a copy when swizzled), exactly as :func:`mxport.sources.te.export_te`.
+        (same storage); each ``scale_inv`` a view of that expert's padded grid when only rows are padded, else
+        a compact copy (always a copy when swizzled), exactly as :func:`mxport.sources.te.export_te`.
 
     Raises:
         ValueError: no data / scales for ``direction``; a buffer or an expert's scale region too small for the

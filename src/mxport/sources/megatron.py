@@ -35,13 +35,13 @@ def export_megatron(obj, direction: str = "rowwise") -> MXFP8Components:
     """Export a Megatron-LM inference ``MXFP8Tensor``: rowwise only.
 
     Returns:
-        :class:`MXFP8Components`: ``data`` is ``obj.data`` (uint8 data is viewed as ``float8_e4m3fn``, the only
-        element type Megatron uses; same storage), ``scale_inv`` a compact ``(M, ceil(K/32))`` copy unswizzled
-        with one permute (:func:`mxport.layouts.unswizzle`).
+        :class:`MXFP8Components`: ``data`` is ``obj.data`` (uint8 data is viewed as ``float8_e4m3fn``, the
+        only element type Megatron uses; same storage), ``scale_inv`` a compact ``(M, ceil(K/32))`` copy
+        unswizzled with one permute (:func:`mxport.layouts.unswizzle`).
 
     Raises:
-        ValueError: ``direction="columnwise"`` (Megatron keeps rowwise data only); data not 2-D; a 2-D scale not
-            of the swizzled shape or a scale of the wrong byte count; an unknown ``backend``.
+        ValueError: ``direction="columnwise"`` (Megatron keeps rowwise data only); data not 2-D; a 2-D scale
+            not of the swizzled shape or a scale of the wrong byte count; an unknown ``backend``.
         TypeError: data not FP8 / uint8; scales not uint8 / ``float8_e8m0fnu`` (bit-viewed, never value-cast).
     """
     check_direction(direction)

@@ -3,12 +3,12 @@
 TE's layout (``transformer_engine/pytorch/tensor/storage/mxfp8_tensor_storage.py``, ``MXFP8Quantizer.
 get_scale_shape``; design.md §2-§3), for data of logical shape ``(*lead, K)`` and ``M = prod(lead)``:
 
-- ``_rowwise_data`` / ``_columnwise_data``: ``torch.uint8`` FP8 bytes with the logical shape (columnwise data is
-  not transposed); either may be ``None`` when that usage is off.
+- ``_rowwise_data`` / ``_columnwise_data``: ``torch.uint8`` FP8 bytes with the logical shape (columnwise data
+  is not transposed); either may be ``None`` when that usage is off.
 - ``_rowwise_scale_inv``: uint8 ``(roundup(M,128), roundup(ceil(K/32),4))``; ``_columnwise_scale_inv``: uint8
   ``(roundup(ceil(M/32),4), roundup(K,128))``. Padding bytes are uninitialized.
-- ``_with_gemm_swizzled_scales`` (TE ``optimize_for_gemm``): the same bytes in cuBLAS 128x4-tile swizzled order
-  with zero padding; columnwise scales are swizzled as their transpose.
+- ``_with_gemm_swizzled_scales`` (TE ``optimize_for_gemm``): the same bytes in cuBLAS 128x4-tile swizzled
+  order with zero padding; columnwise scales are swizzled as their transpose.
 - ``_fp8_dtype``: TE ``DType`` (kFloat8E4M3 = 7, kFloat8E5M2 = 8).
 """
 
@@ -90,23 +90,24 @@ def export_te(obj, direction: str = "rowwise") -> MXFP8Components:
 
     Args:
         obj: has ``_rowwise_data``, ``_columnwise_data`` (uint8, logical shape ``(*lead, K)``),
-            ``_rowwise_scale_inv`` (uint8 ``(roundup(M,128), roundup(ceil(K/32),4))``), ``_columnwise_scale_inv``
-            (uint8 ``(roundup(ceil(M/32),4), roundup(K,128))``), ``_fp8_dtype`` (TE DType or torch FP8 dtype) and
-            optionally ``_with_gemm_swizzled_scales`` (default False). ``M = prod(lead)``.
+            ``_rowwise_scale_inv`` (uint8 ``(roundup(M,128), roundup(ceil(K/32),4))``),
+            ``_columnwise_scale_inv`` (uint8 ``(roundup(ceil(M/32),4), roundup(K,128))``), ``_fp8_dtype`` (TE
+            DType or torch FP8 dtype) and optionally ``_with_gemm_swizzled_scales`` (default False). ``M =
+            prod(lead)``.
         direction: ``"rowwise"`` or ``"columnwise"``.
 
     Returns:
         :class:`MXFP8Components` whose ``data`` is ``obj._<direction>_data.view(fp8)`` (same storage and
         ``data_ptr``: an in-place update of the producer shows through). ``scale_inv`` is a view of TE's grid
-        when only rows are padded (rowwise: ``ceil(K/32) % 4 == 0``; columnwise: ``K % 128 == 0``), otherwise a
-        contiguous copy of the compact corner; swizzled scales are always a copy (one permute). Padding bytes
-        are never read.
+        when only rows are padded (rowwise: ``ceil(K/32) % 4 == 0``; columnwise: ``K % 128 == 0``), otherwise
+        a contiguous copy of the compact corner; swizzled scales are always a copy (one permute). Padding
+        bytes are never read.
 
     Raises:
         ValueError: no data / scales for ``direction`` (e.g. a rowwise-only storage asked for columnwise), a
             scale grid too small (or, swizzled, of the wrong byte count) for the data.
-        TypeError: data not uint8 / FP8, scales not uint8 / ``float8_e8m0fnu`` (``float8_e8m0fnu`` is bit-viewed,
-            never value-cast), an unknown ``_fp8_dtype``.
+        TypeError: data not uint8 / FP8, scales not uint8 / ``float8_e8m0fnu`` (``float8_e8m0fnu`` is
+            bit-viewed, never value-cast), an unknown ``_fp8_dtype``.
     """
     check_direction(direction)
     data = getattr(obj, f"_{direction}_data")
@@ -136,9 +137,10 @@ def to_te_layout(components: MXFP8Components, swizzled: bool = False) -> tuple[t
 
     Returns:
         ``data``: uint8 with the logical shape, a view of ``components.data`` when it is contiguous.
-        ``scale_inv``: a new uint8 tensor of TE's padded shape: rowwise ``(roundup(M,128), roundup(ceil(K/32),4))``,
-        columnwise ``(roundup(ceil(M/32),4), roundup(K,128))``; padding bytes are 0; swizzled bytes are
-        :func:`mxport.layouts.swizzle` order (of the transpose, for columnwise) in that same shape.
+        ``scale_inv``: a new uint8 tensor of TE's padded shape: rowwise ``(roundup(M,128),
+        roundup(ceil(K/32),4))``, columnwise ``(roundup(ceil(M/32),4), roundup(K,128))``; padding bytes are 0;
+        swizzled bytes are :func:`mxport.layouts.swizzle` order (of the transpose, for columnwise) in that
+        same shape.
 
     Raises:
         TypeError: ``components`` is not an :class:`MXFP8Components`.

@@ -1,10 +1,10 @@
 """torchao ``MXTensor`` -> :class:`~mxport.MXFP8Components`, duck-typed (torchao is not imported).
 
-torchao 0.18 ``torchao/prototype/mx_formats/mx_tensor.py`` (``MXTensor.__new__``, ``to_mx``, ``dequantize``) and
-``utils.py`` (``to_blocked`` / ``from_blocked``):
+torchao 0.18 ``torchao/prototype/mx_formats/mx_tensor.py`` (``MXTensor.__new__``, ``to_mx``, ``dequantize``)
+and ``utils.py`` (``to_blocked`` / ``from_blocked``):
 
-- ``qdata``: the FP8 elements (``elem_dtype``), logical shape ``(*lead, K)``; blocks of ``block_size`` run along
-  the last dimension of the tensor it was quantized from.
+- ``qdata``: the FP8 elements (``elem_dtype``), logical shape ``(*lead, K)``; blocks of ``block_size`` run
+  along the last dimension of the tensor it was quantized from.
 - ``scale``: ``float8_e8m0fnu``, ``(*lead, K // block_size)``; with ``is_swizzled_scales`` it holds
   ``to_blocked`` (cuBLAS 128x4 tiles) of the flattened ``(prod(lead), K // block_size)`` grid.
 - A transposed ``MXTensor`` (``qdata.stride(-2) < qdata.stride(-1)``, e.g. after ``.t()``) carries transposed
@@ -39,14 +39,16 @@ def export_torchao(obj, direction: str = "rowwise") -> MXFP8Components:
     ``"columnwise"`` for a transposed one (blocks along dim -2; compact scales ``(prod(lead)*K_t/32, N)``).
 
     Returns:
-        :class:`MXFP8Components`: ``data`` is ``obj.qdata`` itself (same storage; a transposed tensor keeps its
-        non-contiguous strides); ``scale_inv`` is ``obj.scale`` bit-viewed as uint8 (a view) for an ordinary
-        unswizzled tensor, and a contiguous copy when the scales are swizzled (one permute) or transposed.
+        :class:`MXFP8Components`: ``data`` is ``obj.qdata`` itself (same storage; a transposed tensor keeps
+        its non-contiguous strides); ``scale_inv`` is ``obj.scale`` bit-viewed as uint8 (a view) for an
+        ordinary unswizzled tensor, and a contiguous copy when the scales are swizzled (one permute) or
+        transposed.
 
     Raises:
         ValueError: ``direction`` is not the tensor's direction; ``block_size`` != 32; a scale tensor whose
             shape / byte count does not match the data.
-        TypeError: ``elem_dtype`` is not FP8 (MXFP4 / MXFP6 are not MXFP8); scales not ``float8_e8m0fnu`` / uint8.
+        TypeError: ``elem_dtype`` is not FP8 (MXFP4 / MXFP6 are not MXFP8); scales not ``float8_e8m0fnu`` /
+            uint8.
     """
     check_direction(direction)
     if obj.block_size != BLOCK_SIZE:
