@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import bench, export, info, inspect_cmd, refit, verify  # noqa: F401  (register the subcommands)
+from . import bench, export, info, inspect_cmd, plan, refit, verify  # noqa: F401  (register the subcommands)
 from .app import app
 
 

@@ -1,0 +1,144 @@
+"""Parallel layouts of trainers and engines, and which slice of each tensor an engine rank holds.
+
+A layout is written as comma-separated ``dim=N`` terms: ``tp=2``, ``fsdp=4``, ``tp=2,pp=2``, ``ep=8``
+(:meth:`Layout.parse`). Dimensions: ``fsdp`` (FSDP2 / data-parallel sharding), ``tp`` (tensor parallel), ``pp``
+(pipeline stages), ``ep`` (expert parallel). A layout's ranks are the product of its dimensions.
+
+Engine tensor parallelism follows vLLM's parallel layers (``vllm/model_executor/layers/linear.py``,
+``vocab_parallel_embedding.py``, ``fused_moe/layer.py``), for Hugging Face tensor names:
+
+* column parallel, rows (dim ``-2``) split: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``,
+  ``q_b_proj``, ``kv_b_proj``, fused ``experts.gate_up_proj``; the vocabulary of ``embed_tokens`` and
+  ``lm_head``; ``k_proj`` / ``v_proj`` rows are split over ``min(tp, kv_heads)`` ranks (vLLM replicates KV heads
+  when tp exceeds their count);
+* row parallel, the input dimension K (dim ``-1``) split: ``o_proj``, ``down_proj``, fused
+  ``experts.down_proj``; an MXFP8 consumer needs each rank's K to be a multiple of 32 (vLLM ``modelopt.py``
+  rejects others), which :func:`engine_shard` reports;
+* replicated: everything else (norms, biases, routers, MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa``);
+* with expert parallelism (``ep``), fused expert tensors are split by expert (dim 0) over all ``tp * ep``
+  ranks instead (vLLM's expert parallel size is its TP x DP size; ``tp=8,ep=16`` is TP 8 attention in 16 data
+  parallel groups, and 128 ranks of experts).
+
+Every rank of a pipeline stage holds one slice of each of the stage's tensors, so an engine of ``tp * ep``
+ranks per stage receives ``tp * ep`` slices of each tensor (replicated tensors whole, in every rank).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+from .formats import BLOCK_SIZE, ceil_div
+
+DIMS = ("fsdp", "tp", "pp", "ep")
+
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj|w1|w3)\.weight$")
+_ROW = re.compile(r"\.(o_proj|down_proj|w2|dense)\.weight$")
+_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|wte)\.weight$")
+_EXPERTS_COLUMN = re.compile(r"\.experts\.gate_up_proj$")
+_EXPERTS_ROW = re.compile(r"\.experts\.down_proj$")
+_KV = re.compile(r"\.(k_proj|v_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: sizes of the fsdp, tp, pp and ep dimensions (each >= 1)."""
+
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layout dimension {f.name} must be an int >= 1, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """``"tp=2,pp=2"`` -> ``Layout(tp=2, pp=2)``; ``""`` or ``"1"`` -> one rank.
+
+        Raises:
+            ValueError: an unknown dimension, a repeated one, or a size that is not a positive integer.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"a layout is a string like 'tp=2,pp=2', got {type(text).__name__}")
+        sizes: dict[str, int] = {}
+        for term in (t.strip() for t in text.split(",")):
+            if term in ("", "1"):
+                continue
+            name, sep, value = term.partition("=")
+            name = name.strip().lower()
+            if not sep or name not in DIMS:
+                raise ValueError(f"layout term {term!r}: expected DIM=N with DIM one of {', '.join(DIMS)}")
+            if name in sizes:
+                raise ValueError(f"layout {text!r} names {name} twice")
+            if not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"layout term {term!r}: N must be a positive integer")
+            sizes[name] = int(value)
+        return cls(**sizes)
+
+    @property
+    def ranks(self) -> int:
+        """Number of ranks: the product of the dimensions."""
+        return self.fsdp * self.tp * self.pp * self.ep
+
+    def __str__(self) -> str:
+        terms = [f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1]
+        return ",".join(terms) or "1"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one tensor is held by an engine rank.
+
+    Attributes:
+        dim: the split dimension (negative index), or None when every rank holds the whole tensor.
+        parts: how many distinct slices the tensor is cut into along ``dim`` (1 when replicated; fewer than the
+            ranks when slices are replicated, e.g. KV heads).
+        shape: the shape one rank holds.
+        problem: why an MXFP8 consumer cannot take this slice (K per rank not a multiple of 32), or "".
+    """
+
+    dim: int | None
+    parts: int
+    shape: tuple[int, ...]
+    problem: str = ""
+
+
+def _split(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = ceil_div(out[dim], parts)
+    return tuple(out)
+
+
+def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads: int | None = None,
+                 quantized: bool = False) -> Shard:
+    """The slice of tensor ``name`` (full ``shape``) that one rank of an ``engine`` layout holds (module doc)."""
+    shape = tuple(int(s) for s in shape)
+    tp, ep = engine.tp, engine.ep
+    if ep > 1 and len(shape) == 3 and (_EXPERTS_COLUMN.search(name) or _EXPERTS_ROW.search(name)):
+        return Shard(0, tp * ep, _split(shape, 0, tp * ep))
+    if tp == 1 or len(shape) < 2:
+        return Shard(None, 1, shape)
+    if _COLUMN.search(name) or _VOCAB.search(name) or _EXPERTS_COLUMN.search(name):
+        parts = min(tp, kv_heads) if kv_heads and _KV.search(name) else tp
+        return Shard(-2, parts, _split(shape, -2, parts))
+    if _ROW.search(name) or _EXPERTS_ROW.search(name):
+        held = _split(shape, -1, tp)
+        problem = ""
+        if quantized and (shape[-1] % tp or held[-1] % BLOCK_SIZE):
+            problem = (f"{name}: K={shape[-1]} split over tp={tp} gives {shape[-1] / tp:g} per rank, not a "
+                       f"multiple of {BLOCK_SIZE} (MXFP8 blocks would straddle ranks)")
+        return Shard(-1, tp, held, problem)
+    return Shard(None, 1, shape)
+
+
+def mxfp8_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of a rowwise MXFP8 tensor of ``shape``: one FP8 byte per element plus one E8M0 byte per block."""
+    if not shape:
+        return 1
+    rows = math.prod(shape[:-1])
+    return rows * shape[-1] + rows * ceil_div(shape[-1], BLOCK_SIZE)

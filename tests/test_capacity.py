@@ -1,0 +1,123 @@
+"""The capacity model (mxport.layout, mxport.capacity, `mxport plan`): layouts, engine slices and byte counts,
+exact for small hand-made models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxport.capacity import Hardware, config_entries, predict
+from mxport.cli import app
+from mxport.layout import Layout, engine_shard, mxfp8_bytes
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("text,want", [("", Layout()), ("1", Layout()), ("tp=2", Layout(tp=2)),
+                                       ("tp=2,pp=2", Layout(tp=2, pp=2)), (" FSDP=8 ", Layout(fsdp=8)),
+                                       ("tp=8,ep=16", Layout(tp=8, ep=16))])
+def test_layout_parse(text, want):
+    assert Layout.parse(text) == want
+    assert Layout.parse(str(want)) == want
+
+
+@pytest.mark.parametrize("text", ["tp", "tp=0", "tp=-1", "tp=2,tp=2", "dp=2", "tp=x", "tp=1.5"])
+def test_layout_parse_rejects(text):
+    with pytest.raises(ValueError):
+        Layout.parse(text)
+
+
+def test_layout_ranks():
+    assert Layout.parse("fsdp=2,tp=2,pp=2,ep=2").ranks == 16
+
+
+def test_mxfp8_bytes():
+    assert mxfp8_bytes((192, 576)) == 192 * 576 + 192 * 18
+    assert mxfp8_bytes((4, 3, 33)) == 12 * 33 + 12 * 2   # a short last block has its own scale byte
+
+
+def test_engine_shards_follow_vllm_parallel_layers():
+    tp2 = Layout(tp=2)
+    assert engine_shard("m.layers.0.self_attn.q_proj.weight", (64, 96), tp2).shape == (32, 96)
+    assert engine_shard("m.layers.0.self_attn.o_proj.weight", (96, 64), tp2).shape == (96, 32)
+    assert engine_shard("m.embed_tokens.weight", (100, 64), tp2).shape == (50, 64)
+    assert engine_shard("m.layers.0.input_layernorm.weight", (64,), tp2).shape == (64,)
+    assert engine_shard("m.layers.0.mlp.gate.weight", (8, 64), tp2).dim is None   # router: replicated
+    # 2 KV heads over tp=4: each head on two ranks
+    kv = engine_shard("m.layers.0.self_attn.k_proj.weight", (256, 64), Layout(tp=4), kv_heads=2)
+    assert kv.shape == (128, 64) and kv.parts == 2
+    # fused experts: TP splits N (gate_up) and K (down); EP splits the experts over tp * ep ranks
+    assert engine_shard("m.layers.0.mlp.experts.gate_up_proj", (8, 64, 32), tp2).shape == (8, 32, 32)
+    assert engine_shard("m.layers.0.mlp.experts.down_proj", (8, 32, 64), tp2).shape == (8, 32, 32)
+    assert engine_shard("m.layers.0.mlp.experts.down_proj", (8, 32, 64), Layout(tp=2, ep=2)).shape == (2, 32, 64)
+
+
+def test_row_parallel_k_that_splits_blocks_is_a_problem():
+    s = engine_shard("m.layers.0.mlp.down_proj.weight", (64, 96), Layout(tp=2), quantized=True)
+    assert s.shape == (64, 48) and "not a multiple of 32" in s.problem
+    assert engine_shard("m.layers.0.mlp.down_proj.weight", (64, 96), Layout(tp=2)).problem == ""  # kept: fine
+    assert engine_shard("m.layers.0.mlp.down_proj.weight", (64, 128), Layout(tp=2), quantized=True).problem == ""
+
+
+ENTRIES = [("m.embed_tokens.weight", (100, 64), BF16), ("m.layers.0.self_attn.q_proj.weight", (64, 64), BF16),
+           ("m.layers.0.self_attn.o_proj.weight", (64, 64), BF16), ("m.layers.0.input_layernorm.weight", (64,), BF16)]
+
+
+def test_predict_counts_bytes_exactly():
+    hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=2.0, overlap=False)
+    r = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw, engine_replicas=3)
+    # one engine rank: q [32, 64] and o [64, 32] as MXFP8 (values + 1 scale byte per 32), embed [50, 64] and the
+    # norm [64] in BF16
+    rank = (32 * 64 + 32 * 2) + (64 * 32 + 64 * 1) + 50 * 64 * 2 + 64 * 2
+    assert r.mxfp8.bytes_per_engine_rank == rank
+    assert r.mxfp8.wire_bytes == rank * 2 * 3                 # 2 ranks per engine, 3 engines
+    assert r.mxfp8.bytes_per_trainer_rank == rank * 3         # 2 trainer ranks share it
+    assert r.bf16.bytes_per_engine_rank == (32 * 64 + 64 * 32 + 50 * 64 + 64) * 2
+    assert r.quantized_parameters == 2 * 64 * 64 and r.parameters == 100 * 64 + 2 * 64 * 64 + 64
+    assert r.mxfp8.wire_seconds == pytest.approx(rank * 3 / 1e9)
+    assert r.mxfp8.quantize_seconds == pytest.approx(2 * 64 * 64 / 2 / 1e9)
+    assert r.mxfp8.seconds == pytest.approx(r.mxfp8.wire_seconds + r.mxfp8.quantize_seconds)  # no overlap
+    params = 100 * 64 + 2 * 64 * 64 + 64
+    assert r.bf16.gather_seconds == pytest.approx(params * 2 * 0.5 / 1e9)
+    assert r.bf16.quantize_seconds == pytest.approx(2 * 32 * 64 / 2e9)
+    assert r.speedup == pytest.approx(r.bf16.seconds / r.mxfp8.seconds)
+
+
+def test_predict_overlap_and_pipeline_stages():
+    hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0)
+    r = predict(ENTRIES, Layout(), Layout(pp=2), hw)
+    assert r.mxfp8.seconds == max(r.mxfp8.wire_seconds, r.mxfp8.quantize_seconds)
+    full = predict(ENTRIES, Layout(), Layout(), hw)
+    assert r.mxfp8.wire_bytes == full.mxfp8.wire_bytes
+    assert r.mxfp8.bytes_per_engine_rank == -(-full.mxfp8.bytes_per_engine_rank // 2)
+
+
+def test_config_entries_count_tied_weights_once(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": True}
+    names = [n for n, _, _ in config_entries(cfg)]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == len(set(names))
+
+
+def test_plan_cli_json_and_exit_codes(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    run = CliRunner().invoke
+    res = run(app, ["plan", str(tmp_path), "--trainer", "fsdp=2", "--engine", "tp=2", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["trainer"] == "fsdp=2" and d["engine"] == "tp=2" and d["problems"] == []
+    assert d["bf16"]["wire_bytes"] > d["mxfp8"]["wire_bytes"] > 0
+    # down_proj K = 96 over tp = 2: 48 per rank straddles MXFP8 blocks -> a failed check (exit 1)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    res = run(app, ["plan", str(tmp_path / "config.json"), "--engine", "tp=2"])
+    assert res.exit_code == 1 and "K=96 split over tp=2" in res.output
+    assert run(app, ["plan", str(tmp_path), "--engine", "tp=0"]).exit_code == 2
+    assert run(app, ["plan", str(tmp_path / "missing.json")]).exit_code == 2
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert run(app, ["plan", str(tmp_path / "bad.json")]).exit_code == 2
