@@ -1,4 +1,4 @@
-"""Issue 3's benchmark: export_components of a TE-layout 8192x8192 weight (views; swizzled) vs quantize of it.
+"""Export benchmark: export_components of a TE-layout 8192x8192 weight (views; swizzled) vs quantize of it.
 
 Usage: ``.venv/bin/python benchmarks/bench_export.py [--quick]`` (same rows as ``mxport bench --only
     export``).

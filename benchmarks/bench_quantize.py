@@ -1,4 +1,4 @@
-"""Issue 2's benchmark: BF16 4096x4096 -> MXFP8 rowwise vs torchao to_mx (RCEIL) and the copy_ memory bound.
+"""Quantize benchmark: BF16 4096x4096 -> MXFP8 rowwise vs torchao to_mx (RCEIL) and the copy_ memory bound.
 
 Usage: ``.venv/bin/python benchmarks/bench_quantize.py [--quick]`` (same rows as ``mxport bench --only
     quantize``).

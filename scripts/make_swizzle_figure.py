@@ -22,7 +22,9 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img" / "swizzle_12
 
 
 def tile_sources(rows: int = 128, cols: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a compact ``(rows, cols)`` grid (rows <= 255, cols <= 255): the swizzled bytes' source row and column.
+    """The swizzled bytes' source row and column, for a compact ``(rows, cols)`` grid.
+
+    ``rows`` and ``cols`` are at most 255.
 
     Returns two int64 tensors shaped like ``swizzle``'s output viewed as 16-byte lines, ``(-1, 16)``; entry =
     the compact row / column whose scale sits at that byte, or -1 for a padding byte.
@@ -73,8 +75,10 @@ def draw(out: str | os.PathLike = DEFAULT_OUT) -> Path:
     ax_r.set_ylabel("line = r % 32")
     ax_r.set_title("swizzled tile (512 bytes, row-major): number = source row r, colour = source column c",
                    fontsize=10)
-    fig.suptitle("cuBLAS VEC32_UE8M0 / FlashInfer layout_128x4 swizzle, computed with mxport.layouts.swizzle\n"
-                 "byte = ((r // 128) * ceil(C / 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4",
+    fig.suptitle("cuBLAS VEC32_UE8M0 / FlashInfer layout_128x4 swizzle, computed with "
+                 "mxport.layouts.swizzle\n"
+                 "byte = ((r // 128) * ceil(C / 4) + c // 4) * 512 + (r % 32) * 16 "
+                 "+ ((r % 128) // 32) * 4 + c % 4",
                  fontsize=11)
     fig.tight_layout()
 

@@ -1,4 +1,5 @@
-"""An independent MXFP8 reference in numpy + ml_dtypes, written from design.md §2 (not from mxport's code).
+"""An independent MXFP8 reference in numpy + ml_dtypes, written from the format's rules (OCP MX v1.0; TE's
+rceil; summarized in docs/format.md, "Elements, blocks, scales" and "Rounding rules"), not from mxport's code.
 
 Differences in method from mxport: E is found with ``math.frexp`` on float64 (exact for float32 inputs)
 instead of bit fields, the FP8 cast is ml_dtypes' (round-to-nearest-even), loops run per block.
@@ -18,7 +19,7 @@ ELEM = {
 
 
 def ref_scale_byte(amax: float, elem: str, rounding: str) -> int:
-    """E8M0 byte for a block's amax (NaNs already skipped), design.md §2."""
+    """E8M0 byte for a block's amax (NaNs already skipped), docs/format.md "Rounding rules"."""
     _, max_norm, emax = ELEM[elem]
     if math.isnan(amax):
         return 255
@@ -71,7 +72,8 @@ def ref_quantize_2d(x: np.ndarray, elem: str, rounding: str, block_2d: bool = Fa
     if block_2d:
         for bi in range(-(-m // 32)):
             for bj in range(nb):
-                e = ref_scale_byte(_block_amax(x[bi * 32:(bi + 1) * 32, bj * 32:(bj + 1) * 32]), elem, rounding)
+                e = ref_scale_byte(_block_amax(x[bi * 32:(bi + 1) * 32, bj * 32:(bj + 1) * 32]), elem,
+                                   rounding)
                 scales[bi * 32:(bi + 1) * 32, bj] = e
     else:
         for i in range(m):
@@ -87,7 +89,9 @@ def ref_quantize_2d(x: np.ndarray, elem: str, rounding: str, block_2d: bool = Fa
 
 def ref_quantize(x: np.ndarray, elem: str, rounding: str = "rceil", direction: str = "rowwise",
                  block_2d: bool = False):
-    """N-D reference: values (uint8, logical shape) and compact scales for ``direction`` (design.md §2, §3)."""
+    """N-D reference: values (uint8, logical shape) and compact scales for ``direction``.
+
+    Rules and layouts: docs/format.md, "Rounding rules" and "Scale layouts"."""
     x = np.asarray(x, dtype=np.float32)
     shape = x.shape
     k = shape[-1]

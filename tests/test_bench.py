@@ -20,7 +20,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _good_row(**kw):
-    row = {"benchmark": "b", "metric": "m", "value": 1.5, "baseline": "x", "ratio": 2.0, "unit": "s", "goal": "g"}
+    row = {"benchmark": "b", "metric": "m", "value": 1.5, "baseline": "x", "ratio": 2.0, "unit": "s",
+           "goal": "g"}
     row.update(kw)
     return row
 
@@ -111,7 +112,8 @@ def test_throughput_series_and_plot(tmp_path):
 def test_cli_bad_flags_exit_2(tmp_path):
     runner = CliRunner()
     assert runner.invoke(app, ["bench", "--only", "nope"]).exit_code == 2
-    assert runner.invoke(app, ["bench", "--only", "quantize", "--plot", str(tmp_path / "x.txt")]).exit_code == 2
+    assert runner.invoke(app, ["bench", "--only", "quantize",
+                               "--plot", str(tmp_path / "x.txt")]).exit_code == 2
     assert runner.invoke(app, ["bench", "--only", "refit", "--plot", str(tmp_path / "x.png")]).exit_code == 2
     assert runner.invoke(app, ["bench", "--no-such-flag"]).exit_code == 2
     assert not list(tmp_path.iterdir())
@@ -126,7 +128,8 @@ def test_cli_quick_quantize_json_and_plot(tmp_path):
     from mxport.quantize import NATIVE_PATH
 
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    res = CliRunner().invoke(app, ["bench", "--quick", "--only", "quantize", "--json", str(out), "--plot", str(png)])
+    res = CliRunner().invoke(app, ["bench", "--quick", "--only", "quantize", "--json", str(out),
+                                   "--plot", str(png)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert set(doc) >= {"rows", "machine"}
@@ -150,7 +153,9 @@ def test_cli_quick_quantize_json_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_cli_quick_all_benchmarks_subprocess(tmp_path):
-    """`mxport bench --quick --json F` as a user runs it (compiled path on): every row finite, no error rows."""
+    """`mxport bench --quick --json F` as a user runs it (compiled path on).
+
+    Every row finite, no error rows."""
     out = tmp_path / "all.json"
     env = {k: v for k, v in os.environ.items() if k != "MXPORT_DISABLE_COMPILE"}
     exe = Path(sys.executable).with_name("mxport")

@@ -1,4 +1,4 @@
-"""MXFP8Components: validation of the contract (design.md §5), metadata, nbytes."""
+"""MXFP8Components: validation of the contract (README.md, "The library"), metadata, nbytes."""
 
 from __future__ import annotations
 
@@ -47,11 +47,12 @@ def test_e8m0fnu_scales_are_bit_viewed():
      r"expected compact \(2, 1\)"),
     (torch.ones(2, 33).to(torch.float8_e4m3fn), torch.zeros(2, 1, dtype=torch.uint8), "rowwise", ValueError,
      "does not match"),
-    (torch.ones(40, 8).to(torch.float8_e4m3fn), torch.zeros(1, 8, dtype=torch.uint8), "columnwise", ValueError,
-     r"expected compact \(2, 8\)"),
+    (torch.ones(40, 8).to(torch.float8_e4m3fn), torch.zeros(1, 8, dtype=torch.uint8), "columnwise",
+     ValueError, r"expected compact \(2, 8\)"),
     (torch.ones(128, 4, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8), "rowwise", TypeError,
      "data must be"),
-    (torch.tensor(1.0).to(torch.float8_e4m3fn), torch.zeros(1, dtype=torch.uint8), "rowwise", ValueError, "0-d"),
+    (torch.tensor(1.0).to(torch.float8_e4m3fn), torch.zeros(1, dtype=torch.uint8), "rowwise", ValueError,
+     "0-d"),
     (torch.ones(2, 32).to(torch.float8_e4m3fn), torch.zeros(2, 1, dtype=torch.uint8), "both", ValueError,
      "direction"),
 ])

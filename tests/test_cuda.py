@@ -1,6 +1,7 @@
-"""On a CUDA device, the same bytes as on the CPU: quantize (eager and compiled kernels), swizzle, MXFP8Linear, and a
-refit between CUDA buffers (arena sender, direct receiver). Skipped without CUDA; first run on an H200 (see
-docs/benchmarks.md), where the compiled kernel's failure for a second element format was found."""
+"""On a CUDA device, the same bytes as on the CPU: quantize (eager and compiled kernels), swizzle,
+MXFP8Linear, and a refit between CUDA buffers (arena sender, direct receiver). Skipped without CUDA; first
+run on an H200 (see docs/benchmarks.md), where the compiled kernel's failure for a second element format was
+found."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _same(a, b):
 @pytest.mark.parametrize("kw", [{}, {"direction": "columnwise"}, {"block_2d": True}])
 def test_quantize_on_cuda_gives_the_cpu_bytes(dtype, fp8, rounding, kw):
     x = _special(1031, 4100).to(dtype)
-    _same(quantize(x.cuda(), fp8, rounding=rounding, fast=False, **kw), quantize(x, fp8, rounding=rounding, **kw))
+    _same(quantize(x.cuda(), fp8, rounding=rounding, fast=False, **kw),
+          quantize(x, fp8, rounding=rounding, **kw))
 
 
 def test_compiled_kernel_on_cuda_builds_for_every_format(fast_path):
@@ -44,7 +46,8 @@ def test_compiled_kernel_on_cuda_builds_for_every_format(fast_path):
                                      (torch.float16, torch.float8_e4m3fn, "floor", {"block_2d": True}),
                                      (torch.bfloat16, torch.float8_e5m2, "rceil", {})]:
         xs = x.to(dtype)
-        _same(quantize(xs.cuda(), fp8, rounding=rounding, fast=True, **kw), quantize(xs, fp8, rounding=rounding, **kw))
+        _same(quantize(xs.cuda(), fp8, rounding=rounding, fast=True, **kw),
+              quantize(xs, fp8, rounding=rounding, **kw))
     assert fast_path.disabled_reason is None
 
 
@@ -69,7 +72,8 @@ def test_refit_between_cuda_buffers_is_zero_copy_and_exact(tmp_path):
     from mxport.refit.buckets import stream_arena
     from mxport.testing import make_tiny_llama
 
-    trainer, _ = load_causal_lm(make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80), dtype=torch.float32)
+    trainer, _ = load_causal_lm(make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80),
+                                dtype=torch.float32)
     src = TrainerSource(trainer.cuda(), bucket_bytes=4096, arena=True)
     targets = allocate_targets(src.plan, "cuda")
     ch = InProcessChannel(1, timeout_s=60)

@@ -1,5 +1,6 @@
-"""Every example in docs/ runs: fenced ```python blocks (plain scripts or doctest style), ```bash blocks marked
-``<!-- run -->`` (each ``mxport ...`` line through the CLI), and the docstring examples of mxport's modules.
+"""Every example in docs/ runs: fenced ```python blocks (plain scripts or doctest style), ```bash blocks
+marked ``<!-- run -->`` (each ``mxport ...`` line through the CLI), and the docstring examples of mxport's
+modules.
 
 Markers, an HTML comment on the line(s) right before a fence:
 
@@ -25,7 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-FENCE = re.compile(r"(?P<markers>(?:[ \t]*<!--[^\n]*-->[ \t]*\n)*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$",
+FENCE = re.compile(r"(?P<markers>(?:[ \t]*<!--[^\n]*-->[ \t]*\n)*)```(?P<lang>[\w-]*)[^\n]*\n"
+                   r"(?P<body>.*?)^```[ \t]*$",
                    re.S | re.M)
 MARKER = re.compile(r"<!--\s*(?P<key>requires|skip|run)\s*(?::\s*(?P<arg>.*?))?\s*-->")
 
@@ -106,7 +108,8 @@ def _run_shell(body: str, expect_exit: int, where: str) -> None:
     assert lines, f"{where}: a run block with no commands"
     for ln in lines:
         args = shlex.split(ln, comments=True)
-        assert Path(args[0]).name == "mxport", f"{where}: run blocks may only hold mxport commands, got {ln!r}"
+        assert Path(args[0]).name == "mxport", (f"{where}: run blocks may only hold mxport commands, "
+                                                f"got {ln!r}")
         res = CliRunner().invoke(app, args[1:])
         assert res.exit_code == expect_exit, f"{where}: {ln!r} exited {res.exit_code}\n{res.output[-3000:]}"
 
@@ -156,10 +159,12 @@ def test_docstring_examples():
 
 
 def test_swizzle_figure_positions_follow_the_formula(tmp_path):
-    """The figure's byte map (computed with mxport.layouts.swizzle) equals design.md §3's formula."""
+    """The figure's byte map (computed with mxport.layouts.swizzle) equals the byte formula of docs/format.md,
+    "Scale layouts"."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_swizzle_figure", ROOT / "scripts" / "make_swizzle_figure.py")
+    spec = importlib.util.spec_from_file_location("make_swizzle_figure",
+                                                  ROOT / "scripts" / "make_swizzle_figure.py")
     fig = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fig)
     for rows, cols in ((128, 4), (130, 6)):

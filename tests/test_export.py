@@ -1,4 +1,5 @@
-"""export_components dispatch: MXFP8Components as is, float tensors / parameters through quantize, bad inputs."""
+"""export_components dispatch: MXFP8Components as is, float tensors / parameters through quantize, bad
+inputs."""
 
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def test_compiled_kernels_take_only_the_tensor_and_its_sizes(fast_path, monkeypa
     for fp8, rounding in cases:
         for shape in ((300, 200), (301, 77)):
             x = _special_tensor(*shape, seed=shape[1])
-            _same(quantize(x, fp8, rounding=rounding, fast=True), quantize(x, fp8, rounding=rounding, fast=False))
+            _same(quantize(x, fp8, rounding=rounding, fast=True),
+                  quantize(x, fp8, rounding=rounding, fast=False))
     assert q.FAST_PATH.disabled_reason is None
     assert len(graphs) == len(cases)  # no recompile for the second shape
     for gm in graphs:
@@ -81,15 +82,18 @@ def test_compiled_kernels_take_only_the_tensor_and_its_sizes(fast_path, monkeypa
 
 
 def test_native_kernel_on_avx2_cpus():
-    """A CPU with AVX2 + F16C and a C compiler gets the native kernel (before the AVX2 build only AVX-512 CPUs did,
-    and quantize on AMD Zen ran the eager kernel, about 100x slower)."""
+    """A CPU with AVX2 + F16C and a C compiler gets the native kernel.
+
+    Before the AVX2 build only AVX-512 CPUs did, and quantize on AMD Zen ran the eager kernel, about 100x
+    slower."""
     import shutil
     from pathlib import Path
 
     from mxport.quantize import NATIVE_PATH
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines() if ln.startswith("flags")), set())
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines() if ln.startswith("flags")),
+                 set())
     if not {"avx2", "f16c"} <= flags or not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("needs an x86-64 CPU with AVX2 + F16C and a C compiler")
     assert NATIVE_PATH.available, NATIVE_PATH.disabled_reason

@@ -59,7 +59,7 @@ def test_e8m0_helpers_at_their_edges():
     assert e8m0_to_float(e)[:4].tolist() == [2.0**-127, 2.0**-126, 1.0, 2.0**127]
     assert torch.isnan(e8m0_to_float(e)[4])
     assert e8m0_multiplier(e)[:4].tolist() == [2.0**127, 2.0**126, 1.0, 2.0**-127]
-    v = torch.tensor([0.0, 1.0, float(np.nextafter(np.float32(1), np.float32(2))), 2.0**-127, 2.0**-126 * 0.75,
-                      float("inf"), float("nan")])
+    v = torch.tensor([0.0, 1.0, float(np.nextafter(np.float32(1), np.float32(2))), 2.0**-127,
+                      2.0**-126 * 0.75, float("inf"), float("nan")])
     assert e8m0_rceil(v).tolist() == [0, 127, 128, 0, 1, 254, 255]
     assert e8m0_floor(torch.tensor([480.0, 448.0, 0.0, float("inf")]), 8).tolist() == [127, 127, 0, 254]

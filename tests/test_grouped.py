@@ -21,7 +21,8 @@ VARYING = [(32, 96), (100, 96), (1, 96), (128, 96)]
 def experts(shapes, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(s, generator=g) * torch.exp2(torch.randint(-12, 12, (s[-1],), generator=g).float()) * (i + 1)
+        torch.randn(s, generator=g) * torch.exp2(torch.randint(-12, 12, (s[-1],), generator=g).float())
+        * (i + 1)
         for i, s in enumerate(shapes)
     ]
 
@@ -79,7 +80,8 @@ def assert_same(e, ref):
 @pytest.mark.parametrize("explicit", [True, False])
 def test_te_grouped_four_experts_in_order(shapes, direction, swizzled, explicit):
     xs = experts(shapes)
-    store = grouped_storage(xs, direction, swizzled=swizzled, explicit_offsets=explicit, explicit_shapes=explicit)
+    store = grouped_storage(xs, direction, swizzled=swizzled, explicit_offsets=explicit,
+                            explicit_shapes=explicit)
     out = mxport.export_grouped_components(store, direction=direction)
     assert len(out) == 4
     buf = store.rowwise_data if direction == "rowwise" else store.columnwise_data

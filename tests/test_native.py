@@ -1,7 +1,7 @@
-"""The native CPU kernel (mxport/_native/mxfp8_cpu.c via mxport.native) gives the same bytes as the eager kernel
-on every bfloat16 / float16 bit pattern, on random float32 bit patterns and shapes, with NaN / Inf /
-subnormals,
-split over threads or not; and quantize falls back cleanly where it cannot be built or fails its self-check."""
+"""The native CPU kernel (mxport/_native/mxfp8_cpu.c via mxport.native) gives the same bytes as the eager
+kernel on every bfloat16 / float16 bit pattern, on random float32 bit patterns and shapes, with NaN / Inf /
+subnormals, split over threads or not; and quantize falls back cleanly where it cannot be built or fails its
+self-check."""
 
 from __future__ import annotations
 
@@ -47,11 +47,13 @@ def test_every_16bit_pattern(dtype, fp8_dtype, floor, block_2d):
     g = torch.Generator().manual_seed(7)
     pats = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
     shuffled = pats[torch.randperm(65536, generator=g)]
-    for x in (shuffled.reshape(64, 1024), pats.reshape(-1, 32), (shuffled.float() * 1e-3).to(dtype).reshape(128, 512)):
+    for x in (shuffled.reshape(64, 1024), pats.reshape(-1, 32),
+              (shuffled.float() * 1e-3).to(dtype).reshape(128, 512)):
         _assert_same(x, fp8_dtype, floor, block_2d)
 
 
-@pytest.mark.parametrize("fp8_dtype,floor,block_2d", list(itertools.product(ELEMENTS, (False, True), (False, True))))
+@pytest.mark.parametrize("fp8_dtype,floor,block_2d",
+                         list(itertools.product(ELEMENTS, (False, True), (False, True))))
 def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d):
     """Any 32-bit pattern (NaN payloads of both signs included) in blocks of mixed magnitudes."""
     g = torch.Generator().manual_seed(11)
@@ -65,10 +67,9 @@ def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d):
        fp8_dtype=st.sampled_from(ELEMENTS), floor=st.booleans(), binade=st.integers(-140, 120),
        specials=st.booleans(), block_2d=st.booleans())
 def test_native_equals_eager_property(m, k, seed, dtype, fp8_dtype, floor, binade, specials, block_2d):
-    """Shapes with K not a multiple of 32 or of 512 (partial blocks, partial groups of 16 blocks), M not a multiple
-    of 32 (partial 32x32 blocks), 1-row inputs, magnitudes from subnormal to huge, and NaN / ±Inf / ±0
-    sprinkled
-    in."""
+    """Shapes with K not a multiple of 32 or of 512 (partial blocks, partial groups of 16 blocks), M not a
+    multiple of 32 (partial 32x32 blocks), 1-row inputs, magnitudes from subnormal to huge, and NaN / ±Inf /
+    ±0 sprinkled in."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * 2.0 ** binade
     if specials:
@@ -118,7 +119,8 @@ def test_kernel_choice():
     assert kernel_for(x) == "native"
     assert kernel_for(x, fast=True) == "native"
     assert kernel_for(x, fast=False) == "eager"
-    assert kernel_for(x.to(torch.float64)) in ("compiled", "eager")   # quantize() reads float64 as float32 first
+    # quantize() reads float64 as float32 first
+    assert kernel_for(x.to(torch.float64)) in ("compiled", "eager")
 
 
 def test_fallback_without_native(no_native):
@@ -135,7 +137,9 @@ def test_fallback_without_native(no_native):
 
 
 def test_self_check_failure_disables_native(monkeypatch):
-    """A kernel that gives wrong bytes on the probe tensors is never used: quantize falls back, with a reason."""
+    """A kernel that gives wrong bytes on the probe tensors is never used.
+
+    quantize falls back, with a reason."""
     from mxport.quantize import _NativePath
 
     real = native.quantize_rows
@@ -228,7 +232,8 @@ def test_quantize_out_bad_arguments():
     with pytest.raises(TypeError, match=r"out\[0\] \(values\) must be torch.float8_e4m3fn or torch.uint8"):
         quantize(x, out=(v.view(torch.int8), s))
     with pytest.raises(ValueError, match="contiguous"):
-        quantize(torch.randn(64, 64), out=(torch.empty(64, 64, dtype=torch.uint8).t(), torch.empty(64, 2, dtype=torch.uint8)))
+        quantize(torch.randn(64, 64), out=(torch.empty(64, 64, dtype=torch.uint8).t(),
+                                           torch.empty(64, 2, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="direction='rowwise' only"):
         quantize(x, direction="columnwise", out=(v, s))
 
@@ -252,8 +257,8 @@ def test_quantize_out_must_not_overlap():
 
 
 def test_fork_while_a_lock_is_held_does_not_hang_the_child():
-    """A fork while another thread holds the native path's lock (its first build) leaves the child with a fresh
-    lock, not one nobody will release."""
+    """A fork while another thread holds the native path's lock (its first build) leaves the child with a
+    fresh lock, not one nobody will release."""
     import os
 
     from mxport import native as native_mod
@@ -298,8 +303,10 @@ def _cpu_flags() -> set[str]:
 
 
 def test_kernel_isa_matches_the_cpu():
-    """The kernel is built for the widest instruction set the CPU has: AVX-512 (F, BW, VL, DQ), else AVX2 + F16C
-    (AMD Zen and pre-2017 Intel have no AVX-512: before the AVX2 kernel these machines had no native path)."""
+    """The kernel is built for the widest instruction set the CPU has.
+
+    AVX-512 (F, BW, VL, DQ), else AVX2 + F16C (AMD Zen and pre-2017 Intel have no AVX-512: before the AVX2
+    kernel these machines had no native path)."""
     flags = _cpu_flags()
     lib = native.load(native.build())
     want = "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else "avx2"
@@ -309,14 +316,16 @@ def test_kernel_isa_matches_the_cpu():
 @pytest.mark.parametrize("flags", [("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c"),
                                    ("-mavx2", "-mf16c", "-mno-avx512f"), ("-mno-avx2", "-mno-avx512f")])
 def test_every_isa_branch_compiles(tmp_path, flags):
-    """Each branch of the C source (AVX-512, AVX2 + F16C, none) compiles warning-free, whichever this CPU runs."""
+    """Each branch of the C source (AVX-512, AVX2 + F16C, none) compiles warning-free, whichever this CPU
+    runs."""
     import subprocess
 
     src = tmp_path / "k.c"
     src.write_text(native.source_text())
     cc = native.find_compiler()
     proc = subprocess.run([*cc, "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", *flags,
-                           "-o", str(tmp_path / "k.so"), str(src)], capture_output=True, text=True, timeout=120)
+                           "-o", str(tmp_path / "k.so"), str(src)],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -28,7 +28,8 @@ def by_name(decisions):
 
 def test_default_llama_decisions():
     d = by_name(PrecisionPolicy().decide_all(llama_entries()))
-    assert not d["model.embed_tokens.weight"].quantize and "embedding" in d["model.embed_tokens.weight"].reason
+    assert (not d["model.embed_tokens.weight"].quantize
+            and "embedding" in d["model.embed_tokens.weight"].reason)
     assert not d["lm_head.weight"].quantize and "lm_head" in d["lm_head.weight"].reason
     assert not d["model.norm.weight"].quantize
     assert not d["model.layers.0.input_layernorm.weight"].quantize

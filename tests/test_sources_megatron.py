@@ -1,7 +1,8 @@
 """Megatron-LM inference MXFP8Tensor (data + cuBLAS-swizzled E8M0 scale + backend) -> export_components.
 
 The stand-in dataclass mirrors megatron/core/inference/quantization/mxfp8_tensor.py; the swizzled bytes are
-built with design.md §3's byte formula, independently of mxport.layouts.
+built with the cuBLAS/TE swizzle byte formula (as in docs/format.md, "Scale layouts"), independently of
+mxport.layouts.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def megatron_tensor(x, backend="flashinfer", two_d=False):
 
 
 @pytest.mark.parametrize("shape", [(3, 64), (100, 96), (128, 32), (300, 160), (256, 4096)])
-@pytest.mark.parametrize("backend,two_d", [("flashinfer", False), ("triton", True), (None, False), ("triton", False)])
+@pytest.mark.parametrize("backend,two_d",
+                         [("flashinfer", False), ("triton", True), (None, False), ("triton", False)])
 def test_megatron_exports_compact_rowwise(shape, backend, two_d):
     x = source(shape)
     t, ref = megatron_tensor(x, backend, two_d)

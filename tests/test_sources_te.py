@@ -1,7 +1,8 @@
 """Transformer Engine MXFP8 storages (hand-built exactly as TE lays them out) -> export_components.
 
-Layout facts: design.md §2-§3, TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py``. The reference layouts
-below are computed independently from design.md's byte formula, not with mxport.layouts.
+Layout facts: TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py``, summarized in docs/format.md ("Scale
+layouts: compact, padded, swizzled"). The reference layouts below are computed independently from that byte
+formula, not with mxport.layouts.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def ref_padded(compact2d: torch.Tensor, direction: str) -> torch.Tensor:
 
 
 def ref_swizzle_bytes(compact2d: torch.Tensor) -> torch.Tensor:
-    """design.md §3: entry (r, c) -> ((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4."""
+    """docs/format.md, "Scale layouts": entry (r, c) -> ((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 +
+    ((r%128)//32)*4 + c%4."""
     r_n, c_n = compact2d.shape
     out = np.zeros(_up(r_n, 128) * _up(c_n, 4), dtype=np.uint8)
     r, c = np.meshgrid(np.arange(r_n), np.arange(c_n), indexing="ij")
@@ -152,14 +154,16 @@ def test_te_export_matches_quantize(shape, direction, fp8, swizzled):
 def test_te_export_any_shape(m, k, direction, swizzled):
     x = make_source((m, k), seed=m * 1000 + k)
     ref = mxport.quantize(x, direction=direction)
-    e = mxport.export_components(te_storage(x, torch.float8_e4m3fn, direction, swizzled=swizzled), direction=direction)
+    e = mxport.export_components(te_storage(x, torch.float8_e4m3fn, direction, swizzled=swizzled),
+                                 direction=direction)
     assert_same(e, ref)
 
 
 def test_fp8_dtype_spellings():
     x = make_source((64, 64))
-    for code, fp8 in [(7, torch.float8_e4m3fn), (8, torch.float8_e5m2), (DType.kFloat8E5M2, torch.float8_e5m2),
-                      (torch.float8_e4m3fn, torch.float8_e4m3fn), ("DType.kFloat8E5M2", torch.float8_e5m2)]:
+    for code, fp8 in [(7, torch.float8_e4m3fn), (8, torch.float8_e5m2),
+                      (DType.kFloat8E5M2, torch.float8_e5m2), (torch.float8_e4m3fn, torch.float8_e4m3fn),
+                      ("DType.kFloat8E5M2", torch.float8_e5m2)]:
         e = mxport.export_components(te_storage(x, fp8, "rowwise", fp8_code=code))
         assert e.fp8_dtype == fp8
 

@@ -1,5 +1,5 @@
-"""Equality with torchao's ``to_mx`` (RCEIL and FLOOR) where torchao is exact, and the pinned right value where
-its eager RCEIL path, which takes a float log2, is not."""
+"""Equality with torchao's ``to_mx`` (RCEIL and FLOOR) where torchao is exact, and the pinned right value
+where its eager RCEIL path, which takes a float log2, is not."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def _torchao(x, elem, mode):
     return scale.view(torch.uint8).reshape(*x.shape[:-1], -1), data.view(torch.uint8)
 
 
-@pytest.mark.parametrize("mode, rounding", [(ScaleCalculationMode.RCEIL, "rceil"), (ScaleCalculationMode.FLOOR, "floor")])
+@pytest.mark.parametrize("mode, rounding",
+                         [(ScaleCalculationMode.RCEIL, "rceil"), (ScaleCalculationMode.FLOOR, "floor")])
 @pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(4, 32), (129, 576), (2, 8, 64)])

@@ -1,7 +1,7 @@
 """mxport: MXFP8 weights from training to inference — export, convert, sync (refit), verify.
 
-Public names (design.md §5): :class:`MXFP8Components`, :func:`quantize`, :func:`dequantize`,
-:func:`export_components`; scale layouts live in :mod:`mxport.layouts`.
+Public names (the table under "The library" in README.md): :class:`MXFP8Components`, :func:`quantize`,
+:func:`dequantize`, :func:`export_components`; scale layouts live in :mod:`mxport.layouts`.
 """
 
 from . import layouts

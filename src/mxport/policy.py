@@ -1,6 +1,6 @@
 """The precision policy: which tensors of a model become MXFP8 and which stay in high precision, and why.
 
-One object used by export, verify and refit alike (issue 4). Input is the model's tensors in model order as
+One object used by export, verify and refit alike. Input is the model's tensors in model order as
 ``(name, shape, dtype)`` entries (a safetensors header, a ``state_dict()``); output is one :class:`Decision`
 per entry, each with a one-line reason (what ``mxport export --dry-run`` prints).
 
@@ -58,7 +58,8 @@ def _as_dtype(dtype) -> torch.dtype:
             return SAFETENSORS_DTYPES[dtype.upper()]
         if isinstance(getattr(torch, key, None), torch.dtype):
             return getattr(torch, key)
-    raise TypeError(f"entry dtype must be a torch.dtype or a safetensors dtype name like 'BF16', got {dtype!r}")
+    raise TypeError(f"entry dtype must be a torch.dtype or a safetensors dtype name like 'BF16', "
+                    f"got {dtype!r}")
 
 
 def module_name(name: str) -> str:
@@ -68,7 +69,9 @@ def module_name(name: str) -> str:
 
 
 def layer_index(name: str) -> int | None:
-    """The decoder layer index in ``name`` (``model.layers.7.mlp...`` -> 7), or None outside the layer stack."""
+    """The decoder layer index in ``name`` (``model.layers.7.mlp...`` -> 7).
+
+    None outside the layer stack."""
     m = _LAYER_RE.search(name)
     return int(m.group(1)) if m else None
 

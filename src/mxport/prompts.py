@@ -1,5 +1,5 @@
-"""The built-in prompt set of ``mxport verify``: short, varied chat prompts (facts, reasoning, arithmetic, code,
-lists, translation, creative writing, instructions), one user turn each.
+"""The built-in prompt set of ``mxport verify``: short, varied chat prompts (facts, reasoning, arithmetic,
+code, lists, translation, creative writing, instructions), one user turn each.
 
 A ``--prompts FILE`` replaces them: a text file with one prompt per line (blank lines and lines starting with
 ``#`` skipped), or a JSON list of strings, or a JSON list of chat message lists (``[{"role", "content"},
@@ -55,12 +55,14 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[list[dict]]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"prompts file {str(p)!r} starts with '[' but is not valid JSON: {exc}") from None
+            raise ValueError(f"prompts file {str(p)!r} starts with '[' "
+                             f"but is not valid JSON: {exc}") from None
         for item in data:
             if isinstance(item, str) and item.strip():
                 convs.append([{"role": "user", "content": item}])
             elif isinstance(item, list) and item and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
                     for m in item):
                 convs.append([{"role": m["role"], "content": m["content"]} for m in item])
             else:

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 
 #: benchmark name -> module path (each with ``run(quick: bool = False) -> list[dict]``)
 BENCHMARKS: dict[str, str] = {
-    "quantize": "mxport.bench.quantize",      # issue 2: quantize vs torchao to_mx and the copy_ memory bound
-    "export": "mxport.bench.export",          # issue 3: export_components views vs a copy
-    "checkpoint": "mxport.bench.checkpoint",  # issue 4: checkpoint export vs a plain copy
-    "refit": "mxport.bench.refit",            # issue 6: refit vs a raw broadcast
+    "quantize": "mxport.bench.quantize",      # quantize GB/s vs torchao to_mx and the copy_ memory bound
+    "export": "mxport.bench.export",          # export_components of TE storage (views, unswizzle) vs quantize
+    "checkpoint": "mxport.bench.checkpoint",  # checkpoint export vs a plain safetensors load+save; peak RSS
+    "refit": "mxport.bench.refit",            # refit throughput vs a raw dist.broadcast of the same bytes
 }
 
 ROW_KEYS = ("benchmark", "metric", "value", "baseline", "ratio", "unit", "goal", "note")
@@ -85,7 +85,9 @@ def run_benchmark(name: str, quick: bool = False) -> list[dict]:
 
 def run_all(names: Iterable[str], quick: bool = False,
             on_start: Callable[[str], None] | None = None) -> list[dict]:
-    """Run the named benchmarks in order and concatenate their rows; ``on_start(name)`` is called before each."""
+    """Run the named benchmarks in order and concatenate their rows.
+
+    ``on_start(name)`` is called before each."""
     rows: list[dict] = []
     for name in names:
         if on_start is not None:

@@ -1,6 +1,6 @@
-"""Issue 4's benchmark: export of a synthetic sharded BF16 safetensors checkpoint to a modelopt MXFP8 checkpoint,
-against a plain ``safetensors`` load-and-save (``load_file`` + ``save_file`` per shard) of the same
-checkpoint.
+"""Checkpoint-export benchmark: export of a synthetic sharded BF16 safetensors checkpoint to a modelopt MXFP8
+checkpoint, against a plain ``safetensors`` load-and-save (``load_file`` + ``save_file`` per shard) of the
+same checkpoint.
 
 Each side runs in its own child process (``python -m mxport.bench.checkpoint``) so that its peak RSS
 (``VmHWM``) is its own: one warm-up run, then ``runs`` timed runs; the child reports the median. Rows:
@@ -13,9 +13,10 @@ Each side runs in its own child process (``python -m mxport.bench.checkpoint``) 
   MB; ratio = RSS / limit (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
 
 Full: 4 tensors of 16384 x 16384 BF16 (2 GiB, one shard each) on the default quantize kernel (native where the
-CPU has AVX-512, else compiled when ``torch.compile`` works — its compile time is in the warm-up), 5 runs after 1
-warm-up. Quick: 4 tensors of 1024 x 2048 (16 MiB) with ``torch.compile`` off (native kernel where available, else
-eager; no warm-up run: the copy child has already warmed the page cache), 2 runs, no ``quantize alone`` row.
+CPU has AVX-512, else compiled when ``torch.compile`` works — its compile time is in the warm-up), 5 runs
+after 1 warm-up. Quick: 4 tensors of 1024 x 2048 (16 MiB) with ``torch.compile`` off (native kernel where
+available, else eager; no warm-up run: the copy child has already warmed the page cache), 2 runs, no
+``quantize alone`` row.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ def _plain_copy(src: Path, out: Path) -> None:
 
 
 def _peak_rss() -> int:
-    """This process's peak RSS in bytes: ``VmHWM`` from /proc/self/status (per address space, so it starts afresh
-    at exec), else ``ru_maxrss`` (which on Linux keeps the parent's peak at fork across exec)."""
+    """This process's peak RSS in bytes.
+
+    ``VmHWM`` from /proc/self/status (per address space, so it starts afresh at exec), else ``ru_maxrss``
+    (which on Linux keeps the parent's peak at fork across exec)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -141,7 +144,8 @@ def _run_child(mode: str, src: Path, scratch: Path, runs: int, warmup: int, eage
     env = dict(os.environ)
     if eager:
         env["MXPORT_DISABLE_COMPILE"] = "1"
-    cmd = [sys.executable, "-m", "mxport.bench.checkpoint", mode, str(src), str(scratch), str(runs), str(warmup)]
+    cmd = [sys.executable, "-m", "mxport.bench.checkpoint", mode, str(src), str(scratch), str(runs),
+           str(warmup)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} child failed: {proc.stderr.strip()[-400:]}")
@@ -171,14 +175,16 @@ def run(quick: bool = False) -> list[dict]:
              exp_gbs / copy_gbs, ">= 0.5",
              f"{size}; modelopt; quantize path {exp['path']}; median of {runs} after {warmup} warm-up; "
              f"export {exp['median']:.2f} s vs copy {copy['median']:.2f} s"),
-        _row("export peak RSS", exp["peak_rss"] / 1e6, "MB", f"2 x largest tensor + 500 MB = {limit / 1e6:.0f} MB",
-             exp["peak_rss"] / limit, "<= 1.0",
+        _row("export peak RSS", exp["peak_rss"] / 1e6, "MB",
+             f"2 x largest tensor + 500 MB = {limit / 1e6:.0f} MB", exp["peak_rss"] / limit, "<= 1.0",
              f"child process VmHWM (includes torch); plain copy peak RSS {copy['peak_rss'] / 1e6:.0f} MB"),
     ]
     if qonly is not None:
-        rows.insert(1, _row("export vs quantize alone", exp_gbs, "GB/s", f"quantize() alone on the same tensors "
-                            f"{gb / qonly['median']:.2f} GB/s", qonly["median"] / exp["median"], "-",
-                            "how close the export gets to its compute bound (reads, writes, scales are the rest)"))
+        rows.insert(1, _row("export vs quantize alone", exp_gbs, "GB/s",
+                            f"quantize() alone on the same tensors {gb / qonly['median']:.2f} GB/s",
+                            qonly["median"] / exp["median"], "-",
+                            "how close the export gets to its compute bound "
+                            "(reads, writes, scales are the rest)"))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Issue 3's benchmark: export_components of a TE-layout weight (views / unswizzle) against quantize of it.
+"""Export benchmark: export_components of a TE-layout weight (views / unswizzle) against quantize of it.
 
 Rows (``run()``), medians over ``runs`` timed calls after warm-up, all measured in the same process on CUDA
 when available, else CPU:
@@ -28,7 +28,8 @@ QUICK_SIDE = 2048
 SMALL_SIDE = 256
 
 
-def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal: str, note: str = "") -> dict:
+def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal: str,
+         note: str = "") -> dict:
     return {"benchmark": BENCHMARK, "metric": metric, "value": float(value), "baseline": baseline,
             "ratio": float(ratio), "unit": unit, "goal": goal, "note": note}
 
@@ -55,7 +56,8 @@ def run(quick: bool = False) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     side = QUICK_SIDE if quick else FULL_SIDE
     q_runs, q_warm = (5, 1) if quick else (7, 2)
-    e_runs, e_warm = (30, 30) if quick else (50, 30)  # many warm-ups: the first calls after a large op are slow
+    # many warm-ups: the first calls after a large op are slow
+    e_runs, e_warm = (30, 30) if quick else (50, 30)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(side, side, generator=gen).to(device=device, dtype=torch.bfloat16)
     shape_s = f"{side}x{side}"
@@ -66,7 +68,8 @@ def run(quick: bool = False) -> list[dict]:
     comps = quantize(x, fast=False)  # the same bytes as the default path (tests check bit-identity)
     plain = te_storage(comps, swizzled=False)
     swz = te_storage(comps, swizzled=True)
-    small = te_storage(quantize(torch.randn(SMALL_SIDE, SMALL_SIDE, generator=gen).to(device)), swizzled=False)
+    small = te_storage(quantize(torch.randn(SMALL_SIDE, SMALL_SIDE, generator=gen).to(device)),
+                       swizzled=False)
     view_t = measure(lambda: export_components(plain), runs=e_runs, warmup=e_warm, device=device).median
     small_t = measure(lambda: export_components(small), runs=e_runs, warmup=e_warm, device=device).median
     sw_t = measure(lambda: export_components(swz), runs=e_runs, warmup=e_warm, device=device).median
@@ -82,5 +85,6 @@ def run(quick: bool = False) -> list[dict]:
              f"view export {shape_s} {view_t * 1e6:.1f} us", small_t / view_t, "ratio ~ 1 (size-independent)",
              f"the same export on a weight 1/{(side // SMALL_SIDE) ** 2} the size"),
         _row(f"swizzled export {shape_s}", sw_t * 1e6, "us", q_label, sw_t / q_t, "ratio <= 0.05",
-             f"_with_gemm_swizzled_scales: one unswizzle permute + copy of {comps.scale_inv.numel()} scale bytes"),
+             f"_with_gemm_swizzled_scales: one unswizzle permute + copy of {comps.scale_inv.numel()} "
+             "scale bytes"),
     ]

@@ -1,4 +1,5 @@
-"""Issue 2's benchmark: BF16 -> MXFP8 rowwise with :func:`mxport.quantize`, against torchao and the memory bound.
+"""Quantize benchmark: BF16 -> MXFP8 rowwise with :func:`mxport.quantize`, against torchao and the memory
+bound.
 
 Rows (``run()``), every figure a median over ``runs`` timed calls after warm-up, all measured in the same
 process, the contenders timed in interleaved rounds (:func:`interleaved_medians`) so that outside load hits
@@ -50,7 +51,9 @@ def _device() -> torch.device:
 
 
 def _torchao_to_mx():
-    """``x -> to_mx(x, e4m3, 32, RCEIL)`` from torchao, or ``None`` (with the reason) when torchao is missing."""
+    """The torchao baseline ``x -> to_mx(x, e4m3, 32, RCEIL)``.
+
+    Returns ``(fn, None)``, or ``(None, reason)`` when torchao is missing."""
     try:
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.prototype.mx_formats.mx_tensor import to_mx
@@ -77,7 +80,8 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, runs: int, warm
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal: str, note: str = "") -> dict:
+def _row(metric: str, value: float, unit: str, baseline: str, ratio: float, goal: str,
+         note: str = "") -> dict:
     return {"benchmark": BENCHMARK, "metric": metric, "value": float(value), "baseline": baseline,
             "ratio": float(ratio), "unit": unit, "goal": goal, "note": note}
 

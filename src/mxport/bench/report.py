@@ -1,4 +1,7 @@
-"""Presenting benchmark rows: one rich table, the machine description, and the quantize throughput plot (PNG)."""
+"""Presenting benchmark rows.
+
+One rich table, the machine description, and the quantize throughput plot (PNG).
+"""
 
 from __future__ import annotations
 
@@ -80,7 +83,8 @@ def throughput_series(rows: list[dict]) -> list[tuple[int, float, float | None]]
     The torchao figure is ``value / ratio`` (the row's ratio is mxport relative to torchao); ratio 0 means no
     torchao baseline.
 
-    >>> throughput_series([{"benchmark": "quantize", "metric": "throughput 64x64", "value": 2.0, "ratio": 4.0}])
+    >>> throughput_series([{"benchmark": "quantize", "metric": "throughput 64x64",
+    ...                     "value": 2.0, "ratio": 4.0}])
     [(4096, 2.0, 0.5)]
     """
     out = []
@@ -144,8 +148,9 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
 
 
 def script_main(name: str, argv: list[str] | None = None) -> list[dict]:
-    """Entry point of the thin scripts in benchmarks/: run benchmark ``name`` (``--quick`` in ``argv`` for the quick
-    mode), print its table and its rows."""
+    """Entry point of the thin scripts in benchmarks/.
+
+    Run benchmark ``name`` (``--quick`` in ``argv`` for the quick mode), print its table and its rows."""
     import sys
 
     from rich.console import Console

@@ -109,12 +109,13 @@ def compact_from_grid(grid: torch.Tensor, rows: int, cols: int, *, padded: tuple
         raise ValueError(f"{argname} must be a 2-D scale grid, got shape {tuple(grid.shape)}")
     if grid.shape[0] < rows or grid.shape[1] < cols:
         raise ValueError(
-            f"{argname} of shape {tuple(grid.shape)} is too small for the data: needs at least ({rows}, {cols}) scales"
+            f"{argname} of shape {tuple(grid.shape)} is too small for the data: "
+            f"needs at least ({rows}, {cols}) scales"
         )
     if padded is not None and tuple(grid.shape) not in (tuple(padded), (rows, cols)):
         raise ValueError(
-            f"{argname} of shape {tuple(grid.shape)} does not match the data: expected TE's padded {tuple(padded)} "
-            f"(or the compact ({rows}, {cols})) scale grid"
+            f"{argname} of shape {tuple(grid.shape)} does not match the data: "
+            f"expected TE's padded {tuple(padded)} (or the compact ({rows}, {cols})) scale grid"
         )
     out = unpad(grid, rows, cols)
     return out if out.is_contiguous() else out.contiguous()

@@ -30,7 +30,8 @@ def is_te_grouped(obj) -> bool:
     """True for objects shaped like TE's ``GroupedTensorStorage`` (``num_tensors``, ``rowwise_data``,
     ``columnwise_data``, ``scale_inv``, ``columnwise_scale_inv``)."""
     return all(
-        hasattr(obj, a) for a in ("num_tensors", "rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv")
+        hasattr(obj, a)
+        for a in ("num_tensors", "rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv")
     )
 
 
@@ -49,7 +50,8 @@ def _grouped_fp8_dtype(obj):
     quantizer = getattr(obj, "quantizer", None)
     if quantizer is not None and getattr(quantizer, "dtype", None) is not None:
         return quantizer.dtype
-    raise ValueError("grouped storage names no FP8 dtype: expected quantizer.dtype or an _fp8_dtype attribute")
+    raise ValueError("grouped storage names no FP8 dtype: "
+                     "expected quantizer.dtype or an _fp8_dtype attribute")
 
 
 def _expert_shapes(obj, n: int) -> list[tuple[int, int]]:
@@ -107,9 +109,11 @@ def export_te_grouped(obj, direction: str = "rowwise") -> list[MXFP8Components]:
     numels = [math.prod(s) for s in shapes]
     grids = [padded_shape(*scale_grid_dims(s, direction), direction) for s in shapes]
     grid_sizes = [r * c for r, c in grids]
-    d_off = _offsets(_as_list(getattr(obj, "offsets", None)) or _as_list(getattr(obj, "tensor_offsets", None)),
+    d_off = _offsets(_as_list(getattr(obj, "offsets", None))
+                     or _as_list(getattr(obj, "tensor_offsets", None)),
                      numels, "offsets")
-    s_off = _offsets(_as_list(getattr(obj, f"{scale_name}_offsets", None)), grid_sizes, f"{scale_name}_offsets")
+    s_off = _offsets(_as_list(getattr(obj, f"{scale_name}_offsets", None)), grid_sizes,
+                     f"{scale_name}_offsets")
     flat_data, flat_scale = data_buf.reshape(-1), scale_buf.reshape(-1)
     swizzled = bool(getattr(obj, "_with_gemm_swizzled_scales", False))
     out = []
@@ -117,7 +121,8 @@ def export_te_grouped(obj, direction: str = "rowwise") -> list[MXFP8Components]:
         d0, s0 = d_off[i], s_off[i]
         if d0 + numel > flat_data.numel():
             raise ValueError(
-                f"{prefix}data holds {flat_data.numel()} elements; expert {i} {shape} needs [{d0}, {d0 + numel})"
+                f"{prefix}data holds {flat_data.numel()} elements; "
+                f"expert {i} {shape} needs [{d0}, {d0 + numel})"
             )
         if s0 + size > flat_scale.numel():
             raise ValueError(
@@ -141,8 +146,8 @@ def split_experts(components: MXFP8Components) -> list[MXFP8Components]:
     """Split 3-D ``[E, N, K]`` components into E per-expert ``[N, K]`` components (views, no copy).
 
     Rowwise: expert ``e`` gets ``data[e]`` and ``scale_inv[e]``. Columnwise blocks run along the flattened
-    ``E * N`` rows, so they stay inside one expert only when ``N % 32 == 0``; expert ``e`` then gets scale rows
-    ``[e*N/32, (e+1)*N/32)``.
+    ``E * N`` rows, so they stay inside one expert only when ``N % 32 == 0``; expert ``e`` then gets scale
+    rows ``[e*N/32, (e+1)*N/32)``.
 
     Raises:
         ValueError: not 3-D; columnwise with ``N % 32 != 0`` (blocks straddle experts).
@@ -154,8 +159,8 @@ def split_experts(components: MXFP8Components) -> list[MXFP8Components]:
         return [MXFP8Components(components.data[i], components.scale_inv[i], "rowwise") for i in range(e)]
     if n % BLOCK_SIZE:
         raise ValueError(
-            f"columnwise [E, N, K] components with N={n} (not a multiple of {BLOCK_SIZE}) have blocks that straddle "
-            "experts; quantize per expert instead"
+            f"columnwise [E, N, K] components with N={n} (not a multiple of {BLOCK_SIZE}) have blocks "
+            "that straddle experts; quantize per expert instead"
         )
     rb = n // BLOCK_SIZE
     return [

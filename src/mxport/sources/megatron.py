@@ -46,7 +46,8 @@ def export_megatron(obj, direction: str = "rowwise") -> MXFP8Components:
     """
     check_direction(direction)
     if direction != "rowwise":
-        raise ValueError("a Megatron MXFP8Tensor holds rowwise data only; direction='columnwise' is not available")
+        raise ValueError("a Megatron MXFP8Tensor holds rowwise data only; "
+                         "direction='columnwise' is not available")
     backend = getattr(obj, "backend", None)
     if backend not in BACKENDS:
         raise ValueError(f"MXFP8Tensor.backend must be 'flashinfer', 'triton' or None, got {backend!r}")
@@ -64,6 +65,7 @@ def export_megatron(obj, direction: str = "rowwise") -> MXFP8Components:
             f"{swizzled_shape(m, nb)}"
         )
     if scale.dim() > 2:
-        raise ValueError(f"MXFP8Tensor.scale must be 1-D or 2-D swizzled bytes, got shape {tuple(scale.shape)}")
+        raise ValueError(f"MXFP8Tensor.scale must be 1-D or 2-D swizzled bytes, "
+                         f"got shape {tuple(scale.shape)}")
     compact = compact_from_swizzled(scale, m, nb, argname="MXFP8Tensor.scale")
     return MXFP8Components(values, compact, "rowwise")

@@ -1,7 +1,9 @@
-"""Transformer Engine MXFP8 storage <-> :class:`~mxport.MXFP8Components`, duck-typed (TE need not be installed).
+"""Transformer Engine MXFP8 storage <-> :class:`~mxport.MXFP8Components`, duck-typed (TE need not be
+installed).
 
 TE's layout (``transformer_engine/pytorch/tensor/storage/mxfp8_tensor_storage.py``, ``MXFP8Quantizer.
-get_scale_shape``; design.md §2-§3), for data of logical shape ``(*lead, K)`` and ``M = prod(lead)``:
+get_scale_shape``; summarized in docs/format.md, "Scale layouts: compact, padded, swizzled"), for data of
+logical shape ``(*lead, K)`` and ``M = prod(lead)``:
 
 - ``_rowwise_data`` / ``_columnwise_data``: ``torch.uint8`` FP8 bytes with the logical shape (columnwise data
   is not transposed); either may be ``None`` when that usage is off.
@@ -65,7 +67,7 @@ def components_from_te_parts(
     scale = scale_bytes(scale_inv, argname=sname)
     rows, cols = scale_grid_dims(values.shape, direction)
     if swizzled:
-        # columnwise scales are swizzled as their transpose (design.md §3)
+        # columnwise scales are swizzled as their transpose (docs/format.md, "Scale layouts")
         if direction == "rowwise":
             compact = compact_from_swizzled(scale, rows, cols, argname=sname)
         else:
@@ -75,7 +77,8 @@ def components_from_te_parts(
         if scale.dim() == 1:
             if scale.numel() != pr * pc:
                 raise ValueError(
-                    f"{sname} is 1-D with {scale.numel()} bytes; {direction} data of shape {tuple(values.shape)} "
+                    f"{sname} is 1-D with {scale.numel()} bytes; "
+                    f"{direction} data of shape {tuple(values.shape)} "
                     f"needs TE's padded ({pr}, {pc}) grid = {pr * pc} bytes"
                 )
             scale = scale.view(pr, pc)
@@ -115,7 +118,8 @@ def export_te(obj, direction: str = "rowwise") -> MXFP8Components:
     if data is None:
         have = [d for d in ("rowwise", "columnwise") if getattr(obj, f"_{d}_data") is not None]
         raise ValueError(
-            f"TE storage has no {direction} data (_{direction}_data is None); it holds: {', '.join(have) or 'nothing'}"
+            f"TE storage has no {direction} data (_{direction}_data is None); "
+            f"it holds: {', '.join(have) or 'nothing'}"
         )
     return components_from_te_parts(
         data,
@@ -128,7 +132,9 @@ def export_te(obj, direction: str = "rowwise") -> MXFP8Components:
 
 
 def to_te_layout(components: MXFP8Components, swizzled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Components -> the ``(data, scale_inv)`` pair TE stores for that direction (inverse of :func:`export_te`).
+    """Components -> the ``(data, scale_inv)`` pair TE stores for that direction.
+
+    The inverse of :func:`export_te`.
 
     Args:
         components: :class:`MXFP8Components`, rowwise or columnwise, any rank >= 1.

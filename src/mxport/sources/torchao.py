@@ -23,7 +23,9 @@ _ATTRS = ("qdata", "scale", "elem_dtype", "block_size")
 
 
 def is_torchao_mx(obj) -> bool:
-    """True for objects shaped like a torchao ``MXTensor`` (``qdata``, ``scale``, ``elem_dtype``, ``block_size``)."""
+    """True for objects shaped like a torchao ``MXTensor``.
+
+    That is, with ``qdata``, ``scale``, ``elem_dtype`` and ``block_size``."""
     return all(hasattr(obj, a) for a in _ATTRS)
 
 
@@ -85,7 +87,8 @@ def export_torchao(obj, direction: str = "rowwise") -> MXFP8Components:
     # transposed: logical (*lead, Kt, N); the untransposed original is (*lead, N, Kt), blocks along Kt
     lead, kt, n = shape[:-2], shape[-2], shape[-1]
     if kt % BLOCK_SIZE and lead:
-        raise ValueError(f"transposed MXTensor with leading dims needs dim -2 ({kt}) divisible by {BLOCK_SIZE}")
+        raise ValueError(f"transposed MXTensor with leading dims needs dim -2 ({kt}) "
+                         f"divisible by {BLOCK_SIZE}")
     nb = -(-kt // BLOCK_SIZE)
     if swizzled:
         orig = scale.transpose(-2, -1) if scale.dim() >= 2 else scale
@@ -94,6 +97,7 @@ def export_torchao(obj, direction: str = "rowwise") -> MXFP8Components:
     else:
         expected = (*lead, nb, n)
         if tuple(scale.shape) != expected:
-            raise ValueError(f"MXTensor.scale has shape {tuple(scale.shape)}, transposed data {shape} needs {expected}")
+            raise ValueError(f"MXTensor.scale has shape {tuple(scale.shape)}, "
+                             f"transposed data {shape} needs {expected}")
         col = scale
     return MXFP8Components(values, col.reshape(-1, n).contiguous(), "columnwise")
