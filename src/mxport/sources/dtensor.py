@@ -237,7 +237,6 @@ def gather_dims(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         raise ValueError(f"placements must have one entry per mesh dimension ({len(mesh_shape)}), "
                          f"got {len(placements)}")
     _check_placements(placements, "placements")
-    ndim = len(global_shape)
     placements = tuple(_normalized(p, len(global_shape)) for p in placements)
     out: set[int] = set()
     for dim in sorted({_shard_dim(p) for p in placements} - {None}):
