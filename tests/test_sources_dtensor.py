@@ -144,17 +144,30 @@ def _adamw_step(model, inputs):
     opt.step()
 
 
+def _spread(model):
+    """Weights whose block scales vary: rows 2**U(-8, 8) apart, columns rising 2**-4 .. 2**4 along K.
+
+    Default Linear init (uniform in +-1/sqrt(K)) gives nearly every block the same scale, so a block cut in the
+    wrong place would go unseen; here regrouping rows or shifting blocks along K changes the scales."""
+    g = torch.Generator().manual_seed(0)  # every rank builds the same weights
+    with torch.no_grad():
+        for p in model.parameters():
+            rows = torch.exp2(torch.rand(p.shape[:-1], generator=g) * 16 - 8).unsqueeze(-1)
+            p.copy_(torch.randn(p.shape, generator=g) * rows * torch.exp2(torch.linspace(-4, 4, p.shape[-1])))
+    return model
+
+
 def _fsdp_tp_models(mesh_1d):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     lin = torch.nn.Linear
-    fsdp = torch.nn.ModuleDict({"q": lin(576, 192), "a": lin(64, 100), "b": lin(48, 64, bias=False),
-                                "c": lin(64, 33), "one": lin(64, 1, bias=False)})
+    fsdp = _spread(torch.nn.ModuleDict({"q": lin(576, 192), "a": lin(64, 100), "b": lin(48, 64, bias=False),
+                                        "c": lin(64, 33), "one": lin(64, 1, bias=False)}))
     for layer in fsdp.values():
         fully_shard(layer, mesh=mesh_1d)
-    tp = torch.nn.ModuleDict({"row288": lin(576, 64), "row40": lin(80, 64, bias=False),
-                              "row127": lin(127, 32, bias=False), "col": lin(64, 100)})
+    tp = _spread(torch.nn.ModuleDict({"row288": lin(576, 64), "row40": lin(80, 64, bias=False),
+                                      "row127": lin(127, 32, bias=False), "col": lin(64, 100)}))
     row = RowwiseParallel(input_layouts=Replicate())  # the test feeds whole inputs
     parallelize_module(tp, mesh_1d, {"row288": row, "row40": row, "row127": row, "col": ColwiseParallel()})
     ins = {"q": 576, "a": 64, "b": 48, "c": 64, "one": 64, "row288": 576, "row40": 80, "row127": 127, "col": 64}
@@ -170,7 +183,6 @@ def _two_ranks(rank, init):
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=init, timeout=PG_TIMEOUT)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)  # every rank builds the same weights
         fsdp, tp, ins = _fsdp_tp_models(mesh)
         res = _check_all(fsdp, "fsdp") + _check_all(tp, "tp")
         g = torch.Generator().manual_seed(1)
@@ -198,10 +210,9 @@ def _fsdp_over_tp(rank, init):
     dist.init_process_group("gloo", rank=rank, world_size=4, init_method=init, timeout=PG_TIMEOUT)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        torch.manual_seed(0)
         lin = torch.nn.Linear
-        model = torch.nn.ModuleDict({"col100": lin(64, 100), "col128": lin(64, 128, bias=False),
-                                     "row100": lin(100, 64, bias=False), "row128": lin(128, 64)})
+        model = _spread(torch.nn.ModuleDict({"col100": lin(64, 100), "col128": lin(64, 128, bias=False),
+                                             "row100": lin(100, 64, bias=False), "row128": lin(128, 64)}))
         row = RowwiseParallel(input_layouts=Replicate())
         parallelize_module(model, mesh["tp"], {"col100": ColwiseParallel(), "col128": ColwiseParallel(),
                                                "row100": row, "row128": row})
