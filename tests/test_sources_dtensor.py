@@ -1,9 +1,11 @@
-"""quantize_local: each rank's MXFP8 bytes of a DTensor equal quantize(full_tensor()) sliced as the rank holds it.
+"""quantize_local: each rank's MXFP8 bytes of a DTensor equal quantize(full_tensor()) sliced as the rank
+holds it.
 
 Single-process: the local-vs-gather rule (gather_dims) over shapes and placements, plain tensors, bad input.
-Multi-process (real gloo processes on loopback, spawned, every wait bounded): FSDP2 ``fully_shard`` and tensor
-parallel (ColwiseParallel / RowwiseParallel) on 2 ranks, FSDP2 over TP on a 2x2 mesh (``_StridedShard``), for
-every parameter on every rank, before and after an AdamW step, with E4M3 rceil, E5M2 floor and 32x32 blocks.
+Multi-process (4 real gloo processes on loopback, spawned once, every wait bounded): FSDP2 ``fully_shard`` and
+tensor parallel (ColwiseParallel / RowwiseParallel) on 2-rank meshes, FSDP2 over TP on a 2x2 mesh
+(``_StridedShard``), for every parameter on every rank, before and after an AdamW step, with E4M3 rceil,
+E5M2 floor and 32x32 blocks.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def test_gather_dims_refuses_partial_and_bad_placements():
         gather_dims((64, 64), (2,), [Shard(2)])
 
 
+def test_gather_dims_refuses_shards_that_are_not_ranges():
+    # Shard(0) then _StridedShard(0, sf=2) on a (2, 2) mesh: rows {0, 2}, {1, 3}, ... (torch's own example)
+    with pytest.raises(ValueError, match="shards of dimension 0 are not contiguous ranges"):
+        gather_dims((8, 64), (2, 2), [Shard(0), _StridedShard(0, split_factor=2)])
+
+
 def test_plain_tensor_is_quantized_whole():
     w = torch.randn(33, 80, dtype=torch.bfloat16)
     r = quantize_local(w, torch.float8_e5m2, rounding="floor")
@@ -76,7 +84,8 @@ def test_plain_tensor_is_quantized_whole():
     assert r.global_shape == (33, 80) and r.placements == () and r.shape == (33, 80)
     assert torch.equal(r.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(r.scale_inv, ref.scale_inv) and r.scale_inv.shape == (33, 3)
-    assert r.values_index() == (slice(0, 33), slice(0, 80)) and r.scales_index() == (slice(0, 33), slice(0, 3))
+    assert r.values_index() == (slice(0, 33), slice(0, 80))
+    assert r.scales_index() == (slice(0, 33), slice(0, 3))
     d = r.to_dict()
     assert d["gathered"] is False and d["scale_shape"] == [33, 3] and d["block_aligned"] is True
     assert torch.equal(r.components().dequantize(), ref.dequantize())
@@ -85,9 +94,11 @@ def test_plain_tensor_is_quantized_whole():
 
 
 def test_slice_starting_mid_block_dequantizes_and_refuses_components():
-    """A K slice [40, 80) of K = 80 (what a gathered RowwiseParallel rank holds): blocks 1 and 2 overlap it."""
+    """A K slice [40, 80) of K = 80 (what a gathered RowwiseParallel rank holds): blocks 1 and 2 overlap
+    it."""
     full = mxport.quantize(torch.randn(8, 80) * torch.logspace(-3, 3, 80))
-    r = LocalMXFP8(full.data[:, 40:], full.scale_inv[:, 1:], (8, 80), (0, 40), ("Shard(dim=1)",), (2,), True, (0,))
+    r = LocalMXFP8(full.data[:, 40:], full.scale_inv[:, 1:], (8, 80), (0, 40), ("Shard(dim=1)",), (2,),
+                   True, (0,))
     assert r.scales_index() == (slice(0, 8), slice(1, 3)) and not r.block_aligned
     assert torch.equal(r.dequantize(), full.dequantize()[:, 40:])
     with pytest.raises(ValueError, match=r"slice \[40, 80\) of K = 80 cuts blocks"):
@@ -119,6 +130,7 @@ def _check_param(name, p, variant):
     scales_ok = torch.equal(r.scale_inv, ref.scale_inv[r.scales_index()])
     return {
         "name": name, "variant": variant, "gathered": r.gathered, "placements": r.placements,
+        "parameter_ok": isinstance(p, torch.nn.Parameter) and type(local) is torch.Tensor,
         "shape_ok": r.shape == tuple(local.shape) and r.global_shape == tuple(full.shape),
         "offset_ok": torch.equal(full[r.values_index()], local),  # the offset really locates the local shard
         "values_ok": torch.equal(r.data.view(torch.uint8), ref.data[r.values_index()].view(torch.uint8)),
@@ -147,8 +159,8 @@ def _adamw_step(model, inputs):
 def _spread(model):
     """Weights whose block scales vary: rows 2**U(-8, 8) apart, columns rising 2**-4 .. 2**4 along K.
 
-    Default Linear init (uniform in +-1/sqrt(K)) gives nearly every block the same scale, so a block cut in the
-    wrong place would go unseen; here regrouping rows or shifting blocks along K changes the scales."""
+    Default Linear init (uniform in +-1/sqrt(K)) gives nearly every block the same scale, so a block cut in
+    the wrong place would go unseen; here regrouping rows or shifting blocks along K changes the scales."""
     g = torch.Generator().manual_seed(0)  # every rank builds the same weights
     with torch.no_grad():
         for p in model.parameters():
@@ -170,58 +182,60 @@ def _fsdp_tp_models(mesh_1d):
                                       "row127": lin(127, 32, bias=False), "col": lin(64, 100)}))
     row = RowwiseParallel(input_layouts=Replicate())  # the test feeds whole inputs
     parallelize_module(tp, mesh_1d, {"row288": row, "row40": row, "row127": row, "col": ColwiseParallel()})
-    ins = {"q": 576, "a": 64, "b": 48, "c": 64, "one": 64, "row288": 576, "row40": 80, "row127": 127, "col": 64}
+    ins = {"q": 576, "a": 64, "b": 48, "c": 64, "one": 64,
+           "row288": 576, "row40": 80, "row127": 127, "col": 64}
     return fsdp, tp, ins
 
 
-def _two_ranks(rank, init):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _one_d(mesh):
+    """FSDP2 and tensor parallel on a 1-D mesh of 2 ranks (before and after AdamW), and a Partial refused."""
     from torch.distributed.tensor import DTensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=init, timeout=PG_TIMEOUT)
+    fsdp, tp, ins = _fsdp_tp_models(mesh)
+    res = _check_all(fsdp, "fsdp") + _check_all(tp, "tp")
+    g = torch.Generator().manual_seed(1)
+    _adamw_step(fsdp, [torch.randn(4, ins[n], generator=g) for n in fsdp])
+    _adamw_step(tp, [torch.randn(4, ins[n], generator=g) for n in tp])
+    res += _check_all(fsdp, "fsdp-after-adamw") + _check_all(tp, "tp-after-adamw")
+    partial = DTensor.from_local(torch.randn(4, 64), mesh, [Partial()])
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        fsdp, tp, ins = _fsdp_tp_models(mesh)
-        res = _check_all(fsdp, "fsdp") + _check_all(tp, "tp")
-        g = torch.Generator().manual_seed(1)
-        _adamw_step(fsdp, [torch.randn(4, ins[n], generator=g) for n in fsdp])
-        _adamw_step(tp, [torch.randn(4, ins[n], generator=g) for n in tp])
-        res += _check_all(fsdp, "fsdp-after-adamw") + _check_all(tp, "tp-after-adamw")
-        partial = DTensor.from_local(torch.randn(4, 64), mesh, [Partial()])
-        try:
-            quantize_local(partial)
-            res.append({"partial": "accepted"})
-        except ValueError as exc:
-            res.append({"partial": str(exc)})
-        return res
-    finally:
-        dist.destroy_process_group()
+        quantize_local(partial)
+        return res, "accepted"
+    except ValueError as exc:
+        return res, str(exc)
 
 
-def _fsdp_over_tp(rank, init):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _fsdp_over_tp(mesh):
+    """FSDP2 over tensor parallel on a 2x2 (dp, tp) mesh (before and after AdamW)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    lin = torch.nn.Linear
+    model = _spread(torch.nn.ModuleDict({"col100": lin(64, 100), "col128": lin(64, 128, bias=False),
+                                         "row100": lin(100, 64, bias=False), "row128": lin(128, 64)}))
+    row = RowwiseParallel(input_layouts=Replicate())
+    parallelize_module(model, mesh["tp"], {"col100": ColwiseParallel(), "col128": ColwiseParallel(),
+                                           "row100": row, "row128": row})
+    for layer in model.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    res = _check_all(model, "2x2")
+    g = torch.Generator().manual_seed(1)
+    _adamw_step(model, [torch.randn(4, n, generator=g) for n in (64, 64, 100, 128)])
+    return res + _check_all(model, "2x2-after-adamw")
+
+
+def _four_ranks(rank, init):
+    """One world of 4 processes (one spawn: imports dominate the cost): the 1-D scenarios on each 2-rank
+    ``tp`` row of the (dp, tp) mesh, then the 2x2 scenario on the whole mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, init_method=init, timeout=PG_TIMEOUT)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        lin = torch.nn.Linear
-        model = _spread(torch.nn.ModuleDict({"col100": lin(64, 100), "col128": lin(64, 128, bias=False),
-                                             "row100": lin(100, 64, bias=False), "row128": lin(128, 64)}))
-        row = RowwiseParallel(input_layouts=Replicate())
-        parallelize_module(model, mesh["tp"], {"col100": ColwiseParallel(), "col128": ColwiseParallel(),
-                                               "row100": row, "row128": row})
-        for layer in model.values():
-            fully_shard(layer, mesh=mesh["dp"])
-        res = _check_all(model, "2x2")
-        g = torch.Generator().manual_seed(1)
-        _adamw_step(model, [torch.randn(4, n, generator=g) for n in (64, 64, 100, 128)])
-        return res + _check_all(model, "2x2-after-adamw")
+        rows, partial = _one_d(mesh["tp"])
+        return {"1d": rows, "partial": partial, "2x2": _fsdp_over_tp(mesh)}
     finally:
         dist.destroy_process_group()
 
@@ -268,16 +282,20 @@ def _spawn(fn, world, tmp_path):
 
 def _assert_exact(rows, want_gathered):
     for row in rows:
-        bad = [k for k in ("shape_ok", "offset_ok", "values_ok", "scales_ok", "dtype_ok", "dequantize_ok",
-                                 "components_ok") if not row[k]]
+        bad = [k for k, v in row.items() if k.endswith("_ok") and not v]
         assert not bad, f"{row['phase']} {row['name']} {row['variant']} {row['placements']}: {bad}"
         want = (row["name"], row["variant"]) in want_gathered
-        assert row["gathered"] == want, f"{row['phase']} {row['name']} {row['variant']}: gathered={row['gathered']}"
+        where = f"{row['phase']} {row['name']} {row['variant']}"
+        assert row["gathered"] == want, f"{where}: gathered={row['gathered']}"
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _spawn(_four_ranks, 4, tmp_path_factory.mktemp("dtensor"))
 
 
 @pytest.mark.slow
-def test_two_ranks_fsdp2_and_tensor_parallel(tmp_path):
-    results = _spawn(_two_ranks, 2, tmp_path)
+def test_fsdp2_and_tensor_parallel_on_two_ranks(four_ranks):
     # K split (RowwiseParallel's Shard(1); Shard(0) of a 1-D bias, whose only dim is K): gathered unless the
     # shards are whole blocks (row288: 288 | 288, row127: 64 | 63 ending at K, q.bias: 96 | 96)
     k_split = {"row40.weight", "col.bias", "a.bias", "c.bias"}
@@ -285,23 +303,22 @@ def test_two_ranks_fsdp2_and_tensor_parallel(tmp_path):
     # b (32 | 32) and one (1 | 0 rows: ends at the tensor's end) do not
     rows_2d = {"a.weight", "c.weight", "col.weight"}
     want = {(n, v) for n in k_split for v in VARIANTS} | {(n, "2d") for n in rows_2d}
-    for rows in results.values():
-        partial = rows.pop()
-        assert "Partial placement on mesh dimension 0" in partial["partial"], partial
-        assert len(rows) == 2 * len(VARIANTS) * 14  # 2 phases x variants x 14 parameters
-        _assert_exact(rows, want)
-    placements = {(r["name"], r["placements"]) for rows in results.values() for r in rows}
+    for res in four_ranks.values():
+        assert "Partial placement on mesh dimension 0" in res["partial"], res["partial"]
+        assert len(res["1d"]) == 2 * len(VARIANTS) * 14  # 2 phases x variants x 14 parameters
+        _assert_exact(res["1d"], want)
+    placements = {(r["name"], r["placements"]) for res in four_ranks.values() for r in res["1d"]}
     assert {("q.weight", ("Shard(dim=0)",)), ("row40.weight", ("Shard(dim=1)",)),
             ("row288.bias", ("Replicate()",))} <= placements
 
 
 @pytest.mark.slow
-def test_fsdp2_over_tensor_parallel_2x2_mesh(tmp_path):
-    results = _spawn(_fsdp_over_tp, 4, tmp_path)
-    want = {("row100.weight", v) for v in VARIANTS} | {  # K = 100 over tp: 50 | 50
-        ("col100.weight", "2d"), ("col100.bias", "e4m3"), ("col100.bias", "e5m2-floor"), ("col100.bias", "2d")}
-    placements = {(r["name"], r["placements"]) for rows in results.values() for r in rows}
-    assert ("col100.weight", ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")) in placements  # FSDP2 over TP: a _StridedShard
+def test_fsdp2_over_tensor_parallel_on_a_2x2_mesh(four_ranks):
+    # K = 100 over tp: 50 | 50 (row100.weight, and col100.bias, 25 per rank); col100.weight: 25-row shards
+    want = {(n, v) for n in ("row100.weight", "col100.bias") for v in VARIANTS} | {("col100.weight", "2d")}
+    placements = {(r["name"], r["placements"]) for res in four_ranks.values() for r in res["2x2"]}
+    assert ("col100.weight", ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")) in placements  # FSDP2 over TP
     assert ("row100.weight", ("Shard(dim=0)", "Shard(dim=1)")) in placements
-    for rows in results.values():
-        _assert_exact(rows, want)
+    for res in four_ranks.values():
+        assert len(res["2x2"]) == 2 * len(VARIANTS) * 6
+        _assert_exact(res["2x2"], want)

@@ -1,26 +1,27 @@
-"""Sharded trainer weights (PyTorch ``DTensor``: FSDP2 ``fully_shard``, tensor parallel ``parallelize_module``)
--> the MXFP8 bytes of each rank's own slice, identical to quantizing the full tensor and slicing.
+"""Sharded trainer weights (PyTorch ``DTensor``: FSDP2 ``fully_shard``, tensor parallel
+``parallelize_module``) -> the MXFP8 bytes of each rank's own slice, identical to quantizing the full tensor
+and slicing.
 
 MXFP8 blocks run along the last dimension K (32 elements; 32x32 with ``block_2d``). A rank can quantize its
 local shard alone exactly when no block straddles two shards:
 
 - shards of a dimension other than K (FSDP2's ``Shard(0)``, ``ColwiseParallel``): always, since blocks never
-  cross rows; with ``block_2d`` only when every shard starts (and ends, but for the tensor's end) on a multiple
-  of 32 rows of the 2-D ``(M, K)`` view;
+  cross rows; with ``block_2d`` only when every shard starts on a multiple of 32 rows of the 2-D ``(M, K)``
+  view and ends on one or at the tensor's end;
 - shards of K (``RowwiseParallel``'s ``Shard(1)``, ``Shard(0)`` of a 1-D tensor): when every shard starts on a
   multiple of 32 and ends on a multiple of 32 or at K;
 - ``Replicate``: always.
 
-Otherwise the offending mesh dimensions are all-gathered first (``DTensor.redistribute`` to ``Replicate``), the
-gathered tensor is quantized and the rank's slice cut out of it. The decision is a pure function of the global
-shape, the mesh shape and the placements (never of this rank's coordinate), so every rank of a collective takes
-the same branch. ``Partial`` placements (pending reductions) are refused.
+Otherwise the offending mesh dimensions are all-gathered first (``DTensor.redistribute`` to ``Replicate``),
+the gathered tensor is quantized and the rank's slice cut out of it. The decision is a pure function of the
+global shape, the mesh shape and the placements (never of this rank's coordinate), so every rank of a
+collective takes the same branch. ``Partial`` placements (pending reductions) are refused.
 
-Shard offsets come from ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``, the pure form
-(explicit mesh coordinate) of ``compute_local_shape_and_global_offset`` that torch's distributed checkpoint uses;
-torch 2.13 has no public function for a shard's global offset. It applies torch.chunk semantics (uneven shards,
-empty last shards) and ``_StridedShard`` (FSDP2 over tensor parallel). The local shape it gives is checked
-against ``to_local()`` on every call.
+Shard offsets come from ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``, the pure
+form (explicit mesh coordinate) of ``compute_local_shape_and_global_offset``, which torch's distributed
+checkpoint uses; torch 2.13 has no public function for a shard's global offset. It applies torch.chunk
+semantics (uneven shards, empty last shards) and ``_StridedShard`` (FSDP2 over tensor parallel). The local
+shape it gives is checked against ``to_local()`` on every call.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _dtensor_api():
         from torch.distributed.tensor import Partial, Replicate, Shard
         from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     except ImportError as exc:  # pragma: no cover - torch without DTensor
-        raise ImportError(f"mxport.sources.dtensor needs torch.distributed.tensor (torch >= 2.4): {exc}") from exc
+        raise ImportError(
+            f"mxport.sources.dtensor needs torch.distributed.tensor (torch >= 2.4): {exc}") from exc
     try:  # FSDP2 over tensor parallel; not a Shard subclass (and is_shard() is False) in torch 2.13
         from torch.distributed.tensor.placement_types import _StridedShard
         shards = (Shard, _StridedShard)
@@ -117,10 +119,11 @@ class LocalMXFP8:
             ValueError: the slice starts or ends mid-block along K (see :attr:`block_aligned`).
         """
         if not self.block_aligned:
+            off = self.global_offset[-1]
             raise ValueError(
-                f"the local slice [{self.global_offset[-1]}, {self.global_offset[-1] + self.shape[-1]}) of K = "
-                f"{self.global_shape[-1]} cuts blocks of {BLOCK_SIZE}: its scales are not an MXFP8 tensor of "
-                "its own (use dequantize(), or shard K on multiples of 32)"
+                f"the local slice [{off}, {off + self.shape[-1]}) of K = {self.global_shape[-1]} cuts blocks "
+                f"of {BLOCK_SIZE}: its scales are not an MXFP8 tensor of its own (use dequantize(), or "
+                "shard K on multiples of 32)"
             )
         return MXFP8Components(self.data, self.scale_inv, "rowwise")
 
@@ -128,7 +131,7 @@ class LocalMXFP8:
         """The slice's values decoded (FP32 math), equal to the full tensor's dequantized values there."""
         k = self.shape[-1]
         block = (self.global_offset[-1] % BLOCK_SIZE + torch.arange(k, device=self.data.device)) // BLOCK_SIZE
-        scale = e8m0_to_float(self.scale_inv.index_select(-1, block)) if k else self.scale_inv[..., :0].float()
+        scale = e8m0_to_float(self.scale_inv.index_select(-1, block) if k else self.scale_inv[..., :0])
         return (self.data.float() * scale).to(dtype)
 
     def to_dict(self) -> dict:
@@ -164,8 +167,9 @@ def _check_placements(placements, argname: str) -> None:
     for i, p in enumerate(placements):
         if isinstance(p, Partial) or p.is_partial():
             raise ValueError(
-                f"{argname} has a Partial placement on mesh dimension {i} ({p}): its local tensors are pending a "
-                "reduction, not slices of the weight; reduce it first (e.g. dt.redistribute(mesh, [Replicate()]))"
+                f"{argname} has a Partial placement on mesh dimension {i} ({p}): its local tensors are "
+                "pending a reduction, not slices of the weight; reduce it first "
+                "(e.g. dt.redistribute(mesh, [Replicate()]))"
             )
         if not isinstance(p, (*shards, Replicate)):
             raise ValueError(f"{argname} has an unsupported placement on mesh dimension {i}: {p}")
@@ -199,13 +203,15 @@ def _check_contiguous(dim: int, slices: list[tuple[int, int]], size: int, argnam
             return
     raise ValueError(
         f"{argname}: the shards of dimension {dim} are not contiguous ranges of the full tensor ({slices}); "
-        "quantize_local supports Shard / _StridedShard layouts whose shards are ranges (FSDP2, tensor parallel)"
+        "quantize_local supports Shard / _StridedShard layouts whose shards are ranges "
+        "(FSDP2, tensor parallel)"
     )
 
 
 def _aligned(slices: list[tuple[int, int]], size: int, unit: int) -> bool:
     """Every non-empty shard starts on a multiple of ``unit`` and ends on one or at ``size``."""
-    return all(n == 0 or (off % unit == 0 and ((off + n) % unit == 0 or off + n == size)) for off, n in slices)
+    return all(n == 0 or (off % unit == 0 and ((off + n) % unit == 0 or off + n == size))
+               for off, n in slices)
 
 
 def _dim_is_local(dim: int, slices, global_shape, block_2d: bool) -> bool:
@@ -229,8 +235,8 @@ def gather_dims(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
     straddle (empty: every rank quantizes its own shard). A pure function: the same answer on every rank.
 
     Raises:
-        ValueError: a ``Partial`` or unknown placement; as many placements as mesh dimensions not given; shards
-            that are not ranges of the full tensor.
+        ValueError: a ``Partial`` or unknown placement; not one placement per mesh dimension; shards that
+            are not ranges of the full tensor.
     """
     global_shape, mesh_shape, placements = tuple(global_shape), tuple(mesh_shape), tuple(placements)
     if len(placements) != len(mesh_shape):
@@ -264,7 +270,8 @@ def _check_float(t: torch.Tensor, argname: str) -> None:
     if not t.dtype.is_floating_point or t.dtype.itemsize == 1:
         raise TypeError(f"{argname} must be a float32/bfloat16/float16 tensor, got {t.dtype}")
     if t.dim() == 0:
-        raise ValueError(f"{argname} must have at least one dimension (blocks run along the last one), got 0-d")
+        raise ValueError(
+            f"{argname} must have at least one dimension (blocks run along the last one), got a 0-d tensor")
 
 
 def _local_and_offset(dt, placements) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -290,13 +297,15 @@ def quantize_local(dt: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
     ``quantize(dt.full_tensor())`` cut as the rank holds it.
 
     Args:
-        dt: a ``DTensor`` (or an ``nn.Parameter`` holding one: FSDP2, ``parallelize_module``) or a plain tensor
-            (quantized whole: offset zeros, ``gathered`` False). float32 / bfloat16 / float16, at least 1-D.
+        dt: a ``DTensor`` (or an ``nn.Parameter`` holding one: FSDP2, ``parallelize_module``) or a plain
+            tensor (quantized whole: offset zeros, ``gathered`` False). float32 / bfloat16 / float16, at
+            least 1-D.
         fp8_dtype, rounding, block_2d: as for :func:`mxport.quantize`.
 
     Where blocks stay inside the shards (see :func:`gather_dims`) the rank quantizes its local shard with no
-    communication. Otherwise it all-gathers the offending mesh dimensions (a collective: every rank of the mesh
-    must call ``quantize_local`` for this tensor, in the same order), quantizes the gathered tensor and slices.
+    communication. Otherwise it all-gathers the offending mesh dimensions (a collective: every rank of the
+    mesh must call ``quantize_local`` for this tensor, in the same order), quantizes the gathered tensor and
+    slices.
 
     Returns:
         :class:`LocalMXFP8`.
@@ -331,7 +340,8 @@ def _quantize_dtensor(dt, fp8_dtype, rounding: str, block_2d: bool) -> LocalMXFP
         wide = tuple(_replicate() if i in gathered else p for i, p in enumerate(placements))
         g_local, g_offset = _local_and_offset(dt.redistribute(mesh, wide), wide)
         full = quantize(g_local, fp8_dtype, **kw)
-        rel = tuple(o - g for o, g in zip(offset, g_offset, strict=True))  # along K, g_offset is block-aligned
+        # along K, g_offset is 0 (K gathered) or block-aligned (K shards are whole blocks)
+        rel = tuple(o - g for o, g in zip(offset, g_offset, strict=True))
         data = full.data[_value_box(rel, local.shape)].contiguous()
         scale_inv = full.scale_inv[_scale_box(rel, local.shape)].contiguous()
     return LocalMXFP8(data, scale_inv, tuple(dt.shape), offset, tuple(repr(p) for p in dt.placements),
