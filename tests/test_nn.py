@@ -207,7 +207,9 @@ def _write_checkpoint(src_dir, out, fmt, fp8=torch.float8_e4m3fn):
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src_dir / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, exclude_modules(decisions), fp8)
+    config["quantization_config"] = quantization_config(fmt, exclude_modules(decisions))
+    if fp8 == torch.float8_e5m2:  # as older mxport wrote E5M2 sglang checkpoints (export refuses them now)
+        config["quantization_config"]["fmt"] = "e5m2"
     (out / "config.json").write_text(json.dumps(config))
     return out
 

@@ -9,10 +9,11 @@ Public: :func:`open_checkpoint` / :class:`CheckpointReader` (read an exported ch
 from .export import ExportResult, export_checkpoint
 from .inspect import inspect_checkpoint
 from .naming import FORMATS, quantization_config, scale_name
-from .readers import CheckpointReader, SafetensorsDir, StateDictSource, open_checkpoint
+from .readers import CheckpointError, CheckpointReader, SafetensorsDir, StateDictSource, open_checkpoint
 
 __all__ = [
     "FORMATS",
+    "CheckpointError",
     "CheckpointReader",
     "ExportResult",
     "SafetensorsDir",
