@@ -157,6 +157,7 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the library's own words, with the file
         reason = str(exc).removeprefix("Error while deserializing header: ")
         raise CheckpointError(f"corrupt safetensors header in {str(file)!r}: {reason}") from None
+    _check_unique_keys(file)
     header: dict = {"__metadata__": meta} if meta is not None else {}
     offset = 0
     for name, dtype, shape in specs:
@@ -169,6 +170,24 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
         header[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [offset, offset + n]}
         offset += n  # safetensors checked that the offsets are contiguous and each range fits its shape
     return header
+
+
+def _no_duplicates(pairs: list[tuple]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise CheckpointError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
+def _check_unique_keys(file: Path) -> None:
+    """Refuse a header naming one key twice (JSON leaves it to the reader which one wins): ``safetensors`` keeps
+    one silently. Reads the header again, already checked by ``safetensors`` (bounded size and depth)."""
+    with _open_regular(file) as f:
+        raw = f.read(_data_start(f) - 8)  # the file is at byte 8 now
+    try:
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    except CheckpointError as exc:
+        raise CheckpointError(f"corrupt safetensors header in {str(file)!r}: {exc}") from None
 
 
 def _data_start(f) -> int:
@@ -621,13 +640,21 @@ def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: 
 
 
 def data_problems(c: MXFP8Components, scale_name: str, values_name: str) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); every scale byte 0 (2**-127)
-    while the values are not all zero (scales never written); an all-zero weight is only a warning."""
+    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values; every
+    scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight is only a
+    warning."""
     problems, warnings = [], []
     e = c.scale_inv
     nan = int((e == 255).sum())
     if nan:
         problems.append(f"{scale_name}: {nan} NaN scale byte(s) (E = 255)")
+    bits = c.data.view(torch.uint8)
+    # E4M3 (fn): S.1111.111 is NaN, there is no Inf; E5M2: exponent 11111 is Inf or NaN. quantize saturates:
+    # neither ever comes out of it for finite input.
+    bad = (bits & 0x7F) == 0x7F if c.fp8_dtype == torch.float8_e4m3fn else (bits & 0x7C) == 0x7C
+    n_bad = int(bad.sum())
+    if n_bad:
+        problems.append(f"{values_name}: {n_bad} NaN/Inf FP8 value(s)")
     if e.numel() and bool((e == 0).all()):
         if bool(((c.data.view(torch.uint8) & 0x7F) != 0).any()):
             problems.append(f"{scale_name}: every scale byte is 0 (2**-127) but the values are not zero: "
