@@ -418,11 +418,16 @@ def _load_from_reader(model: nn.Module, reader, path, *, strict: bool, activatio
         raise ValueError(f"{path} is not an MXFP8 checkpoint (no quantization_config of a known format)")
     report = {"mxfp8": [], "replaced": [], "tensors": [], "unexpected": [], "missing": []}
     filled: set[str] = set()
-    for name, value in reader.iter_tensors():
-        if isinstance(value, MXFP8Components):
-            report[_load_mx(model, name, value, activation, filled)].append(name)
-        else:
-            report[_load_plain(model, name, value, filled)].append(name)
+    try:
+        for name, value in reader.iter_tensors():
+            if isinstance(value, MXFP8Components):
+                report[_load_mx(model, name, value, activation, filled)].append(name)
+            else:
+                report[_load_plain(model, name, value, filled)].append(name)
+    except ValueError as exc:
+        if type(exc) is not ValueError:  # CheckpointError: names its file already
+            raise
+        raise ValueError(f"checkpoint {path}: {exc}") from None
     report["missing"] = _not_filled(model, filled)
     if strict and (report["unexpected"] or report["missing"]):
         raise ValueError(f"checkpoint {path} does not match the model: unexpected {report['unexpected'][:5]}, "

@@ -516,7 +516,8 @@ def describe_quantization(d: SafetensorsDir) -> QuantDescription:
         fmt = detect_format(qc)
         declared = declared_fp8(fmt, qc)
     except ValueError as exc:
-        raise CheckpointError(f"corrupt quantization config in {d.label!r}: {exc}") from None
+        where = "config.json quantization_config" if "quantization_config" in d.config else "hf_quant_config.json"
+        raise CheckpointError(f"corrupt {where} in {d.label!r}: {exc}") from None
     if fmt is not None:
         return QuantDescription(qc, fmt, "config", declared)
     entries = d.entries()
