@@ -119,7 +119,10 @@ def test_config_without_pairs_and_e8m0_dtype(tmp_path):
     assert any("no FP8 values/scale pair" in p for p in rep["problems"])
     plain = write(tmp_path / "plain", {"w": torch.ones(2, 2)})
     code, rep, _ = inspect_json(plain)
-    assert code == 0 and rep["format"] is None and rep["tensors"][0]["role"] == "kept"
+    assert rep["format"] is None and rep["tensors"][0]["role"] == "kept"
+    # nothing MXFP8 in it is a problem (issue 12 item 10): "no problems found", exit 0, hid it
+    assert code == 1 and rep["problems"] == ["nothing MXFP8 in this checkpoint: no FP8 values/scale pair "
+                                             "(not quantized?)"]
     if hasattr(torch, "float8_e8m0fnu"):
         c = quantize(torch.randn(4, 32))
         p = write(tmp_path / "e8m0", {"a.weight": c.data, "a.weight_scale": c.scale_inv.view(torch.float8_e8m0fnu)})

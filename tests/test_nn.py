@@ -207,7 +207,9 @@ def _write_checkpoint(src_dir, out, fmt, fp8=torch.float8_e4m3fn):
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src_dir / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, exclude_modules(decisions), fp8)
+    config["quantization_config"] = quantization_config(fmt, exclude_modules(decisions))
+    if fp8 == torch.float8_e5m2:  # as older mxport wrote E5M2 sglang checkpoints (export refuses them now)
+        config["quantization_config"]["fmt"] = "e5m2"
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -311,3 +313,75 @@ def test_load_checkpoint_fused_experts_decoded_into_high_precision(tmp_path):
     got = model.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(got, mxport.quantize(ref).dequantize())  # the 3-D MXFP8 values, decoded per expert row
     assert not isinstance(model.model.layers[0].mlp.gate, MXFP8Linear)  # the router stays high precision
+
+
+# -- load_checkpoint never loads wrong weights (issue 12 item 6) ---------------------------------------------------
+def _resave(path, fn):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    fn(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_load_checkpoint_refuses_values_without_scale_and_wrong_element(tmp_path):
+    from mxport.nn import load_checkpoint
+
+    path, load = _tiny_llama(tmp_path)
+    ckpt = _write_checkpoint(path, tmp_path / "ck", "modelopt")
+    v = "model.layers.0.mlp.down_proj.weight"
+    # without its scale the FP8 bytes were copied unscaled into nn.Linear (absmax ~400 instead of ~0.004)
+    _resave(ckpt / "model.safetensors", lambda s: s.pop(v + "_scale"))
+    with pytest.raises(ValueError, match=f"{v}: FP8 values without a scale"):
+        load_checkpoint(load(), ckpt)
+    ckpt = _write_checkpoint(path, tmp_path / "ck2", "modelopt")
+    # E4M3 bytes stored as F8_E5M2 were decoded as E5M2; the config says E4M3
+    _resave(ckpt / "model.safetensors", lambda s: s.__setitem__(v, s[v].view(torch.float8_e5m2)))
+    with pytest.raises(ValueError, match="float8_e5m2 values, but the quantization config"):
+        load_checkpoint(load(), ckpt)
+
+
+def test_load_checkpoint_strict_over_every_model_tensor(tmp_path):
+    import json
+
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.nn import load_checkpoint
+
+    path, load = _tiny_llama(tmp_path)
+    out = tmp_path / "out"
+    export_checkpoint(str(path), out, fmt="modelopt", max_shard_size="40KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"omits shard\\(s\\) \\['{shard}'\\]"):  # its tensors were dropped
+        load_checkpoint(load(), out)
+    (out / "model.safetensors.index.json").unlink()  # shards found by name; the norm removed from its shard
+    _resave(out / shard, lambda s: s.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match=r"model tensors not in the checkpoint \['model.norm.weight'\]"):
+        load_checkpoint(load(), out)
+    report = load_checkpoint(load(), out, strict=False)
+    assert report["missing"] == ["model.norm.weight"] and len(report["replaced"]) == 14
+
+
+def test_load_checkpoint_bias_after_its_replaced_weight(tmp_path):
+    from mxport.checkpoint.writers import ShardedSafetensorsWriter, TensorSpec
+    from mxport.nn import load_checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    c = mxport.quantize(torch.randn(8, 64, generator=g))
+    bias = torch.randn(8, generator=g)
+    tensors = {"lin.weight": c.data, "lin.weight_scale": c.scale_inv, "lin.bias": bias}  # bias written last
+    (tmp_path / "ck").mkdir()
+    w = ShardedSafetensorsWriter(tmp_path / "ck", [[TensorSpec(k, t.dtype, tuple(t.shape))
+                                                    for k, t in tensors.items()]])
+    for k, t in tensors.items():
+        w.write(k, t)
+    w.close()
+    (tmp_path / "ck" / "config.json").write_text('{"quantization_config": {"quant_method": "modelopt", '
+                                                 '"quant_algo": "MXFP8"}}')
+    model = torch.nn.Sequential()
+    model.add_module("lin", torch.nn.Linear(64, 8))
+    report = load_checkpoint(model, tmp_path / "ck")
+    assert report["replaced"] == ["lin.weight"] and report["tensors"] == ["lin.bias"] and not report["missing"]
+    assert isinstance(model.lin, MXFP8Linear) and torch.equal(model.lin.bias, bias)  # not the old module's bias

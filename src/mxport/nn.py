@@ -325,20 +325,24 @@ def mxfp8_modules(model: nn.Module) -> dict[str, MXFP8Linear]:
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: str | None = None) -> dict:
     """Fill ``model`` from an MXFP8 checkpoint written by ``mxport export`` (modelopt, compressed-tensors or sglang
-    naming), read with :func:`mxport.checkpoint.open_checkpoint` which pairs values and scales by name.
+    naming), read with :func:`mxport.checkpoint.open_checkpoint`, which pairs values and scales by name and
+    refuses unsafe or inconsistent files (FP8 values without a scale, values of another element type than the
+    quantization config declares, an index that omits shards or tensors, NaN scales, ...).
 
     For each ``<m>.weight`` held as 2-D MXFP8 components: an :class:`MXFP8Linear` ``<m>`` is filled in place
     (:meth:`MXFP8Linear.load_components`); a plain ``nn.Linear`` ``<m>`` is replaced by a new
     :class:`MXFP8Linear` (with ``activation`` or "none"). 3-D expert components are decoded into the model's
-    high-precision fused parameter. Plain tensors (embeddings, norms, kept layers) are copied into the parameter or
-    buffer of the same name.
+    high-precision fused parameter. Plain tensors (embeddings, norms, biases, kept layers) are copied into the
+    parameter or buffer of the same name (looked up when copied, so a bias after its replaced weight lands in the
+    new module).
 
     Returns ``{"mxfp8": [...], "replaced": [...], "tensors": [...], "unexpected": [...], "missing": [...]}``
-    (``missing``: MXFP8Linear modules of the model the checkpoint did not fill).
+    (``missing``: ``state_dict`` entries of the model the checkpoint did not fill; tied aliases count as one).
 
     Raises:
-        ValueError: with ``strict``, a checkpoint tensor with no counterpart in the model, a shape mismatch, or
-            MXFP8Linear modules left unfilled; a checkpoint that is not MXFP8 (``format`` None).
+        ValueError: a checkpoint that cannot be read or is inconsistent (:class:`mxport.checkpoint.CheckpointError`);
+            a shape mismatch; with ``strict``, a checkpoint tensor with no counterpart in the model or a model
+            tensor the checkpoint does not fill; a checkpoint that is not MXFP8 (``format`` None).
         TypeError: an FP8 element dtype different from the module's.
     """
     from .checkpoint import open_checkpoint
@@ -347,50 +351,85 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
         return _load_from_reader(model, reader, path, strict=strict, activation=activation)
 
 
+def _tensor_at(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter or buffer ``name`` of ``model`` as it is now (None when there is none)."""
+    mod_name, _, attr = name.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name) if mod_name else model
+    except AttributeError:
+        return None
+    if attr in mod._parameters:
+        return mod._parameters[attr]
+    return mod._buffers.get(attr)
+
+
+def _load_mx(model: nn.Module, name: str, value: MXFP8Components, activation: str | None,
+             filled: set[str]) -> str:
+    """Load one MXFP8 pair; returns the report key it belongs under."""
+    mod_name = name[: -len(".weight")] if name.endswith(".weight") else name
+    try:
+        mod = model.get_submodule(mod_name) if value.data.dim() == 2 else None
+    except AttributeError:
+        mod = None
+    if isinstance(mod, (MXFP8Linear, nn.Linear)):
+        if isinstance(mod, MXFP8Linear):
+            mod.load_components(value)
+            kind = "mxfp8"
+        else:
+            if tuple(mod.weight.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(mod.weight.shape)}")
+            model.set_submodule(mod_name, MXFP8Linear.from_components(value, mod.bias,
+                                                                      activation=activation or "none"))
+            kind = "replaced"
+        filled.update((f"{mod_name}.weight", f"{mod_name}.weight_scale"))
+        return kind
+    target = _tensor_at(model, name)
+    if target is not None and tuple(target.shape) == tuple(value.shape):
+        target.copy_(value.dequantize(target.dtype))
+        filled.add(name)
+        return "tensors"
+    return "unexpected"
+
+
+def _load_plain(model: nn.Module, name: str, value: torch.Tensor, filled: set[str]) -> str:
+    target = _tensor_at(model, name)
+    if target is None:
+        return "unexpected"
+    if tuple(target.shape) != tuple(value.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}")
+    target.copy_(value.to(target.dtype))
+    filled.add(name)
+    return "tensors"
+
+
+def _not_filled(model: nn.Module, filled: set[str]) -> list[str]:
+    """``state_dict`` names of ``model`` not in ``filled``; names of one shared tensor (tied weights) count as
+    filled when any of them is."""
+    state = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    for n, t in state.items():
+        aliases.setdefault(id(t), []).append(n)
+    done = {n for names in aliases.values() if any(a in filled for a in names) for n in names}
+    return [n for n in state if n not in done]
+
+
 def _load_from_reader(model: nn.Module, reader, path, *, strict: bool, activation: str | None) -> dict:
     if reader.format is None:
         raise ValueError(f"{path} is not an MXFP8 checkpoint (no quantization_config of a known format)")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
     report = {"mxfp8": [], "replaced": [], "tensors": [], "unexpected": [], "missing": []}
     filled: set[str] = set()
-    for name, value in reader.iter_tensors():
-        if isinstance(value, MXFP8Components):
-            mod_name = name[: -len(".weight")] if name.endswith(".weight") else name
-            try:
-                mod = model.get_submodule(mod_name) if value.data.dim() == 2 else None
-            except AttributeError:
-                mod = None
-            if isinstance(mod, MXFP8Linear):
-                mod.load_components(value)
-                filled.add(mod_name)
-                report["mxfp8"].append(name)
-                continue
-            if isinstance(mod, nn.Linear):
-                if tuple(mod.weight.shape) != tuple(value.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(mod.weight.shape)}")
-                model.set_submodule(mod_name, MXFP8Linear.from_components(value, mod.bias,
-                                                                          activation=activation or "none"))
-                filled.add(mod_name)
-                report["replaced"].append(name)
-                continue
-            target = params.get(name, buffers.get(name))
-            if target is not None and tuple(target.shape) == tuple(value.shape):
-                target.copy_(value.dequantize(target.dtype))
-                report["tensors"].append(name)
-                continue
-            report["unexpected"].append(name)
-            continue
-        target = params.get(name, buffers.get(name))
-        if target is None:
-            report["unexpected"].append(name)
-            continue
-        if tuple(target.shape) != tuple(value.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}")
-        target.copy_(value.to(target.dtype))
-        report["tensors"].append(name)
-    report["missing"] = [n for n in mxfp8_modules(model) if n not in filled]
+    try:
+        for name, value in reader.iter_tensors():
+            if isinstance(value, MXFP8Components):
+                report[_load_mx(model, name, value, activation, filled)].append(name)
+            else:
+                report[_load_plain(model, name, value, filled)].append(name)
+    except ValueError as exc:
+        if type(exc) is not ValueError:  # CheckpointError: names its file already
+            raise
+        raise ValueError(f"checkpoint {path}: {exc}") from None
+    report["missing"] = _not_filled(model, filled)
     if strict and (report["unexpected"] or report["missing"]):
         raise ValueError(f"checkpoint {path} does not match the model: unexpected {report['unexpected'][:5]}, "
-                         f"MXFP8Linear modules not filled {report['missing'][:5]}")
+                         f"model tensors not in the checkpoint {report['missing'][:5]}")
     return report

@@ -3,16 +3,18 @@ inspection (issue 4; design.md §4).
 
 Public: :func:`open_checkpoint` / :class:`CheckpointReader` (read an exported checkpoint back as
 ``(name, MXFP8Components | Tensor)``), :data:`FORMATS`, :func:`scale_name`, :func:`quantization_config`,
-:func:`export_checkpoint`, :func:`inspect_checkpoint`.
+:func:`export_checkpoint`, :func:`inspect_checkpoint`; :class:`CheckpointError` (a ValueError naming the file) for
+files that cannot be read safely or correctly.
 """
 
 from .export import ExportResult, export_checkpoint
 from .inspect import inspect_checkpoint
 from .naming import FORMATS, quantization_config, scale_name
-from .readers import CheckpointReader, SafetensorsDir, StateDictSource, open_checkpoint
+from .readers import CheckpointError, CheckpointReader, SafetensorsDir, StateDictSource, open_checkpoint
 
 __all__ = [
     "FORMATS",
+    "CheckpointError",
     "CheckpointReader",
     "ExportResult",
     "SafetensorsDir",

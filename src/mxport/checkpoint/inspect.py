@@ -10,38 +10,25 @@ Problems (each makes ``mxport inspect`` exit 1): values without a scale; a scale
 are not FP8; a scale that is not ``uint8`` E8M0 bytes (e.g. stored as float: ``F32`` / ``BF16``); a scale shape
 that is not compact ``(*shape[:-1], ceil(K/32))`` (e.g. TE's padded ``[128, 4]`` for a ``[3, 64]`` weight); a scale
 name that does not follow the detected format; E5M2 values in a format that declares E4M3; NaN scale bytes (255);
-a config that declares MXFP8 with no MXFP8 tensor in the files. A ``float8_e8m0fnu`` (``F8_E8M0``) scale is the same
-bytes: a warning, not a problem.
+a config that declares MXFP8 with no MXFP8 tensor in the files; no MXFP8 values/scale pair at all (nothing to
+serve as MXFP8); E5M2 values in an sglang checkpoint (SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the
+config says: they load there as garbage). A ``float8_e8m0fnu`` (``F8_E8M0``) scale is the same bytes: a warning,
+not a problem. Files that cannot be read safely (see :class:`~mxport.checkpoint.readers.SafetensorsDir`) raise
+:class:`~mxport.checkpoint.readers.CheckpointError` (a ValueError) instead.
+
+The result is an :class:`InspectReport` (typed); :func:`inspect_checkpoint` returns its ``to_dict()``.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from ..components import MXFP8Components, compact_scale_shape
-from ..formats import BLOCK_SIZE, is_fp8_dtype
-from .naming import ALLOWED_FP8, FORMATS, SCALE_SUFFIX, detect_format
-from .readers import SafetensorsDir, format_by_names, read_quant_config
-
-_ALL_SUFFIXES = ("_scale_inv", "_scale")
-
-
-def _dtype_str(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
-
-def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
-    """(values name, suffix) when ``name`` is named like a scale: ``X_scale_inv`` / ``X_scale`` with ``X`` present,
-    or ``*.weight_scale(_inv)`` regardless of ``X``."""
-    for suf in _ALL_SUFFIXES:
-        if name.endswith(suf):
-            base = name[: -len(suf)]
-            if base in present or base.endswith(".weight"):
-                return base, suf
-    return None
+from ..components import MXFP8Components
+from ..formats import BLOCK_SIZE
+from .readers import SafetensorsDir, analyse_pairs, data_problems, describe_quantization, dtype_str
 
 
 def scale_stats(scale: torch.Tensor) -> dict:
@@ -71,119 +58,112 @@ def pair_stats(c: MXFP8Components) -> dict:
     return out
 
 
-def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
-    """Inspect the checkpoint at ``path`` (a model directory or one ``.safetensors`` file).
+@dataclass(frozen=True)
+class InspectReport:
+    """What :func:`inspect` found. ``to_dict()`` is the JSON report (``mxport inspect --json``); ``report[key]``
+    reads the same keys.
 
-    Returns a JSON-able dict: ``path``, ``format`` (one of FORMATS or None), ``format_source`` ("config" | "names"
-    | None), ``tensors`` (list of {name, shape, dtype, role, pair}), ``pairs`` (list of {values, scale, shape,
-    element, scale_shape, scale_dtype, ok, and with ``stats`` the :func:`pair_stats` figures}), ``totals``
-    ({tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}), ``problems`` and
-    ``warnings`` (lists of one-line strings).
-
-    Raises FileNotFoundError / ValueError for a missing path, no safetensors, a corrupt header.
+    Attributes:
+        path: as given. format: one of FORMATS or None. format_source: "config" | "names" | None.
+        tensors: per tensor {name, shape, dtype, role, pair}. pairs: per MXFP8 pair {values, scale, shape, element,
+            scale_shape, scale_dtype, ok, and the :func:`pair_stats` / :func:`scale_stats` figures when decoded}.
+        totals: {tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}.
+        problems / warnings: one-line strings; any problem makes ``mxport inspect`` exit 1.
     """
-    d = SafetensorsDir(path)
-    entries = d.entries()
-    shapes = {n: s for n, s, _ in entries}
-    dtypes = {n: t for n, _, t in entries}
-    names = [n for n, _, _ in entries]
-    present = set(names)
-    problems: list[str] = []
-    warnings: list[str] = []
 
-    qc = read_quant_config(d.path, d.config) if Path(path).expanduser().is_dir() else None
-    fmt, fmt_src = detect_format(qc), "config"
-    if fmt is None:
-        fmt, fmt_src = format_by_names(names, dtypes), "names"
-        if fmt is None:
-            fmt_src = None
+    path: str
+    format: str | None
+    format_source: str | None
+    tensors: tuple[dict, ...]
+    pairs: tuple[dict, ...]
+    totals: dict
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
 
-    roles = {n: "kept" for n in names}
-    pair_of: dict[str, str] = {}
-    for n in names:  # scales first: names like X_scale whose X exists, or *.weight_scale(_inv)
-        owner = _scale_owner(n, present)
-        if owner is None:
-            continue
-        base, suf = owner
-        if base not in present:
-            roles[n] = "scales"
-            problems.append(f"{n}: scale without values (no tensor {base!r})")
-            continue
-        if not is_fp8_dtype(dtypes[base]):
-            if dtypes[n] == torch.uint8:
-                roles[n] = "scales"
-                problems.append(f"{n}: scale for {base!r}, which is {_dtype_str(dtypes[base])}, not FP8 values")
-            continue
-        roles[n] = "scales"
-        if base in pair_of:
-            problems.append(f"{base}: two scale tensors ({pair_of[base]!r} and {n!r})")
-            continue
-        pair_of[base] = n
-        if fmt in FORMATS and suf != SCALE_SUFFIX[fmt]:
-            problems.append(f"{n}: scale name does not follow format {fmt!r} (expected {base + SCALE_SUFFIX[fmt]!r})")
-    for n in names:
-        if is_fp8_dtype(dtypes[n]):
-            roles[n] = "values"
-            if n not in pair_of:
-                want = n + SCALE_SUFFIX[fmt] if fmt in FORMATS else f"{n}_scale or {n}_scale_inv"
-                problems.append(f"{n}: FP8 values without a scale (expected {want})")
-            if fmt in FORMATS and dtypes[n] not in ALLOWED_FP8[fmt]:
-                problems.append(f"{n}: {_dtype_str(dtypes[n])} values, but format {fmt!r} declares E4M3")
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
+    def to_dict(self) -> dict:
+        return {"path": self.path, "format": self.format, "format_source": self.format_source,
+                "tensors": [dict(t) for t in self.tensors], "pairs": [dict(p) for p in self.pairs],
+                "totals": dict(self.totals), "problems": list(self.problems), "warnings": list(self.warnings)}
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+
+def _decode_pairs(d: SafetensorsDir, a, fmt, stats: bool, problems: list, warnings: list) -> list[dict]:
+    """One entry per pair; pairs whose scale header is right are read and checked (:func:`data_problems`)."""
+    shapes = {n: s for n, s, _ in d.entries()}
+    dtypes = {n: t for n, _, t in d.entries()}
     pairs = []
-    for base, sname in pair_of.items():
-        shape, sshape, sdt = shapes[base], shapes[sname], dtypes[sname]
-        want = compact_scale_shape(shape) if shape else None
-        entry = {"values": base, "scale": sname, "shape": list(shape),
+    for base, sname in a.pair_of.items():
+        entry = {"values": base, "scale": sname, "shape": list(shapes[base]),
                  "element": "e5m2" if dtypes[base] == torch.float8_e5m2 else "e4m3",
-                 "scale_shape": list(sshape), "scale_dtype": _dtype_str(sdt), "ok": True}
-        if sdt not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
-            problems.append(f"{sname}: scale stored as {_dtype_str(sdt)}; expected uint8 E8M0 bytes (bit patterns, "
-                            "not values)")
-            entry["ok"] = False
-        elif sdt != torch.uint8:
-            warnings.append(f"{sname}: float8_e8m0fnu scale (same bytes as uint8; engines expect U8)")
-        if want is None or tuple(sshape) != tuple(want):
-            hint = ""
-            if want is not None and len(sshape) == 2 and sshape[0] % 128 == 0 and sshape[1] % 4 == 0 and (
-                    sshape[0] >= want[0] and sshape[-1] >= want[-1]):
-                hint = " (looks padded to 128x4 as TE stores it: slice it to the compact shape)"
-            problems.append(f"{sname}: scale shape {list(sshape)} for values {list(shape)}; expected compact "
-                            f"{list(want) if want else '?'}{hint}")
-            entry["ok"] = False
+                 "scale_shape": list(shapes[sname]), "scale_dtype": dtype_str(dtypes[sname]),
+                 "ok": base not in a.bad}
         if entry["ok"]:
-            c = MXFP8Components(d.get(base), d.get(sname), "rowwise")
+            scale = d.get(sname)
+            c = MXFP8Components(d.get(base), scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale,
+                                "rowwise")
             entry.update(pair_stats(c) if stats else scale_stats(c.scale_inv))
-            if entry["nan_scales"]:
-                problems.append(f"{sname}: {entry['nan_scales']} NaN scale byte(s) (E = 255)")
-            if c.scale_inv.numel() and entry["zero_scales"] == c.scale_inv.numel():
-                if bool(((c.data.view(torch.uint8) & 0x7F) != 0).any()):
-                    problems.append(f"{sname}: every scale byte is 0 (2**-127) but the values are not zero: "
-                                    "scales never written?")
-                else:
-                    warnings.append(f"{base}: an all-zero weight (values and scales all 0)")
+            p, w = data_problems(c, sname, base)
+            problems.extend(p)
+            warnings.extend(w)
             del c
         pairs.append(entry)
-    d.close()
+    if fmt == "sglang" and any(p["element"] == "e5m2" for p in pairs):
+        problems.append("E5M2 values in an sglang checkpoint: SGLang 0.5.23 registers MXFP8 values as E4M3 "
+                        "whatever the config says, so they load there as garbage (export E4M3)")
+    return pairs
 
-    if qc is not None and fmt_src == "config" and not pair_of:
-        problems.append(f"config declares {fmt!r} MXFP8 quantization but no FP8 values/scale pair is in the files")
 
-    values_of = {s: b for b, s in pair_of.items()}  # scale name -> values name
-    tensors = [{"name": n, "shape": list(shapes[n]), "dtype": _dtype_str(dtypes[n]), "role": roles[n],
-                "pair": pair_of.get(n) or values_of.get(n)} for n in names]
+def _totals(d: SafetensorsDir, roles: dict[str, str]) -> dict:
     by_role = {"values": 0, "scales": 0, "kept": 0}
     bf16 = 0
-    for n in names:
+    for n, shape, _ in d.entries():
         by_role[roles[n]] += d.nbytes(n)
         if roles[n] != "scales":
             numel = 1
-            for s in shapes[n]:
+            for s in shape:
                 numel *= s
             bf16 += 2 * numel
     total = sum(by_role.values())
-    totals = {"tensors": len(names), "bytes": total, "values_bytes": by_role["values"],
-              "scales_bytes": by_role["scales"], "kept_bytes": by_role["kept"], "bf16_bytes": bf16,
-              "ratio_to_bf16": total / bf16 if bf16 else 0.0}
-    return {"path": str(path), "format": fmt, "format_source": fmt_src, "tensors": tensors, "pairs": pairs,
-            "totals": totals, "problems": problems, "warnings": warnings}
+    return {"tensors": len(roles), "bytes": total, "values_bytes": by_role["values"],
+            "scales_bytes": by_role["scales"], "kept_bytes": by_role["kept"], "bf16_bytes": bf16,
+            "ratio_to_bf16": total / bf16 if bf16 else 0.0}
+
+
+def inspect(path: str | os.PathLike, *, stats: bool = True) -> InspectReport:
+    """Inspect the checkpoint at ``path`` (a model directory or one ``.safetensors`` file); see the module
+    docstring for the problems it reports.
+
+    Raises FileNotFoundError for a missing path; CheckpointError (a ValueError) for files that cannot be read
+    safely (no safetensors, a corrupt header or index, a FIFO, a symlink out of the folder, malformed JSON).
+    """
+    with SafetensorsDir(path) as d:
+        q = describe_quantization(d)
+        a = analyse_pairs(d.entries(), q.format, q.declared)
+        problems, warnings = list(a.problems), list(a.warnings)
+        pairs = _decode_pairs(d, a, q.format, stats, problems, warnings)
+    if not a.pair_of:
+        if q.source == "config":
+            problems.append(f"config declares {q.format!r} MXFP8 quantization but no FP8 values/scale pair is in "
+                            "the files")
+        else:
+            problems.append("nothing MXFP8 in this checkpoint: no FP8 values/scale pair (not quantized?)")
+    values_of = {s: b for b, s in a.pair_of.items()}  # scale name -> values name
+    tensors = tuple({"name": n, "shape": list(s), "dtype": dtype_str(t), "role": a.roles[n],
+                     "pair": a.pair_of.get(n) or values_of.get(n)} for n, s, t in d.entries())
+    return InspectReport(str(path), q.format, q.source, tensors, tuple(pairs), _totals(d, a.roles),
+                         tuple(problems), tuple(warnings))
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
+    """:func:`inspect` as a JSON-able dict (``InspectReport.to_dict()``): ``path``, ``format``, ``format_source``,
+    ``tensors``, ``pairs``, ``totals``, ``problems``, ``warnings``.
+
+    Raises FileNotFoundError / CheckpointError (a ValueError) as :func:`inspect`.
+    """
+    return inspect(path, stats=stats).to_dict()

@@ -11,10 +11,11 @@ bits; ``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_m
 |---|---|---|---|
 | ``modelopt`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (quant_algo MXFP8 means E4M3) |
 | ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args mean E4M3) |
-| ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | yes: ``fmt: "e5m2"`` records it |
+| ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | no (see below) |
 
-SGLang's kernels load E4M3 only today; an E5M2 sglang checkpoint is for mxport's own readers
-(:func:`~mxport.checkpoint.open_checkpoint`, ``mxport.nn``) and engines that honour ``fmt``.
+SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's ``fmt`` says, so E5M2 values in an sglang
+checkpoint load there as garbage: export refuses it. mxport's own readers still read older E5M2 sglang
+checkpoints whose config says ``fmt: "e5m2"`` (and ``mxport inspect`` flags them).
 
 Fused 3-D expert tensors without a ``.weight`` suffix (``mlp.experts.gate_up_proj``) get the suffix appended:
 ``mlp.experts.gate_up_proj_scale`` (modelopt, compressed-tensors) / ``..._scale_inv`` (sglang).
@@ -34,7 +35,15 @@ SCALE_SUFFIX = {"modelopt": "_scale", "compressed-tensors": "_scale", "sglang": 
 ALLOWED_FP8 = {
     "modelopt": (torch.float8_e4m3fn,),
     "compressed-tensors": (torch.float8_e4m3fn,),
-    "sglang": (torch.float8_e4m3fn, torch.float8_e5m2),
+    "sglang": (torch.float8_e4m3fn,),  # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever ``fmt`` says
+}
+
+#: why each format cannot hold E5M2 values
+_E4M3_ONLY_WHY = {
+    "modelopt": "quant_algo MXFP8 means E4M3",
+    "compressed-tensors": "8-bit float arguments mean E4M3",
+    "sglang": "SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says, so E5M2 values would "
+              "load there as garbage",
 }
 
 PRODUCER = "mxport"
@@ -53,8 +62,8 @@ def check_fp8_dtype(fmt: str, fp8_dtype: torch.dtype) -> torch.dtype:
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
     if fp8_dtype not in ALLOWED_FP8[fmt]:
-        allowed = [f for f in FORMATS if fp8_dtype in ALLOWED_FP8[f]]
-        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only; E5M2 is allowed by {allowed}")
+        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only ({_E4M3_ONLY_WHY[fmt]}); export E4M3 "
+                         "(--fp8-dtype e4m3)")
     return fp8_dtype
 
 
@@ -79,6 +88,21 @@ def values_name(scale_tensor_name: str, fmt: str) -> str | None:
     return None
 
 
+def declared_fp8(fmt: str | None, quant_config: dict | None) -> torch.dtype | None:
+    """The FP8 element type the quantization config of format ``fmt`` declares: E4M3 for modelopt and
+    compressed-tensors, the ``fmt`` entry ("e4m3" by default, or "e5m2") for sglang; None without a config.
+
+    Raises ValueError for an sglang ``fmt`` that is neither."""
+    if fmt not in FORMATS or not isinstance(quant_config, dict):
+        return None
+    if fmt != "sglang":
+        return torch.float8_e4m3fn
+    element = quant_config.get("fmt", "e4m3")
+    if element not in ("e4m3", "e5m2"):
+        raise ValueError(f"quantization_config fmt must be 'e4m3' or 'e5m2', got {element!r}")
+    return torch.float8_e5m2 if element == "e5m2" else torch.float8_e4m3fn
+
+
 def _element(fp8_dtype: torch.dtype) -> str:
     return "e5m2" if fp8_dtype == torch.float8_e5m2 else "e4m3"
 
@@ -90,7 +114,7 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
         fmt: one of :data:`FORMATS`.
         exclude_modules: module names left unquantized (see :func:`mxport.policy.exclude_modules`); written as
             ``ignore`` (modelopt, compressed-tensors) / ``ignored_layers`` (sglang).
-        fp8_dtype: torch.float8_e4m3fn, or torch.float8_e5m2 where :data:`ALLOWED_FP8` allows it.
+        fp8_dtype: torch.float8_e4m3fn (every format: see :data:`ALLOWED_FP8`).
 
     Raises:
         ValueError: unknown format, or an FP8 dtype the format cannot declare.
@@ -125,18 +149,22 @@ def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3f
 
 def detect_format(quant_config: dict | None) -> str | None:
     """The format a ``config.json`` ``quantization_config`` (or ``hf_quant_config.json``) describes, or None when
-    it is absent or not MXFP8."""
+    it is absent or not MXFP8. ValueError when ``quantization`` or ``config_groups`` is not an object."""
     if not isinstance(quant_config, dict):
         return None
     method = str(quant_config.get("quant_method", "")).lower()
     q = quant_config.get("quantization")
+    if q is not None and not isinstance(q, dict):
+        raise ValueError(f"'quantization' must be an object, got {type(q).__name__}")
     algo = str(quant_config.get("quant_algo") or (q.get("quant_algo") if isinstance(q, dict) else "") or "")
     if method == "modelopt" or (isinstance(q, dict) and "quant_algo" in q):
         return "modelopt" if "MXFP8" in algo.upper() else None
     if method == "compressed-tensors":
         fmt = str(quant_config.get("format", ""))
         groups = quant_config.get("config_groups") or {}
-        fmts = [fmt] + [str(g.get("format", "")) for g in groups.values() if isinstance(g, dict)]
+        if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+            raise ValueError(f"'config_groups' must be an object of objects, got {type(groups).__name__}")
+        fmts = [fmt] + [str(g.get("format", "")) for g in groups.values()]
         return "compressed-tensors" if any("mxfp8" in f for f in fmts) else None
     if "mxfp8" in method:
         return "sglang"

@@ -1,35 +1,48 @@
 """Readers: tensors of a model one at a time, with their names, shapes and dtypes known before any data is read.
 
 * :class:`SafetensorsDir` — a Hugging Face model directory (``*.safetensors``, sharded with
-  ``model.safetensors.index.json``) or a single ``.safetensors`` file. Headers are parsed directly (the
-  safetensors format: 8-byte little-endian header length, JSON header, data), so entries come in file order
-  without reading data; :meth:`SafetensorsDir.get` reads one tensor (plain reads at the header's offsets).
+  ``model.safetensors.index.json``) or a single ``.safetensors`` file. Every header is checked by the
+  ``safetensors`` library (``safe_open``: offsets contiguous and covering the file, each shape matching its byte
+  range, bounded JSON), so entries come in file order without reading data; :meth:`SafetensorsDir.get` reads one
+  tensor (plain reads at the checked offsets, no memory map).
 * :class:`StateDictSource` — an ``nn.Module`` or a state dict in memory (GGUF files come in this way, through
   :func:`mxport.models.load_causal_lm`).
 * :func:`open_checkpoint` — an MXFP8 (or plain) checkpoint read back as ``(name, MXFP8Components | Tensor)``:
   values and scales paired under the values' name.
+
+Trust nothing on disk: only regular files inside the checkpoint folder are opened (a FIFO, a device, a directory
+named ``*.safetensors`` or a symlink leading out of the folder is refused before it is opened, so nothing blocks),
+an index must name plain files of the folder and agree with the shards' headers, JSON files must be objects of
+bounded size and depth. Every problem is a :class:`CheckpointError` (a ValueError) naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..components import MXFP8Components
+from ..components import MXFP8Components, compact_scale_shape
 from ..formats import SAFETENSORS_DTYPES, is_fp8_dtype
-from .naming import FORMATS, SCALE_SUFFIX, detect_format
+from .naming import FORMATS, SCALE_SUFFIX, declared_fp8, detect_format
 
 #: safetensors dtype names <-> torch dtypes (the ones mxport reads and writes)
 ST_TO_TORCH = SAFETENSORS_DTYPES
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_JSON = 64 * 2**20
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or folder that cannot be read safely or correctly; the message names the file."""
 
 
 def st_dtype_name(dtype: torch.dtype) -> str:
@@ -40,52 +53,190 @@ def st_dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported dtype {dtype} (safetensors dtypes: {sorted(ST_TO_TORCH)})") from None
 
 
-def read_header(file: str | os.PathLike) -> dict:
-    """Parse a ``.safetensors`` header: ``{name: {"dtype", "shape", "data_offsets"}}`` plus ``__metadata__``.
+# -- files: regular, inside the folder ------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
-    Raises ValueError naming the file when the header is truncated, not JSON, or inconsistent with the file size.
-    """
-    file = Path(file)
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"corrupt safetensors file {str(file)!r}: shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > _MAX_HEADER or 8 + n > size:
-            raise ValueError(f"corrupt safetensors header in {str(file)!r}: header length {n} does not fit the "
-                             f"file of {size} bytes")
-        raw = f.read(n)
+
+def _roots(folder: Path) -> list[Path]:
+    """Where files of ``folder`` may lead: the folder itself, and for a Hugging Face hub snapshot
+    (``<repo>/snapshots/<rev>``) the repo's ``blobs`` folder its symlinks point into."""
+    root = folder.resolve()
+    return [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+
+
+def check_regular_file(path: Path, roots: list[Path] | None = None) -> Path:
+    """``path`` itself when it is a regular file (following symlinks) that, with ``roots``, resolves inside one of
+    them; CheckpointError otherwise (FIFOs and devices are refused without being opened)."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"corrupt safetensors header in {str(file)!r}: not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"corrupt safetensors header in {str(file)!r}: expected a JSON object")
-    data_len = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(v) for v in info["data_offsets"])
-            shape = [int(s) for s in info["shape"]]
-            dtype = str(info["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"corrupt safetensors header in {str(file)!r}: bad entry for {name!r}") from None
-        if not 0 <= begin <= end <= data_len:
-            raise ValueError(f"corrupt safetensors header in {str(file)!r}: {name!r} data_offsets [{begin}, {end}] "
-                             f"outside the {data_len} data bytes")
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{str(path)!r} is {_kind(st.st_mode)}, not a regular file")
+    if roots is not None:
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(r) for r in roots):
+            raise CheckpointError(f"{str(path)!r} leads to {str(real)!r}, outside the checkpoint folder")
+    return path
+
+
+def _open_regular(path: Path):
+    """A binary file object for regular file ``path`` (opened non-blocking, checked again once open)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{str(path)!r} is not a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_json(path: Path, roots: list[Path] | None = None) -> dict:
+    """A JSON object from regular file ``path`` (at most 64 MiB); CheckpointError for anything else (not JSON,
+    nested too deeply, not an object)."""
+    check_regular_file(path, roots)
+    with _open_regular(path) as f:
+        raw = f.read(_MAX_JSON + 1)
+    if len(raw) > _MAX_JSON:
+        raise CheckpointError(f"{str(path)!r}: larger than {_MAX_JSON} bytes; not a config file")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: not valid JSON ({reason})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: expected a JSON object, got "
+                              f"{type(data).__name__}")
+    return data
+
+
+# -- safetensors headers ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file as its (checked) header describes it."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ST_TO_TORCH[self.dtype]
+
+
+def _safe_open(file: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", backend="pread")  # safetensors >= 0.8: no memory map
+    except TypeError:  # older safetensors: no backend argument
+        return safe_open(str(file), framework="pt")
+
+
+def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dict:
+    """Check a ``.safetensors`` file with the ``safetensors`` library and return its header:
+    ``{name: {"dtype", "shape", "data_offsets"}}`` (file order) plus ``__metadata__``.
+
+    Raises CheckpointError naming the file when it is not a regular file (inside ``roots``), when
+    ``safetensors`` refuses it (truncated, header too large, not JSON or nested too deeply, offsets overlapping,
+    out of range or not covering the data, a shape whose bytes differ from its offsets, negative sizes), or for a
+    dtype mxport does not read.
+    """
+    file = check_regular_file(Path(file), roots)
+    try:
+        with _safe_open(file) as f:
+            meta = f.metadata()
+            specs = [(k, f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.offset_keys()]
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the library's own words, with the file
+        reason = str(exc).removeprefix("Error while deserializing header: ")
+        raise CheckpointError(f"corrupt safetensors header in {str(file)!r}: {reason}") from None
+    _check_unique_keys(file)
+    header: dict = {"__metadata__": meta} if meta is not None else {}
+    offset = 0
+    for name, dtype, shape in specs:
         if dtype not in ST_TO_TORCH:
-            raise ValueError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; mxport reads "
-                             f"{sorted(ST_TO_TORCH)}")
-        info["shape"] = shape
+            raise CheckpointError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; mxport reads "
+                                  f"{sorted(ST_TO_TORCH)}")
+        n = torch.empty((), dtype=ST_TO_TORCH[dtype]).element_size()
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [offset, offset + n]}
+        offset += n  # safetensors checked that the offsets are contiguous and each range fits its shape
     return header
 
 
-def _data_start(file: Path) -> int:
-    """Byte offset of a safetensors file's data section (8 + header length)."""
-    with open(file, "rb") as f:
-        return 8 + struct.unpack("<Q", f.read(8))[0]
+def _no_duplicates(pairs: list[tuple]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise CheckpointError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
+def _check_unique_keys(file: Path) -> None:
+    """Refuse a header naming one key twice (JSON leaves it to the reader which one wins): ``safetensors`` keeps
+    one silently. Reads the header again, already checked by ``safetensors`` (bounded size and depth)."""
+    with _open_regular(file) as f:
+        raw = f.read(_data_start(f) - 8)  # the file is at byte 8 now
+    try:
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    except CheckpointError as exc:
+        raise CheckpointError(f"corrupt safetensors header in {str(file)!r}: {exc}") from None
+
+
+def _data_start(f) -> int:
+    """Byte offset of a safetensors file's data section (8 + header length), from an open file."""
+    f.seek(0)
+    return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def _plain_shard_name(name) -> bool:
+    return (isinstance(name, str) and name.endswith(".safetensors") and name == Path(name).name
+            and "/" not in name and "\\" not in name and name not in (".", ".."))
+
+
+def _index_shards(p: Path, roots: list[Path]) -> tuple[list[Path], dict[str, str]]:
+    """The shard files ``model.safetensors.index.json`` names, in order, and its weight map; CheckpointError for
+    a malformed index, a shard outside the folder or missing, a ``*.safetensors`` file of the folder it omits."""
+    index = read_json(p / INDEX_NAME, roots)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"corrupt {INDEX_NAME} in {str(p)!r}: 'weight_map' must be a non-empty object of "
+                              f"tensor name -> shard file, got {type(weight_map).__name__}")
+    bad = [v for v in weight_map.values() if not _plain_shard_name(v)]
+    if bad:
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} names {bad[0]!r}: shards must be *.safetensors files "
+                              "of the checkpoint folder itself")
+    names = list(dict.fromkeys(weight_map.values()))
+    missing = [n for n in names if not os.path.lexists(p / n)]
+    if missing:
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} names missing shard(s) {missing}")
+    # Mistral repos keep a consolidated.safetensors copy in their own naming next to the HF shards
+    omitted = sorted(f.name for f in p.glob("*.safetensors") if f.name not in weight_map.values()
+                     and not f.name.startswith("consolidated"))
+    if omitted:
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} omits shard(s) {omitted} of the folder: their tensors "
+                              "would be dropped")
+    return [p / n for n in names], weight_map
+
+
+def _check_index(p: Path, weight_map: dict[str, str], headers: dict[Path, dict]) -> None:
+    """Each shard's header holds exactly the tensors the index maps to it."""
+    for f, header in headers.items():
+        have = {k for k in header if k != "__metadata__"}
+        want = {k for k, v in weight_map.items() if v == f.name}
+        if have - want:
+            raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} omits tensor(s) {sorted(have - want)[:5]} of "
+                                  f"{f.name}")
+        if want - have:
+            raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} maps tensor(s) {sorted(want - have)[:5]} to "
+                                  f"{f.name}, which does not hold them")
 
 
 class SafetensorsDir:
@@ -98,58 +249,59 @@ class SafetensorsDir:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: no ``*.safetensors`` in the directory, an index naming a missing shard, a corrupt header,
-            an unsupported dtype, a tensor name in two shards.
+        CheckpointError (a ValueError): no ``*.safetensors`` in the directory; a shard, index or config that is
+            not a regular file inside the folder; an index naming a missing shard, a file outside the folder,
+            omitting a shard or a tensor; a corrupt header; an unsupported dtype; a tensor name in two shards.
     """
 
     def __init__(self, path: str | os.PathLike):
         p = Path(path).expanduser()
-        if not p.exists():
-            raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist")
-        if p.is_file():
-            if p.suffix != ".safetensors":
-                raise ValueError(f"{str(p)!r} is not a .safetensors file or a model directory")
-            self.path, self.files = p.parent, [p]
-        else:
-            self.path = p
-            index = p / INDEX_NAME
-            if index.is_file():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"corrupt {INDEX_NAME} in {str(p)!r}: {exc}") from None
-                names = list(dict.fromkeys(weight_map.values()))
-                self.files = [p / n for n in names]
-                missing = [str(f.name) for f in self.files if not f.is_file()]
-                if missing:
-                    raise ValueError(f"{INDEX_NAME} in {str(p)!r} names missing shard(s) {missing}")
+        try:
+            mode = os.stat(p).st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint path {str(p)!r}: {exc.strerror or exc}") from None
+        weight_map = None
+        roots: list[Path] | None = None
+        if stat.S_ISDIR(mode):
+            self.path, roots = p, _roots(p)
+            if os.path.lexists(p / INDEX_NAME):
+                self.files, weight_map = _index_shards(p, roots)
             else:
                 self.files = sorted(p.glob("*.safetensors"))
             if not self.files:
-                raise ValueError(f"no model found in {str(p)!r}: no *.safetensors files")
+                raise CheckpointError(f"no model found in {str(p)!r}: no *.safetensors files")
+        elif stat.S_ISREG(mode):
+            if p.suffix != ".safetensors":
+                raise CheckpointError(f"{str(p)!r} is not a .safetensors file or a model directory")
+            self.path, self.files = p.parent, [p]
+        else:
+            raise CheckpointError(f"checkpoint path {str(p)!r} is {_kind(mode)}, not a model directory or a "
+                                  ".safetensors file")
         cfg = self.path / "config.json"
-        self.config: dict = {}
-        if cfg.is_file() and (p.is_dir()):
-            try:
-                self.config = json.loads(cfg.read_text())
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"corrupt config.json in {str(self.path)!r}: {exc}") from None
-        self._headers = {f: read_header(f) for f in self.files}
-        self._data_start = {f: _data_start(f) for f in self.files}
-        self._where: dict[str, Path] = {}
+        self.config: dict = read_json(cfg, roots) if roots is not None and os.path.lexists(cfg) else {}
+        self._roots = roots
+        headers = {f: read_header(f, roots) for f in self.files}
+        if weight_map is not None:
+            _check_index(p, weight_map, headers)
+        self._info: dict[str, TensorInfo] = {}
         self._entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self.st_dtypes: dict[str, str] = {}
-        for f, header in self._headers.items():
-            items = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                           key=lambda kv: kv[1]["data_offsets"][0])
-            for name, info in items:
-                if name in self._where:
-                    raise ValueError(f"tensor {name!r} appears in two shards ({self._where[name].name}, {f.name})")
-                self._where[name] = f
-                self.st_dtypes[name] = info["dtype"]
-                self._entries.append((name, tuple(info["shape"]), ST_TO_TORCH[info["dtype"]]))
+        for f, header in headers.items():
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if name in self._info:
+                    raise CheckpointError(f"tensor {name!r} appears in two shards ({self._info[name].file.name}, "
+                                          f"{f.name})")
+                ti = TensorInfo(f, info["dtype"], tuple(info["shape"]), *info["data_offsets"])
+                self._info[name] = ti
+                self.st_dtypes[name] = ti.dtype
+                self._entries.append((name, ti.shape, ti.torch_dtype))
         self._handle = None
         self._handle_file: Path | None = None
+        self._handle_start = 0
 
     @property
     def label(self) -> str:
@@ -163,51 +315,60 @@ class SafetensorsDir:
         return [e[0] for e in self._entries]
 
     def nbytes(self, name: str) -> int:
-        begin, end = self._headers[self._where[name]][name]["data_offsets"]
-        return end - begin
+        info = self._info[name]
+        return info.end - info.begin
 
     def file_of(self, name: str) -> Path:
-        return self._where[name]
+        return self._info[name].file
+
+    def read_json(self, name: str) -> dict | None:
+        """Another JSON file of the checkpoint folder (``hf_quant_config.json``), checked as ``config.json``;
+        None when absent (or when this reader is a single file)."""
+        f = self.path / name
+        if self._roots is None or not os.path.lexists(f):
+            return None
+        return read_json(f, self._roots)
+
+    def _info_of(self, name: str) -> TensorInfo:
+        if name not in self._info:
+            raise KeyError(f"no tensor {name!r} in {self.label}")
+        return self._info[name]
 
     def get(self, name: str) -> torch.Tensor:
         """Read tensor ``name`` into a new CPU tensor of its stored dtype. KeyError for an unknown name.
 
-        Plain ``readinto`` at the header's offsets, not a memory map: pages of a mapped shard would count in the
+        Plain reads at the header's offsets, not a memory map: pages of a mapped shard would count in the
         process's resident memory until the shard is closed, so peak memory would grow with the shard size.
         """
-        if name not in self._where:
-            raise KeyError(f"no tensor {name!r} in {self.label}")
-        info = self._headers[self._where[name]][name]
-        begin, end = info["data_offsets"]
-        return self._read(name, 0, end - begin).view(ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])
+        info = self._info_of(name)
+        return self._read(name, 0, info.end - info.begin).view(info.torch_dtype).reshape(info.shape)
 
     def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Bytes ``[start, stop)`` of tensor ``name``'s data as a new uint8 tensor."""
-        f = self._where[name]
-        begin = self._headers[f][name]["data_offsets"][0]
+        info = self._info[name]
         buf = torch.empty(stop - start, dtype=torch.uint8)
         if stop > start:
-            if self._handle_file != f:
+            if self._handle_file != info.file:
                 self.close()
-                self._handle = open(f, "rb")  # noqa: SIM115 - kept open across reads, closed by close()
-                self._handle_file = f
-            self._handle.seek(self._data_start[f] + begin + start)
+                self._handle = _open_regular(check_regular_file(info.file, self._roots))
+                self._handle_file = info.file
+                self._handle_start = _data_start(self._handle)
+            self._handle.seek(self._handle_start + info.begin + start)
             view = memoryview(buf.numpy())
             got = 0
             while got < len(view):
                 n = self._handle.readinto(view[got:])
                 if not n:
-                    raise ValueError(f"corrupt safetensors file {str(f)!r}: {name!r} data ends early")
+                    raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} data ends early "
+                                          "(the file changed after it was opened?)")
                 got += n
         return buf
 
     def iter_rows(self, name: str, chunk_numel: int) -> Iterator[torch.Tensor]:
         """Tensor ``name`` as consecutive whole rows of its ``(M, K)`` view (K = last dimension), about
         ``chunk_numel`` elements per chunk, each read from the file on its own (memory: one chunk)."""
-        if name not in self._where:
-            raise KeyError(f"no tensor {name!r} in {self.label}")
-        info = self._headers[self._where[name]][name]
-        dtype, shape = ST_TO_TORCH[info["dtype"]], info["shape"]
+        info = self._info_of(name)
+        dtype, shape = info.torch_dtype, info.shape
         k = shape[-1] if shape else 1
         m = 1
         for s in shape[:-1]:
@@ -324,24 +485,199 @@ def format_by_names(names: list[str], dtypes: dict[str, torch.dtype]) -> str | N
     return "modelopt"
 
 
-def read_quant_config(path: Path, config: dict) -> dict | None:
+def read_quant_config(d: SafetensorsDir) -> dict | None:
     """The checkpoint's quantization description: ``config.json`` ``quantization_config`` or, failing that,
-    ``hf_quant_config.json``; None if neither."""
-    qc = config.get("quantization_config") if isinstance(config, dict) else None
-    if isinstance(qc, dict):
+    ``hf_quant_config.json``; None if neither. CheckpointError when either is there but not a JSON object."""
+    qc = d.config.get("quantization_config")
+    if qc is not None:
+        if not isinstance(qc, dict):
+            raise CheckpointError(f"corrupt config.json in {d.label!r}: quantization_config must be an object, got "
+                                  f"{type(qc).__name__}")
         return qc
-    hq = path / "hf_quant_config.json"
-    if hq.is_file():
-        try:
-            data = json.loads(hq.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"corrupt hf_quant_config.json in {str(path)!r}: {exc}") from None
-        return data if isinstance(data, dict) else None
+    return d.read_json("hf_quant_config.json")
+
+
+@dataclass(frozen=True)
+class QuantDescription:
+    """What the files say about quantization: the config (or None), the format (one of FORMATS or None), where the
+    format came from ("config" | "names" | None) and the FP8 element the config declares (None: not declared)."""
+
+    config: dict | None
+    format: str | None
+    source: str | None
+    declared: torch.dtype | None
+
+
+def describe_quantization(d: SafetensorsDir) -> QuantDescription:
+    """:class:`QuantDescription` of ``d``: from ``quantization_config`` / ``hf_quant_config.json``, else the format
+    guessed from the scale names. CheckpointError for a malformed quantization config."""
+    qc = read_quant_config(d)
+    try:
+        fmt = detect_format(qc)
+        declared = declared_fp8(fmt, qc)
+    except ValueError as exc:
+        where = "config.json quantization_config" if "quantization_config" in d.config else "hf_quant_config.json"
+        raise CheckpointError(f"corrupt {where} in {d.label!r}: {exc}") from None
+    if fmt is not None:
+        return QuantDescription(qc, fmt, "config", declared)
+    entries = d.entries()
+    guess = format_by_names([n for n, _, _ in entries], {n: t for n, _, t in entries})
+    return QuantDescription(qc, guess, "names" if guess else None, None)
+
+
+# -- pairing values and scales, and what can be wrong with them --------------------------------------------------
+_ALL_SUFFIXES = ("_scale_inv", "_scale")
+
+
+def dtype_str(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
+    """(values name, suffix) when ``name`` is named like a scale: ``X_scale_inv`` / ``X_scale`` with ``X`` present,
+    or ``*.weight_scale(_inv)`` regardless of ``X``."""
+    for suf in _ALL_SUFFIXES:
+        if name.endswith(suf):
+            base = name[: -len(suf)]
+            if base in present or base.endswith(".weight"):
+                return base, suf
     return None
+
+
+@dataclass(frozen=True)
+class PairAnalysis:
+    """Roles of a checkpoint's tensors from their names, dtypes and shapes alone (no data read).
+
+    Attributes:
+        roles: name -> "values" | "scales" | "kept".
+        pair_of: values name -> scale name.
+        bad: values names whose scale has the wrong dtype or shape (their data cannot be decoded).
+        problems / warnings: one-line descriptions (see :mod:`mxport.checkpoint.inspect`).
+    """
+
+    roles: dict[str, str]
+    pair_of: dict[str, str]
+    bad: frozenset[str]
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+def _find_scales(names, dtypes, fmt, problems) -> tuple[dict[str, str], dict[str, str]]:
+    """(roles, pair_of) of the scale-named tensors; name problems appended to ``problems``."""
+    present = set(names)
+    roles = {n: "kept" for n in names}
+    pair_of: dict[str, str] = {}
+    for n in names:  # scales first: names like X_scale whose X exists, or *.weight_scale(_inv)
+        owner = _scale_owner(n, present)
+        if owner is None:
+            continue
+        base, suf = owner
+        if base not in present:
+            roles[n] = "scales"
+            problems.append(f"{n}: scale without values (no tensor {base!r})")
+            continue
+        if not is_fp8_dtype(dtypes[base]):
+            if dtypes[n] == torch.uint8:
+                roles[n] = "scales"
+                problems.append(f"{n}: scale for {base!r}, which is {dtype_str(dtypes[base])}, not FP8 values")
+            continue
+        roles[n] = "scales"
+        if base in pair_of:
+            problems.append(f"{base}: two scale tensors ({pair_of[base]!r} and {n!r})")
+            continue
+        pair_of[base] = n
+        if fmt in FORMATS and suf != SCALE_SUFFIX[fmt]:
+            problems.append(f"{n}: scale name does not follow format {fmt!r} (expected {base + SCALE_SUFFIX[fmt]!r})")
+    return roles, pair_of
+
+
+def _scale_header_problems(base, sname, shape, sshape, sdt, problems, warnings) -> bool:
+    """Check one pair's scale dtype and shape against its values; True when it can be decoded."""
+    ok = True
+    if sdt not in (torch.uint8, _E8M0 or torch.uint8):
+        problems.append(f"{sname}: scale stored as {dtype_str(sdt)}; expected uint8 E8M0 bytes (bit patterns, "
+                        "not values)")
+        ok = False
+    elif sdt != torch.uint8:
+        warnings.append(f"{sname}: float8_e8m0fnu scale (same bytes as uint8; engines expect U8)")
+    want = compact_scale_shape(shape) if shape else None
+    if want is None or tuple(sshape) != tuple(want):
+        hint = ""
+        if want is not None and len(sshape) == 2 and sshape[0] % 128 == 0 and sshape[1] % 4 == 0 and (
+                sshape[0] >= want[0] and sshape[-1] >= want[-1]):
+            hint = " (looks padded to 128x4 as TE stores it: slice it to the compact shape)"
+        problems.append(f"{sname}: scale shape {list(sshape)} for values {list(shape)}; expected compact "
+                        f"{list(want) if want else '?'}{hint}")
+        ok = False
+    return ok
+
+
+def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: str | None,
+                  declared: torch.dtype | None = None) -> PairAnalysis:
+    """Pair FP8 values with their scales by name and check everything the headers tell: values without a scale,
+    a scale without values or for non-FP8 values, two scales for one tensor, a scale name that does not follow
+    ``fmt``, values of another FP8 element than ``declared`` (the quantization config's), a scale that is not
+    uint8 E8M0 or not compact."""
+    names = [n for n, _, _ in entries]
+    shapes = {n: s for n, s, _ in entries}
+    dtypes = {n: t for n, _, t in entries}
+    problems: list[str] = []
+    warnings: list[str] = []
+    roles, pair_of = _find_scales(names, dtypes, fmt, problems)
+    for n in names:
+        if is_fp8_dtype(dtypes[n]):
+            roles[n] = "values"
+            if n not in pair_of:
+                want = n + SCALE_SUFFIX[fmt] if fmt in FORMATS else f"{n}_scale or {n}_scale_inv"
+                problems.append(f"{n}: FP8 values without a scale (expected {want})")
+            if declared is not None and dtypes[n] != declared:
+                problems.append(f"{n}: {dtype_str(dtypes[n])} values, but the quantization config of format "
+                                f"{fmt!r} declares {dtype_str(declared)}")
+    bad = set()
+    for base, sname in pair_of.items():
+        if not _scale_header_problems(base, sname, shapes[base], shapes[sname], dtypes[sname], problems, warnings):
+            bad.add(base)
+    return PairAnalysis(roles, pair_of, frozenset(bad), tuple(problems), tuple(warnings))
+
+
+def data_problems(c: MXFP8Components, scale_name: str, values_name: str) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values; every
+    scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight is only a
+    warning."""
+    problems, warnings = [], []
+    e = c.scale_inv
+    nan = int((e == 255).sum())
+    if nan:
+        problems.append(f"{scale_name}: {nan} NaN scale byte(s) (E = 255)")
+    bits = c.data.view(torch.uint8)
+    # E4M3 (fn): S.1111.111 is NaN, there is no Inf; E5M2: exponent 11111 is Inf or NaN. quantize saturates:
+    # neither ever comes out of it for finite input.
+    bad = (bits & 0x7F) == 0x7F if c.fp8_dtype == torch.float8_e4m3fn else (bits & 0x7C) == 0x7C
+    n_bad = int(bad.sum())
+    if n_bad:
+        problems.append(f"{values_name}: {n_bad} NaN/Inf FP8 value(s)")
+    if e.numel() and bool((e == 0).all()):
+        if bool(((c.data.view(torch.uint8) & 0x7F) != 0).any()):
+            problems.append(f"{scale_name}: every scale byte is 0 (2**-127) but the values are not zero: "
+                            "scales never written?")
+        else:
+            warnings.append(f"{values_name}: an all-zero weight (values and scales all 0)")
+    return problems, warnings
+
+
+def _first(problems, path) -> str:
+    more = f" (and {len(problems) - 1} more problem(s); see `mxport inspect`)" if len(problems) > 1 else ""
+    return f"checkpoint {str(path)!r}: {problems[0]}{more}"
 
 
 class CheckpointReader:
     """An exported MXFP8 checkpoint (any of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF directory.
+
+    Opening checks the files (see :class:`SafetensorsDir`) and every values/scale pair's names, dtypes and shapes
+    (:func:`analyse_pairs`): FP8 values without a scale, values of another element type than the quantization
+    config declares (E4M3 bytes stored as ``F8_E5M2``), a padded or non-uint8 scale, a config that declares MXFP8
+    over files without one pair are each a :class:`CheckpointError`. Reading a pair checks its bytes
+    (:func:`data_problems`: NaN scales, scales never written).
 
     Attributes:
         format: "modelopt" | "compressed-tensors" | "sglang" (from the config's quantization_config or
@@ -351,13 +687,21 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike):
         self._dir = SafetensorsDir(path)
-        self.path = self._dir.path
-        self.config = self._dir.config
-        dtypes = {n: d for n, _, d in self._dir.entries()}
-        names = self._dir.names()
-        fmt = detect_format(read_quant_config(self.path, self.config))
-        self.format = fmt if fmt in FORMATS else format_by_names(names, dtypes)
-        self._pairs = _pair_names(names, dtypes, self.format)
+        try:
+            self.path = self._dir.path
+            self.config = self._dir.config
+            q = describe_quantization(self._dir)
+            self.format = q.format
+            a = analyse_pairs(self._dir.entries(), q.format, q.declared)
+            if a.problems:
+                raise CheckpointError(_first(a.problems, path))
+            if q.source == "config" and not a.pair_of:
+                raise CheckpointError(f"checkpoint {str(path)!r}: the config declares {q.format!r} MXFP8 "
+                                      "quantization but no FP8 values/scale pair is in the files")
+        except BaseException:
+            self._dir.close()
+            raise
+        self._pairs = a.pair_of
         self._scales = set(self._pairs.values())
 
     def names(self) -> list[str]:
@@ -369,18 +713,21 @@ class CheckpointReader:
         return self._pairs.get(name)
 
     def get(self, name: str) -> MXFP8Components | torch.Tensor:
-        """One entry of :meth:`iter_tensors` by name."""
-        if name in self._pairs:
-            return MXFP8Components(self._dir.get(name), self._dir.get(self._pairs[name]), "rowwise")
-        return self._dir.get(name)
+        """One entry of :meth:`iter_tensors` by name. CheckpointError for a pair whose bytes are wrong."""
+        if name not in self._pairs:
+            return self._dir.get(name)
+        sname = self._pairs[name]
+        scale = self._dir.get(sname)
+        c = MXFP8Components(self._dir.get(name), scale.view(torch.uint8) if scale.dtype == _E8M0 else scale,
+                            "rowwise")
+        problems, _ = data_problems(c, sname, name)
+        if problems:
+            raise CheckpointError(f"{str(self._dir.file_of(sname))!r}: {problems[0]}")
+        return c
 
     def iter_tensors(self) -> Iterator[tuple[str, MXFP8Components | torch.Tensor]]:
         """Yield ``(name, value)`` in file order: ``MXFP8Components`` (rowwise, compact uint8 scales; 3-D expert
-        values give scales ``[E, N, ceil(K/32)]``) for each values/scale pair, plain tensors for the rest.
-
-        Raises ValueError (from :class:`~mxport.MXFP8Components`) when a scale's shape or dtype does not match its
-        values (e.g. a padded scale); ``mxport inspect`` reports such checkpoints without raising.
-        """
+        values give scales ``[E, N, ceil(K/32)]``) for each values/scale pair, plain tensors for the rest."""
         for name in self.names():
             yield name, self.get(name)
 
@@ -400,6 +747,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: no safetensors files, a corrupt header or index, an unsupported dtype.
+        CheckpointError (a ValueError): unsafe or corrupt files, index or config; values/scale pairs that do not
+            match (see :class:`CheckpointReader`).
     """
     return CheckpointReader(path)
