@@ -100,7 +100,9 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
             without scales, an unknown tensor subclass (never dequantized behind your back), quantize options
             given with an MXFP8 producer, wrong dtypes inside a producer.
         ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale
-            grids too small / of the wrong shape for the data, an unknown ``direction``.
+            grids too small / of the wrong shape for the data, an unknown ``direction``; a TE grouped tensor
+            whose members differ in shape, are not packed back to back, or (columnwise, ``N % 32 != 0``) would
+            have blocks straddling experts (use :func:`export_grouped_components`).
     """
     check_direction(direction)
     native = _native(obj, direction)
