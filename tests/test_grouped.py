@@ -318,3 +318,18 @@ def test_high_precision_grouped_tensor_is_quantized():
         assert_same(e, mxport.quantize(x, torch.float8_e5m2))
     whole = mxport.export_components(param, direction="columnwise")
     assert_same(whole, mxport.quantize(torch.stack(xs), direction="columnwise"))
+
+
+def test_te_grouped_tensor_with_gaps_between_members():
+    xs = experts([(32, 64)] * 3, seed=14)
+    fields = vars(grouped_storage(xs, "rowwise"))
+    numel = xs[0].numel()
+    gap = torch.full((16,), 0x7F, dtype=torch.uint8)  # bytes that belong to no member
+    members = fields["rowwise_data"].split(numel)
+    fields["rowwise_data"] = torch.cat([members[0], gap, members[1], gap, members[2]])
+    fields["offsets"] = [0, numel + 16, 2 * (numel + 16)]
+    gt = GroupedTensor(fields)
+    for e, x in zip(mxport.export_grouped_components(gt), xs, strict=True):
+        assert_same(e, mxport.quantize(x))
+    with pytest.raises(ValueError, match="packed back to back"):
+        mxport.export_components(gt)
