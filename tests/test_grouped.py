@@ -163,3 +163,173 @@ def test_3d_bad_inputs():
         mxport.export_grouped_components(mxport.quantize(torch.randn(64, 64)))
     with pytest.raises(TypeError, match="accepts"):
         mxport.export_grouped_components(object())
+
+
+# -- TE GroupedTensor: a torch.Tensor wrapper subclass, and the nn.Parameter GroupedLinear registers
+# ---------------------------------------------------------------------------------
+#: the storage fields TE's GroupedTensor.__torch_dispatch__ copies onto detach()/alias() wrappers
+#: (transformer_engine/pytorch/tensor/grouped_tensor.py, copy_grouped_storage_metadata)
+GROUPED_FIELDS = (
+    "num_tensors", "quantizer", "tensor_shapes", "fake_dtype", "rowwise_data", "columnwise_data", "scale_inv",
+    "columnwise_scale_inv", "amax", "columnwise_amax", "scale", "first_dims", "last_dims", "tensor_offsets",
+    "offsets", "scale_inv_offsets", "columnwise_scale_inv_offsets", "logical_shape", "quantized_tensors",
+    "_with_gemm_swizzled_scales",
+)
+
+
+def _contiguous_strides(shape):
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
+
+
+class GroupedTensor(torch.Tensor):
+    """Stand-in for TE's ``GroupedTensor(GroupedTensorStorage, torch.Tensor)``: built with
+    ``torch.Tensor._make_wrapper_subclass`` (nominal dtype bf16, shape ``(num_tensors, rows, cols)`` for equal
+    members, else ``logical_shape``), storage fields as plain attributes, ``__torch_function__`` disabled,
+    ``detach`` / ``alias`` answered with a wrapper carrying the same fields (what ``nn.Parameter`` calls), every
+    other op refused. ``copied_fields`` lets a test play a TE version whose detach did not copy the swizzle
+    flag."""
+
+    copied_fields = GROUPED_FIELDS
+
+    @staticmethod
+    def __new__(cls, fields: dict, requires_grad: bool = False):
+        shapes, n = fields.get("tensor_shapes"), fields["num_tensors"]
+        if shapes and all(tuple(s) == tuple(shapes[0]) for s in shapes):
+            wrapper_shape = (n, *shapes[0])
+        else:
+            wrapper_shape = tuple(fields["logical_shape"])
+        buf = fields["rowwise_data"] if fields["rowwise_data"] is not None else fields["columnwise_data"]
+        inst = torch.Tensor._make_wrapper_subclass(
+            cls, wrapper_shape, strides=_contiguous_strides(wrapper_shape), storage_offset=0,
+            dtype=torch.bfloat16, layout=torch.strided, requires_grad=requires_grad, device=buf.device,
+        )
+        for name in GROUPED_FIELDS:
+            setattr(inst, name, fields.get(name))
+        inst.fake_dtype = torch.bfloat16
+        return inst
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            src = args[0]
+            out = torch.Tensor._make_wrapper_subclass(
+                type(src), tuple(src.shape), strides=tuple(src.stride()), storage_offset=0, dtype=src.dtype,
+                layout=src.layout, requires_grad=False, device=src.device,
+            )
+            for name in type(src).copied_fields:
+                setattr(out, name, getattr(src, name))
+            return out
+        raise RuntimeError(f"GroupedTensor forbids {func}")
+
+
+class OldTEGroupedTensor(GroupedTensor):
+    """TE before the swizzle flag was copied by detach (e.g. commit 024ef158 of grouped_tensor.py)."""
+
+    copied_fields = tuple(f for f in GROUPED_FIELDS if f != "_with_gemm_swizzled_scales")
+
+
+def grouped_tensor(xs, direction, cls=GroupedTensor, **kw):
+    return cls(vars(grouped_storage(xs, direction, **kw)))
+
+
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("as_param", [False, True], ids=["tensor", "parameter"])
+def test_te_grouped_tensor_subclass(direction, swizzled, as_param):
+    xs = experts(UNIFORM, seed=8)
+    gt = grouped_tensor(xs, direction, swizzled=swizzled)
+    obj = torch.nn.Parameter(gt) if as_param else gt
+    assert type(obj) is GroupedTensor and isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16
+    assert isinstance(obj, torch.nn.Parameter) == as_param
+    buf = gt.rowwise_data if direction == "rowwise" else gt.columnwise_data
+    per_expert = mxport.export_grouped_components(obj, direction=direction)
+    assert len(per_expert) == 4
+    for i, (e, x) in enumerate(zip(per_expert, xs, strict=True)):
+        assert_same(e, mxport.quantize(x, direction=direction))
+        assert e.data.data_ptr() == buf.data_ptr() + i * x.numel()
+    whole = mxport.export_components(obj, direction=direction)  # the parameter's own [E, N, K]
+    assert whole.shape == tuple(obj.shape) == (4, 64, 96)
+    assert_same(whole, mxport.quantize(torch.stack(xs), direction=direction))
+    assert whole.data.data_ptr() == buf.data_ptr() and whole.scale_inv.is_contiguous()
+    with pytest.raises(TypeError, match="quantize options"):
+        mxport.export_components(obj, direction=direction, rounding="floor")
+
+
+def test_te_grouped_parameter_without_swizzle_flag_uses_quantizer():
+    xs = experts(UNIFORM, seed=9)
+    param = torch.nn.Parameter(grouped_tensor(xs, "rowwise", cls=OldTEGroupedTensor, swizzled=True))
+    assert not hasattr(param, "_with_gemm_swizzled_scales") and param.quantizer.optimize_for_gemm
+    for e, x in zip(mxport.export_grouped_components(param), xs, strict=True):
+        assert_same(e, mxport.quantize(x))
+    assert_same(mxport.export_components(param), mxport.quantize(torch.stack(xs)))
+
+
+def test_te_grouped_tensor_unpadded_scales_are_views():
+    xs = experts([(128, 128)] * 3, seed=10)  # N % 128 == 0, K/32 = 4: TE's grids hold no padding
+    gt = grouped_tensor(xs, "rowwise")
+    whole = mxport.export_components(torch.nn.Parameter(gt))
+    assert_same(whole, mxport.quantize(torch.stack(xs)))
+    assert whole.scale_inv.data_ptr() == gt.scale_inv.data_ptr()
+    assert whole.data.data_ptr() == gt.rowwise_data.data_ptr()
+    gt.rowwise_data[128 * 128] = 0  # first element of expert 1, written in place
+    assert whole.data.view(torch.uint8)[1, 0, 0].item() == 0
+
+
+def test_te_grouped_tensor_varying_shapes():
+    xs = experts(VARYING, seed=11)
+    gt = grouped_tensor(xs, "rowwise")
+    assert tuple(gt.shape) == (sum(x.shape[0] for x in xs), 96)  # wrapper shape = logical_shape
+    for e, x in zip(mxport.export_grouped_components(gt), xs, strict=True):
+        assert_same(e, mxport.quantize(x))
+    with pytest.raises(ValueError, match="different shapes"):
+        mxport.export_components(gt)
+
+
+def test_te_grouped_columnwise_straddling_experts_refused():
+    xs = experts([(40, 64)] * 2, seed=12)
+    gt = grouped_tensor(xs, "columnwise")
+    for e, x in zip(mxport.export_grouped_components(gt, direction="columnwise"), xs, strict=True):
+        assert_same(e, mxport.quantize(x, direction="columnwise"))
+    with pytest.raises(ValueError, match="straddle"):
+        mxport.export_components(gt, direction="columnwise")
+
+
+def high_precision_grouped(xs, dtype=torch.bfloat16):
+    """TE's GroupedLinear(single_grouped_weight=True) without an FP8 recipe: quantizer None, bf16 data."""
+    n = len(xs)
+    return GroupedTensor({
+        "num_tensors": n, "quantizer": None, "tensor_shapes": [tuple(x.shape) for x in xs],
+        "rowwise_data": torch.cat([x.to(dtype).reshape(-1) for x in xs]),
+        "offsets": [i * xs[0].numel() for i in range(n + 1)],
+        "logical_shape": (sum(x.shape[0] for x in xs), xs[0].shape[1]), "_with_gemm_swizzled_scales": False,
+    })
+
+
+def test_high_precision_grouped_tensor_is_quantized():
+    xs = [x.bfloat16() for x in experts(UNIFORM, seed=13)]
+    param = torch.nn.Parameter(high_precision_grouped(xs))
+    out = mxport.export_grouped_components(param, fp8_dtype=torch.float8_e5m2)
+    for e, x in zip(out, xs, strict=True):
+        assert_same(e, mxport.quantize(x, torch.float8_e5m2))
+    whole = mxport.export_components(param, direction="columnwise")
+    assert_same(whole, mxport.quantize(torch.stack(xs), direction="columnwise"))
+
+
+def test_te_grouped_tensor_with_gaps_between_members():
+    xs = experts([(32, 64)] * 3, seed=14)
+    fields = vars(grouped_storage(xs, "rowwise"))
+    numel = xs[0].numel()
+    gap = torch.full((16,), 0x7F, dtype=torch.uint8)  # bytes that belong to no member
+    members = fields["rowwise_data"].split(numel)
+    fields["rowwise_data"] = torch.cat([members[0], gap, members[1], gap, members[2]])
+    fields["offsets"] = [0, numel + 16, 2 * (numel + 16)]
+    gt = GroupedTensor(fields)
+    for e, x in zip(mxport.export_grouped_components(gt), xs, strict=True):
+        assert_same(e, mxport.quantize(x))
+    with pytest.raises(ValueError, match="packed back to back"):
+        mxport.export_components(gt)

@@ -13,14 +13,23 @@ import torch
 from .components import MXFP8Components, check_direction
 from .formats import FLOAT_DTYPES
 from .quantize import quantize
-from .sources.grouped import export_te_grouped, is_te_grouped, split_experts
+from .sources.grouped import (
+    export_te_grouped,
+    export_te_grouped_stacked,
+    grouped_float_members,
+    grouped_float_stacked,
+    is_high_precision_grouped,
+    is_te_grouped,
+    split_experts,
+)
 from .sources.megatron import export_megatron, is_megatron_mxfp8
 from .sources.te import export_te, is_te_mxfp8
 from .sources.torchao import export_torchao, is_torchao_mx
 
 ACCEPTED = (
-    "a Transformer Engine MXFP8Tensor / MXFP8TensorStorage, a torchao MXTensor, a Megatron-LM inference "
-    "MXFP8Tensor, an MXFP8Components, or a float32/bfloat16/float16 tensor or nn.Parameter (quantized)"
+    "a Transformer Engine MXFP8Tensor / MXFP8TensorStorage / GroupedTensor, a torchao MXTensor, a Megatron-LM "
+    "inference MXFP8Tensor, an MXFP8Components, or a float32/bfloat16/float16 tensor or nn.Parameter "
+    "(quantized)"
 )
 
 
@@ -31,6 +40,8 @@ def _native(obj, direction: str) -> MXFP8Components | None:
             raise ValueError(f"these MXFP8Components are {obj.direction}; "
                              f"direction={direction!r} is not available")
         return obj
+    if is_te_grouped(obj) and not is_high_precision_grouped(obj):
+        return export_te_grouped_stacked(obj, direction)
     if is_te_mxfp8(obj):
         return export_te(obj, direction)
     if is_torchao_mx(obj):
@@ -64,14 +75,19 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
             - torchao ``MXTensor`` with FP8 elements: :func:`mxport.sources.torchao.export_torchao`.
             - Megatron-LM inference ``MXFP8Tensor`` (``data``, swizzled ``scale``, ``backend``):
               :func:`mxport.sources.megatron.export_megatron`.
+            - Transformer Engine ``GroupedTensor`` (a ``torch.Tensor`` wrapper subclass; also as the
+              ``nn.Parameter`` TE's ``GroupedLinear(single_grouped_weight=True)`` registers as ``weight``) or
+              ``GroupedTensorStorage`` with equal member shapes: ONE 3-D ``[E, N, K]`` components, data a view
+              of the flat buffer (:func:`mxport.sources.grouped.export_te_grouped_stacked`); with
+              ``quantizer`` None (a bf16 grouped weight) the stacked members are quantized like a float
+              tensor. :func:`export_grouped_components` gives one components per expert instead.
             - a float32 / bfloat16 / float16 (float64 read as float32) tensor or ``nn.Parameter``: quantized
               with :func:`mxport.quantize` (``quantize_kwargs`` such as ``fp8_dtype``, ``rounding``,
               ``block_2d`` pass through).
         direction: ``"rowwise"`` (blocks of 32 along the last dim) or ``"columnwise"`` (along the flattened
             leading dims), TE's terms.
         **quantize_kwargs: only for float input; passing them with an MXFP8 producer is a TypeError (the
-        native
-            path never requantizes).
+            native path never requantizes).
 
     Returns:
         :class:`MXFP8Components`. Values are always a view of the producer's bytes (same storage and
@@ -84,7 +100,9 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
             without scales, an unknown tensor subclass (never dequantized behind your back), quantize options
             given with an MXFP8 producer, wrong dtypes inside a producer.
         ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale
-            grids too small / of the wrong shape for the data, an unknown ``direction``.
+            grids too small / of the wrong shape for the data, an unknown ``direction``; a TE grouped tensor
+            whose members differ in shape, are not packed back to back, or (columnwise, ``N % 32 != 0``) would
+            have blocks straddling experts (use :func:`export_grouped_components`).
     """
     check_direction(direction)
     native = _native(obj, direction)
@@ -98,6 +116,8 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
         return native
     if _is_float_tensor(obj):
         return quantize(obj.detach(), direction=direction, **quantize_kwargs)
+    if is_high_precision_grouped(obj):
+        return quantize(grouped_float_stacked(obj).detach(), direction=direction, **quantize_kwargs)
     if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(
             f"export_components got a tensor subclass {type(obj).__name__} that is not a known MXFP8 "
@@ -114,9 +134,11 @@ def export_grouped_components(obj, *, direction: str = "rowwise", **quantize_kwa
     Args:
         obj: one of
 
-            - Transformer Engine grouped storage (``GroupedTensorStorage`` / ``GroupedTensor``: one flat data
-              buffer, per-expert offsets, per-expert padded scale grids): see
-              :func:`mxport.sources.grouped.export_te_grouped`.
+            - Transformer Engine grouped storage (``GroupedTensorStorage`` / ``GroupedTensor``, also wrapped
+              in ``nn.Parameter``: one flat data buffer, per-expert offsets, per-expert padded scale grids):
+              see :func:`mxport.sources.grouped.export_te_grouped`. A high-precision one (``quantizer``
+              None) has each member quantized with :func:`mxport.quantize` (``quantize_kwargs`` pass
+              through).
             - a 3-D ``[E, N, K]`` float tensor / ``nn.Parameter``: each expert quantized on its own with
               :func:`mxport.quantize` (``quantize_kwargs`` pass through), so columnwise blocks never straddle
               experts.
@@ -134,7 +156,10 @@ def export_grouped_components(obj, *, direction: str = "rowwise", **quantize_kwa
             components whose blocks straddle experts.
     """
     check_direction(direction)
-    if is_te_grouped(obj) and not isinstance(obj, torch.Tensor):
+    if is_high_precision_grouped(obj):
+        members = grouped_float_members(obj)
+        return [quantize(m.detach(), direction=direction, **quantize_kwargs) for m in members]
+    if is_te_grouped(obj):
         if quantize_kwargs:
             raise TypeError(f"quantize options {sorted(quantize_kwargs)} apply to float tensors only")
         return export_te_grouped(obj, direction)

@@ -4,7 +4,13 @@
   :func:`mxport.sources.te.to_te_layout`).
 - :mod:`mxport.sources.torchao`: torchao ``MXTensor``.
 - :mod:`mxport.sources.megatron`: Megatron-LM inference ``MXFP8Tensor``.
-- :mod:`mxport.sources.grouped`: TE grouped (MoE) storage and 3-D ``[E, N, K]`` expert weights.
+- :mod:`mxport.sources.grouped`: TE grouped (MoE) storage (``GroupedTensorStorage``, and ``GroupedTensor``, a
+  ``torch.Tensor`` wrapper subclass, also as the ``nn.Parameter`` of ``GroupedLinear(single_grouped_weight)``)
+  and 3-D ``[E, N, K]`` expert weights.
+- :mod:`mxport.sources.dtensor`: each rank's MXFP8 bytes of a DTensor (FSDP2 / tensor parallel).
+- :mod:`mxport.sources.discover`: :func:`native_tensors`, every native MXFP8 producer of an ``nn.Module``
+  (parameters, persistent buffers, and plain attributes such as Megatron's ``MXFP8Tensor`` after
+  ``quantize_params_to_mxfp8``) by name, in canonical order.
 
 :func:`mxport.export_components` / :func:`mxport.export_grouped_components` (in :mod:`mxport.export`) pick the
 right module. This package holds the few helpers they share: the producer's bytes -> FP8 values view, TE's FP8
@@ -143,3 +149,8 @@ __all__ = [
     "scale_bytes",
     "values_view",
 ]
+
+# discover imports the helpers above (through te / grouped): imported last
+from .discover import is_mxfp8_producer, native_attributes, native_tensors  # noqa: E402
+
+__all__ += ["is_mxfp8_producer", "native_attributes", "native_tensors"]
