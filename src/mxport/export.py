@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .components import MXFP8Components, check_direction
-from .formats import FLOAT_DTYPES
+from .formats import FLOAT_DTYPES, describe
 from .quantize import quantize
 from .sources.grouped import export_te_grouped, is_te_grouped, split_experts
 from .sources.megatron import export_megatron, is_megatron_mxfp8
@@ -27,7 +27,7 @@ def _native(obj, direction: str) -> MXFP8Components | None:
     """Components for a native MXFP8 producer, or None when ``obj`` is not one."""
     if isinstance(obj, MXFP8Components):
         if obj.direction != direction:
-            raise ValueError(f"these MXFP8Components are {obj.direction}; direction={direction!r} is not available")
+            raise ValueError(f"these MXFP8Components are {obj.direction}; direction={describe(direction)} is not available")
         return obj
     if is_te_mxfp8(obj):
         return export_te(obj, direction)
@@ -79,6 +79,8 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
         ValueError: no data for ``direction`` (e.g. a rowwise-only TE storage asked for columnwise), scale grids
             too small / of the wrong shape for the data, an unknown ``direction``.
     """
+    if not isinstance(direction, str):
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {describe(direction)}")
     check_direction(direction)
     native = _native(obj, direction)
     if native is not None:
@@ -89,6 +91,8 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
             )
         return native
     if _is_float_tensor(obj):
+        if obj.dim() == 0:
+            raise ValueError("obj must have at least one dimension (blocks run along the last one), got a 0-d tensor")
         return quantize(obj.detach(), direction=direction, **quantize_kwargs)
     if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(

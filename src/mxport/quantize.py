@@ -25,12 +25,15 @@ from .formats import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
     ElementFormat,
+    allocating,
     as_e8m0_bytes,
     ceil_div,
+    describe,
     e8m0_floor,
     e8m0_multiplier,
     e8m0_rceil,
     element_format,
+    is_alloc_failure,
     is_fp8_dtype,
     numel_of,
     saturating_cast,
@@ -138,6 +141,8 @@ class _FastPath:
             with _dynamo_recompile_limit(RECOMPILE_LIMIT):
                 return fn(x2)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager kernel
+            if is_alloc_failure(exc):  # the input's size, not the compiler: the eager kernel would fail alike
+                raise
             self.disabled_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})", stacklevel=3)
             return _rowwise_kernel(x2, *params)
@@ -256,6 +261,19 @@ def _check_input(x) -> None:
         raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")
 
 
+def _check_bool(value, argname: str) -> bool:
+    """A flag: a Python (or numpy) bool, never an int / string read for its truth (``block_2d="no"`` is True)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{argname} must be a bool (True or False), got {describe(value)}")
+
+
+def _check_rounding(rounding) -> str:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be 'rceil' or 'floor', got {describe(rounding)}")
+    return rounding
+
+
 def kernel_for(x2: torch.Tensor, *, fast: bool | None = None) -> str:
     """Which kernel :func:`quantize` runs for the 2-D ``(M, K)`` view ``x2``: ``"native"``, ``"compiled"`` or
     ``"eager"`` (``fast`` as in :func:`quantize`).
@@ -265,7 +283,7 @@ def kernel_for(x2: torch.Tensor, *, fast: bool | None = None) -> str:
     ``fast=True``: native or compiled, RuntimeError when neither is available. ``fast=False``: eager.
     """
     if fast is not None and not isinstance(fast, bool):
-        raise TypeError(f"fast must be None, True or False, got {fast!r}")
+        raise TypeError(f"fast must be None, True or False, got {describe(fast)}")
     if fast is False or x2.numel() == 0:
         return "eager"
     if NATIVE_PATH.supports(x2):
@@ -283,7 +301,7 @@ def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tupl
     """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))`` uint8
     views of the caller's tensors."""
     if direction != "rowwise":
-        raise ValueError(f"out is supported for direction='rowwise' only, got direction={direction!r}")
+        raise ValueError(f"out is supported for direction='rowwise' only, got direction={describe(direction)}")
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise TypeError("out must be a (values, scales) pair of tensors")
     values, scales = out
@@ -383,19 +401,30 @@ def quantize(
         :class:`MXFP8Components` on ``x.device``.
 
     Raises:
-        TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype``.
+        TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype`` (anything but
+            the two MXFP8 element dtypes, e.g. ``float8_e4m3fnuz`` or ``float8_e8m0fnu``); ``block_2d`` not a bool;
+            ``fast`` not None / True / False.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
+        TooLargeError (a MemoryError and a ValueError): the outputs cannot be allocated (a huge view).
         RuntimeError: ``fast=True`` where no fast kernel is available.
         TypeError / ValueError: ``out`` not a pair of tensors of the dtypes, shapes, device and layout above,
             overlapping ``x`` or each other, or given with ``direction="columnwise"``.
     """
     _check_input(x)
     fmt: ElementFormat = element_format(fp8_dtype)
+    if not isinstance(direction, str):
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {describe(direction)}")
     check_direction(direction)
     check_block_size(block_size)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be 'rceil' or 'floor', got {rounding!r}")
+    _check_rounding(rounding)
+    block_2d = _check_bool(block_2d, "block_2d")
+    with allocating("x", x):
+        return _quantize(x, fmt, direction, rounding, block_2d, fast, out)
 
+
+def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str, block_2d: bool, fast,
+              out) -> MXFP8Components:
+    """:func:`quantize` once its arguments are checked."""
     shape = tuple(x.shape)
     k = shape[-1]
     m = numel_of(shape[:-1])
