@@ -227,7 +227,8 @@ def _pick(rng: random.Random, bad: bool, good: list, wrong: list):
 
 def fuzz_quantize(rng: random.Random, stats: Stats) -> None:
     """One call with every argument valid, or exactly one of them (or x) wrong."""
-    bad = rng.choice([None] * 4 + ["x", "x", "fp8_dtype", "direction", "rounding", "block_2d", "fast", "out"])
+    bad = rng.choice([None] * 4 + ["x", "x", "fp8_dtype", "direction", "rounding", "block_2d", "fast", "out",
+                                   "kernel"])
     x = tensor(rng) if bad == "x" else tensor(rng, FLOATS) if rng.random() < 0.9 else \
         _layout(rng, _values(rng, _shape(rng), rng.choice(FLOATS)))
     fp8 = _pick(rng, bad == "fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, "e4m3", "e5m2"],
@@ -239,6 +240,8 @@ def fuzz_quantize(rng: random.Random, stats: Stats) -> None:
     if isinstance(x, torch.Tensor) and x.dtype.is_floating_point and rng.random() < 0.1:
         x = torch.nn.Parameter(x, requires_grad=rng.random() < 0.5) if x.dtype in FLOATS else x
     kw = {"direction": direction, "rounding": rounding, "block_2d": block_2d, "fast": fast}
+    if bad == "kernel" or rng.random() < 0.2:  # "eager" only: the others may be unavailable or slow to compile
+        kw["kernel"] = _pick(rng, bad == "kernel", [None, "eager"], ["fast", 1, "EAGER", ["eager"]])
     if bad == "out" or (bad is None and direction == "rowwise" and rng.random() < 0.3):
         kw["out"] = _out_arg(rng, x, fp8, bad == "out")
     what = f"quantize({_desc(x)}, {fp8!r}, { {k: _desc(v) for k, v in kw.items()} })"
@@ -250,7 +253,7 @@ def fuzz_quantize(rng: random.Random, stats: Stats) -> None:
             return "result is not a view of out"
         return check_quantize(x, c, fp8, direction, rounding, block_2d)
 
-    _run(stats, what, ["x", "fp8_dtype", "direction", "rounding", "block_2d", "fast", "out"],
+    _run(stats, what, ["x", "fp8_dtype", "direction", "rounding", "block_2d", "fast", "out", "kernel"],
          lambda: mxport.quantize(x, fp8, **kw), check)
 
 

@@ -353,11 +353,10 @@ def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatc
         return run
 
     path = q._FastPath()
-    path.disabled_reason = None
     monkeypatch.setattr(torch, "compile", compiled)
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         path(torch.zeros(2, 64), *q._kernel_args(q.element_format(torch.float8_e4m3fn), False, False))
-    assert path.disabled_reason is None
+    assert path.failed_reason is None
 
 
 def test_components_repr_never_prints_the_values():
@@ -378,3 +377,63 @@ def test_components_repr_never_prints_the_values():
 def test_export_components_0d_names_obj():
     with pytest.raises(ValueError, match="^obj must have at least one dimension"):
         mxport.export_components(torch.tensor(1.0))
+
+
+# -- kernel=: the kernel as an argument, not a global switch ---------------------------------------------------
+
+
+def test_kernel_argument_picks_the_kernel_and_overrides_the_env_switch(monkeypatch):
+    """``kernel="compiled"`` runs the compiled kernel even under MXPORT_DISABLE_COMPILE (set for this test run by
+    conftest), which now steers only the automatic choice; the bytes equal the eager kernel's. (torch.compile is
+    replaced by a pass-through that records its calls: the real compile costs tens of seconds here.)"""
+    import importlib
+
+    q = importlib.import_module("mxport.quantize")
+    monkeypatch.setenv("MXPORT_DISABLE_COMPILE", "1")
+    path = q._FastPath()
+    assert path.disabled_reason == "MXPORT_DISABLE_COMPILE is set" and path.failed_reason is None
+    assert not path.available
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    monkeypatch.setattr(q, "FAST_PATH", path)
+    x = torch.randn(40, 100).to(torch.bfloat16)
+    eager = quantize(x, torch.float8_e5m2, rounding="floor", kernel="eager")
+    assert not compiled
+    got = quantize(x, torch.float8_e5m2, rounding="floor", kernel="compiled")
+    assert len(compiled) == 1 and compiled[0].__code__.co_name.startswith("mxfp8_kernel_")
+    assert torch.equal(got.scale_inv, eager.scale_inv)
+    assert torch.equal(got.data.view(torch.uint8), eager.data.view(torch.uint8))
+    assert q.kernel_for(x.reshape(40, 100)) in ("native", "eager")  # the automatic choice still skips it
+    assert q.kernel_for(x, kernel="compiled") == "compiled" and q.kernel_for(x[:0], kernel="compiled") == "eager"
+    path.failed_reason = "torch.compile failed: test"
+    with pytest.raises(RuntimeError, match="^kernel='compiled' is not available here: torch.compile failed: test"):
+        quantize(x, kernel="compiled")
+
+
+def test_kernel_native_runs_or_says_why_and_env_steers_the_automatic_choice_only(monkeypatch):
+    import importlib
+
+    q = importlib.import_module("mxport.quantize")
+    x = torch.randn(8, 64)
+    if q.NATIVE_PATH.loaded():
+        got = quantize(x, kernel="native")
+        want = quantize(x, kernel="eager")
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        monkeypatch.setenv("MXPORT_DISABLE_NATIVE", "1")
+        path = q._NativePath()
+        assert path.disabled_reason == "MXPORT_DISABLE_NATIVE is set" and not path.available
+        monkeypatch.setattr(q, "NATIVE_PATH", path)
+        assert q.kernel_for(x) != "native" and q.kernel_for(x, kernel="native") == "native"
+    else:
+        with pytest.raises(RuntimeError, match="^kernel='native' is not available here: "):
+            quantize(x, kernel="native")
+    with pytest.raises(RuntimeError, match="^kernel='native' takes CPU float32/bfloat16/float16 input"):
+        q.kernel_for(torch.randn(2, 32, dtype=torch.float64), kernel="native")
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"kernel": "fast"}, "^kernel must be None, 'native', 'compiled' or 'eager'"),
+                                         ({"kernel": 1}, "^kernel must be None"),
+                                         ({"kernel": "eager", "fast": False}, "^give fast or kernel, not both")])
+def test_kernel_argument_checks(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        quantize(torch.randn(2, 32), **kw)
