@@ -267,3 +267,20 @@ def test_atomic_write_text_failure_leaves_no_temp_and_keeps_the_old_file(tmp_pat
     with pytest.raises(OutputError, match="read-only file system"):
         atomic_write_text(path, "new")
     assert _siblings(tmp_path) == ["report.json"]
+
+
+def test_a_dangling_or_looping_symlink_output_is_never_replaced(tiny_src, tmp_path):
+    """Path.exists() is False for a dangling link or a link loop, so `-o LINK` replaced the link without
+    --overwrite; with --overwrite it is not a directory: refused."""
+    from mxport.checkpoint.export import export_checkpoint
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for name in ("a", "dangling"):
+        with pytest.raises(FileExistsError, match="already exists"):
+            export_checkpoint(str(tiny_src), tmp_path / name)
+        with pytest.raises(ValueError, match="exists and is not a directory"):
+            export_checkpoint(str(tiny_src), tmp_path / name, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "dangling"]
+    assert all((tmp_path / n).is_symlink() for n in ("a", "b", "dangling"))

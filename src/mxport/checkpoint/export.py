@@ -129,9 +129,10 @@ def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None
     check_output_place(out, source_dir)
     with output_errors(out):
         clean_stale_temps(out)
-    if out.exists() and not overwrite:
+    exists = os.path.lexists(out)  # a symlink (even a dangling or looping one) is there: never replaced silently
+    if exists and not overwrite:
         raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
-    if out.exists() and not out.is_dir():
+    if exists and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a directory")
     return out
 
