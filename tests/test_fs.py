@@ -284,3 +284,16 @@ def test_a_dangling_or_looping_symlink_output_is_never_replaced(tiny_src, tmp_pa
             export_checkpoint(str(tiny_src), tmp_path / name, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "dangling"]
     assert all((tmp_path / n).is_symlink() for n in ("a", "b", "dangling"))
+
+
+def test_an_output_under_a_file_or_a_link_loop_is_one_clear_line(tiny_src, tmp_path):
+    from mxport.checkpoint.export import export_checkpoint
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "f").write_text("a file")
+    for parent in ("a", "f"):
+        with pytest.raises(OutputError, match=f"^cannot write '.*/{parent}/out': '.*/{parent}' exists and is not a "
+                                              "directory$"):
+            export_checkpoint(str(tiny_src), tmp_path / parent / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "f"]

@@ -114,7 +114,11 @@ def temp_output_dir(out: Path) -> Iterator[Path]:
     (KeyboardInterrupt included) the temporary folder is removed, and "cannot write here" errors are raised as
     :class:`OutputError` (:func:`output_errors`). The caller renames it into place (:func:`replace_dir`)."""
     with output_errors(out):
-        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as exc:  # a component of the path is a file or a broken link
+            raise OutputError(errno.ENOTDIR, f"cannot write {str(out)!r}: {str(exc.filename)!r} exists and is not a "
+                                             "directory", str(out)) from None
         tmp = make_temp_dir(out)
         try:
             yield tmp
