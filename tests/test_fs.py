@@ -297,3 +297,29 @@ def test_an_output_under_a_file_or_a_link_loop_is_one_clear_line(tiny_src, tmp_p
                                               "directory$"):
             export_checkpoint(str(tiny_src), tmp_path / parent / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "f"]
+
+
+def test_output_containing_a_gguf_source_given_as_a_reader_is_refused(tiny_src, tmp_path, monkeypatch):
+    """The CLI opens the source itself and hands export_checkpoint a reader: for a GGUF source the reader had no
+    path, so `mxport export d/model.gguf -o d --overwrite` deleted the GGUF. The reader now carries it."""
+    from transformers import AutoModelForCausalLM
+
+    import mxport.models
+    from mxport.checkpoint.export import export_checkpoint, open_source
+
+    d = tmp_path / "d"
+    d.mkdir()
+    gguf = d / "model.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    model = AutoModelForCausalLM.from_pretrained(tiny_src)
+    monkeypatch.setattr(mxport.models, "load_causal_lm", lambda src, dtype: (model, SimpleTok()))
+    reader = open_source(str(gguf))
+    assert reader.source_path == gguf
+    with pytest.raises(ValueError, match="contains the source file"):
+        export_checkpoint(reader, d, overwrite=True)
+    assert gguf.read_bytes() == b"GGUF stand-in"
+
+
+class SimpleTok:
+    def save_pretrained(self, path):
+        pass

@@ -80,7 +80,9 @@ def open_source(source) -> SafetensorsDir | StateDictSource:
         return SafetensorsDir(src.path)
     model, tok = load_causal_lm(src, dtype=torch.float32)
     extras = [tok] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
-    return StateDictSource(model, extras=extras, label=src.label)
+    reader = StateDictSource(model, extras=extras, label=src.label)
+    reader.source_path = src.path / src.gguf_file  # the file an output must never replace (prepare_out)
+    return reader
 
 
 def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
@@ -172,7 +174,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         prepare_out(out, overwrite, Path(source))  # fail fast before loading
     reader = source if isinstance(source, (SafetensorsDir, StateDictSource)) else open_source(source)
     src_dir = getattr(reader, "path", None)
-    out = prepare_out(out, overwrite, Path(source) if isinstance(source, (str, os.PathLike)) else src_dir)
+    from_path = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    out = prepare_out(out, overwrite, from_path or getattr(reader, "source_path", None) or src_dir)
     config = dict(reader.config or {})
 
     decisions = plan(reader, policy)
