@@ -38,7 +38,7 @@ def test_quantize_on_cuda_gives_the_cpu_bytes(dtype, fp8, rounding, kw):
           quantize(x, fp8, rounding=rounding, **kw))
 
 
-def test_compiled_kernel_on_cuda_builds_for_every_format(fast_path):
+def test_compiled_kernel_on_cuda_builds_for_every_format():
     """Each element format / rounding compiles (triton) and gives the eager bytes, one after another."""
     x = _special(1031, 4100)
     for dtype, fp8, rounding, kw in [(torch.bfloat16, torch.float8_e4m3fn, "rceil", {}),
@@ -46,9 +46,11 @@ def test_compiled_kernel_on_cuda_builds_for_every_format(fast_path):
                                      (torch.float16, torch.float8_e4m3fn, "floor", {"block_2d": True}),
                                      (torch.bfloat16, torch.float8_e5m2, "rceil", {})]:
         xs = x.to(dtype)
-        _same(quantize(xs.cuda(), fp8, rounding=rounding, fast=True, **kw),
+        _same(quantize(xs.cuda(), fp8, rounding=rounding, kernel="compiled", **kw),
               quantize(xs, fp8, rounding=rounding, **kw))
-    assert fast_path.disabled_reason is None
+    from mxport.quantize import FAST_PATH
+
+    assert FAST_PATH.failed_reason is None, FAST_PATH.failed_reason
 
 
 def test_swizzle_and_mxfp8_linear_on_cuda():

@@ -103,3 +103,56 @@ def test_word_and_byte_paths_agree(shape):
     assert buf[1:].data_ptr() % 4 != 0
     assert torch.equal(layouts.unswizzle(buf[1:], r, c), x)
     assert torch.equal(layouts.unswizzle(want, r, c), x)
+
+
+# -- argument checks and empty grids (found by the API fuzz, tests/fuzz_api.py) -------------------------------
+
+
+@pytest.mark.parametrize(("shape", "want"), [((0, 3), (0, 4)), ((5, 0), (128, 0)), ((0, 0), (0, 0)),
+                                             ((0, 4), (0, 4)), ((130, 0), (256, 0))])
+def test_swizzle_of_an_empty_grid_is_the_empty_swizzled_shape(shape, want):
+    """swizzle of a 0-row grid raised a view RuntimeError (stride(0) of an empty tensor is not divisible by 4)."""
+    out = layouts.swizzle(torch.empty(shape, dtype=torch.uint8))
+    assert out.dtype == torch.uint8 and tuple(out.shape) == want
+    back = layouts.unswizzle(out, *shape)
+    assert back.dtype == torch.uint8 and tuple(back.shape) == shape
+    assert tuple(layouts.unswizzle(out.reshape(-1), *shape).shape) == shape
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, None, True, [2]])
+@pytest.mark.parametrize("which", ["rows", "cols"])
+def test_rows_and_cols_must_be_integers(bad, which):
+    """unswizzle / unpad with non-int rows or cols gave "'<' not supported" TypeErrors naming nothing."""
+    g = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    sw = layouts.swizzle(g)
+    args = {"rows": 3, "cols": 4, which: bad}
+    for fn, grid in ((layouts.unswizzle, sw), (layouts.unpad, layouts.pad(g))):
+        with pytest.raises(TypeError, match=f"^{which} must be an integer, got "):
+            fn(grid, args["rows"], args["cols"])
+    args[which] = -1
+    with pytest.raises(ValueError, match=f"^{which} must be >= 0, got -1$"):
+        layouts.unswizzle(sw, args["rows"], args["cols"])
+    with pytest.raises(ValueError, match=f"^{which} must be >= 0, got -1$"):
+        layouts.unpad(layouts.pad(g), args["rows"], args["cols"])
+
+
+def test_rows_and_cols_accept_numpy_and_tensor_integers():
+    import numpy as np
+
+    g = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    assert torch.equal(layouts.unswizzle(layouts.swizzle(g), np.int64(3), torch.tensor(4)), g)
+    assert torch.equal(layouts.unpad(layouts.pad(g), np.int32(2), 4), g[:2])
+
+
+def test_huge_declared_grids_raise_a_clear_error_not_the_allocator():
+    """An expand()ed grid of 2**40 rows holds no memory; swizzling / padding it cannot be allocated: a
+    TooLargeError (MemoryError and ValueError) naming the argument, not the allocator's RuntimeError."""
+    from mxport.formats import TooLargeError
+
+    huge = torch.zeros(1, 64, dtype=torch.uint8).expand(1 << 52, 64)
+    for fn, name in ((layouts.swizzle, "scale_inv_2d"), (lambda g: layouts.pad(g, "columnwise"), "scale_inv_2d")):
+        with pytest.raises(TooLargeError, match=f"^{name} of shape \\(4503599627370496, 64\\)") as info:
+            fn(huge)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, MemoryError)
+    with pytest.raises(TooLargeError, match="^swizzled of shape"):
+        layouts.unswizzle(huge, 1 << 52, 64)

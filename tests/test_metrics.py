@@ -104,3 +104,36 @@ def test_bad_inputs():
         gen_kl_error(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="shape"):
         sqnr_db(torch.zeros(3), torch.zeros(4))
+
+
+def test_gen_kl_error_is_nan_for_nan_distributions():
+    """NaN log-probs (a model with NaN weights) must never read as KL 0 (a perfect match): pg > 0 is False for
+    NaN, which used to drop every term of a NaN row from the sum."""
+    good = torch.log_softmax(torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.5, 0.0]]), dim=-1)
+    nan = torch.full_like(good, math.nan)
+    for a, b in ((nan, good), (good, nan), (nan, nan)):
+        r = gen_kl_error(a, b)
+        assert math.isnan(r["mean"]) and math.isnan(r["max"])
+        assert torch.isnan(r["per_position"]).all()
+    one_bad = good.clone()
+    one_bad[1, 2] = math.nan
+    r = gen_kl_error(one_bad, good)
+    assert r["per_position"][0].item() == 0.0 and math.isnan(r["per_position"][1].item())
+    assert math.isnan(r["mean"]) and math.isnan(r["max"])
+    # the NaN position masked out: the selected positions are exact
+    masked = gen_kl_error(one_bad, good, mask=torch.tensor([True, False]))
+    assert masked["mean"] == 0.0 and masked["max"] == 0.0
+    # a row of -inf logits has no distribution (log_softmax gives NaN): NaN, not 0
+    no_dist = torch.full((1, 3), -math.inf)
+    assert math.isnan(gen_kl_error(no_dist, good[:1])["mean"])
+
+
+def test_greedy_agreement_and_token_error_are_nan_for_nan_inputs():
+    good = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+    nan = torch.full_like(good, math.nan)
+    assert math.isnan(greedy_agreement(nan, good)) and math.isnan(greedy_agreement(good, nan))
+    assert greedy_agreement(good, good) == 1.0
+    half = good.clone()
+    half[1, 0] = math.nan
+    assert greedy_agreement(half, good, mask=torch.tensor([True, False])) == 1.0
+    assert math.isnan(token_mult_prob_error(torch.tensor([math.nan, 0.0]), torch.tensor([0.0, 0.0])))

@@ -296,3 +296,144 @@ def test_dequantize_matches_reference_decode(elem, direction):
     q, s = _bytes(c)
     e_full = np.repeat(s, 32, axis=1)[:, :70] if direction == "rowwise" else np.repeat(s, 32, axis=0)[:37]
     np.testing.assert_array_equal(c.dequantize().numpy(), ref_decode(q, e_full, elem))
+
+
+# -- argument checks (found by the API fuzz, tests/fuzz_api.py) ----------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [2, "no", None, 0, 1, 1.0, torch.tensor(True)])
+def test_block_2d_must_be_a_bool(bad):
+    """block_2d=2 reached the native kernel ("rejected", RuntimeError) and block_2d="no" meant True on the eager
+    path: anything but a bool is a TypeError."""
+    with pytest.raises(TypeError, match="^block_2d must be a bool \\(True or False\\), got "):
+        quantize(torch.randn(4, 64), block_2d=bad)
+
+
+def test_block_2d_accepts_numpy_bools():
+    x = torch.randn(40, 64)
+    want = quantize(x, block_2d=True)
+    got = quantize(x, block_2d=np.bool_(True))
+    assert torch.equal(got.scale_inv, want.scale_inv) and torch.equal(got.data.view(torch.uint8),
+                                                                       want.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                               "float8_e8m0fnu", "float32", "uint8")
+                                   if hasattr(torch, n)] + ["e3m4", None, 3, ["e4m3"]])
+def test_fp8_dtype_other_than_the_two_mxfp8_elements_is_a_type_error(dtype):
+    with pytest.raises(TypeError, match="^fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+        quantize(torch.randn(4, 64), dtype)
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"rounding": ("rceil",)}, "^rounding must be 'rceil' or 'floor'"),
+                                         ({"rounding": None}, "^rounding must be"),
+                                         ({"direction": ["rowwise"]}, "^direction must be 'rowwise' or 'columnwise'"),
+                                         ({"direction": 0}, "^direction must be")])
+def test_rounding_and_direction_must_be_their_names(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        quantize(torch.randn(4, 64), **kw)
+
+
+def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatch):
+    """quantize of an expand()ed (2**40, 64) view cannot allocate its outputs: TooLargeError naming x (not the
+    allocator's RuntimeError); and an allocation failure inside the compiled kernel no longer disables the fast
+    path for the rest of the process (it is the input's size, not the compiler)."""
+    import importlib
+
+    from mxport.formats import TooLargeError
+
+    q = importlib.import_module("mxport.quantize")
+    huge = torch.zeros(1, 64).expand(1 << 52, 64)
+    with pytest.raises(TooLargeError, match="^x of shape \\(4503599627370496, 64\\)"):
+        quantize(huge, fast=False)
+
+    def compiled(fn, **kw):
+        def run(x2):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+        return run
+
+    path = q._FastPath()
+    monkeypatch.setattr(torch, "compile", compiled)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        path(torch.zeros(2, 64), *q._kernel_args(q.element_format(torch.float8_e4m3fn), False, False))
+    assert path.failed_reason is None
+
+
+def test_components_repr_never_prints_the_values():
+    """The dataclass repr printed both tensors: unreadable for a real weight, and a huge (expanded) or meta tensor
+    cannot be printed at all (the fuzz died in repr)."""
+    c = MXFP8Components(torch.zeros(1, 64, dtype=torch.float8_e4m3fn).expand(1 << 52, 64),
+                        torch.full((1, 2), 127, dtype=torch.uint8).expand(1 << 52, 2))
+    assert repr(c) == ("MXFP8Components(shape=(4503599627370496, 64), element='e4m3', direction='rowwise', "
+                       "scale_shape=(4503599627370496, 2), device='cpu')")
+    from mxport.formats import TooLargeError
+
+    with pytest.raises(TooLargeError, match="^components of shape"):
+        mxport.dequantize(c)
+    with pytest.raises(TypeError, match="^dtype must be torch.float32, bfloat16, float16 or float64, got 'float32'"):
+        mxport.dequantize(quantize(torch.randn(2, 32)), "float32")
+
+
+def test_export_components_0d_names_obj():
+    with pytest.raises(ValueError, match="^obj must have at least one dimension"):
+        mxport.export_components(torch.tensor(1.0))
+
+
+# -- kernel=: the kernel as an argument, not a global switch ---------------------------------------------------
+
+
+def test_kernel_argument_picks_the_kernel_and_overrides_the_env_switch(monkeypatch):
+    """``kernel="compiled"`` runs the compiled kernel even under MXPORT_DISABLE_COMPILE (set for this test run by
+    conftest), which now steers only the automatic choice; the bytes equal the eager kernel's. (torch.compile is
+    replaced by a pass-through that records its calls: the real compile costs tens of seconds here.)"""
+    import importlib
+
+    q = importlib.import_module("mxport.quantize")
+    monkeypatch.setenv("MXPORT_DISABLE_COMPILE", "1")
+    path = q._FastPath()
+    assert path.disabled_reason == "MXPORT_DISABLE_COMPILE is set" and path.failed_reason is None
+    assert not path.available
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    monkeypatch.setattr(q, "FAST_PATH", path)
+    x = torch.randn(40, 100).to(torch.bfloat16)
+    eager = quantize(x, torch.float8_e5m2, rounding="floor", kernel="eager")
+    assert not compiled
+    got = quantize(x, torch.float8_e5m2, rounding="floor", kernel="compiled")
+    assert len(compiled) == 1 and compiled[0].__code__.co_name.startswith("mxfp8_kernel_")
+    assert torch.equal(got.scale_inv, eager.scale_inv)
+    assert torch.equal(got.data.view(torch.uint8), eager.data.view(torch.uint8))
+    assert q.kernel_for(x.reshape(40, 100)) in ("native", "eager")  # the automatic choice still skips it
+    assert q.kernel_for(x, kernel="compiled") == "compiled" and q.kernel_for(x[:0], kernel="compiled") == "eager"
+    path.failed_reason = "torch.compile failed: test"
+    with pytest.raises(RuntimeError, match="^kernel='compiled' is not available here: torch.compile failed: test"):
+        quantize(x, kernel="compiled")
+
+
+def test_kernel_native_runs_or_says_why_and_env_steers_the_automatic_choice_only(monkeypatch):
+    import importlib
+
+    q = importlib.import_module("mxport.quantize")
+    x = torch.randn(8, 64)
+    if q.NATIVE_PATH.loaded():
+        got = quantize(x, kernel="native")
+        want = quantize(x, kernel="eager")
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        monkeypatch.setenv("MXPORT_DISABLE_NATIVE", "1")
+        path = q._NativePath()
+        assert path.disabled_reason == "MXPORT_DISABLE_NATIVE is set" and not path.available
+        monkeypatch.setattr(q, "NATIVE_PATH", path)
+        assert q.kernel_for(x) != "native" and q.kernel_for(x, kernel="native") == "native"
+    else:
+        with pytest.raises(RuntimeError, match="^kernel='native' is not available here: "):
+            quantize(x, kernel="native")
+    with pytest.raises(RuntimeError, match="^kernel='native' takes CPU float32/bfloat16/float16 input"):
+        q.kernel_for(torch.randn(2, 32, dtype=torch.float64), kernel="native")
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"kernel": "fast"}, "^kernel must be None, 'native', 'compiled' or 'eager'"),
+                                         ({"kernel": 1}, "^kernel must be None"),
+                                         ({"kernel": "eager", "fast": False}, "^give fast or kernel, not both")])
+def test_kernel_argument_checks(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        quantize(torch.randn(2, 32), **kw)

@@ -155,3 +155,42 @@ def test_cli_exclude_keeps_layers_in_high_precision(tiny, two_prompts, tmp_path)
     r = json.loads(out.read_text())
     assert sorted(r["weight_sqnr_db"]) == [f"model.layers.{i}.self_attn.{p}_proj" for i in (1, 2) for p in "koqv"]
     assert CliRunner().invoke(app, [*args, "--exclude", "*"]).exit_code == 2  # nothing left to verify
+
+
+def test_failed_checks_gate_on_finite_figures():
+    from mxport.verify import failed_checks
+
+    ok = {"gen_kl_error_mean": 0.01, "gen_kl_error_max": 0.1, "token_mult_prob_error": 1.02, "greedy_agreement": 0.9}
+    assert failed_checks(ok, None) == [] and failed_checks(ok, 0.01) == []
+    assert failed_checks(ok, 0.005) == ["gen_kl_error_mean 0.01 exceeds max_kl 0.005"]
+    nan = dict(ok, gen_kl_error_mean=math.nan, gen_kl_error_max=math.nan)
+    assert failed_checks(nan, 1e6) == ["gen_kl_error_mean is nan (not a finite number)",
+                                       "gen_kl_error_max is nan (not a finite number)"]
+    assert failed_checks(nan, None) == failed_checks(nan, 1e6)
+    assert failed_checks(dict(ok, gen_kl_error_max=math.inf), None) == [
+        "gen_kl_error_max is inf (not a finite number)"]
+    assert failed_checks(dict(ok, greedy_agreement=math.nan), None) == [
+        "greedy_agreement is nan (not a finite number)"]
+
+
+def test_cli_verify_nan_scales_checkpoint_fails(tiny, two_prompts, tmp_path):
+    """A checkpoint whose scales are all E8M0 NaN (255) decodes to NaN weights: verify must fail (exit 1) even
+    with a huge --max-kl; it used to pass because NaN KL terms summed to 0."""
+    from safetensors.torch import load_file, save_file
+    from test_nn import _write_checkpoint
+
+    ckpt = _write_checkpoint(tiny, tmp_path / "ck", "modelopt")
+    path = ckpt / "model.safetensors"
+    state = load_file(str(path))
+    scales = [n for n in state if n.endswith("weight_scale")]
+    assert scales
+    for n in scales:
+        state[n] = torch.full_like(state[n], 255)
+    save_file(state, str(path), metadata={"format": "pt"})
+    out = tmp_path / "v.json"
+    res = CliRunner().invoke(app, ["verify", str(tiny), "--checkpoint", str(ckpt), "--prompts", str(two_prompts),
+                                   "--max-new-tokens", "2", "--max-kl", "1e6", "--json", str(out)])
+    assert res.exit_code == 1, res.output
+    r = json.loads(out.read_text())
+    assert r["passed"] is False
+    assert "gen_kl_error_mean is nan (not a finite number)" in r["failures"]

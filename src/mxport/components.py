@@ -11,8 +11,10 @@ import torch
 from .formats import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
+    allocating,
     as_e8m0_bytes,
     ceil_div,
+    describe,
     e8m0_to_float,
     element_format,
     is_fp8_dtype,
@@ -27,7 +29,7 @@ DEQUANTIZE_DTYPES = FLOAT_DTYPES
 def check_direction(direction: str, *, argname: str = "direction") -> str:
     """Validate a TE direction name; raises ValueError for anything but "rowwise" / "columnwise"."""
     if direction not in DIRECTIONS:
-        raise ValueError(f"{argname} must be 'rowwise' or 'columnwise', got {direction!r}")
+        raise ValueError(f"{argname} must be 'rowwise' or 'columnwise', got {describe(direction)}")
     return direction
 
 
@@ -37,13 +39,13 @@ def check_block_size(block_size: int, *, argname: str = "block_size") -> int:
     Raises TypeError for a non-integer (floats are not truncated), ValueError for any other size.
     """
     if isinstance(block_size, bool):
-        raise TypeError(f"{argname} must be an integer, got {block_size!r}")
+        raise TypeError(f"{argname} must be an integer, got {describe(block_size)}")
     try:
         value = operator.index(block_size)
     except TypeError:
-        raise TypeError(f"{argname} must be an integer, got {block_size!r}") from None
+        raise TypeError(f"{argname} must be an integer, got {describe(block_size)}") from None
     if value != BLOCK_SIZE:
-        raise ValueError(f"{argname} must be {BLOCK_SIZE} for MXFP8, got {block_size!r}")
+        raise ValueError(f"{argname} must be {BLOCK_SIZE} for MXFP8, got {describe(block_size)}")
     return value
 
 
@@ -61,7 +63,7 @@ def compact_scale_shape(shape: tuple[int, ...] | torch.Size, direction: str = "r
     return (ceil_div(numel_of(shape[:-1]), BLOCK_SIZE), k)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MXFP8Components:
     """One MXFP8 tensor as its parts: FP8 values, compact E8M0 scale bytes and the direction of the blocks.
 
@@ -105,6 +107,11 @@ class MXFP8Components:
             )
         if self.scale_inv.device != self.data.device:
             raise ValueError(f"scale_inv is on {self.scale_inv.device} but data is on {self.data.device}")
+
+    def __repr__(self) -> str:
+        """Shape, element, direction and device (never the values: a huge or meta tensor cannot be printed)."""
+        return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, direction={self.direction!r}, "
+                f"scale_shape={tuple(self.scale_inv.shape)}, device={str(self.device)!r})")
 
     # -- descriptive properties -------------------------------------------------------------------------------
     @property
@@ -178,9 +185,10 @@ def dequantize(components: MXFP8Components, dtype: torch.dtype = torch.float32) 
     """
     if not isinstance(components, MXFP8Components):
         raise TypeError(f"components must be an MXFP8Components, got {type(components).__name__}")
-    if dtype not in DEQUANTIZE_DTYPES:
-        raise TypeError(f"dtype must be torch.float32, bfloat16, float16 or float64, got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in DEQUANTIZE_DTYPES:
+        raise TypeError(f"dtype must be torch.float32, bfloat16, float16 or float64, got {describe(dtype)}")
     shape = components.shape
-    scale = expand_scale(e8m0_to_float(components.scale_inv), shape, components.direction)
-    q = components.data.reshape(scale.shape).to(torch.float32)
-    return (q * scale).reshape(shape).to(dtype)
+    with allocating("components", components.data):
+        scale = expand_scale(e8m0_to_float(components.scale_inv), shape, components.direction)
+        q = components.data.reshape(scale.shape).to(torch.float32)
+        return (q * scale).reshape(shape).to(dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .components import MXFP8Components, check_direction
-from .formats import FLOAT_DTYPES
+from .formats import FLOAT_DTYPES, describe
 from .quantize import quantize
 from .sources.grouped import (
     export_te_grouped,
@@ -38,7 +38,7 @@ def _native(obj, direction: str) -> MXFP8Components | None:
     if isinstance(obj, MXFP8Components):
         if obj.direction != direction:
             raise ValueError(f"these MXFP8Components are {obj.direction}; "
-                             f"direction={direction!r} is not available")
+                             f"direction={describe(direction)} is not available")
         return obj
     if is_te_grouped(obj) and not is_high_precision_grouped(obj):
         return export_te_grouped_stacked(obj, direction)
@@ -104,6 +104,8 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
             whose members differ in shape, are not packed back to back, or (columnwise, ``N % 32 != 0``) would
             have blocks straddling experts (use :func:`export_grouped_components`).
     """
+    if not isinstance(direction, str):
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {describe(direction)}")
     check_direction(direction)
     native = _native(obj, direction)
     if native is not None:
@@ -115,6 +117,9 @@ def export_components(obj, *, direction: str = "rowwise", **quantize_kwargs) -> 
             )
         return native
     if _is_float_tensor(obj):
+        if obj.dim() == 0:
+            raise ValueError("obj must have at least one dimension (blocks run along the last one), "
+                             "got a 0-d tensor")
         return quantize(obj.detach(), direction=direction, **quantize_kwargs)
     if is_high_precision_grouped(obj):
         return quantize(grouped_float_stacked(obj).detach(), direction=direction, **quantize_kwargs)

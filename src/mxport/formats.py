@@ -9,7 +9,9 @@ Transformer Engine ``common/util/ptx.cuh`` (``float_to_e8m0``, ``exp2f_rcp``) fo
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,15 +57,30 @@ _BY_DTYPE = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
 _BY_NAME = {E4M3.name: E4M3, E5M2.name: E5M2, "float8_e4m3fn": E4M3, "float8_e5m2": E5M2}
 
 
+def describe(value) -> str:
+    """A short description of an argument for error messages: a tensor by its shape, dtype and device (never its
+    values: printing a huge or meta tensor fails), anything else by its repr, cut to 80 characters."""
+    if isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}, on {value.device}"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def element_format(fp8_dtype: torch.dtype | str, *, argname: str = "fp8_dtype") -> ElementFormat:
     """The :class:`ElementFormat` for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or "e4m3" / "e5m2").
 
     Raises TypeError for anything else, naming ``argname``.
     """
-    fmt = _BY_DTYPE.get(fp8_dtype) if isinstance(fp8_dtype, torch.dtype) else _BY_NAME.get(str(fp8_dtype).lower())
+    if isinstance(fp8_dtype, torch.dtype):
+        fmt = _BY_DTYPE.get(fp8_dtype)
+    else:
+        fmt = _BY_NAME.get(fp8_dtype.lower()) if isinstance(fp8_dtype, str) else None
     if fmt is None:
         raise TypeError(
-            f"{argname} must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3' / 'e5m2'), got {fp8_dtype!r}"
+            f"{argname} must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3' / 'e5m2'), got {describe(fp8_dtype)}"
         )
     return fmt
 
@@ -189,3 +206,29 @@ def roundup(a: int, multiple: int) -> int:
 def numel_of(shape) -> int:
     """prod(shape) as a Python int (1 for an empty shape)."""
     return math.prod(int(s) for s in shape)
+
+
+class TooLargeError(MemoryError, ValueError):
+    """The result of a call cannot be allocated (e.g. for a huge ``expand()``ed view that holds no memory of its
+    own): a MemoryError, and a ValueError naming the argument and the size."""
+
+
+def is_alloc_failure(exc: BaseException) -> bool:
+    """True for an exception that says memory could not be allocated (CPU allocator, CUDA OOM, MemoryError)."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in msg or "not enough memory" in msg)
+
+
+@contextlib.contextmanager
+def allocating(argname: str, t) -> Iterator[None]:
+    """Raise an allocation failure inside (CPU allocator RuntimeError, CUDA OutOfMemoryError, MemoryError) as a
+    :class:`TooLargeError` naming ``argname`` and its shape."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:
+        if not is_alloc_failure(exc):
+            raise
+        raise TooLargeError(f"{argname} of shape {tuple(t.shape)} ({numel_of(t.shape):.3g} elements) is too large: "
+                            f"its result cannot be allocated on {t.device}") from None

@@ -9,10 +9,13 @@ Source: design.md §3; cuBLAS docs "1D block scaling factors layout" (VEC32_UE8M
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 
 from .components import check_direction
-from .formats import as_e8m0_bytes, roundup
+from .formats import allocating, as_e8m0_bytes, describe, roundup
 
 TILE_ROWS = 128
 TILE_COLS = 4
@@ -26,6 +29,34 @@ def _check_2d(scale: torch.Tensor, argname: str) -> torch.Tensor:
     return scale
 
 
+def _sized(argname: str):
+    """Decorator: an allocation failure for a huge (e.g. ``expand()``ed) first argument is a clear
+    :class:`~mxport.formats.TooLargeError` naming it, not the allocator's RuntimeError."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(t, *args, **kwargs):
+            with allocating(argname, t):
+                return fn(t, *args, **kwargs)
+        return call
+    return wrap
+
+
+def _check_count(value, argname: str) -> int:
+    """A grid dimension: a non-negative integer (Python / numpy int, 0-d integer tensor), returned as int.
+
+    Raises TypeError for anything else (bool and float included: a float is never truncated), ValueError when
+    negative."""
+    if isinstance(value, bool):
+        raise TypeError(f"{argname} must be an integer, got the bool {describe(value)}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{argname} must be an integer, got {describe(value)}") from None
+    if n < 0:
+        raise ValueError(f"{argname} must be >= 0, got {n}")
+    return n
+
+
 def _pad_multiples(direction: str) -> tuple[int, int]:
     return (TILE_ROWS, TILE_COLS) if check_direction(direction) == "rowwise" else (TILE_COLS, TILE_ROWS)
 
@@ -33,10 +64,12 @@ def _pad_multiples(direction: str) -> tuple[int, int]:
 def padded_shape(rows: int, cols: int, direction: str = "rowwise") -> tuple[int, int]:
     """TE's padded scale shape for a compact ``(rows, cols)`` grid: rowwise ``(roundup(rows,128), roundup(cols,4))``,
     columnwise ``(roundup(rows,4), roundup(cols,128))``."""
+    rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     mr, mc = _pad_multiples(direction)
     return roundup(rows, mr), roundup(cols, mc)
 
 
+@_sized("scale_inv_2d")
 def pad(scale_inv_2d: torch.Tensor, direction: str = "rowwise") -> torch.Tensor:
     """Compact ``(R, C)`` scales -> TE's padded layout (zeros in the padding); see :func:`padded_shape`.
 
@@ -57,29 +90,35 @@ def unpad(padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The compact ``(rows, cols)`` corner of a padded scale grid, as a view (no copy).
 
     TE leaves padding bytes uninitialized, so they are dropped, never read. Raises ValueError when ``padded`` is
-    smaller than ``(rows, cols)``.
+    smaller than ``(rows, cols)`` or they are negative, TypeError when they are not integers.
     """
     padded = _check_2d(padded, "padded")
-    if padded.shape[0] < rows or padded.shape[1] < cols or rows < 0 or cols < 0:
+    rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
+    if padded.shape[0] < rows or padded.shape[1] < cols:
         raise ValueError(f"padded scale grid {tuple(padded.shape)} is too small for ({rows}, {cols}) compact scales")
     return padded[:rows, :cols]
 
 
 def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     """Shape of the swizzled grid for ``(rows, cols)`` compact scales: ``(roundup(rows,128), roundup(cols,4))``."""
+    rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     return roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
 
 
+@_sized("scale_inv_2d")
 def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
     """Compact ``(R, C)`` rowwise scales -> the 128×4-tile swizzle of cuBLAS ``VEC32_UE8M0`` / FlashInfer.
 
     Returns uint8 ``(roundup(R,128), roundup(C,4))`` whose row-major bytes put compact entry ``(r, c)`` at
     ``((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (c%4)``; padding bytes are 0. Columnwise
-    scales are swizzled as their transpose: ``swizzle(scale.T)``.
+    scales are swizzled as their transpose: ``swizzle(scale.T)``. An empty grid gives the empty result of that shape,
+    e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``.
     """
     scale = _check_2d(scale_inv_2d, "scale_inv_2d")
     r, c = scale.shape
     pr, pc = swizzled_shape(r, c)
+    if scale.numel() == 0:  # R or C is 0: so is roundup(R,128) or roundup(C,4), nothing to place
+        return torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
     if (pr, pc) != (r, c):
         grid = torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
         grid[:r, :c] = scale
@@ -97,22 +136,24 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
 def _as_words(grid: torch.Tensor) -> torch.Tensor | None:
     """A contiguous uint8 grid whose rows are multiples of 4 bytes as int32 words (one word = the 4 scale bytes a
     swizzle moves together: a permute of 4x fewer elements), or None when its memory is not 4-byte aligned."""
-    if not grid.is_contiguous() or grid.data_ptr() % 4 or grid.shape[-1] % 4:
+    if not grid.is_contiguous() or grid.numel() == 0 or grid.data_ptr() % 4 or grid.shape[-1] % 4:
         return None
     return grid.view(torch.int32)
 
 
+@_sized("swizzled")
 def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of :func:`swizzle`: swizzled bytes (1-D, or 2-D padded, ``roundup(rows,128)*roundup(cols,4)`` of
     them) -> compact uint8 ``(rows, cols)``. Raises ValueError when the byte count does not match."""
     sw = as_e8m0_bytes(swizzled, argname="swizzled")
-    if rows < 0 or cols < 0:
-        raise ValueError(f"rows and cols must be >= 0, got ({rows}, {cols})")
+    rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     pr, pc = swizzled_shape(rows, cols)
     if sw.numel() != pr * pc:
         raise ValueError(
             f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to {pr}x{pc} = {pr * pc} bytes"
         )
+    if sw.numel() == 0:
+        return torch.zeros((rows, cols), dtype=torch.uint8, device=sw.device)
     words = _as_words(sw.reshape(pr, pc)) if sw.is_contiguous() else None
     if words is not None:
         tiles = words.reshape(pr // TILE_ROWS, pc // TILE_COLS, 32, 4).permute(0, 3, 2, 1)

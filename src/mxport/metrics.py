@@ -53,6 +53,8 @@ def gen_kl_error(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.T
     Returns:
         ``{"mean": float, "max": float, "per_position": Tensor [..., T] float32}`` (mean / max over masked
         positions; 0.0 when none). Terms with p_gen = 0 contribute 0; p_train = 0 where p_gen > 0 gives inf.
+        A position where either distribution holds a NaN (NaN logits, or a row with no finite logit) is NaN, and
+        so are the mean and max over it: a broken model never reads as a perfect match.
 
     Raises:
         TypeError: non-float inputs. ValueError: shape mismatches.
@@ -62,6 +64,9 @@ def gen_kl_error(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.T
     pg = lg.exp()
     terms = torch.where(pg > 0, pg * (lg - lt), torch.zeros_like(pg))
     per_pos = terms.sum(dim=-1).clamp_min(0.0)  # KL >= 0; rounding can give -1e-9
+    # pg > 0 is False for NaN: without this, NaN in logp_gen would drop out of the sum as a 0 term
+    broken = lg.isnan().any(dim=-1) | lt.isnan().any(dim=-1)
+    per_pos = per_pos.masked_fill(broken, math.nan)
     m = _mask(mask, per_pos.shape, per_pos.device)
     sel = per_pos[m]
     if sel.numel() == 0:
@@ -102,12 +107,15 @@ def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """Fraction of (masked) positions where both models' most likely next token (argmax) is the same, in [0, 1]
-    (1.0 when no position is selected)."""
+    (1.0 when no position is selected; NaN when a selected position holds a NaN in either input: argmax of NaN
+    is meaningless)."""
     _check_same(logp_gen, logp_train, "logp_gen", "logp_train")
-    same = logp_gen.argmax(dim=-1) == logp_train.argmax(dim=-1)
+    same = (logp_gen.argmax(dim=-1) == logp_train.argmax(dim=-1)).double()
+    broken = logp_gen.isnan().any(dim=-1) | logp_train.isnan().any(dim=-1)
+    same = same.masked_fill(broken, math.nan)
     m = _mask(mask, same.shape, same.device)
     sel = same[m]
-    return float(sel.double().mean()) if sel.numel() else 1.0
+    return float(sel.mean()) if sel.numel() else 1.0
 
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:

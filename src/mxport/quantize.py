@@ -25,12 +25,15 @@ from .formats import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
     ElementFormat,
+    allocating,
     as_e8m0_bytes,
     ceil_div,
+    describe,
     e8m0_floor,
     e8m0_multiplier,
     e8m0_rceil,
     element_format,
+    is_alloc_failure,
     is_fp8_dtype,
     numel_of,
     saturating_cast,
@@ -112,19 +115,23 @@ def _bound_kernel(params: tuple):
 
 class _FastPath:
     """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format, rounding,
-    block shape); disabled for good after one failure (with a warning)."""
+    block shape); disabled for good after one failure (with a warning).
+
+    ``failed_reason``: why it cannot run at all (no ``torch.compile``, a compile failure). ``disabled_reason``:
+    why the automatic choice (``kernel=None``) does not pick it: the failure, or ``MXPORT_DISABLE_COMPILE``; an
+    explicit ``quantize(..., kernel="compiled")`` still runs it then."""
 
     def __init__(self) -> None:
         self._fns: dict[tuple, object] = {}
         self._lock = threading.Lock()
-        self.disabled_reason: str | None = None
-        if os.environ.get("MXPORT_DISABLE_COMPILE", "") not in ("", "0"):
+        self.failed_reason: str | None = None if hasattr(torch, "compile") else "torch.compile is not available"
+        self.disabled_reason: str | None = self.failed_reason
+        if self.failed_reason is None and os.environ.get("MXPORT_DISABLE_COMPILE", "") not in ("", "0"):
             self.disabled_reason = "MXPORT_DISABLE_COMPILE is set"
-        elif not hasattr(torch, "compile"):
-            self.disabled_reason = "torch.compile is not available"
 
     @property
     def available(self) -> bool:
+        """True when the automatic choice may pick it."""
         return self.disabled_reason is None
 
     def __call__(self, x2: torch.Tensor, *params):
@@ -138,7 +145,9 @@ class _FastPath:
             with _dynamo_recompile_limit(RECOMPILE_LIMIT):
                 return fn(x2)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager kernel
-            self.disabled_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
+            if is_alloc_failure(exc):  # the input's size, not the compiler: the eager kernel would fail alike
+                raise
+            self.disabled_reason = self.failed_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
             warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})", stacklevel=3)
             return _rowwise_kernel(x2, *params)
 
@@ -163,23 +172,32 @@ def _probe_inputs() -> list[torch.Tensor]:
 
 class _NativePath:
     """The native CPU kernel (:mod:`mxport.native`), built and loaded lazily, checked against the eager kernel
-    on probe tensors before first use; disabled for good (with the reason) when any of that fails."""
+    on probe tensors before first use; disabled for good (with the reason) when any of that fails.
+
+    ``failed_reason``: why it cannot run at all (build, load or self-check failed). ``disabled_reason``: why the
+    automatic choice (``kernel=None``) does not pick it: the failure, or ``MXPORT_DISABLE_NATIVE``; an explicit
+    ``quantize(..., kernel="native")`` still builds and runs it then."""
 
     def __init__(self) -> None:
         self._lib = None
         self._lock = threading.Lock()
+        self.failed_reason: str | None = None
         self.disabled_reason: str | None = None
         if os.environ.get(native.ENV_DISABLE, "") not in ("", "0"):
             self.disabled_reason = f"{native.ENV_DISABLE} is set"
 
     @property
     def available(self) -> bool:
-        """True when the kernel is built, loaded and passed its self-check (builds it on first call)."""
-        if self._lib is None and self.disabled_reason is None:
+        """True when the automatic choice may pick it: built, loaded and self-checked (builds it on first call)."""
+        return self.disabled_reason is None and self.loaded()
+
+    def loaded(self) -> bool:
+        """Build, load and self-check the kernel once (whatever ``disabled_reason`` says); True when it works."""
+        if self._lib is None and self.failed_reason is None:
             with self._lock:
-                if self._lib is None and self.disabled_reason is None:
+                if self._lib is None and self.failed_reason is None:
                     self._load()
-        return self._lib is not None and self.disabled_reason is None
+        return self._lib is not None
 
     def _load(self) -> None:
         try:
@@ -194,16 +212,25 @@ class _NativePath:
                         f"self-check failed: {x.dtype} -> {fmt.name}, {'floor' if floor else 'rceil'}"
                         f"{', 32x32 blocks' if block_2d else ''} differs from the eager kernel")
         except native.NativeUnavailable as exc:
-            self.disabled_reason = str(exc)[:500]
+            self._fail(str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - anything unexpected disables the native path, never quantize
-            self.disabled_reason = f"native kernel failed to load: {type(exc).__name__}: {exc}"[:500]
+            self._fail(f"native kernel failed to load: {type(exc).__name__}: {exc}")
             return
         self._lib = lib
 
+    def _fail(self, reason: str) -> None:
+        self.failed_reason = reason[:500]
+        self.disabled_reason = self.disabled_reason or self.failed_reason
+
+    @staticmethod
+    def takes(x2: torch.Tensor) -> bool:
+        """True for the inputs the kernel handles: a CPU float32 / bfloat16 / float16 tensor."""
+        return x2.device.type == "cpu" and x2.dtype in native.INPUT_CODES
+
     def supports(self, x2: torch.Tensor) -> bool:
-        """True when the kernel handles this input: a CPU float32 / bfloat16 / float16 tensor."""
-        return x2.device.type == "cpu" and x2.dtype in native.INPUT_CODES and self.available
+        """True when the automatic choice runs it for this input (:meth:`takes` and :attr:`available`)."""
+        return self.takes(x2) and self.available
 
     def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool, block_2d: bool = False,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,16 +283,38 @@ def _check_input(x) -> None:
         raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")
 
 
-def kernel_for(x2: torch.Tensor, *, fast: bool | None = None) -> str:
-    """Which kernel :func:`quantize` runs for the 2-D ``(M, K)`` view ``x2``: ``"native"``, ``"compiled"`` or
-    ``"eager"`` (``fast`` as in :func:`quantize`).
+def _check_bool(value, argname: str) -> bool:
+    """A flag: a Python (or numpy) bool, never an int / string read for its truth (``block_2d="no"`` is True)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{argname} must be a bool (True or False), got {describe(value)}")
 
+
+def _check_rounding(rounding) -> str:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be 'rceil' or 'floor', got {describe(rounding)}")
+    return rounding
+
+
+#: the kernels ``quantize(..., kernel=...)`` can be told to run (all give identical bytes)
+KERNELS = ("native", "compiled", "eager")
+
+
+def kernel_for(x2: torch.Tensor, *, fast: bool | None = None, kernel: str | None = None) -> str:
+    """Which kernel :func:`quantize` runs for the 2-D ``(M, K)`` view ``x2``: ``"native"``, ``"compiled"`` or
+    ``"eager"`` (``fast`` and ``kernel`` as in :func:`quantize`).
+
+    ``kernel`` names one (:data:`KERNELS`): it runs whatever ``MXPORT_DISABLE_NATIVE`` / ``MXPORT_DISABLE_COMPILE``
+    say (they steer the automatic choice only); RuntimeError when it cannot run here (no AVX-512 / a failed
+    build, a failed compile, an input the native kernel does not take). ``kernel=None`` chooses by ``fast``:
     ``fast=None``: native where it supports the input (CPU with AVX-512, float32 / bfloat16 / float16), else
     compiled for ``>= FAST_MIN_NUMEL`` elements when ``torch.compile`` works, else eager.
     ``fast=True``: native or compiled, RuntimeError when neither is available. ``fast=False``: eager.
     """
     if fast is not None and not isinstance(fast, bool):
-        raise TypeError(f"fast must be None, True or False, got {fast!r}")
+        raise TypeError(f"fast must be None, True or False, got {describe(fast)}")
+    if kernel is not None:
+        return _named_kernel(x2, kernel, fast)
     if fast is False or x2.numel() == 0:
         return "eager"
     if NATIVE_PATH.supports(x2):
@@ -279,11 +328,27 @@ def kernel_for(x2: torch.Tensor, *, fast: bool | None = None) -> str:
     return "compiled"
 
 
+def _named_kernel(x2: torch.Tensor, kernel, fast) -> str:
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be None, 'native', 'compiled' or 'eager', got {describe(kernel)}")
+    if fast is not None:
+        raise ValueError(f"give fast or kernel, not both (fast={fast}, kernel={kernel!r})")
+    if kernel == "native":
+        if not NATIVE_PATH.takes(x2):
+            raise RuntimeError(f"kernel='native' takes CPU float32/bfloat16/float16 input, got {x2.dtype} on "
+                               f"{x2.device}")
+        if not NATIVE_PATH.loaded():
+            raise RuntimeError(f"kernel='native' is not available here: {NATIVE_PATH.failed_reason}")
+    elif kernel == "compiled" and FAST_PATH.failed_reason is not None:
+        raise RuntimeError(f"kernel='compiled' is not available here: {FAST_PATH.failed_reason}")
+    return kernel if x2.numel() else "eager"  # nothing to compute: no build, no compile
+
+
 def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))`` uint8
     views of the caller's tensors."""
     if direction != "rowwise":
-        raise ValueError(f"out is supported for direction='rowwise' only, got direction={direction!r}")
+        raise ValueError(f"out is supported for direction='rowwise' only, got direction={describe(direction)}")
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise TypeError("out must be a (values, scales) pair of tensors")
     values, scales = out
@@ -351,6 +416,7 @@ def quantize(
     block_size: int = BLOCK_SIZE,
     fast: bool | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: str | None = None,
 ) -> MXFP8Components:
     """Quantize a float tensor to MXFP8: FP8 values plus one E8M0 shared scale per block of 32.
 
@@ -368,6 +434,9 @@ def quantize(
         fast: ``None`` picks the fastest kernel that takes the input (:func:`kernel_for`: the native AVX-512 C
             kernel on CPU, else the ``torch.compile``d one for large tensors, else eager); ``True`` requires a fast
             kernel (native or compiled); ``False`` forces eager. All give identical bytes.
+        kernel: ``None`` (choose by ``fast``), or the kernel to run: ``"native"``, ``"compiled"`` or ``"eager"``
+            (:func:`kernel_for`; it runs even where ``MXPORT_DISABLE_NATIVE`` / ``MXPORT_DISABLE_COMPILE``, which
+            steer the automatic choice, are set). Not together with ``fast``.
         out: optional ``(values, scales)`` to write the result into, rowwise only (e.g. slots of a refit send
             arena): ``values`` contiguous, ``x.shape``, dtype ``fp8_dtype`` or uint8; ``scales`` contiguous, the
             rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``, overlapping neither ``x`` nor
@@ -383,19 +452,31 @@ def quantize(
         :class:`MXFP8Components` on ``x.device``.
 
     Raises:
-        TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype``.
+        TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype`` (anything but
+            the two MXFP8 element dtypes, e.g. ``float8_e4m3fnuz`` or ``float8_e8m0fnu``); ``block_2d`` not a bool;
+            ``fast`` not None / True / False.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
-        RuntimeError: ``fast=True`` where no fast kernel is available.
+        TooLargeError (a MemoryError and a ValueError): the outputs cannot be allocated (a huge view).
+        RuntimeError: ``fast=True`` where no fast kernel is available; a ``kernel`` that cannot run here.
+        ValueError: an unknown ``kernel``, or ``kernel`` with ``fast``.
         TypeError / ValueError: ``out`` not a pair of tensors of the dtypes, shapes, device and layout above,
             overlapping ``x`` or each other, or given with ``direction="columnwise"``.
     """
     _check_input(x)
     fmt: ElementFormat = element_format(fp8_dtype)
+    if not isinstance(direction, str):
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {describe(direction)}")
     check_direction(direction)
     check_block_size(block_size)
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be 'rceil' or 'floor', got {rounding!r}")
+    _check_rounding(rounding)
+    block_2d = _check_bool(block_2d, "block_2d")
+    with allocating("x", x):
+        return _quantize(x, fmt, direction, rounding, block_2d, fast, out, kernel)
 
+
+def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str, block_2d: bool, fast,
+              out, kernel: str | None) -> MXFP8Components:
+    """:func:`quantize` once its arguments are checked."""
     shape = tuple(x.shape)
     k = shape[-1]
     m = numel_of(shape[:-1])
@@ -406,7 +487,7 @@ def quantize(
     if direction == "columnwise" and not block_2d:
         x2 = x2.t().contiguous()  # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
     floor = rounding == "floor"
-    kernel = kernel_for(x2, fast=fast)
+    kernel = kernel_for(x2, fast=fast, kernel=kernel)
     if kernel == "native":
         q, e = NATIVE_PATH(x2, fmt, floor, block_2d, out=out_bytes)
     elif kernel == "compiled":

@@ -254,6 +254,21 @@ def per_layer_sweep(source: nn.Module, twin: nn.Module, rollouts: Rollouts, ref:
     return {"layers": rows, "suggestion": suggestion}
 
 
+#: the figures that gate ``passed``: each must be a finite number (NaN / inf = a broken model or checkpoint)
+GATING_FIGURES = ("gen_kl_error_mean", "gen_kl_error_max", "token_mult_prob_error", "greedy_agreement")
+
+
+def failed_checks(figures: dict, max_kl: float | None) -> list[str]:
+    """One line per failed check of ``figures`` (from :func:`compare`): a gating figure that is not finite, or
+    ``gen_kl_error_mean`` above ``max_kl`` (when given). Empty when everything passed."""
+    failures = [f"{name} is {figures[name]} (not a finite number)" for name in GATING_FIGURES
+                if not math.isfinite(figures[name])]
+    mean = figures["gen_kl_error_mean"]
+    if max_kl is not None and math.isfinite(mean) and mean > max_kl:
+        failures.append(f"gen_kl_error_mean {mean:.6g} exceeds max_kl {max_kl:.6g}")
+    return failures
+
+
 def _fp8(fp8_dtype) -> torch.dtype:
     return element_format(fp8_dtype).dtype
 
@@ -273,13 +288,15 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         activation: ``"none"`` (weight-only) or ``"mxfp8"`` (W8A8).
         fp8_dtype: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or "e4m3" / "e5m2".
         policy: :class:`mxport.policy.PrecisionPolicy` (None = default).
-        max_kl: threshold; ``passed`` is False when ``gen_kl_error_mean`` exceeds it.
+        max_kl: threshold; ``passed`` is False when ``gen_kl_error_mean`` exceeds it. With or without it,
+            ``passed`` is False when a gating figure (:data:`GATING_FIGURES`) is NaN or infinite; ``failures``
+            lists why (:func:`failed_checks`).
         per_layer: run :func:`per_layer_sweep` (with ``target_kl``).
         device: where both models run.
 
     Returns a dict with ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``,
     ``greedy_agreement``, ``tokens``, ``weight_sqnr_db_min``, ``weight_sqnr_db_mean``, ``weight_sqnr_db`` (per
-    tensor), ``passed``, ``per_layer`` (when asked), ``samples`` (first decoded generations) and the settings.
+    tensor), ``passed``, ``failures``, ``per_layer`` (when asked), ``samples`` (first decoded generations) and the settings.
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
@@ -322,6 +339,7 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     progress("score", 2, 2)
     figures = compare(gen, ref)
     elements = sorted({m.weight.dtype for m in mx.values()}, key=str)
+    failures = failed_checks(figures, max_kl)
     report = {
         **figures,
         "weight_sqnr_db_min": min(sqnr.values()) if sqnr else math.nan,
@@ -334,7 +352,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         "max_new_tokens": max_new_tokens,
         "mxfp8_layers": len(mx),
         "max_kl": max_kl,
-        "passed": True if max_kl is None else figures["gen_kl_error_mean"] <= max_kl,
+        "passed": not failures,
+        "failures": failures,
         "weight_sqnr_db": sqnr,
         "samples": [{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
                     for c, g in list(zip(conversations, generated, strict=True))[:samples]],

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .._fs import replace_dir
+from .._fs import check_output_place, clean_stale_temps, output_errors, replace_dir, temp_output_dir
 from ..components import compact_scale_shape
 from ..formats import FLOAT_DTYPES
 from ..policy import Decision, PrecisionPolicy, exclude_modules
@@ -81,7 +80,9 @@ def open_source(source) -> SafetensorsDir | StateDictSource:
         return SafetensorsDir(src.path)
     model, tok = load_causal_lm(src, dtype=torch.float32)
     extras = [tok] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
-    return StateDictSource(model, extras=extras, label=src.label)
+    reader = StateDictSource(model, extras=extras, label=src.label)
+    reader.source_path = src.path / src.gguf_file  # the file an output must never replace (prepare_out)
+    return reader
 
 
 def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
@@ -118,14 +119,22 @@ def _copy_small_files(src_dir: Path | None, dst: Path) -> list[str]:
 
 
 def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None) -> Path:
-    """Check the output path before any work: FileExistsError when it exists without ``overwrite``, ValueError
-    when it is the source directory or an existing file. Returns it as a Path."""
+    """Check the output path before any work and recover from a killed run into it; returns it as a Path.
+
+    ``source_dir`` is the source (a folder or a file, e.g. a GGUF) or None. Refused (ValueError): an output that
+    is, contains or lies inside the source, or is / contains the current, home or root directory (compared on real
+    paths, :func:`mxport._fs.check_output_place`); an existing file. FileExistsError when ``out`` exists without
+    ``overwrite``. Before that, temporaries of ``out`` left by killed runs are removed, and an output that an
+    interrupted overwrite left renamed aside is put back (:func:`mxport._fs.clean_stale_temps`).
+    """
     out = Path(out).expanduser()
-    if source_dir is not None and out.resolve() == Path(source_dir).resolve():
-        raise ValueError(f"out {str(out)!r} is the source directory; write the export somewhere else")
-    if out.exists() and not overwrite:
+    check_output_place(out, source_dir)
+    with output_errors(out):
+        clean_stale_temps(out)
+    exists = os.path.lexists(out)  # a symlink (even a dangling or looping one) is there: never replaced silently
+    if exists and not overwrite:
         raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
-    if out.exists() and not out.is_dir():
+    if exists and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a directory")
     return out
 
@@ -162,10 +171,11 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
     if isinstance(out, (str, os.PathLike)) and isinstance(source, (str, os.PathLike)):
-        prepare_out(out, overwrite, Path(source) if Path(source).is_dir() else None)  # fail fast before loading
+        prepare_out(out, overwrite, Path(source))  # fail fast before loading
     reader = source if isinstance(source, (SafetensorsDir, StateDictSource)) else open_source(source)
     src_dir = getattr(reader, "path", None)
-    out = prepare_out(out, overwrite, src_dir)
+    from_path = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    out = prepare_out(out, overwrite, from_path or getattr(reader, "source_path", None) or src_dir)
     config = dict(reader.config or {})
 
     decisions = plan(reader, policy)
@@ -176,34 +186,37 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         excl.append("lm_head")
     shards = plan_shards(_output_groups(decisions, fmt, fp8_dtype, dtype), max_bytes)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.mxport-", dir=out.parent))
-    writer = ShardedSafetensorsWriter(tmp, shards, metadata={"producer": "mxport", "mxport_format": fmt})
-    in_bytes = 0
-    try:
-        in_bytes = _stream(reader, decisions, writer, fmt, fp8_dtype, dtype, progress)
-        weight_map = writer.close()
-        reader.close()
-
-        copied = _copy_small_files(src_dir, tmp)
-        for extra in getattr(reader, "extras", ()):
-            extra.save_pretrained(str(tmp))
-        config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)
-        if dtype is not None:  # transformers < 5 reads torch_dtype, >= 5 writes dtype: update what is there
-            for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
-                config[key] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-        if fmt == "modelopt":
-            (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        replace_dir(tmp, out)
-    except BaseException:
-        writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with temp_output_dir(out) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, shards, metadata={"producer": "mxport", "mxport_format": fmt})
+        try:
+            in_bytes = _stream(reader, decisions, writer, fmt, fp8_dtype, dtype, progress)
+            weight_map = writer.close()
+            reader.close()
+            copied = _copy_small_files(src_dir, tmp)
+            _write_configs(tmp, reader, config, fmt, excl, fp8_dtype, dtype)
+            os.chmod(tmp, 0o755)
+            replace_dir(tmp, out)
+        except BaseException:
+            writer.abort()
+            raise
     files = sorted(set(weight_map.values()) | set(copied) | {p.name for p in out.iterdir()})
     out_bytes = sum(s.nbytes for specs in shards for s in specs)
     return ExportResult(out, fmt, decisions, files, in_bytes, out_bytes, excl)
+
+
+def _write_configs(tmp: Path, reader, config: dict, fmt: str, excl: list[str], fp8_dtype: torch.dtype,
+                   dtype: torch.dtype | None) -> None:
+    """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and, for
+    modelopt, ``hf_quant_config.json``."""
+    for extra in getattr(reader, "extras", ()):
+        extra.save_pretrained(str(tmp))
+    config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)
+    if dtype is not None:  # transformers < 5 reads torch_dtype, >= 5 writes dtype: update what is there
+        for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+            config[key] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    if fmt == "modelopt":
+        (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
 
 
 #: elements per chunk: tensors are read, quantized / cast and written in whole-row chunks of about this size
