@@ -80,8 +80,10 @@ class _Counting:
 
     is_sender = property(lambda self: self.rank == self.src)
 
-    def all_gather_object(self, obj):
-        return self.inner.all_gather_object(obj)
+    device = property(lambda self: self.inner.device)
+
+    def all_gather(self, t):
+        return self.inner.all_gather(t)
 
     def broadcast(self, buf, async_op=False):
         self.broadcasts += 1
@@ -90,20 +92,24 @@ class _Counting:
 
 # ---- process bodies ----------------------------------------------------------------------------------------------
 def _main_sender(init):
-    from mxport.refit import RefitSender
+    from mxport.refit import RefitError, RefitSender
+    from mxport.testing import FaultyTransport
 
-    sender = RefitSender(_transport(0, init), _plan())
-
-    def corrupt(b, wire):
-        if sender.version == 2 and b == 1:
+    def corrupt(refit, b, wire):
+        if refit == 2 and b == 1:
             wire[-1] ^= 0xFF  # flip the last byte of bucket 1 on the wire, after its checksum was taken
 
-    sender._corrupt = corrupt
+    sender = RefitSender(FaultyTransport(_transport(0, init), _plan().num_buckets, corrupt), _plan())
+    out = {"buckets": _plan().num_buckets}
     for v in (1, 2, 3, 4):
-        stats = sender.send(iter(payload(v)))
-        assert stats["version"] == v
+        try:
+            stats = sender.send(iter(payload(v)))
+            assert stats["version"] == v and [r["status"] for r in stats["receivers"]] == ["ok"]
+        except RefitError as exc:  # the receiver's checksum report reached the sender
+            out["rejected"] = {"version": v, "msg": str(exc), "bucket": exc.bucket,
+                               "receivers": [r.to_dict() for r in exc.receivers]}
     sender.transport.close()
-    return {"buckets": _plan().num_buckets}
+    return out
 
 
 def _main_receiver(init):
@@ -231,20 +237,19 @@ def _mismatch_body(rank, init):
 
 def _kill_sender(init, die):
     from mxport.refit import RefitSender
+    from mxport.testing import FaultyTransport
 
-    sender = RefitSender(_transport(0, init), _plan())
+    def kill(refit, b, wire):
+        if refit == 2 and b == 3:
+            os._exit(17)  # the trainer dies in the middle of refit v2
+
+    sender = RefitSender(FaultyTransport(_transport(0, init), _plan().num_buckets, kill), _plan())
     if not die:
         sender.version = 5  # a fresh trainer continuing from a later step
         sender.send(payload(3))
         sender.transport.close()
         return {}
     sender.send(payload(1))
-
-    def kill(b, wire):
-        if b == 3:
-            os._exit(17)  # the trainer dies in the middle of refit v2
-
-    sender._corrupt = kill
     sender.send(payload(2))
     return {}
 
@@ -324,7 +329,11 @@ def test_two_process_refits_bucket_edges_sentinel_checksum_and_cache(tmp_path):
     large = plan.entries[plan.index("edge.large")]
     assert large.nbytes > BUCKET and (large.offset + large.nbytes - 1) // BUCKET - large.bucket >= 3
     init = f"file://{tmp_path}/store"
-    res = _run([("send", _main_sender, (init,)), ("recv", _main_receiver, (init,))])["recv"]
+    both = _run([("send", _main_sender, (init,)), ("recv", _main_receiver, (init,))])
+    res = both["recv"]
+    rejected = both["send"]["rejected"]  # the sender learns the receiver's outcome
+    assert rejected["version"] == 2 and rejected["bucket"] == 1 and "checksum" in rejected["msg"]
+    assert rejected["receivers"] == [{"rank": 1, "status": "checksum", "bucket": 1, "entry": -1, "version": 1}]
     assert res["versions"] == [1, 3, 4]
     assert res["equal"] == {1: True, 3: True, 4: True}  # sentinels fully overwritten by exactly the sent bytes
     assert res["verify"][1] is True

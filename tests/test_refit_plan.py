@@ -16,6 +16,7 @@ from mxport.refit import (
     RefitPlan,
     RefitReceiver,
     RefitSender,
+    Status,
     TrainerSource,
     allocate_targets,
     checkpoint_tensors,
@@ -23,6 +24,7 @@ from mxport.refit import (
 )
 from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket, stream_arena
 from mxport.refit.plan import ALIGN, diff_canonical
+from mxport.testing import FaultyTransport
 
 DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32]
 
@@ -37,10 +39,10 @@ def _random(dtype, shape, g):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, corrupt=None, prepare=None,
+def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, fault=None, prepare=None,
                       after_receive=None, **sender_kw):
     """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list).
-    ``corrupt(sender, bucket, payload)``: the sender's test hook (after the checksum, before the broadcast);
+    ``fault(refit, bucket, wire)``: tampers with a copy of each outgoing broadcast (:class:`FaultyTransport`);
     ``prepare(receiver)``: called before any refit; ``after_receive()``: called right after each receive returns
     or raises."""
     ch = InProcessChannel(1, timeout_s=30)
@@ -60,9 +62,8 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, c
 
     th = threading.Thread(target=rx)
     th.start()
-    sender = RefitSender(ch.endpoint(0), plan, **sender_kw)
-    if corrupt is not None:
-        sender._corrupt = lambda b, payload: corrupt(sender, b, payload)
+    ep = ch.endpoint(0) if fault is None else FaultyTransport(ch.endpoint(0), plan.num_buckets, fault)
+    sender = RefitSender(ep, plan, **sender_kw)
     sent = []
     for src in sources_per_version:
         try:
@@ -482,7 +483,9 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises(direct):
     th.start()
     sender = RefitSender(ch.endpoint(0), plan)
     sender.send(v1)
-    sender.send(v2)
+    with pytest.raises(RefitError, match="rejected by 1 of 1 receiver.*live_changed") as info:
+        sender.send(v2)  # the receiver's report reaches the sender
+    assert [r.status for r in info.value.receivers] == [Status.LIVE_CHANGED]
     th.join(timeout=60)
     assert not th.is_alive()
     assert ch._queues[1].empty()  # the receiver still drained every bucket and the trailer: streams stay in step
@@ -554,12 +557,12 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
     initial = arena.clone()
     ptrs = [t.data_ptr() for t in targets]
 
-    def corrupt(sender, b, payload):
-        if sender.version == 2 and b == 3:
-            payload[-1] ^= 0xFF
+    def corrupt(refit, b, wire):
+        if refit == 2 and b == 3:
+            wire[-1] ^= 0xFF
 
     sent, got, receiver = _refit_in_process(plan, [vs[0], vs[1], vs[2], bad, short, vs[5]], targets,
-                                            corrupt=corrupt, stream_crc32=True)
+                                            fault=corrupt, stream_crc32=True)
     assert receiver.direct and isinstance(sent[3], ValueError) and isinstance(sent[4], ValueError)
     assert got[0]["version"] == 1 and got[0]["direct"] is True and got[0]["commit_s"] < 0.05
     assert isinstance(got[1], RefitError) and got[1].bucket == 3 and "restored from the rollback copy" in str(got[1])
@@ -575,7 +578,7 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
     assert torch.equal(receiver._staging, arena)  # the rollback copy holds the live version
 
 
-def _direct_run(plan, versions, targets, corrupt, slow_backup_s=0.0):
+def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
     """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or raises,
     without waiting for the background backup), with the backup copy slowed down by ``slow_backup_s``."""
     arena = stream_arena(plan, targets)
@@ -594,7 +597,7 @@ def _direct_run(plan, versions, targets, corrupt, slow_backup_s=0.0):
 
             receiver._run_backup = slow
 
-    _, outs, receiver = _refit_in_process(plan, versions, targets, corrupt=corrupt, prepare=prepare,
+    _, outs, receiver = _refit_in_process(plan, versions, targets, fault=fault, prepare=prepare,
                                           after_receive=lambda: snaps.append(arena.clone()))
     return receiver, outs, snaps
 
@@ -607,9 +610,9 @@ def test_direct_failure_right_after_a_success_rolls_back_to_that_success():
     g = torch.Generator().manual_seed(5)
     vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(4)]
 
-    def corrupt(sender, b, payload):
-        if sender.version == 3 and b == 0:
-            payload[0] ^= 0x01
+    def corrupt(refit, b, wire):
+        if refit == 3 and b == 0:
+            wire[0] ^= 0x01
 
     receiver, outs, snaps = _direct_run(plan, vs, allocate_targets(plan), corrupt, slow_backup_s=0.3)
     assert [o["version"] if isinstance(o, dict) else "error" for o in outs] == [1, 2, "error", 4]
@@ -709,11 +712,11 @@ def test_direct_rollback_restores_what_was_live_when_the_refit_started():
     out = []
     th = threading.Thread(target=lambda: out.append(_catch(receiver.receive)))
     th.start()
-    sender = RefitSender(ch.endpoint(0), plan)
-    sender._corrupt = lambda b, payload: payload.fill_(1) if b == 0 else None
-    sender.send([torch.full((16,), 3.0), torch.full((8,), 3.0, dtype=torch.bfloat16)])
+    sender = RefitSender(FaultyTransport(ch.endpoint(0), plan.num_buckets,
+                                         lambda refit, b, wire: wire.fill_(1) if b == 0 else None), plan)
+    sent = _catch(lambda: sender.send([torch.full((16,), 3.0), torch.full((8,), 3.0, dtype=torch.bfloat16)]))
     th.join(timeout=30)
-    assert isinstance(out[0], RefitError)
+    assert isinstance(out[0], RefitError) and isinstance(sent, RefitError)
     assert all(bool((t == 7.0).all()) for t in targets)
 
 
@@ -766,3 +769,110 @@ def test_a_failing_producer_aborts_the_refit():
     assert isinstance(got[1], RefitError) and "aborted" in str(got[1])
     assert [g["version"] for g in (got[0], got[2])] == [1, 3]
     assert [float(t[0]) for t in targets] == [0.0, 1.0, 2.0, 3.0]
+
+
+# ---- the canonical form: what a peer's plan is rebuilt from ----------------------------------------------------
+def test_from_canonical_round_trips_with_the_same_digest():
+    plan = RefitPlan([("w", "values", torch.float8_e4m3fn, (4, 64)), ("w_scale", "scales", torch.uint8, (4, 2)),
+                      ("e", "kept", torch.bfloat16, (0, 3)), ("n", "kept", torch.float32, (5,))], 64)
+    import json
+
+    again = RefitPlan.from_canonical(json.loads(json.dumps(plan.canonical())))
+    assert again.digest == plan.digest and again.entries == plan.entries and again.total_bytes == plan.total_bytes
+
+
+def _canon():
+    return RefitPlan([("a", "kept", torch.float32, (3, 4)), ("b", "scales", torch.uint8, (7,))], 32).canonical()
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda c: c.update(extra=1), "exactly the keys"),
+    (lambda c: c.pop("align"), "exactly the keys"),
+    (lambda c: c.update(format="mxport-refit-plan/0"), "plan format"),
+    (lambda c: c.update(align=8), "align"),
+    (lambda c: c.update(bucket_bytes=True), "bucket_bytes"),
+    (lambda c: c.update(bucket_bytes=33), "bucket_bytes"),
+    (lambda c: c.update(entries={}), "entries must be a list"),
+    (lambda c: c["entries"].append(["c", "kept", "float32", [1]]), "7 fields"),
+    (lambda c: c["entries"][0].__setitem__(0, 5), "name"),
+    (lambda c: c["entries"][0].__setitem__(1, "weights"), "role"),
+    (lambda c: c["entries"][0].__setitem__(2, "float"), "dtype must be one of"),
+    (lambda c: c["entries"][0].__setitem__(2, "complex64"), "dtype must be one of"),
+    (lambda c: c["entries"][0].__setitem__(3, [3, -4]), "shape"),
+    (lambda c: c["entries"][0].__setitem__(3, [3, 4.0]), "shape"),
+    (lambda c: c["entries"][0].__setitem__(3, [True, 4]), "shape"),
+    (lambda c: c["entries"][0].__setitem__(4, -48), "non-negative"),
+    (lambda c: c["entries"][1].__setitem__(5, 0), "do not follow"),
+    (lambda c: c["entries"][1].__setitem__(6, 9), "do not follow"),
+    (lambda c: c["entries"][1].__setitem__(0, "a"), "twice"),
+])
+def test_from_canonical_refuses_every_bad_field(mutate, needle):
+    c = _canon()
+    mutate(c)
+    with pytest.raises(ValueError, match=needle):
+        RefitPlan.from_canonical(c)
+
+
+def test_from_canonical_refuses_non_dicts():
+    for bad in (None, [], "plan", 3):
+        with pytest.raises(ValueError, match="exactly the keys"):
+            RefitPlan.from_canonical(bad)
+
+
+def _both(fn0, fn1):
+    """Run ``fn0(endpoint 0)`` and ``fn1(endpoint 1)`` of one in-process channel, each in a thread."""
+    ch = InProcessChannel(1, timeout_s=30)
+    out = [None, None]
+
+    def run(i, fn):
+        try:
+            out[i] = fn(ch.endpoint(i))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[i] = exc
+
+    ths = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate((fn0, fn1))]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=30)
+    return out
+
+
+def test_handshake_mismatch_diff_travels_as_validated_json():
+    from mxport.refit import RefitPlanMismatch
+    from mxport.refit.handshake import exchange_plans
+
+    a = RefitPlan(_items([((4,), torch.float32), ((3,), torch.uint8)]), 64)
+    b = RefitPlan(_items([((4,), torch.float32), ((5,), torch.uint8)]), 64)
+    out = _both(lambda ep: exchange_plans(ep, a, 3), lambda ep: exchange_plans(ep, b, 7))
+    assert all(isinstance(x, RefitPlanMismatch) for x in out)
+    assert "receiver 1: shape: 't1' local (3,) vs remote (5,)" in str(out[0])
+    assert "shape: 't1' local (5,) vs remote (3,)" in str(out[1])
+    assert _both(lambda ep: exchange_plans(ep, a, 3), lambda ep: exchange_plans(ep, a, 7)) == [7, 7]
+
+
+def test_share_plan_gives_receivers_the_senders_plan():
+    from mxport.refit.handshake import share_plan
+
+    plan = RefitPlan(_items([((4, 3), torch.bfloat16), ((3,), torch.uint8)]), 64)
+    out = _both(lambda ep: share_plan(ep, plan), share_plan)
+    assert out[0] is plan and out[1].digest == plan.digest
+
+
+@pytest.mark.parametrize("bad", ["none", "np", "meta", "strided"])
+def test_a_bad_item_aborts_in_process_and_the_sender_reports_every_receiver(bad):
+    """Each bad item is refused before packing, the receivers get the abort trailer, keep their weights, and the
+    next refit succeeds; a successful send lists every receiver's result."""
+    import numpy as np
+
+    plan = RefitPlan(_items([((8, 4), torch.float32), ((6,), torch.uint8)]), 64)
+    good = [torch.full((8, 4), 2.0), torch.arange(6, dtype=torch.uint8)]
+    item = {"none": None, "np": np.zeros((8, 4), dtype=np.float32), "meta": torch.empty(8, 4, device="meta"),
+            "strided": torch.zeros(4, 8).t()}[bad]
+    targets = [torch.zeros(8, 4), torch.zeros(6, dtype=torch.uint8)]
+    sent, got, _ = _refit_in_process(plan, [[item, good[1]], good], targets)
+    assert isinstance(sent[0], (TypeError, ValueError)) and "'t0'" in str(sent[0])
+    assert isinstance(got[0], RefitError) and "the sender aborted refit v1 at tensor 't0'" in str(got[0])
+    assert got[0].status == Status.ABORTED and got[1]["version"] == 2
+    assert sent[1]["receivers"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
+    assert torch.equal(targets[0], good[0]) and torch.equal(targets[1], good[1])

@@ -12,18 +12,21 @@ checked, in place, all or nothing.
 
 from .consumers import TrainerSource, allocate_targets, checkpoint_tensors, model_tensors, receiver_plan
 from .plan import PlanEntry, RefitPlan, RefitPlanMismatch
-from .receiver import RefitError, RefitReceiver
+from .receiver import RefitReceiver
+from .results import ReceiverResult, RefitError, Status
 from .sender import RefitSender
 from .transport import InProcessChannel, TorchDistTransport, Transport
 
 __all__ = [
     "InProcessChannel",
     "PlanEntry",
+    "ReceiverResult",
     "RefitError",
     "RefitPlan",
     "RefitPlanMismatch",
     "RefitReceiver",
     "RefitSender",
+    "Status",
     "TorchDistTransport",
     "TrainerSource",
     "Transport",

@@ -2,7 +2,9 @@
 
 One refit on the wire is ``plan.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte stream
 from ``b * bucket_bytes``, ``plan.bucket_size(b)`` bytes long — then one trailer broadcast of int64 words
-``[magic, version, num_buckets, status, entry, 0, checksum_0, ..., checksum_{n-1}]``. A bucket that lies inside
+``[magic, version, num_buckets, status, entry, reason, checksum_0, ..., checksum_{n-1}]`` (``status`` ok or
+abort; on an abort, ``entry`` the plan index of the tensor at fault or -1, ``reason`` an
+:class:`~mxport.refit.results.AbortReason`). A bucket that lies inside
 one tensor is broadcast straight from that tensor's storage (no packing copy); other buckets are packed into a
 reused buffer. Every tensor moves as its raw bytes (``tensor.view(torch.uint8)``): FP8 values and E8M0 scales are
 uint8 on the wire (NCCL cannot broadcast FP8 dtypes on older GPUs); kept tensors keep their bit patterns.
@@ -153,16 +155,32 @@ class BucketLayout:
         return [self.plan.entries[s.entry].name for s in self.segments[b]]
 
 
-def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, entry: int = -1) -> torch.Tensor:
-    """The int64 trailer of one refit (see module doc). ``entry``: on an abort, the plan index of the tensor that
-    caused it (-1 if none)."""
-    return torch.tensor([MAGIC, version, len(checksums), status, entry, 0, *checksums], dtype=torch.int64)
+@dataclass(frozen=True)
+class Trailer:
+    """The last broadcast of a refit (see module doc)."""
+
+    magic: int
+    version: int
+    num_buckets: int
+    status: int
+    entry: int
+    reason: int
+    checksums: list[int]
+
+    def to_tensor(self) -> torch.Tensor:
+        head = [self.magic, self.version, self.num_buckets, self.status, self.entry, self.reason]
+        return torch.tensor([*head, *self.checksums], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, trailer: torch.Tensor) -> Trailer:
+        vals = trailer.cpu().tolist()
+        return cls(*vals[:TRAILER_FIXED], vals[TRAILER_FIXED:])
 
 
-def read_trailer(trailer: torch.Tensor) -> tuple[int, int, int, int, int, list[int]]:
-    """``(magic, version, num_buckets, status, entry, checksums)`` of a received trailer."""
-    vals = trailer.tolist() if trailer.device.type == "cpu" else trailer.cpu().tolist()
-    return vals[0], vals[1], vals[2], vals[3], vals[4], vals[TRAILER_FIXED:]
+def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, entry: int = -1,
+                 reason: int = 0) -> torch.Tensor:
+    """The int64 trailer of one refit (see module doc)."""
+    return Trailer(MAGIC, version, len(checksums), status, entry, reason, list(checksums)).to_tensor()
 
 
 def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload: torch.Tensor) -> None:

@@ -95,28 +95,74 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         train_s = time.perf_counter() - t0
         stats = sender.send(source.tensors())
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
-        replies = transport.all_gather_object(None)[1:]
+        shape = _ReplyShape(int(_prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
         per_recv = []
-        for r in replies:
-            seq = r.pop("seq")
+        for r in _gather_replies(transport, shape, None)[1:]:
             logits_gen = r.pop("logits")
-            logits_train = _logits_on(model, seq, r["prompt_len"])
+            seq = r.pop("seq")
+            logits_train = _logits_on(model, seq, shape.prompt_len)
             kl = gen_kl_error(logits_gen, logits_train)
+            r["text"] = tok.decode(seq[0, shape.prompt_len:], skip_special_tokens=True)
             r["gen_kl_error"] = kl["mean"]
             r["gen_kl_error_max"] = kl["max"]
             r["greedy_agreement"] = greedy_agreement(logits_gen, logits_train)
             r["bit_exact"] = bool(r["bit_exact"] and r["live_crc32"] == sent_crc32)
             per_recv.append(r)
-        seconds = stats["seconds"] + max(r["commit_s"] for r in per_recv)
+        # end to end: quantize + pack + transfer (sender) up to every receiver's commit and report
+        seconds = stats["seconds"]
         q.put(("step", 0, {
             "step": step, "version": stats["version"], "loss": loss, "train_s": train_s,
             "bytes": stats["bytes"], "buckets": stats["buckets"],
-            # end to end: quantize + pack + transfer (sender) then the slowest receiver's commit
             "seconds": seconds,
             "gbps": stats["bytes"] / seconds / 1e9,
             "send_s": stats["seconds"], "quantize_s": stats["produce_s"], "pack_s": stats["pack_s"],
             "checksum_s": stats["checksum_s"], "stream_crc32": sent_crc32, "receivers": per_recv,
         }))
+
+
+#: the numbers an inference process reports after each step, in this order (sent as one float64 row)
+_REPLY_FIELDS = ("rank", "version", "seconds", "recv_s", "commit_s", "bit_exact", "live_crc32", "pointers_stable",
+                 "gen_s", "prompt_len", "seq_len")
+
+
+@dataclass(frozen=True)
+class _ReplyShape:
+    """Sizes of one reply, known to every process: the prompt, at most ``max_new`` generated tokens, the vocab."""
+
+    prompt_len: int
+    max_new: int
+    vocab: int
+
+
+def _vocab(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _gather_replies(transport, shape: _ReplyShape, mine: dict | None) -> list[dict | None]:
+    """Every process's reply (``mine``: this process's, None on the trainer) through fixed-size tensors: a row of
+    :data:`_REPLY_FIELDS`, the token ids padded to ``prompt_len + max_new``, the log-probs padded to
+    ``[max_new, vocab]``. Nothing is unpickled; a reply whose sizes or token ids are out of range is refused."""
+    n_seq = shape.prompt_len + shape.max_new
+    row = torch.zeros(len(_REPLY_FIELDS), dtype=torch.float64)
+    seq = torch.zeros(n_seq, dtype=torch.int64)
+    logits = torch.zeros(shape.max_new, shape.vocab, dtype=torch.float32)
+    if mine is not None:
+        row[:] = torch.tensor([float(mine[k]) for k in _REPLY_FIELDS], dtype=torch.float64)
+        seq[:mine["seq"].shape[1]] = mine["seq"][0]
+        logits[:mine["logits"].shape[0]] = mine["logits"]
+    rows, seqs, logs = (transport.all_gather(t) for t in (row, seq, logits))
+    out: list[dict | None] = [None]
+    for r in range(1, len(rows)):
+        vals = dict(zip(_REPLY_FIELDS, rows[r].tolist(), strict=True))
+        n = int(vals.pop("seq_len"))
+        if not shape.prompt_len < n <= n_seq or not bool(((seqs[r] >= 0) & (seqs[r] < shape.vocab)).all()):
+            raise RuntimeError(f"inference process {r} sent a reply out of range ({n} tokens)")
+        reply = {k: (bool(v) if k in ("bit_exact", "pointers_stable") else
+                     int(v) if k in ("rank", "version", "live_crc32", "prompt_len") else v) for k, v in vals.items()}
+        reply["seq"] = seqs[r][:n].view(1, n)
+        reply["logits"] = logs[r][:n - shape.prompt_len]
+        out.append(reply)
+    return out
 
 
 def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
@@ -145,11 +191,11 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
                                  do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos)
         logits = _logits_on(model, seq, prompt.shape[1])
         gen_s = time.perf_counter() - t0
-        transport.all_gather_object({
+        _gather_replies(transport, _ReplyShape(int(prompt.shape[1]), cfg.max_new_tokens, _vocab(model)), {
             "rank": rank, "version": stats["version"], "seconds": stats["seconds"], "recv_s": stats["recv_s"],
-            "commit_s": stats["commit_s"], "bit_exact": bit_exact, "live_crc32": live_crc, "pointers_stable": stable, "gen_s": gen_s,
-            "prompt_len": int(prompt.shape[1]), "seq": seq, "logits": logits,
-            "text": tok.decode(seq[0, prompt.shape[1]:], skip_special_tokens=True),
+            "commit_s": stats["commit_s"], "bit_exact": bit_exact, "live_crc32": live_crc,
+            "pointers_stable": stable, "gen_s": gen_s, "prompt_len": int(prompt.shape[1]),
+            "seq_len": int(seq.shape[1]), "seq": seq, "logits": logits,
         })
 
 

@@ -18,36 +18,54 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .buckets import (
     MAGIC,
     STATUS_ABORT,
+    STATUS_OK,
     TRAILER_FIXED,
     BucketLayout,
+    Trailer,
     byte_view,
     checksum,
     pack_bucket,
-    read_trailer,
     stream_arena,
     unpack_segments,
 )
 from .handshake import exchange_plans
 from .plan import RefitPlan
+from .results import AbortReason, ReceiverResult, RefitError, Status
+from .timing import Stopwatch
 from .transport import Transport
 
 
-class RefitError(RuntimeError):
-    """A refit failed on the receiver; the live weights stayed on ``kept_version``.
+@dataclass(frozen=True)
+class _Problem:
+    """Why a received refit is rejected: the status reported, a readable reason, where (bucket, entry)."""
 
-    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed.
-    """
+    status: Status
+    why: str
+    bucket: int | None = None
+    entry: int = -1
 
-    def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
-                 kept_version: int = 0):
-        self.bucket, self.tensors, self.kept_version = bucket, list(tensors), kept_version
-        super().__init__(message)
+
+_ABORT_WHY = {AbortReason.BAD_TENSOR: "a tensor that does not match the plan",
+              AbortReason.COUNT: "too few or too many tensors",
+              AbortReason.PRODUCER: "the producer of the tensors failed",
+              AbortReason.INTERNAL: "the sender failed"}
+
+
+def _wait_quietly(handles: list) -> None:
+    """Wait for every posted broadcast, ignoring errors (the transport is broken anyway)."""
+    for h in handles:
+        if h is not None:
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001, S110
+                pass
 
 
 def _names(names: list[str], limit: int = 4) -> str:
@@ -215,13 +233,14 @@ class RefitReceiver:
 
     # -- one refit ------------------------------------------------------------------------------------------------
     def receive(self) -> dict:
-        """Receive one refit, validate every bucket, and leave the live tensors on the new version (or, on any
-        failure, on the previous one).
+        """Receive one refit, validate every bucket, leave the live tensors on the new version (or, on any failure,
+        on the previous one), and report the outcome to the sender.
 
         Staging mode: buckets land in staging; after validation every tensor is committed with ``copy_``. Direct
         mode: buckets land in the live arena; on a failure the touched part is restored from the rollback copy
         before raising; on success a background thread refreshes the rollback copy (waited for at the start of the
-        next ``receive``).
+        next ``receive``). After the trailer every receiver sends the sender a fixed-size status report (ok, or
+        why it rejected: :class:`~mxport.refit.results.Status`), so the sender knows the outcome.
 
         Returns:
             dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``direct`` (bool),
@@ -243,24 +262,58 @@ class RefitReceiver:
         """
         if not self._handshaken:
             self.handshake()
-        plan, layout = self.plan, self.layout
-        t_wait0 = time.perf_counter()
-        backup_s = self.wait_backup()
-        backup_wait_s = time.perf_counter() - t_wait0
-        local_problem = None  # found before receiving: still drain the stream so sender and receivers stay in step
+        sw = Stopwatch()
+        with sw.phase("backup_wait"):
+            backup_s = self.wait_backup()
+        problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
+        t0 = time.perf_counter()
+        got, t_first = self._receive_stream()
+        trailer = Trailer.from_tensor(self._trailer)
+        problem = problem or self._judge(trailer, got)
+        recv_s = time.perf_counter() - t_first
+        if problem is not None:
+            if self.direct:
+                self._rollback(self.plan.total_bytes)
+            self._report(problem.status, problem.bucket, problem.entry)
+            raise self._error("rejected", problem.bucket, problem.why, problem.status)
+        t1 = time.perf_counter()
+        try:
+            self._commit(trailer)
+        except BaseException:
+            self._report(Status.COMMIT_FAILED, None, -1)
+            raise
+        t2 = time.perf_counter()
+        self._report(Status.OK, None, -1)
+        if self.direct:
+            self._start_backup()
+        seconds = t2 - t_first
+        return {"version": self.version, "bytes": self.plan.total_bytes, "buckets": self.plan.num_buckets,
+                "direct": self.direct, "seconds": seconds, "idle_s": t_first - t0, "recv_s": recv_s,
+                "commit_s": t2 - t1, "gbps": self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                "backup_s": backup_s, "backup_wait_s": sw["backup_wait"]}
+
+    def _live_problem(self) -> _Problem | None:
+        """A live tensor whose dtype / shape changed or that moved since the receiver was built, or None."""
         try:
             for i, t in enumerate(self.targets):
-                plan.check_tensor(i, t)
-        except ValueError as exc:
-            local_problem = f"a live tensor changed since the receiver was built: {exc}"
-        if local_problem is None and not self.pointers_stable():
-            local_problem = "a live tensor was moved or reallocated since the receiver was built"
-        t0 = t_first = time.perf_counter()
-        n = plan.num_buckets
+                self.plan.check_tensor(i, t)
+        except (ValueError, TypeError) as exc:
+            return _Problem(Status.LIVE_CHANGED, f"a live tensor changed since the receiver was built: {exc}")
+        if not self.pointers_stable():
+            return _Problem(Status.LIVE_CHANGED, "a live tensor was moved or reallocated since the receiver was built")
+        return None
+
+    def _receive_stream(self) -> tuple[list[int], float]:
+        """Receive every bucket and the trailer (``inflight`` broadcasts posted ahead), summing each bucket while
+        later ones are on the wire. Returns the checksums and when the first bucket arrived. A transport failure
+        (dead peer, timeout) raises :class:`RefitError` after waiting for every posted broadcast and, in direct
+        mode, restoring what they touched."""
+        n = self.plan.num_buckets
         bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
         got = [0] * n
         posted = 0
+        t_first = time.perf_counter()
         for b in range(n + 1):
             try:
                 while posted <= n and posted <= b + self.inflight:
@@ -273,68 +326,65 @@ class RefitReceiver:
                 if b < n and self.use_checksum:  # checksum while later buckets are still on the wire
                     got[b] = checksum(bufs[b])
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-                where = f"bucket {b} of {n}" if b < n else "the trailer"
-                names = layout.tensor_names(b) if b < n else []
-                restored = ""
                 if self.direct:
-                    for h in handles:  # nothing may still write into the live arena after the restore
-                        if h is not None:
-                            try:
-                                h.wait()
-                            except Exception:  # noqa: BLE001, S110 - the transport is broken anyway
-                                pass
+                    _wait_quietly(handles)  # nothing may still write into the live arena after the restore
                     self._rollback(self._landed_bytes(posted))
-                    restored = " (restored from the rollback copy)"
-                raise RefitError(f"refit failed receiving {where} (tensors: {_names(names)}): "
-                                 f"{type(exc).__name__}: {exc}; live weights kept at version {self.version}"
-                                 f"{restored}",
-                                 bucket=b if b < n else None, tensors=names, kept_version=self.version) from exc
-        magic, version, nb, status, entry, crcs = read_trailer(self._trailer)
-        problem: tuple[int | None, str] | None = None
-        if local_problem is not None:
-            problem = (None, local_problem)
-        elif magic != MAGIC or nb != n:
-            problem = (None, f"bad trailer (magic {magic:#x}, {nb} buckets, expected {n})")
-        elif status == STATUS_ABORT:
-            what = f" at tensor {plan.entries[entry].name!r}" if 0 <= entry < len(plan) else ""
-            bucket = plan.entries[entry].bucket if 0 <= entry < len(plan) else None
-            problem = (bucket, f"the sender aborted refit v{version}{what}")
-        elif version <= self.version:
-            problem = (None, f"stale refit version {version} (live version is {self.version})")
-        elif self.use_checksum:
+                raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
+                                  None, trailer=b == n) from exc
+        return got, t_first
+
+    def _judge(self, trailer: Trailer, got: list[int]) -> _Problem | None:
+        """Why the received refit must be rejected (bad trailer, sender abort, stale version, checksum), or None."""
+        plan, n = self.plan, self.plan.num_buckets
+        if trailer.magic != MAGIC or trailer.num_buckets != n or trailer.status not in (STATUS_OK, STATUS_ABORT):
+            return _Problem(Status.BAD_TRAILER, f"bad trailer (magic {trailer.magic:#x}, {trailer.num_buckets} "
+                                                f"buckets, status {trailer.status}, expected {n} buckets)")
+        if trailer.status == STATUS_ABORT:
+            entry = trailer.entry if 0 <= trailer.entry < len(plan) else -1
+            what = f" at tensor {plan.entries[entry].name!r}" if entry >= 0 else ""
+            why = _ABORT_WHY.get(trailer.reason, "an error on the sender")
+            return _Problem(Status.ABORTED, f"the sender aborted refit v{trailer.version}{what} ({why})",
+                            plan.entries[entry].bucket if entry >= 0 else None, entry)
+        if trailer.version <= self.version:
+            return _Problem(Status.STALE, f"stale refit version {trailer.version} (live version is {self.version})")
+        if self.use_checksum:
             for b in range(n):
-                if got[b] != crcs[b]:
-                    problem = (b, f"checksum mismatch (sent {crcs[b]:#x}, received {got[b]:#x})")
-                    break
-        recv_s = time.perf_counter() - t_first
-        if problem is not None:
-            b, why = problem
-            restored = ""
-            if self.direct:
-                self._rollback(plan.total_bytes)
-                restored = " (restored from the rollback copy)"
-            names = layout.tensor_names(b) if b is not None else []
-            where = f"at bucket {b} of {n} (tensors: {_names(names)})" if b is not None else f"({n} buckets)"
-            raise RefitError(f"refit rejected {where}: {why}; live weights kept at version {self.version}{restored}",
-                             bucket=b, tensors=names, kept_version=self.version)
-        t1 = time.perf_counter()
+                if got[b] != trailer.checksums[b]:
+                    return _Problem(Status.CHECKSUM, f"checksum mismatch (sent {trailer.checksums[b]:#x}, "
+                                                     f"received {got[b]:#x})", b)
+        return None
+
+    def _commit(self, trailer: Trailer) -> None:
+        """Make the validated refit live (unpack from staging, or in direct mode just bump the version counters),
+        then run the refresh hooks."""
         if self.direct:
             self._bump_versions()
         else:
-            for b in range(n):
-                unpack_segments(layout.segments[b], self._payloads[b], self._views)
-        self.version = int(version)
-        self.last_checksums = crcs
+            for b in range(self.plan.num_buckets):
+                unpack_segments(self.layout.segments[b], self._payloads[b], self._views)
+        self.version = int(trailer.version)
+        self.last_checksums = trailer.checksums
         for hook in self.refresh_hooks:
             hook()
-        t2 = time.perf_counter()
-        if self.direct:
-            self._start_backup()
-        seconds = t2 - t_first
-        return {"version": self.version, "bytes": plan.total_bytes, "buckets": n, "direct": self.direct,
-                "seconds": seconds, "idle_s": t_first - t0, "recv_s": recv_s, "commit_s": t2 - t1,
-                "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                "backup_s": backup_s, "backup_wait_s": backup_wait_s}
+
+    def _report(self, status: Status, bucket: int | None, entry: int) -> None:
+        """Send the sender this refit's outcome (every rank's fixed-size row; the others' rows are not needed)."""
+        row = ReceiverResult(self.transport.rank, status, -1 if bucket is None else bucket, entry, self.version)
+        self.transport.all_gather(row.to_tensor())
+
+    def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
+               trailer: bool = False) -> RefitError:
+        """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
+        n = self.plan.num_buckets
+        names = self.layout.tensor_names(bucket) if bucket is not None else []
+        if bucket is not None:
+            where = f"bucket {bucket} of {n} (tensors: {_names(names)})"
+        else:
+            where = "the trailer" if trailer else f"({n} buckets)"
+        restored = " (restored from the rollback copy)" if self.direct else ""
+        return RefitError(f"refit {verb} {'at ' if verb == 'rejected' and bucket is not None else ''}{where}: "
+                          f"{why}; live weights kept at version {self.version}{restored}",
+                          bucket=bucket, tensors=names, kept_version=self.version, status=status)
 
     def verify_live(self) -> bool:
         """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender wrote

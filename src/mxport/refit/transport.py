@@ -2,8 +2,10 @@
 in-process channel for a colocated trainer and engine (threads in one process).
 
 A transport has one sender (rank ``src``) and one or more receivers. It offers exactly two things: an
-``all_gather_object`` for the plan handshake (small Python objects) and a ``broadcast`` of a 1-D uint8 tensor from
-the sender to every receiver, optionally asynchronous (the returned handle has ``wait()``).
+``all_gather`` of one small tensor per rank (every rank gives the same dtype and shape: the plan handshake and the
+receivers' status reports) and a ``broadcast`` of a 1-D uint8 tensor from the sender to every receiver, optionally
+asynchronous (the returned handle has ``wait()``). Nothing else crosses the wire: no Python objects, no pickle
+(``torch.distributed.all_gather_object`` unpickles what a peer sends, which runs any code the peer chose).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import datetime
 import queue
 import threading
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
@@ -33,9 +34,15 @@ class Transport(ABC):
     def is_sender(self) -> bool:
         return self.rank == self.src
 
+    @property
+    def device(self) -> torch.device:
+        """Where this transport's collectives take tensors (CPU unless the backend is NCCL)."""
+        return torch.device("cpu")
+
     @abstractmethod
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, indexed by rank."""
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (a small tensor; every rank passes the same dtype and shape), indexed by rank, as new
+        CPU tensors."""
 
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
@@ -69,6 +76,18 @@ class TorchDistTransport(Transport):
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
         self._global_src = dist.get_global_rank(group, src) if group is not None else src
+        self._device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @classmethod
+    def from_group(cls, pg, src: int = 0) -> TorchDistTransport:
+        """A transport over an existing process group ``pg`` (``src``: the sender's rank in ``pg``)."""
+        return cls(group=pg, src=src)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     @classmethod
     def init(cls, *, rank: int, world_size: int, init_method: str, backend: str = "gloo",
@@ -91,10 +110,11 @@ class TorchDistTransport(Transport):
                                  timeout=datetime.timedelta(seconds=timeout_s))
         return cls(src=src)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.to(self._device).contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._dist.all_gather(out, t, group=self.group)
+        return [x.cpu() for x in out]
 
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
         return self._dist.broadcast(buf, src=self._global_src, group=self.group, async_op=async_op)
@@ -119,7 +139,7 @@ class InProcessChannel:
         self.timeout_s = timeout_s
         self._queues = [queue.Queue() for _ in range(self.world_size)]
         self._barrier = threading.Barrier(self.world_size, timeout=timeout_s)
-        self._gather: list[Any] = [None] * self.world_size
+        self._gather: list[torch.Tensor | None] = [None] * self.world_size
         self._lock = threading.Lock()
 
     def endpoint(self, rank: int) -> InProcessTransport:
@@ -152,13 +172,15 @@ class InProcessTransport(Transport):
     def __init__(self, channel: InProcessChannel, rank: int):
         self.channel, self.rank, self.world_size, self.src = channel, rank, channel.world_size, 0
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         ch = self.channel
         with ch._lock:
-            ch._gather[self.rank] = obj
+            ch._gather[self.rank] = t.detach().cpu().clone()
         ch._barrier.wait()
-        out = list(ch._gather)
+        out = [x.clone() for x in ch._gather]
         ch._barrier.wait()
+        if any(x.dtype != t.dtype or x.shape != t.shape for x in out):
+            raise RuntimeError("in-process all_gather: the ranks passed tensors of different dtypes or shapes")
         return out
 
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):

@@ -1,0 +1,32 @@
+"""A stopwatch that adds up the time spent in named phases (the refit stats' ``*_s`` fields)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Stopwatch:
+    """Started when built; ``with sw.phase("pack"): ...`` adds that block's seconds to ``sw["pack"]``."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self._spent: defaultdict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._spent[name] += time.perf_counter() - t0
+
+    def __getitem__(self, name: str) -> float:
+        """Seconds spent in phase ``name`` so far (0.0 if never entered)."""
+        return self._spent.get(name, 0.0)
+
+    def elapsed(self) -> float:
+        """Seconds since the stopwatch was built."""
+        return time.perf_counter() - self.start
