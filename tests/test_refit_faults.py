@@ -1,9 +1,10 @@
 """Refit under faults, between real processes over gloo on loopback (spawned; every wait bounded).
 
-A producer that yields a bad item (None, a numpy array, a meta tensor, a wrong shape or dtype), a sender that posts
-a bucket larger than planned, receivers that reject a refit (stale version), a peer that sends a pickle during the
-handshake. In every case: no process dies, every receiver fails within seconds (far below the group timeout) and
-keeps its weights byte for byte, the sender learns each receiver's outcome, and the next refit succeeds.
+A producer that yields a bad item (None, a numpy array, a meta tensor, a wrong shape or dtype), a sender that
+posts a bucket larger than planned, receivers that reject a refit (stale version), a peer that sends a pickle
+during the handshake. In every case: no process dies, every receiver fails within seconds (far below the group
+timeout) and keeps its weights byte for byte, the sender learns each receiver's outcome, and the next refit
+succeeds.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ WAIT_S = 120.0
 
 
 def items():
-    """(name, role, dtype, shape): a bucket-spanning MXFP8 weight and its scales, kept tensors; last bucket short."""
-    return [("w.weight", "values", torch.float8_e4m3fn, (16, 64)), ("w.weight_scale", "scales", torch.uint8, (16, 2)),
+    """(name, role, dtype, shape): a bucket-spanning MXFP8 weight and its scales, kept tensors; last bucket
+    short."""
+    return [("w.weight", "values", torch.float8_e4m3fn, (16, 64)),
+            ("w.weight_scale", "scales", torch.uint8, (16, 2)),
             ("norm.weight", "kept", torch.float32, (40,)), ("emb", "kept", torch.bfloat16, (9, 8))]
 
 
@@ -77,10 +80,10 @@ def _bad_items():
             ("dtype", torch.zeros(shape, dtype=torch.float16), ValueError)]
 
 
-# ---- process bodies ----------------------------------------------------------------------------------------------
+# ---- process bodies ----------------------------------------------------------------------------------------
 def _faults_sender(world, init):
-    """v1 ok; each bad item aborts; a stale version is rejected by every receiver; a bucket larger than planned is
-    refused before it is posted; then a good refit."""
+    """v1 ok; each bad item aborts; a stale version is rejected by every receiver; a bucket larger than
+    planned is refused before it is posted; then a good refit."""
     from mxport.refit import RefitError, RefitSender
 
     sender = RefitSender(_transport(0, world, init), _plan())
@@ -148,8 +151,8 @@ class _Evil:
 
 
 def _pickling_peer(rank, init, init2, marker):
-    """Calls ``all_gather_object`` with a payload whose unpickling writes ``marker``; then, on a new group, acts as
-    an honest peer for one refit."""
+    """Calls ``all_gather_object`` with a payload whose unpickling writes ``marker``; then, on a new group,
+    acts as an honest peer for one refit."""
     import torch.distributed as dist
 
     from mxport.refit import RefitReceiver, RefitSender, TorchDistTransport
@@ -157,7 +160,7 @@ def _pickling_peer(rank, init, init2, marker):
     TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=5.0)
     try:
         dist.all_gather_object([None, None], _Evil(marker))
-    except Exception:  # noqa: BLE001, S110 - the honest peer hangs up: whatever happens here is the attacker's
+    except Exception:  # noqa: BLE001, S110 - the honest peer hangs up: the attacker's problem
         pass
     dist.destroy_process_group()
     tr = _transport(rank, 2, init2)
@@ -208,7 +211,8 @@ def _entry(fn, args, q, tag):
 
 
 def _run(jobs):
-    """Spawn ``jobs`` = [(tag, fn, args)]; return their results and exit codes (every wait bounded by WAIT_S)."""
+    """Spawn ``jobs`` = [(tag, fn, args)]; return their results and exit codes (every wait bounded by
+    WAIT_S)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = {tag: ctx.Process(target=_entry, args=(fn, args, q, tag), daemon=True) for tag, fn, args in jobs}
@@ -234,7 +238,7 @@ def _run(jobs):
     return results, {tag: p.exitcode for tag, p in procs.items()}
 
 
-# ---- tests -------------------------------------------------------------------------------------------------------
+# ---- tests -------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bad_items_stale_version_and_oversize_bucket_fail_fast_and_keep_weights(tmp_path):
     plan = _plan()
@@ -282,7 +286,8 @@ def test_a_pickle_in_the_handshake_is_never_unpickled(tmp_path, attacker):
     r = res["honest"]
     assert not os.path.exists(marker) and r["marker_after_handshake"] is False
     assert codes["honest"] == 0
-    assert r["error"] is not None and f"rank {attacker} does not speak the mxport refit handshake" in r["error"]
+    assert r["error"] is not None
+    assert f"rank {attacker} does not speak the mxport refit handshake" in r["error"]
     assert r["seconds"] < PROMPT_S and r["kept"] is True
     print(f"honest {'receiver' if honest else 'sender'} failed after {r['seconds']:.3f} s")
     assert r["next"] == 1

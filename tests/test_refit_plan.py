@@ -1,5 +1,5 @@
-"""Refit plan, buckets, in-process refits and the model consumers (single process; the two-process gloo tests are
-in test_refit_dist.py)."""
+"""Refit plan, buckets, in-process refits and the model consumers (single process; the two-process gloo tests
+are in test_refit_dist.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from mxport.refit import (
     allocate_targets,
     checkpoint_tensors,
     receiver_plan,
+    stream_arena,
 )
-from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket, stream_arena
+from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket
 from mxport.refit.plan import ALIGN, diff_canonical
 from mxport.testing import FaultyTransport
 
@@ -43,8 +44,8 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, f
                       after_receive=None, **sender_kw):
     """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list).
     ``fault(refit, bucket, wire)``: tampers with a copy of each outgoing broadcast (:class:`FaultyTransport`);
-    ``prepare(receiver)``: called before any refit; ``after_receive()``: called right after each receive returns
-    or raises."""
+    ``prepare(receiver)``: called before any refit; ``after_receive()``: called right after each receive
+    returns or raises."""
     ch = InProcessChannel(1, timeout_s=30)
     recv_out = []
     receiver = RefitReceiver(ch.endpoint(1), plan, targets, **(receiver_kw or {}))
@@ -148,8 +149,8 @@ def test_bucket_layout_covers_every_byte_once(sizes, bucket):
 @given(sizes=st.lists(st.integers(0, 3 * CHUNK_BYTES), min_size=1, max_size=6),
        bucket=st.sampled_from([4096, CHUNK_BYTES, 3 * CHUNK_BYTES + 4096, 5 * CHUNK_BYTES]))
 def test_pack_with_checksum_equals_pack_then_checksum(sizes, bucket):
-    """Packing chunk by chunk and summing each chunk in cache gives the same bytes and checksum as packing first;
-    chunk edges fall inside tensors, inside gaps and between them."""
+    """Packing chunk by chunk and summing each chunk in cache gives the same bytes and checksum as packing
+    first; chunk edges fall inside tensors, inside gaps and between them."""
     g = torch.Generator().manual_seed(sum(sizes) + bucket)
     plan = RefitPlan(_items([((n,), torch.uint8) for n in sizes]), bucket)
     layout = BucketLayout(plan)
@@ -234,9 +235,10 @@ def test_receiver_rejects_bad_targets():
 @pytest.mark.parametrize("arena", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied, arena):
-    """Both sides' plans agree; a refit lands the trainer's quantized bytes in the inference model. With arena=True
-    on both sides the trainer sends every bucket without packing and the receiver takes them in direct mode, into
-    the model's own tensors, moved into one arena without changing what the model computes."""
+    """Both sides' plans agree; a refit lands the trainer's quantized bytes in the inference model. With
+    arena=True on both sides the trainer sends every bucket without packing and the receiver takes them in
+    direct mode, into the model's own tensors, moved into one arena without changing what the model
+    computes."""
     from mxport import quantize
     from mxport.models import load_causal_lm
     from mxport.nn import MXFP8Linear, quantize_model
@@ -307,9 +309,10 @@ def test_trainer_arena_sends_the_same_bytes_without_packing(tmp_path):
 
 
 def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path):
-    """With arena=True the kept tensors that own their storage (the tied embedding, the norms) are adopted: their
-    .data becomes their view of the send buffer, so the model still computes the same, the optimizer updates them in
-    place there, and every bucket of every refit goes out without packing, with the right bytes."""
+    """With arena=True the kept tensors that own their storage (the tied embedding, the norms) are adopted:
+    their .data becomes their view of the send buffer, so the model still computes the same, the optimizer
+    updates them in place there, and every bucket of every refit goes out without packing, with the right
+    bytes."""
     from mxport.models import load_causal_lm
     from mxport.testing import make_tiny_llama
 
@@ -343,9 +346,9 @@ def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path
 
 
 def test_trainer_arena_copies_what_it_cannot_adopt():
-    """Kept tensors that are views of a larger storage, or need a cast to the planned dtype, stay where they are and
-    are copied into the buffer at every refit (so later updates still reach the wire); a tensor whose .data is
-    replaced after adoption is copied in from its new storage."""
+    """Kept tensors that are views of a larger storage, or need a cast to the planned dtype, stay where they
+    are and are copied into the buffer at every refit (so later updates still reach the wire); a tensor whose
+    .data is replaced after adoption is copied in from its new storage."""
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(64, 32, bias=False)
@@ -369,11 +372,12 @@ def test_trainer_arena_copies_what_it_cannot_adopt():
 
 
 def test_trainer_arena_adopts_at_construction_and_respects_the_plan():
-    """Review findings, each with the right behaviour: adoption happens when the source is built (before a CUDA
-    graph of the training step would be captured), not at the first refit; a parameter that a non-persistent buffer
-    aliases is not adopted (the module would compute with a stale copy); a kept tensor whose dtype drifted from the
-    plan is refused like without an arena (not cast back silently); kept_dtype never casts integer buffers;
-    stream_crc32() refuses a half-consumed tensors() call and is 0 for a plan of empty tensors."""
+    """Review findings, each with the right behaviour: adoption happens when the source is built (before a
+    CUDA graph of the training step would be captured), not at the first refit; a parameter that a
+    non-persistent buffer aliases is not adopted (the module would compute with a stale copy); a kept tensor
+    whose dtype drifted from the plan is refused like without an arena (not cast back silently); kept_dtype
+    never casts integer buffers; stream_crc32() refuses a half-consumed tensors() call and is 0 for a plan of
+    empty tensors."""
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(64, 32, bias=False)
     model.norm = torch.nn.Parameter(torch.randn(16))
@@ -422,8 +426,8 @@ def test_canonical_device_fills_in_the_index(monkeypatch):
 
 def test_trainer_arena_takes_native_mxfp8_storage_too():
     """A weight held as native MXFP8 storage (a torchao MXTensor parameter: a wrapper subclass without a plain
-    storage) is exported as is and copied into the send buffer, so the buffer is the whole stream: the same bytes
-    as without the arena, every bucket zero-copy, and stream_crc32() equals the receiver's live CRC."""
+    storage) is exported as is and copied into the send buffer, so the buffer is the whole stream: the same
+    bytes as without the arena, every bucket zero-copy, and stream_crc32() equals the receiver's live CRC."""
     mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -539,8 +543,8 @@ def test_receiver_picks_direct_mode_from_the_targets():
 
 
 def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous_version():
-    """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure the
-    arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
+    """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure
+    the arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
     items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8),
                     ((3, 32), torch.float8_e4m3fn)])
     plan = RefitPlan(items, 64)
@@ -579,15 +583,16 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
 
 
 def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
-    """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or raises,
-    without waiting for the background backup), with the backup copy slowed down by ``slow_backup_s``."""
+    """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or
+    raises, without waiting for the background backup), with the backup copy slowed down by
+    ``slow_backup_s``."""
     arena = stream_arena(plan, targets)
     snaps = []
 
     def prepare(receiver):
         assert receiver.direct
         if slow_backup_s:
-            run_backup = receiver._run_backup
+            run_backup = receiver._rollback_copy._run
 
             def slow():
                 import time
@@ -595,7 +600,7 @@ def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
                 time.sleep(slow_backup_s)
                 run_backup()
 
-            receiver._run_backup = slow
+            receiver._rollback_copy._run = slow
 
     _, outs, receiver = _refit_in_process(plan, versions, targets, fault=fault, prepare=prepare,
                                           after_receive=lambda: snaps.append(arena.clone()))
@@ -603,8 +608,8 @@ def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
 
 
 def test_direct_failure_right_after_a_success_rolls_back_to_that_success():
-    """The background backup of v2 is slowed down; v3 fails at once: receive() must wait for the backup, so the
-    rollback restores v2 (not v1, which a stale rollback copy would still hold)."""
+    """The background backup of v2 is slowed down; v3 fails at once: receive() must wait for the backup, so
+    the rollback restores v2 (not v1, which a stale rollback copy would still hold)."""
     items = _items([((64,), torch.float32), ((100,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(5)
@@ -615,15 +620,15 @@ def test_direct_failure_right_after_a_success_rolls_back_to_that_success():
             wire[0] ^= 0x01
 
     receiver, outs, snaps = _direct_run(plan, vs, allocate_targets(plan), corrupt, slow_backup_s=0.3)
-    assert [o["version"] if isinstance(o, dict) else "error" for o in outs] == [1, 2, "error", 4]
+    assert [o["version"] if not isinstance(o, RefitError) else "error" for o in outs] == [1, 2, "error", 4]
     assert torch.equal(snaps[1], _stream_bytes(plan, vs[1]))
     assert torch.equal(snaps[2], _stream_bytes(plan, vs[1]))  # rolled back to v2 exactly
     assert torch.equal(snaps[3], _stream_bytes(plan, vs[3]))
 
 
 def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
-    """A broadcast writes memory without bumping ``_version``; the receiver bumps it, so the decoded cache of an
-    MXFP8Linear whose buffers are arena views follows (scale byte 127 -> 128 doubles the output)."""
+    """A broadcast writes memory without bumping ``_version``; the receiver bumps it, so the decoded cache of
+    an MXFP8Linear whose buffers are arena views follows (scale byte 127 -> 128 doubles the output)."""
     from mxport import quantize
     from mxport.nn import MXFP8Linear
 
@@ -644,9 +649,9 @@ def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
 
 
 def test_sender_sends_an_arena_without_packing():
-    """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by bucket
-    straight from the arena, whether they come as a list or from a generator; scattered copies of them are packed;
-    the receiver gets the same bytes."""
+    """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by
+    bucket straight from the arena, whether they come as a list or from a generator; scattered copies of them
+    are packed; the receiver gets the same bytes."""
     items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(2)
@@ -665,9 +670,10 @@ def test_sender_sends_an_arena_without_packing():
 
 @pytest.mark.parametrize("arena", [False, True])
 def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follows(arena):
-    """A forward before the refit builds the decoded cache; the refit must make it stale (receiver_plan's targets
-    are detach() aliases sharing the buffers' version counters, not .data aliases with counters of their own) —
-    also when the buffers were moved into an arena (after a first forward, so a cache of the old storage exists)."""
+    """A forward before the refit builds the decoded cache; the refit must make it stale (receiver_plan's
+    targets are detach() aliases sharing the buffers' version counters, not .data aliases with counters of
+    their own) — also when the buffers were moved into an arena (after a first forward, so a cache of the old
+    storage exists)."""
     from mxport import quantize
     from mxport.nn import MXFP8Linear
 
@@ -686,8 +692,8 @@ def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follo
 
 
 def test_receiver_plan_arena_refuses_tensors_it_cannot_move():
-    """Two parameters sharing one storage cannot each own a slot of the arena: ValueError naming the tensor, and
-    nothing was moved."""
+    """Two parameters sharing one storage cannot each own a slot of the arena: ValueError naming the tensor,
+    and nothing was moved."""
     model = torch.nn.Module()
     model.norm = torch.nn.Parameter(torch.randn(16))
     shared = torch.randn(2, 16)
@@ -699,8 +705,9 @@ def test_receiver_plan_arena_refuses_tensors_it_cannot_move():
 
 
 def test_direct_rollback_restores_what_was_live_when_the_refit_started():
-    """Direct mode: values written into the arena after the receiver was built (a checkpoint load, say) are what a
-    failed refit restores, as in staging mode (the rollback copy is retaken when the targets' versions moved)."""
+    """Direct mode: values written into the arena after the receiver was built (a checkpoint load, say) are
+    what a failed refit restores, as in staging mode (the rollback copy is retaken when the targets' versions
+    moved)."""
     items = _items([((16,), torch.float32), ((8,), torch.bfloat16)])
     plan = RefitPlan(items, 64)
     targets = allocate_targets(plan)
@@ -753,7 +760,8 @@ def test_zero_copy_never_sends_foreign_padding():
 
 def test_a_failing_producer_aborts_the_refit():
     """A tensors() generator that raises something else than ValueError / TypeError (an OOM while quantizing)
-    still aborts the refit: the receiver keeps its weights, the error reaches the caller, the next refit works."""
+    still aborts the refit: the receiver keeps its weights, the error reaches the caller, the next refit
+    works."""
     items = _items([((64,), torch.float32)] * 4)
     plan = RefitPlan(items, 256)
 
@@ -771,18 +779,21 @@ def test_a_failing_producer_aborts_the_refit():
     assert [float(t[0]) for t in targets] == [0.0, 1.0, 2.0, 3.0]
 
 
-# ---- the canonical form: what a peer's plan is rebuilt from ----------------------------------------------------
+# ---- the canonical form: what a peer's plan is rebuilt from ------------------------------------------------
 def test_from_canonical_round_trips_with_the_same_digest():
-    plan = RefitPlan([("w", "values", torch.float8_e4m3fn, (4, 64)), ("w_scale", "scales", torch.uint8, (4, 2)),
+    plan = RefitPlan([("w", "values", torch.float8_e4m3fn, (4, 64)),
+                      ("w_scale", "scales", torch.uint8, (4, 2)),
                       ("e", "kept", torch.bfloat16, (0, 3)), ("n", "kept", torch.float32, (5,))], 64)
     import json
 
     again = RefitPlan.from_canonical(json.loads(json.dumps(plan.canonical())))
-    assert again.digest == plan.digest and again.entries == plan.entries and again.total_bytes == plan.total_bytes
+    assert again.digest == plan.digest and again.entries == plan.entries
+    assert again.total_bytes == plan.total_bytes
 
 
 def _canon():
-    return RefitPlan([("a", "kept", torch.float32, (3, 4)), ("b", "scales", torch.uint8, (7,))], 32).canonical()
+    return RefitPlan([("a", "kept", torch.float32, (3, 4)), ("b", "scales", torch.uint8, (7,))],
+                     32).canonical()
 
 
 @pytest.mark.parametrize("mutate, needle", [
@@ -861,8 +872,8 @@ def test_share_plan_gives_receivers_the_senders_plan():
 
 @pytest.mark.parametrize("bad", ["none", "np", "meta", "strided"])
 def test_a_bad_item_aborts_in_process_and_the_sender_reports_every_receiver(bad):
-    """Each bad item is refused before packing, the receivers get the abort trailer, keep their weights, and the
-    next refit succeeds; a successful send lists every receiver's result."""
+    """Each bad item is refused before packing, the receivers get the abort trailer, keep their weights, and
+    the next refit succeeds; a successful send lists every receiver's result."""
     import numpy as np
 
     plan = RefitPlan(_items([((8, 4), torch.float32), ((6,), torch.uint8)]), 64)

@@ -147,7 +147,8 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
             t0 = _now()
             stats = fn()
             t1 = _now()
-            if rank != 0 and isinstance(stats, dict):
+            stats = stats.to_dict() if stats is not None else None
+            if rank != 0 and stats is not None:
                 # direct mode: the background rollback copy finishes here, outside the timed region and before the
                 # next barrier, so it never overlaps (and slows) the raw-broadcast baseline; its cost is reported
                 stats["backup_after_s"] = end.wait_backup()
@@ -180,7 +181,8 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
         if rank != 0:
             return None
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
-                "kernel": kernel_label(torch.empty(576, 576)).split(" (")[0], "direct": bool(got[1][0][2]["direct"]),
+                "kernel": kernel_label(torch.empty(576, 576)).split(" (")[0],
+                "direct": bool(got[1][0][2]["direct"]),
                 "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e,
                 "nosum_s": nosum_s}
     finally:

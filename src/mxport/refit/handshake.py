@@ -1,14 +1,17 @@
 """The plan handshake: before any payload moves, every endpoint shares its plan digest and refit version; on a
-mismatch every endpoint shares its canonical plan and raises :class:`RefitPlanMismatch` with the first differences.
+mismatch every endpoint shares its canonical plan and raises :class:`RefitPlanMismatch` with the first
+differences.
 
 Only fixed-size tensors cross the wire, and nothing received is unpickled:
 
-1. ``all_gather`` of one int64 word, :data:`HELLO` (the protocol's magic and version). A peer that sends anything
-   else does not speak this protocol (``torch.distributed.all_gather_object`` starts with an int64 length, say):
+1. ``all_gather`` of one int64 word, :data:`HELLO` (the protocol's magic and version). A peer that sends
+   anything else does not speak this protocol (``torch.distributed.all_gather_object`` starts with an int64
+   length, say):
    every endpoint raises :class:`RefitError` without reading anything more from it.
 2. ``all_gather`` of int64 ``[digest words 0..3, version]``: the plan's sha256 as four int64 words.
-3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length (int64), then of the JSON bytes
-   (uint8, zero-padded to the longest; every endpoint refuses beyond :data:`MAX_PLAN_JSON` bytes), each parsed
+3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length (int64), then of the JSON
+   bytes (uint8, zero-padded to the longest; every endpoint refuses beyond :data:`MAX_PLAN_JSON` bytes), each
+   parsed
    with ``json`` and rebuilt with :meth:`RefitPlan.from_canonical` (strictly validated) for the differences.
 """
 
@@ -33,9 +36,9 @@ def _hello(transport: Transport) -> None:
     strangers = [r for r, w in enumerate(words) if w != HELLO]
     if strangers:
         r = strangers[0]
-        raise RefitError(f"rank {r} does not speak the mxport refit handshake (it sent {words[r]:#x}, expected "
-                         f"{HELLO:#x}: another program or another mxport version on this process group?); nothing "
-                         f"more was read from it; re-create the transport")
+        raise RefitError(f"rank {r} does not speak the mxport refit handshake (it sent {words[r]:#x}, "
+                         f"expected {HELLO:#x}: another program or another mxport version on this process "
+                         f"group?); nothing more was read from it; re-create the transport")
 
 
 def _digest_row(plan: RefitPlan, version: int) -> torch.Tensor:
@@ -48,17 +51,17 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int = 0) -> i
 
     Raises:
         RefitError: a peer that does not speak this handshake, or reports a negative version.
-        RefitPlanMismatch: on every endpoint when any receiver's digest differs from the sender's. The sender lists
-            its differences with each mismatching receiver; a receiver lists its own differences with the sender's
-            plan (or, if it agrees with the sender, names the receivers that do not).
+        RefitPlanMismatch: on every endpoint when any receiver's digest differs from the sender's. The sender
+            lists its differences with each mismatching receiver; a receiver lists its own differences with
+            the sender's plan (or, if it agrees with the sender, names the receivers that do not).
     """
     _hello(transport)
     rows = transport.all_gather(_digest_row(plan, int(version)))
     digests = [row[:4].numpy().tobytes().hex() for row in rows]
     versions = [int(row[4]) for row in rows]
     if min(versions) < 0:
-        raise RefitError(f"rank {versions.index(min(versions))} reported a negative refit version; re-create the "
-                         f"transport")
+        raise RefitError(f"rank {versions.index(min(versions))} reported a negative refit version; re-create "
+                         f"the transport")
     src = transport.src
     if all(d == digests[src] for d in digests):
         return max(versions)
@@ -88,7 +91,8 @@ def _exchange_canonical(transport: Transport, plan: RefitPlan) -> list[RefitPlan
     lengths = [int(n) for n in transport.all_gather(torch.tensor([len(text)], dtype=torch.int64))]
     longest = max(lengths)
     if min(lengths) < 0 or longest > MAX_PLAN_JSON:
-        raise RefitPlanMismatch([f"a plan too large to compare ({longest} bytes of JSON, at most {MAX_PLAN_JSON})"])
+        raise RefitPlanMismatch([f"a plan too large to compare ({longest} bytes of JSON, at most "
+                                 f"{MAX_PLAN_JSON})"])
     buf = torch.zeros(longest, dtype=torch.uint8)
     buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     out: list[RefitPlan | str] = []
@@ -102,9 +106,10 @@ def _exchange_canonical(transport: Transport, plan: RefitPlan) -> list[RefitPlan
 
 def share_plan(transport: Transport, plan: RefitPlan | None = None) -> RefitPlan:
     """The sender's plan, on every endpoint: the sender passes ``plan`` and broadcasts its canonical JSON
-    (an int64 length, then the bytes); a receiver rebuilds it with :meth:`RefitPlan.from_canonical` (refusing more
-    than :data:`MAX_PLAN_JSON` bytes, or anything that is not a valid plan: ValueError). For a receiver that has no
-    model of its own to derive a plan from (a benchmark, an engine that loads checkpoint-format tensors)."""
+    (an int64 length, then the bytes); a receiver rebuilds it with :meth:`RefitPlan.from_canonical` (refusing
+    more than :data:`MAX_PLAN_JSON` bytes, or anything that is not a valid plan: ValueError). For a receiver
+    that has no model of its own to derive a plan from (a benchmark, an engine that loads checkpoint-format
+    tensors)."""
     if transport.is_sender:
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"the sender must pass its RefitPlan, got {type(plan).__name__}")
@@ -115,8 +120,8 @@ def share_plan(transport: Transport, plan: RefitPlan | None = None) -> RefitPlan
     n = torch.zeros(1, dtype=torch.int64, device=transport.device)
     transport.broadcast(n)
     if not 0 < int(n) <= MAX_PLAN_JSON:
-        raise ValueError(f"the sender's plan is {int(n)} bytes of JSON (at most {MAX_PLAN_JSON}); re-create the "
-                         f"transport")
+        raise ValueError(f"the sender's plan is {int(n)} bytes of JSON (at most {MAX_PLAN_JSON}); re-create "
+                         f"the transport")
     buf = torch.zeros(int(n), dtype=torch.uint8, device=transport.device)
     transport.broadcast(buf)
     return RefitPlan.from_canonical(json.loads(buf.cpu().numpy().tobytes()))

@@ -1,14 +1,15 @@
-"""RefitPlan: the ordered list of what one refit moves, where each tensor lands in the byte stream, and a digest.
+"""RefitPlan: the ordered list of what one refit moves, where each tensor lands in the byte stream, and a
+digest.
 
-Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in one
-virtual byte stream cut into fixed-size buckets. A plan entry records the tensor's checkpoint name (modelopt names:
-``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` / ``kept``), dtype, shape,
-byte count and its place in the stream (``offset``; first ``bucket`` = ``offset // bucket_bytes``). A tensor larger
-than a bucket simply spans several buckets.
+Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in
+one virtual byte stream cut into fixed-size buckets. A plan entry records the tensor's checkpoint name
+(modelopt names: ``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` /
+``kept``), dtype, shape, byte count and its place in the stream (``offset``; first ``bucket`` = ``offset //
+bucket_bytes``). A tensor larger than a bucket simply spans several buckets.
 
-Sender and receiver build their plans independently (from the trainer's policy and from the inference model) and
-compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the first
-differences.
+Sender and receiver build their plans independently (from the trainer's policy and from the inference model)
+and compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the
+first differences.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal, get_args
 
 import torch
 
-ROLES = ("values", "scales", "kept")
+#: how a tensor travels: MXFP8 element values, their E8M0 scales, or a tensor kept as it is
+Role = Literal["values", "scales", "kept"]
+ROLES: tuple[str, ...] = get_args(Role)
+#: one plan item: ``(name, role, dtype or dtype name, shape)``
+Item = tuple[str, Role, torch.dtype | str, Sequence[int]]
 #: every tensor starts at a multiple of this many bytes in the stream (keeps bucket payloads 8-byte aligned)
 ALIGN = 16
 PLAN_FORMAT = "mxport-refit-plan/1"
@@ -90,12 +96,12 @@ class PlanEntry:
     """One tensor of the refit stream.
 
     name: checkpoint (HF) name; role: "values" | "scales" | "kept"; dtype: torch dtype name ("float8_e4m3fn",
-    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the stream
-    (a multiple of :data:`ALIGN`); bucket: index of the bucket holding the first byte.
+    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the
+    stream (a multiple of :data:`ALIGN`); bucket: index of the bucket holding the first byte.
     """
 
     name: str
-    role: str
+    role: Role
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
@@ -118,7 +124,7 @@ class RefitPlan:
         TypeError: a dtype that is not a torch dtype / dtype name.
     """
 
-    def __init__(self, items: Iterable[tuple[str, str, torch.dtype | str, Sequence[int]]], bucket_bytes: int):
+    def __init__(self, items: Iterable[Item], bucket_bytes: int):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
                 or bucket_bytes % ALIGN:
             raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
@@ -151,8 +157,8 @@ class RefitPlan:
     def from_canonical(cls, obj) -> RefitPlan:
         """Rebuild a plan from its :meth:`canonical` form (e.g. parsed from a peer's JSON); same digest.
 
-        Every field is checked strictly: exactly the canonical keys, this plan format and alignment, ints that are
-        non-negative ints (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and each entry's
+        Every field is checked strictly: exactly the canonical keys, this plan format and alignment, ints that
+        are non-negative ints (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and each entry's
         ``nbytes``, ``offset`` and ``bucket`` equal to what its shapes imply.
 
         Raises:
@@ -169,8 +175,8 @@ class RefitPlan:
         plan = cls([_entry_item(i, e) for i, e in enumerate(obj["entries"])], obj["bucket_bytes"])
         for e, given in zip(plan.entries, obj["entries"], strict=True):
             if e.canonical() != given:
-                raise ValueError(f"plan entry {e.name!r}: nbytes / offset / bucket {given[4:]} do not follow from "
-                                 f"its dtype and shape ({[e.nbytes, e.offset, e.bucket]})")
+                raise ValueError(f"plan entry {e.name!r}: nbytes / offset / bucket {given[4:]} do not follow "
+                                 f"from its dtype and shape ({[e.nbytes, e.offset, e.bucket]})")
         return plan
 
     def __len__(self) -> int:
@@ -210,8 +216,8 @@ class RefitPlan:
                 "bucket_bytes": self.bucket_bytes, "digest": self.digest, "bytes_by_role": self.nbytes_by_role}
 
     def check_tensor(self, i: int, t: torch.Tensor) -> None:
-        """Per-refit check of tensor ``i`` against the plan: a ``torch.Tensor`` with data (not on the meta device),
-        contiguous, with exactly the planned dtype and shape.
+        """Per-refit check of tensor ``i`` against the plan: a ``torch.Tensor`` with data (not on the meta
+        device), contiguous, with exactly the planned dtype and shape.
 
         Raises:
             TypeError: not a torch.Tensor (None, a numpy array, ...), naming the tensor.

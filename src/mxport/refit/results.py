@@ -84,3 +84,52 @@ class RefitError(RuntimeError):
         self.bucket, self.tensors, self.kept_version = bucket, list(tensors), kept_version
         self.status, self.receivers = status, list(receivers)
         super().__init__(message)
+
+
+class _Row:
+    """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row["key"]`` reads one key of it."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+
+@dataclass(frozen=True)
+class SendStats(_Row):
+    """One refit as the sender saw it (see :meth:`~mxport.refit.RefitSender.send`)."""
+
+    version: int
+    bytes: int
+    buckets: int
+    zero_copy_buckets: int
+    seconds: float
+    produce_s: float
+    pack_s: float
+    checksum_s: float
+    wait_s: float
+    stream_crc32: int | None
+    gbps: float
+    receivers: tuple[ReceiverResult, ...]
+
+    def to_dict(self) -> dict:
+        return {**{f: getattr(self, f) for f in self.__dataclass_fields__ if f != "receivers"},
+                "receivers": [r.to_dict() for r in self.receivers]}
+
+
+@dataclass(frozen=True)
+class ReceiveStats(_Row):
+    """One refit as a receiver saw it (see :meth:`~mxport.refit.RefitReceiver.receive`)."""
+
+    version: int
+    bytes: int
+    buckets: int
+    direct: bool
+    seconds: float
+    idle_s: float
+    recv_s: float
+    commit_s: float
+    gbps: float
+    backup_s: float
+    backup_wait_s: float

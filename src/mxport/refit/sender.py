@@ -1,11 +1,12 @@
-"""RefitSender: broadcasts the plan's tensors in fixed-size byte buckets — buckets inside one tensor straight from
-its storage, mixed buckets packed into reused buffers while earlier buckets are on the wire (asynchronous broadcast)
-— then a trailer with the version and per-bucket checksums, then gathers every receiver's status report.
+"""RefitSender: broadcasts the plan's tensors in fixed-size byte buckets — buckets inside one tensor straight
+from its storage, mixed buckets packed into reused buffers while earlier buckets are on the wire (asynchronous
+broadcast) — then a trailer with the version and per-bucket checksums, then gathers every receiver's status
+report.
 
-Every broadcast has exactly the size the agreed plan gives it (checked before it is posted): a receiver posts the
-same size, and gloo kills a process that receives more bytes than it posted. Every item is checked against its plan
-entry before it is packed; any failure before the trailer sends the remaining buckets (unused content) and an abort
-trailer, so receivers fail at once, keep their weights and stay in step.
+Every broadcast has exactly the size the agreed plan gives it (checked before it is posted): a receiver posts
+the same size, and gloo kills a process that receives more bytes than it posted. Every item is checked against
+its plan entry before it is packed; any failure before the trailer sends the remaining buckets (unused
+content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .buckets import (
 )
 from .handshake import exchange_plans
 from .plan import RefitPlan
-from .results import AbortReason, ReceiverResult, RefitError, Status
+from .results import AbortReason, ReceiverResult, RefitError, SendStats, Status
 from .timing import Stopwatch
 from .transport import Transport
 
@@ -71,8 +72,8 @@ class RefitSender:
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        use_checksum: compute a per-bucket checksum (chunked int64 sum, :func:`~mxport.refit.buckets.checksum`);
-            receivers verify it before committing.
+        use_checksum: compute a per-bucket checksum (chunked int64 sum,
+            :func:`~mxport.refit.buckets.checksum`); receivers verify it before committing.
         device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL); tensors already there are sent
             without packing when a bucket lies inside one of them.
         inflight: broadcasts in flight at once (and pack buffers), >= 1.
@@ -110,33 +111,34 @@ class RefitSender:
         self.version = exchange_plans(self.transport, self.plan, self.version)
         self._handshaken = True
 
-    def send(self, tensors: Iterable[torch.Tensor]) -> dict:
-        """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a list,
-        or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next tensors
-        overlaps the broadcast of the current bucket).
+    def send(self, tensors: Iterable[torch.Tensor]) -> SendStats:
+        """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a
+        list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
+        tensors overlaps the broadcast of the current bucket).
 
-        A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors that
-        are views of one arena laid out as the plan's byte stream, such as :func:`~mxport.refit.allocate_targets`
-        views or ``TrainerSource(arena=True)``'s tensors) is sent straight from that memory, without packing
-        (:func:`~mxport.refit.buckets.in_place_payload`; alignment padding goes out as it is). The other buckets
-        are packed; packing sums each checksum chunk while it is in cache, and a zero-copy bucket is summed while
-        it is on the wire.
+        A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors
+        that are views of one arena laid out as the plan's byte stream, such as
+        :func:`~mxport.refit.allocate_targets` views or ``TrainerSource(arena=True)``'s tensors) is sent
+        straight from that memory, without packing (:func:`~mxport.refit.buckets.in_place_payload`; alignment
+        padding goes out as it is). The other buckets are packed; packing sums each checksum chunk while it is
+        in cache, and a zero-copy bucket is summed while it is on the wire.
 
         Each item is checked against its plan entry before it is packed (:meth:`RefitPlan.check_tensor`: a
-        ``torch.Tensor`` with data, contiguous, the planned dtype and shape). On any failure before the trailer (a
-        bad item, too few or too many items, anything the ``tensors`` iterator raises, a sender-side fault) the
-        remaining buckets are still sent (their content unused) followed by an "abort" trailer, so receivers fail
-        at once, keep their weights and stay in step; then the error is raised here. A failure of the transport
-        itself (dead peer, timeout) is raised as it is: the group is unusable.
+        ``torch.Tensor`` with data, contiguous, the planned dtype and shape). On any failure before the
+        trailer (a bad item, too few or too many items, anything the ``tensors`` iterator raises, a
+        sender-side fault) the remaining buckets are still sent (their content unused) followed by an "abort"
+        trailer, so receivers fail at once, keep their weights and stay in step; then the error is raised
+        here. A failure of the transport itself (dead peer, timeout) is raised as it is: the group is
+        unusable.
 
         Returns:
-            dict: ``version``, ``bytes`` (payload bytes), ``buckets``, ``zero_copy_buckets`` (sent without
-            packing), ``seconds`` (whole send, up to every receiver's status report), ``produce_s`` (time inside
-            ``tensors``, e.g. quantize), ``pack_s`` (packing, with the packed buckets' checksums summed on the
-            fly), ``checksum_s`` (checksums of the zero-copy buckets, and the optional ``stream_crc32``),
-            ``wait_s`` (waiting for the wire and the receivers' reports), ``stream_crc32`` (int, or None when
-            off), ``gbps`` (payload bytes / seconds / 1e9), ``receivers`` (each receiver's
-            :class:`~mxport.refit.results.ReceiverResult` as a dict).
+            :class:`~mxport.refit.results.SendStats`: ``version``, ``bytes`` (payload bytes), ``buckets``,
+            ``zero_copy_buckets`` (sent without packing), ``seconds`` (whole send, up to every receiver's
+            status report), ``produce_s`` (time inside ``tensors``, e.g. quantize), ``pack_s`` (packing, with
+            the packed buckets' checksums summed on the fly), ``checksum_s`` (checksums of the zero-copy
+            buckets, and the optional ``stream_crc32``), ``wait_s`` (waiting for the wire and the receivers'
+            reports), ``stream_crc32`` (int, or None when off), ``gbps`` (payload bytes / seconds / 1e9),
+            ``receivers`` (each receiver's :class:`~mxport.refit.results.ReceiverResult`).
 
         Raises:
             RefitError: some receiver rejected the refit (``receivers`` holds every receiver's result).
@@ -165,21 +167,21 @@ class RefitSender:
             results = self._reports(Status.OK)
         self._raise_rejections(run, results)
         seconds = sw.elapsed()
-        return {"version": run.version, "bytes": self.plan.total_bytes, "buckets": self.plan.num_buckets,
-                "zero_copy_buckets": run.zero_copy, "seconds": seconds, "produce_s": sw["produce"],
-                "pack_s": sw["pack"], "checksum_s": sw["checksum"], "wait_s": sw["wait"],
-                "stream_crc32": run.stream_crc if self.stream_crc32 else None,
-                "gbps": self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                "receivers": [r.to_dict() for r in results]}
+        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+                         zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
+                         pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
+                         stream_crc32=run.stream_crc if self.stream_crc32 else None,
+                         gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                         receivers=tuple(results))
 
-    # -- one bucket ------------------------------------------------------------------------------------------------
+    # -- one bucket ------------------------------------------------------------------------------------------
     def _send_bucket(self, run: _Run, b: int, sw: Stopwatch) -> None:
         with sw.phase("produce"):
             self._produce(run, b)
         run.reason, run.entry = AbortReason.INTERNAL, -1
         size = self.layout.sizes[b]
-        payload = in_place_payload(self.layout.segments[b], self.layout.gap_index(b, self.device), run.sources,
-                                   size, self.device)
+        gaps = self.layout.gap_index(b, self.device)
+        payload = in_place_payload(self.layout.segments[b], gaps, run.sources, size, self.device)
         slot, crc = None, None
         if payload is None:
             slot = b % len(self._packbuf)
@@ -225,13 +227,14 @@ class RefitSender:
             self.plan.check_tensor(i, t)
             run.sources.append(byte_view(t, argname=self.plan.entries[i].name))
 
-    # -- the wire --------------------------------------------------------------------------------------------------
+    # -- the wire --------------------------------------------------------------------------------------------
     def _post(self, payload: torch.Tensor, b: int):
-        """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it has
-        exactly the size the plan gives it (the receivers post that size; a larger message kills them in gloo)."""
+        """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it
+        has exactly the size the plan gives it (the receivers post that size; a larger message kills them in
+        gloo)."""
         n = self.plan.num_buckets
         want = self.plan.bucket_size(b) if b < n else (TRAILER_FIXED + n) * 8
-        got = payload.numel() * payload.element_size()
+        got = payload.nbytes
         if payload.dim() != 1 or got != want:
             raise RuntimeError(f"refit v{self.version}: {'bucket ' + str(b) if b < n else 'the trailer'} is "
                                f"{got} bytes but the plan gives it {want}: not sent")
@@ -273,15 +276,16 @@ class RefitSender:
                          kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
 
     def _abort(self, run: _Run, error: BaseException) -> None:
-        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same bytes
-        and fail at once; then gather their reports (they all reject). A transport failure meanwhile is noted on
-        ``error`` (which the caller raises)."""
+        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
+        bytes and fail at once; then gather their reports (they all reject). A transport failure meanwhile is
+        noted on ``error`` (which the caller raises)."""
         try:
             self._drain(run)
             buf = self._packbuf[0]
             for b in range(run.posted, self.plan.num_buckets):
                 self._post(buf[:self.plan.bucket_size(b)], b).wait()
-            trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry, run.reason)
+            trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
+                                   run.reason)
             self._post(trailer, self.plan.num_buckets).wait()
             self._reports(Status.ABORTED)
         except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note

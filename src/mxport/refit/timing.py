@@ -9,11 +9,20 @@ from contextlib import contextmanager
 
 
 class Stopwatch:
-    """Started when built; ``with sw.phase("pack"): ...`` adds that block's seconds to ``sw["pack"]``."""
+    """Started when built; ``with sw.phase("pack"): ...`` adds that block's seconds to ``sw["pack"]``;
+    ``sw.mark("first")`` records an instant, ``sw.between("first", "done")`` the seconds between two."""
 
     def __init__(self):
         self.start = time.perf_counter()
         self._spent: defaultdict[str, float] = defaultdict(float)
+        self._marks: dict[str, float] = {}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Record instant ``name`` (now, or ``at``, a ``time.perf_counter()`` value)."""
+        self._marks[name] = time.perf_counter() if at is None else at
+
+    def between(self, first: str, last: str) -> float:
+        return self._marks[last] - self._marks[first]
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -2,10 +2,11 @@
 in-process channel for a colocated trainer and engine (threads in one process).
 
 A transport has one sender (rank ``src``) and one or more receivers. It offers exactly two things: an
-``all_gather`` of one small tensor per rank (every rank gives the same dtype and shape: the plan handshake and the
-receivers' status reports) and a ``broadcast`` of a 1-D uint8 tensor from the sender to every receiver, optionally
-asynchronous (the returned handle has ``wait()``). Nothing else crosses the wire: no Python objects, no pickle
-(``torch.distributed.all_gather_object`` unpickles what a peer sends, which runs any code the peer chose).
+``all_gather`` of one small tensor per rank (every rank gives the same dtype and shape: the plan handshake and
+the receivers' status reports) and a ``broadcast`` of a 1-D uint8 tensor from the sender to every receiver,
+optionally asynchronous (the returned handle has ``wait()``). Nothing else crosses the wire: no Python
+objects, no pickle (``torch.distributed.all_gather_object`` unpickles what a peer sends, which runs any code
+the peer chose).
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ class Transport(ABC):
 
     @abstractmethod
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (a small tensor; every rank passes the same dtype and shape), indexed by rank, as new
-        CPU tensors."""
+        """Every rank's ``t`` (a small tensor; every rank passes the same dtype and shape), indexed by rank,
+        as new CPU tensors."""
 
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
-        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With ``async_op``
-        return a handle whose ``wait()`` completes it; otherwise complete before returning (returns None)."""
+        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With
+        ``async_op`` return a handle whose ``wait()`` completes it; otherwise complete before returning
+        (returns None)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (no-op by default)."""
@@ -57,10 +59,10 @@ class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
     Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first; the NCCL path
-    is untested on the development machines, which have no GPU). A peer that dies or a broadcast that exceeds the
-    group's ``timeout`` raises ``RuntimeError`` from ``broadcast`` / ``wait``; the group is then unusable and must be
-    re-created (``close()`` then :meth:`init`).
+    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first; the NCCL
+    path is untested on the development machines, which have no GPU). A peer that dies or a broadcast that
+    exceeds the group's ``timeout`` raises ``RuntimeError`` from ``broadcast`` / ``wait``; the group is then
+    unusable and must be re-created (``close()`` then :meth:`init`).
     """
 
     def __init__(self, group=None, src: int = 0):
@@ -129,7 +131,8 @@ class InProcessChannel:
     """A colocated sender and ``receivers`` receivers in one process (each endpoint used from its own thread).
 
     ``channel.endpoint(rank)``: rank 0 is the sender. A broadcast hands each receiver a copy of the bytes (the
-    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises ``TimeoutError``.
+    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises
+    ``TimeoutError``.
     """
 
     def __init__(self, receivers: int = 1, timeout_s: float = 60.0):
@@ -180,7 +183,8 @@ class InProcessTransport(Transport):
         out = [x.clone() for x in ch._gather]
         ch._barrier.wait()
         if any(x.dtype != t.dtype or x.shape != t.shape for x in out):
-            raise RuntimeError("in-process all_gather: the ranks passed tensors of different dtypes or shapes")
+            raise RuntimeError("in-process all_gather: the ranks passed tensors of different dtypes or "
+                               "shapes")
         return out
 
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
