@@ -216,7 +216,8 @@ def _gather_replies(transport, shape: _ReplyShape, mine: _Reply | None) -> list[
     seq = torch.zeros(n_seq, dtype=torch.int64)
     logits = torch.zeros(shape.max_new, shape.vocab, dtype=torch.float32)
     if mine is not None:
-        row[:] = torch.tensor([float(getattr(mine, k)) for k in _REPLY_NUMBERS] + [mine.seq.shape[1]])
+        row[:] = torch.tensor([float(getattr(mine, k)) for k in _REPLY_NUMBERS] + [mine.seq.shape[1]],
+                              dtype=torch.float64)  # exact for every int below 2**53 (the CRC-32 too)
         seq[:mine.seq.shape[1]] = mine.seq[0]
         logits[:mine.logits.shape[0]] = mine.logits
     rows, seqs, logs = (transport.all_gather(t) for t in (row, seq, logits))
