@@ -887,3 +887,24 @@ def test_a_bad_item_aborts_in_process_and_the_sender_reports_every_receiver(bad)
     assert got[0].status == Status.ABORTED and got[1]["version"] == 2
     assert sent[1]["receivers"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
     assert torch.equal(targets[0], good[0]) and torch.equal(targets[1], good[1])
+
+
+def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused():
+    """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near 2**32
+    included), the sequence and log-probs cut back to their length; a reply with a token id outside the vocab
+    is refused."""
+    from mxport.refit.demo import _gather_replies, _Reply, _ReplyShape
+
+    shape = _ReplyShape(prompt_len=3, max_new=4, vocab=10)
+    seq = torch.tensor([[1, 2, 3, 9, 0]])
+    logits = torch.randn(2, 10)
+    mine = _Reply(rank=1, version=7, seconds=0.25, recv_s=0.125, commit_s=0.0625, bit_exact=True,
+                  live_crc32=2**32 - 5, pointers_stable=False, gen_s=1.5, prompt_len=3, seq=seq, logits=logits)
+    out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, mine))
+    got = out[0][1]
+    assert got.live_crc32 == 2**32 - 5 and got.version == 7 and got.rank == 1 and got.prompt_len == 3
+    assert got.bit_exact is True and got.pointers_stable is False and got.seconds == 0.25
+    assert torch.equal(got.seq, seq) and torch.equal(got.logits, logits)
+    bad = _Reply(**{**mine.__dict__, "seq": torch.tensor([[1, 2, 3, 10]]), "logits": logits[:1]})
+    out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, bad))
+    assert isinstance(out[0], RuntimeError) and "out of range" in str(out[0])
