@@ -908,3 +908,38 @@ def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused()
     bad = _Reply(**{**mine.__dict__, "seq": torch.tensor([[1, 2, 3, 10]]), "logits": logits[:1]})
     out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, bad))
     assert isinstance(out[0], RuntimeError) and "out of range" in str(out[0])
+
+
+def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
+    """``TorchDistTransport.from_group`` on a ``ProcessGroupGloo`` built on its own store (as engines make them,
+    outside torch.distributed's registry): handshake, a refit, and the receivers' reports all go through it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mxport.refit import TorchDistTransport
+
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=20)
+    plan = RefitPlan(_items([((40,), torch.float32), ((8, 4), torch.bfloat16)]), 64)
+    sent = [torch.arange(40, dtype=torch.float32), torch.full((8, 4), 1.5, dtype=torch.bfloat16)]
+    targets = [torch.zeros(40), torch.zeros(8, 4, dtype=torch.bfloat16)]
+    out = [None, None]
+
+    def run(rank):
+        try:
+            tr = TorchDistTransport.from_group(dist.ProcessGroupGloo(store, rank, 2, timeout))
+            assert (tr.rank, tr.world_size, tr.device.type) == (rank, 2, "cpu")
+            end = RefitSender(tr, plan) if rank == 0 else RefitReceiver(tr, plan, targets)
+            out[rank] = end.send(sent) if rank == 0 else end.receive()
+            tr.close()
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[rank] = exc
+
+    ths = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=60)
+    assert out[1]["version"] == 1 and out[0]["receivers"][0]["status"] == "ok", out
+    assert all(torch.equal(byte_view(t), byte_view(s)) for t, s in zip(targets, sent, strict=True))

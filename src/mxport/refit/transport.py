@@ -59,27 +59,28 @@ class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
     Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first; the NCCL
-    path is untested on the development machines, which have no GPU). A peer that dies or a broadcast that
-    exceeds the group's ``timeout`` raises ``RuntimeError`` from ``broadcast`` / ``wait``; the group is then
-    unusable and must be re-created (``close()`` then :meth:`init`).
+    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does not
+    know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are called on
+    the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors (call
+    ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have no GPU).
+    A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
+    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then :meth:`init`).
     """
 
     def __init__(self, group=None, src: int = 0):
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if group is None and not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized: call TorchDistTransport.init(...) first")
         self._dist = dist
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self._pg = dist.group.WORLD if group is None else group
+        self.rank, self.world_size = self._pg.rank(), self._pg.size()
         if not 0 <= src < self.world_size:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
-        self._global_src = dist.get_global_rank(group, src) if group is not None else src
         self._device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
+        if str(self._pg.name()).lower() == "nccl" or (dist.is_initialized() and _backend(dist, group) == "nccl"):
             self._device = torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
@@ -115,16 +116,38 @@ class TorchDistTransport(Transport):
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         t = t.to(self._device).contiguous()
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._dist.all_gather(out, t, group=self.group)
+        self._pg.allgather([out], [t]).wait()
         return [x.cpu() for x in out]
 
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
-        return self._dist.broadcast(buf, src=self._global_src, group=self.group, async_op=async_op)
+        opts = self._dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = self.src, 0
+        work = self._pg.broadcast([buf], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given)."""
-        if self._dist.is_initialized():
+        """Destroy this transport's group (the default group when none was given; a group ``torch.distributed``
+        does not know is shut down)."""
+        if self.group is None:
+            if self._dist.is_initialized():
+                self._dist.destroy_process_group()
+            return
+        try:
             self._dist.destroy_process_group(self.group)
+        except (ValueError, RuntimeError):  # not registered with torch.distributed
+            shutdown = getattr(self.group, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+
+
+def _backend(dist, group) -> str:
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (ValueError, RuntimeError):  # a group torch.distributed does not know
+        return ""
 
 
 class InProcessChannel:
