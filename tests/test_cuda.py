@@ -70,8 +70,14 @@ def test_swizzle_and_mxfp8_linear_on_cuda():
 
 def test_refit_between_cuda_buffers_is_zero_copy_and_exact(tmp_path):
     from mxport.models import load_causal_lm
-    from mxport.refit import InProcessChannel, RefitReceiver, RefitSender, TrainerSource, allocate_targets
-    from mxport.refit.buckets import stream_arena
+    from mxport.refit import (
+        InProcessChannel,
+        RefitReceiver,
+        RefitSender,
+        TrainerSource,
+        allocate_targets,
+        stream_arena,
+    )
     from mxport.testing import make_tiny_llama
 
     trainer, _ = load_causal_lm(make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80),

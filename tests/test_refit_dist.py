@@ -1,11 +1,11 @@
 """Refit between two real processes over gloo on loopback (spawned; every wait is bounded by a timeout).
 
-Scenario "main": bucket edges (a tensor exactly one bucket, one larger than a bucket, 2000 tiny tensors) and an
-MXFP8Linear; sentinel-filled receive buffers; a corrupted bucket checksum; the decoded cache following a scale
-change 127 -> 128. Scenario "mismatch": reordered and retyped plans rejected before any payload. Scenario "kill":
-a sender killed mid-transfer, then a new sender on a new group. Scenario "direct": the same refits received straight
-into one arena (``allocate_targets``), the corrupted refit and the killed sender rolled back byte for byte; "kill"
-runs in both modes.
+Scenario "main": bucket edges (a tensor exactly one bucket, one larger than a bucket, 2000 tiny tensors) and
+an MXFP8Linear; sentinel-filled receive buffers; a corrupted bucket checksum; the decoded cache following a
+scale change 127 -> 128. Scenario "mismatch": reordered and retyped plans rejected before any payload.
+Scenario "kill": a sender killed mid-transfer, then a new sender on a new group. Scenario "direct": the same
+refits received straight into one arena (``allocate_targets``), the corrupted refit and the killed sender
+rolled back byte for byte; "kill" runs in both modes.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ WAIT_S = 150.0
 
 # ---- the planned tensors: both processes derive them from the same code ---------------------------------------
 def items():
-    """(name, role, dtype, shape): exactly one bucket first, an MXFP8 linear (spans buckets), a 3.5-bucket tensor,
-    then 2000 tiny tensors."""
+    """(name, role, dtype, shape): exactly one bucket first, an MXFP8 linear (spans buckets), a 3.5-bucket
+    tensor, then 2000 tiny tensors."""
     out = [("edge.exact", "kept", torch.uint8, (BUCKET,)),
            ("lin.weight", "values", torch.float8_e4m3fn, (64, 96)),
            ("lin.weight_scale", "scales", torch.uint8, (64, 3)),
@@ -37,7 +37,8 @@ def items():
 
 
 def payload(version: int) -> list[torch.Tensor]:
-    """The tensors sent at ``version``; version 4 repeats version 3 with every scale byte 128 instead of 127."""
+    """The tensors sent at ``version``; version 4 repeats version 3 with every scale byte 128 instead of
+    127."""
     g = torch.Generator().manual_seed(min(version, 3))
     out = []
     for name, _, dtype, shape in items():
@@ -80,8 +81,10 @@ class _Counting:
 
     is_sender = property(lambda self: self.rank == self.src)
 
-    def all_gather_object(self, obj):
-        return self.inner.all_gather_object(obj)
+    device = property(lambda self: self.inner.device)
+
+    def all_gather(self, t):
+        return self.inner.all_gather(t)
 
     def broadcast(self, buf, async_op=False):
         self.broadcasts += 1
@@ -90,20 +93,24 @@ class _Counting:
 
 # ---- process bodies ----------------------------------------------------------------------------------------------
 def _main_sender(init):
-    from mxport.refit import RefitSender
+    from mxport.refit import RefitError, RefitSender
+    from mxport.testing import FaultyTransport
 
-    sender = RefitSender(_transport(0, init), _plan())
-
-    def corrupt(b, wire):
-        if sender.version == 2 and b == 1:
+    def corrupt(refit, b, wire):
+        if refit == 2 and b == 1:
             wire[-1] ^= 0xFF  # flip the last byte of bucket 1 on the wire, after its checksum was taken
 
-    sender._corrupt = corrupt
+    sender = RefitSender(FaultyTransport(_transport(0, init), _plan().num_buckets, corrupt), _plan())
+    out = {"buckets": _plan().num_buckets}
     for v in (1, 2, 3, 4):
-        stats = sender.send(iter(payload(v)))
-        assert stats["version"] == v
+        try:
+            stats = sender.send(iter(payload(v)))
+            assert stats["version"] == v and [r["status"] for r in stats["receivers"]] == ["ok"]
+        except RefitError as exc:  # the receiver's checksum report reached the sender
+            out["rejected"] = {"version": v, "msg": str(exc), "bucket": exc.bucket,
+                               "receivers": [r.to_dict() for r in exc.receivers]}
     sender.transport.close()
-    return {"buckets": _plan().num_buckets}
+    return out
 
 
 def _main_receiver(init):
@@ -170,8 +177,7 @@ def _stream(plan, tensors):
 
 def _direct_receiver(init):
     """Against _main_sender (v1, corrupted v2, v3, v4), receiving straight into an arena."""
-    from mxport.refit import RefitError, RefitReceiver, allocate_targets
-    from mxport.refit.buckets import stream_arena
+    from mxport.refit import RefitError, RefitReceiver, allocate_targets, stream_arena
 
     plan = _plan()
     targets = allocate_targets(plan)
@@ -196,7 +202,8 @@ def _direct_receiver(init):
 
 
 def _mismatch_body(rank, init):
-    """Round 1: the receiver's plan has two tensors swapped; round 2: one dtype changed; round 3: plans agree."""
+    """Round 1: the receiver's plan has two tensors swapped; round 2: one dtype changed; round 3: plans
+    agree."""
     from mxport.refit import RefitPlanMismatch, RefitReceiver, RefitSender
 
     transport = _Counting(_transport(rank, init))
@@ -231,27 +238,25 @@ def _mismatch_body(rank, init):
 
 def _kill_sender(init, die):
     from mxport.refit import RefitSender
+    from mxport.testing import FaultyTransport
 
-    sender = RefitSender(_transport(0, init), _plan())
+    def kill(refit, b, wire):
+        if refit == 2 and b == 3:
+            os._exit(17)  # the trainer dies in the middle of refit v2
+
+    sender = RefitSender(FaultyTransport(_transport(0, init), _plan().num_buckets, kill), _plan())
     if not die:
         sender.version = 5  # a fresh trainer continuing from a later step
         sender.send(payload(3))
         sender.transport.close()
         return {}
     sender.send(payload(1))
-
-    def kill(b, wire):
-        if b == 3:
-            os._exit(17)  # the trainer dies in the middle of refit v2
-
-    sender._corrupt = kill
     sender.send(payload(2))
     return {}
 
 
 def _kill_receiver(init, init2, direct=False):
-    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport, allocate_targets
-    from mxport.refit.buckets import stream_arena
+    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport, allocate_targets, stream_arena
 
     plan = _plan()
     if direct:
@@ -324,7 +329,12 @@ def test_two_process_refits_bucket_edges_sentinel_checksum_and_cache(tmp_path):
     large = plan.entries[plan.index("edge.large")]
     assert large.nbytes > BUCKET and (large.offset + large.nbytes - 1) // BUCKET - large.bucket >= 3
     init = f"file://{tmp_path}/store"
-    res = _run([("send", _main_sender, (init,)), ("recv", _main_receiver, (init,))])["recv"]
+    both = _run([("send", _main_sender, (init,)), ("recv", _main_receiver, (init,))])
+    res = both["recv"]
+    rejected = both["send"]["rejected"]  # the sender learns the receiver's outcome
+    assert rejected["version"] == 2 and rejected["bucket"] == 1 and "checksum" in rejected["msg"]
+    assert rejected["receivers"] == [{"rank": 1, "status": "checksum", "bucket": 1, "entry": -1,
+                                      "version": 1}]
     assert res["versions"] == [1, 3, 4]
     assert res["equal"] == {1: True, 3: True, 4: True}  # sentinels fully overwritten by exactly the sent bytes
     assert res["verify"][1] is True

@@ -1,5 +1,5 @@
-"""Refit plan, buckets, in-process refits and the model consumers (single process; the two-process gloo tests are
-in test_refit_dist.py)."""
+"""Refit plan, buckets, in-process refits and the model consumers (single process; the two-process gloo tests
+are in test_refit_dist.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ from mxport.refit import (
     RefitPlan,
     RefitReceiver,
     RefitSender,
+    Status,
     TrainerSource,
     allocate_targets,
     checkpoint_tensors,
     receiver_plan,
+    stream_arena,
 )
-from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket, stream_arena
+from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket
 from mxport.refit.plan import ALIGN, diff_canonical
+from mxport.testing import FaultyTransport
 
 DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32]
 
@@ -37,12 +40,12 @@ def _random(dtype, shape, g):
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, corrupt=None, prepare=None,
+def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, fault=None, prepare=None,
                       after_receive=None, **sender_kw):
     """Run one receiver in a thread against a sender here; returns (sender stats list, receiver results list).
-    ``corrupt(sender, bucket, payload)``: the sender's test hook (after the checksum, before the broadcast);
-    ``prepare(receiver)``: called before any refit; ``after_receive()``: called right after each receive returns
-    or raises."""
+    ``fault(refit, bucket, wire)``: tampers with a copy of each outgoing broadcast (:class:`FaultyTransport`);
+    ``prepare(receiver)``: called before any refit; ``after_receive()``: called right after each receive
+    returns or raises."""
     ch = InProcessChannel(1, timeout_s=30)
     recv_out = []
     receiver = RefitReceiver(ch.endpoint(1), plan, targets, **(receiver_kw or {}))
@@ -60,9 +63,8 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, c
 
     th = threading.Thread(target=rx)
     th.start()
-    sender = RefitSender(ch.endpoint(0), plan, **sender_kw)
-    if corrupt is not None:
-        sender._corrupt = lambda b, payload: corrupt(sender, b, payload)
+    ep = ch.endpoint(0) if fault is None else FaultyTransport(ch.endpoint(0), plan.num_buckets, fault)
+    sender = RefitSender(ep, plan, **sender_kw)
     sent = []
     for src in sources_per_version:
         try:
@@ -147,8 +149,8 @@ def test_bucket_layout_covers_every_byte_once(sizes, bucket):
 @given(sizes=st.lists(st.integers(0, 3 * CHUNK_BYTES), min_size=1, max_size=6),
        bucket=st.sampled_from([4096, CHUNK_BYTES, 3 * CHUNK_BYTES + 4096, 5 * CHUNK_BYTES]))
 def test_pack_with_checksum_equals_pack_then_checksum(sizes, bucket):
-    """Packing chunk by chunk and summing each chunk in cache gives the same bytes and checksum as packing first;
-    chunk edges fall inside tensors, inside gaps and between them."""
+    """Packing chunk by chunk and summing each chunk in cache gives the same bytes and checksum as packing
+    first; chunk edges fall inside tensors, inside gaps and between them."""
     g = torch.Generator().manual_seed(sum(sizes) + bucket)
     plan = RefitPlan(_items([((n,), torch.uint8) for n in sizes]), bucket)
     layout = BucketLayout(plan)
@@ -233,9 +235,10 @@ def test_receiver_rejects_bad_targets():
 @pytest.mark.parametrize("arena", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied, arena):
-    """Both sides' plans agree; a refit lands the trainer's quantized bytes in the inference model. With arena=True
-    on both sides the trainer sends every bucket without packing and the receiver takes them in direct mode, into
-    the model's own tensors, moved into one arena without changing what the model computes."""
+    """Both sides' plans agree; a refit lands the trainer's quantized bytes in the inference model. With
+    arena=True on both sides the trainer sends every bucket without packing and the receiver takes them in
+    direct mode, into the model's own tensors, moved into one arena without changing what the model
+    computes."""
     from mxport import quantize
     from mxport.models import load_causal_lm
     from mxport.nn import MXFP8Linear, quantize_model
@@ -306,9 +309,10 @@ def test_trainer_arena_sends_the_same_bytes_without_packing(tmp_path):
 
 
 def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path):
-    """With arena=True the kept tensors that own their storage (the tied embedding, the norms) are adopted: their
-    .data becomes their view of the send buffer, so the model still computes the same, the optimizer updates them in
-    place there, and every bucket of every refit goes out without packing, with the right bytes."""
+    """With arena=True the kept tensors that own their storage (the tied embedding, the norms) are adopted:
+    their .data becomes their view of the send buffer, so the model still computes the same, the optimizer
+    updates them in place there, and every bucket of every refit goes out without packing, with the right
+    bytes."""
     from mxport.models import load_causal_lm
     from mxport.testing import make_tiny_llama
 
@@ -342,9 +346,9 @@ def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path
 
 
 def test_trainer_arena_copies_what_it_cannot_adopt():
-    """Kept tensors that are views of a larger storage, or need a cast to the planned dtype, stay where they are and
-    are copied into the buffer at every refit (so later updates still reach the wire); a tensor whose .data is
-    replaced after adoption is copied in from its new storage."""
+    """Kept tensors that are views of a larger storage, or need a cast to the planned dtype, stay where they
+    are and are copied into the buffer at every refit (so later updates still reach the wire); a tensor whose
+    .data is replaced after adoption is copied in from its new storage."""
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(64, 32, bias=False)
@@ -368,11 +372,12 @@ def test_trainer_arena_copies_what_it_cannot_adopt():
 
 
 def test_trainer_arena_adopts_at_construction_and_respects_the_plan():
-    """Review findings, each with the right behaviour: adoption happens when the source is built (before a CUDA
-    graph of the training step would be captured), not at the first refit; a parameter that a non-persistent buffer
-    aliases is not adopted (the module would compute with a stale copy); a kept tensor whose dtype drifted from the
-    plan is refused like without an arena (not cast back silently); kept_dtype never casts integer buffers;
-    stream_crc32() refuses a half-consumed tensors() call and is 0 for a plan of empty tensors."""
+    """Review findings, each with the right behaviour: adoption happens when the source is built (before a
+    CUDA graph of the training step would be captured), not at the first refit; a parameter that a
+    non-persistent buffer aliases is not adopted (the module would compute with a stale copy); a kept tensor
+    whose dtype drifted from the plan is refused like without an arena (not cast back silently); kept_dtype
+    never casts integer buffers; stream_crc32() refuses a half-consumed tensors() call and is 0 for a plan of
+    empty tensors."""
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(64, 32, bias=False)
     model.norm = torch.nn.Parameter(torch.randn(16))
@@ -421,8 +426,8 @@ def test_canonical_device_fills_in_the_index(monkeypatch):
 
 def test_trainer_arena_takes_native_mxfp8_storage_too():
     """A weight held as native MXFP8 storage (a torchao MXTensor parameter: a wrapper subclass without a plain
-    storage) is exported as is and copied into the send buffer, so the buffer is the whole stream: the same bytes
-    as without the arena, every bucket zero-copy, and stream_crc32() equals the receiver's live CRC."""
+    storage) is exported as is and copied into the send buffer, so the buffer is the whole stream: the same
+    bytes as without the arena, every bucket zero-copy, and stream_crc32() equals the receiver's live CRC."""
     mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -482,7 +487,9 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises(direct):
     th.start()
     sender = RefitSender(ch.endpoint(0), plan)
     sender.send(v1)
-    sender.send(v2)
+    with pytest.raises(RefitError, match="rejected by 1 of 1 receiver.*live_changed") as info:
+        sender.send(v2)  # the receiver's report reaches the sender
+    assert [r.status for r in info.value.receivers] == [Status.LIVE_CHANGED]
     th.join(timeout=60)
     assert not th.is_alive()
     assert ch._queues[1].empty()  # the receiver still drained every bucket and the trailer: streams stay in step
@@ -536,8 +543,8 @@ def test_receiver_picks_direct_mode_from_the_targets():
 
 
 def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous_version():
-    """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure the
-    arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
+    """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure
+    the arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
     items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8),
                     ((3, 32), torch.float8_e4m3fn)])
     plan = RefitPlan(items, 64)
@@ -554,12 +561,12 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
     initial = arena.clone()
     ptrs = [t.data_ptr() for t in targets]
 
-    def corrupt(sender, b, payload):
-        if sender.version == 2 and b == 3:
-            payload[-1] ^= 0xFF
+    def corrupt(refit, b, wire):
+        if refit == 2 and b == 3:
+            wire[-1] ^= 0xFF
 
     sent, got, receiver = _refit_in_process(plan, [vs[0], vs[1], vs[2], bad, short, vs[5]], targets,
-                                            corrupt=corrupt, stream_crc32=True)
+                                            fault=corrupt, stream_crc32=True)
     assert receiver.direct and isinstance(sent[3], ValueError) and isinstance(sent[4], ValueError)
     assert got[0]["version"] == 1 and got[0]["direct"] is True and got[0]["commit_s"] < 0.05
     assert isinstance(got[1], RefitError) and got[1].bucket == 3 and "restored from the rollback copy" in str(got[1])
@@ -575,16 +582,17 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
     assert torch.equal(receiver._staging, arena)  # the rollback copy holds the live version
 
 
-def _direct_run(plan, versions, targets, corrupt, slow_backup_s=0.0):
-    """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or raises,
-    without waiting for the background backup), with the backup copy slowed down by ``slow_backup_s``."""
+def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
+    """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or
+    raises, without waiting for the background backup), with the backup copy slowed down by
+    ``slow_backup_s``."""
     arena = stream_arena(plan, targets)
     snaps = []
 
     def prepare(receiver):
         assert receiver.direct
         if slow_backup_s:
-            run_backup = receiver._run_backup
+            run_backup = receiver._rollback_copy._run
 
             def slow():
                 import time
@@ -592,35 +600,35 @@ def _direct_run(plan, versions, targets, corrupt, slow_backup_s=0.0):
                 time.sleep(slow_backup_s)
                 run_backup()
 
-            receiver._run_backup = slow
+            receiver._rollback_copy._run = slow
 
-    _, outs, receiver = _refit_in_process(plan, versions, targets, corrupt=corrupt, prepare=prepare,
+    _, outs, receiver = _refit_in_process(plan, versions, targets, fault=fault, prepare=prepare,
                                           after_receive=lambda: snaps.append(arena.clone()))
     return receiver, outs, snaps
 
 
 def test_direct_failure_right_after_a_success_rolls_back_to_that_success():
-    """The background backup of v2 is slowed down; v3 fails at once: receive() must wait for the backup, so the
-    rollback restores v2 (not v1, which a stale rollback copy would still hold)."""
+    """The background backup of v2 is slowed down; v3 fails at once: receive() must wait for the backup, so
+    the rollback restores v2 (not v1, which a stale rollback copy would still hold)."""
     items = _items([((64,), torch.float32), ((100,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(5)
     vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(4)]
 
-    def corrupt(sender, b, payload):
-        if sender.version == 3 and b == 0:
-            payload[0] ^= 0x01
+    def corrupt(refit, b, wire):
+        if refit == 3 and b == 0:
+            wire[0] ^= 0x01
 
     receiver, outs, snaps = _direct_run(plan, vs, allocate_targets(plan), corrupt, slow_backup_s=0.3)
-    assert [o["version"] if isinstance(o, dict) else "error" for o in outs] == [1, 2, "error", 4]
+    assert [o["version"] if not isinstance(o, RefitError) else "error" for o in outs] == [1, 2, "error", 4]
     assert torch.equal(snaps[1], _stream_bytes(plan, vs[1]))
     assert torch.equal(snaps[2], _stream_bytes(plan, vs[1]))  # rolled back to v2 exactly
     assert torch.equal(snaps[3], _stream_bytes(plan, vs[3]))
 
 
 def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
-    """A broadcast writes memory without bumping ``_version``; the receiver bumps it, so the decoded cache of an
-    MXFP8Linear whose buffers are arena views follows (scale byte 127 -> 128 doubles the output)."""
+    """A broadcast writes memory without bumping ``_version``; the receiver bumps it, so the decoded cache of
+    an MXFP8Linear whose buffers are arena views follows (scale byte 127 -> 128 doubles the output)."""
     from mxport import quantize
     from mxport.nn import MXFP8Linear
 
@@ -641,9 +649,9 @@ def test_direct_mode_mxfp8linear_cache_follows_the_broadcast_writes():
 
 
 def test_sender_sends_an_arena_without_packing():
-    """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by bucket
-    straight from the arena, whether they come as a list or from a generator; scattered copies of them are packed;
-    the receiver gets the same bytes."""
+    """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by
+    bucket straight from the arena, whether they come as a list or from a generator; scattered copies of them
+    are packed; the receiver gets the same bytes."""
     items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(2)
@@ -662,9 +670,10 @@ def test_sender_sends_an_arena_without_packing():
 
 @pytest.mark.parametrize("arena", [False, True])
 def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follows(arena):
-    """A forward before the refit builds the decoded cache; the refit must make it stale (receiver_plan's targets
-    are detach() aliases sharing the buffers' version counters, not .data aliases with counters of their own) —
-    also when the buffers were moved into an arena (after a first forward, so a cache of the old storage exists)."""
+    """A forward before the refit builds the decoded cache; the refit must make it stale (receiver_plan's
+    targets are detach() aliases sharing the buffers' version counters, not .data aliases with counters of
+    their own) — also when the buffers were moved into an arena (after a first forward, so a cache of the old
+    storage exists)."""
     from mxport import quantize
     from mxport.nn import MXFP8Linear
 
@@ -683,8 +692,8 @@ def test_receiver_plan_targets_share_version_counters_so_the_decoded_cache_follo
 
 
 def test_receiver_plan_arena_refuses_tensors_it_cannot_move():
-    """Two parameters sharing one storage cannot each own a slot of the arena: ValueError naming the tensor, and
-    nothing was moved."""
+    """Two parameters sharing one storage cannot each own a slot of the arena: ValueError naming the tensor,
+    and nothing was moved."""
     model = torch.nn.Module()
     model.norm = torch.nn.Parameter(torch.randn(16))
     shared = torch.randn(2, 16)
@@ -696,8 +705,9 @@ def test_receiver_plan_arena_refuses_tensors_it_cannot_move():
 
 
 def test_direct_rollback_restores_what_was_live_when_the_refit_started():
-    """Direct mode: values written into the arena after the receiver was built (a checkpoint load, say) are what a
-    failed refit restores, as in staging mode (the rollback copy is retaken when the targets' versions moved)."""
+    """Direct mode: values written into the arena after the receiver was built (a checkpoint load, say) are
+    what a failed refit restores, as in staging mode (the rollback copy is retaken when the targets' versions
+    moved)."""
     items = _items([((16,), torch.float32), ((8,), torch.bfloat16)])
     plan = RefitPlan(items, 64)
     targets = allocate_targets(plan)
@@ -709,11 +719,11 @@ def test_direct_rollback_restores_what_was_live_when_the_refit_started():
     out = []
     th = threading.Thread(target=lambda: out.append(_catch(receiver.receive)))
     th.start()
-    sender = RefitSender(ch.endpoint(0), plan)
-    sender._corrupt = lambda b, payload: payload.fill_(1) if b == 0 else None
-    sender.send([torch.full((16,), 3.0), torch.full((8,), 3.0, dtype=torch.bfloat16)])
+    sender = RefitSender(FaultyTransport(ch.endpoint(0), plan.num_buckets,
+                                         lambda refit, b, wire: wire.fill_(1) if b == 0 else None), plan)
+    sent = _catch(lambda: sender.send([torch.full((16,), 3.0), torch.full((8,), 3.0, dtype=torch.bfloat16)]))
     th.join(timeout=30)
-    assert isinstance(out[0], RefitError)
+    assert isinstance(out[0], RefitError) and isinstance(sent, RefitError)
     assert all(bool((t == 7.0).all()) for t in targets)
 
 
@@ -750,7 +760,8 @@ def test_zero_copy_never_sends_foreign_padding():
 
 def test_a_failing_producer_aborts_the_refit():
     """A tensors() generator that raises something else than ValueError / TypeError (an OOM while quantizing)
-    still aborts the refit: the receiver keeps its weights, the error reaches the caller, the next refit works."""
+    still aborts the refit: the receiver keeps its weights, the error reaches the caller, the next refit
+    works."""
     items = _items([((64,), torch.float32)] * 4)
     plan = RefitPlan(items, 256)
 
@@ -766,3 +777,169 @@ def test_a_failing_producer_aborts_the_refit():
     assert isinstance(got[1], RefitError) and "aborted" in str(got[1])
     assert [g["version"] for g in (got[0], got[2])] == [1, 3]
     assert [float(t[0]) for t in targets] == [0.0, 1.0, 2.0, 3.0]
+
+
+# ---- the canonical form: what a peer's plan is rebuilt from ------------------------------------------------
+def test_from_canonical_round_trips_with_the_same_digest():
+    plan = RefitPlan([("w", "values", torch.float8_e4m3fn, (4, 64)),
+                      ("w_scale", "scales", torch.uint8, (4, 2)),
+                      ("e", "kept", torch.bfloat16, (0, 3)), ("n", "kept", torch.float32, (5,))], 64)
+    import json
+
+    again = RefitPlan.from_canonical(json.loads(json.dumps(plan.canonical())))
+    assert again.digest == plan.digest and again.entries == plan.entries
+    assert again.total_bytes == plan.total_bytes
+
+
+def _canon():
+    return RefitPlan([("a", "kept", torch.float32, (3, 4)), ("b", "scales", torch.uint8, (7,))],
+                     32).canonical()
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda c: c.update(extra=1), "exactly the keys"),
+    (lambda c: c.pop("align"), "exactly the keys"),
+    (lambda c: c.update(format="mxport-refit-plan/0"), "plan format"),
+    (lambda c: c.update(align=8), "align"),
+    (lambda c: c.update(bucket_bytes=True), "bucket_bytes"),
+    (lambda c: c.update(bucket_bytes=33), "bucket_bytes"),
+    (lambda c: c.update(entries={}), "entries must be a list"),
+    (lambda c: c["entries"].append(["c", "kept", "float32", [1]]), "7 fields"),
+    (lambda c: c["entries"][0].__setitem__(0, 5), "name"),
+    (lambda c: c["entries"][0].__setitem__(1, "weights"), "role"),
+    (lambda c: c["entries"][0].__setitem__(2, "float"), "dtype must be one of"),
+    (lambda c: c["entries"][0].__setitem__(2, "complex64"), "dtype must be one of"),
+    (lambda c: c["entries"][0].__setitem__(3, [3, -4]), "shape"),
+    (lambda c: c["entries"][0].__setitem__(3, [3, 4.0]), "shape"),
+    (lambda c: c["entries"][0].__setitem__(3, [True, 4]), "shape"),
+    (lambda c: c["entries"][0].__setitem__(4, -48), "non-negative"),
+    (lambda c: c["entries"][1].__setitem__(5, 0), "do not follow"),
+    (lambda c: c["entries"][1].__setitem__(6, 9), "do not follow"),
+    (lambda c: c["entries"][1].__setitem__(0, "a"), "twice"),
+])
+def test_from_canonical_refuses_every_bad_field(mutate, needle):
+    c = _canon()
+    mutate(c)
+    with pytest.raises(ValueError, match=needle):
+        RefitPlan.from_canonical(c)
+
+
+def test_from_canonical_refuses_non_dicts():
+    for bad in (None, [], "plan", 3):
+        with pytest.raises(ValueError, match="exactly the keys"):
+            RefitPlan.from_canonical(bad)
+
+
+def _both(fn0, fn1):
+    """Run ``fn0(endpoint 0)`` and ``fn1(endpoint 1)`` of one in-process channel, each in a thread."""
+    ch = InProcessChannel(1, timeout_s=30)
+    out = [None, None]
+
+    def run(i, fn):
+        try:
+            out[i] = fn(ch.endpoint(i))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[i] = exc
+
+    ths = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate((fn0, fn1))]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=30)
+    return out
+
+
+def test_handshake_mismatch_diff_travels_as_validated_json():
+    from mxport.refit import RefitPlanMismatch
+    from mxport.refit.handshake import exchange_plans
+
+    a = RefitPlan(_items([((4,), torch.float32), ((3,), torch.uint8)]), 64)
+    b = RefitPlan(_items([((4,), torch.float32), ((5,), torch.uint8)]), 64)
+    out = _both(lambda ep: exchange_plans(ep, a, 3), lambda ep: exchange_plans(ep, b, 7))
+    assert all(isinstance(x, RefitPlanMismatch) for x in out)
+    assert "receiver 1: shape: 't1' local (3,) vs remote (5,)" in str(out[0])
+    assert "shape: 't1' local (5,) vs remote (3,)" in str(out[1])
+    assert _both(lambda ep: exchange_plans(ep, a, 3), lambda ep: exchange_plans(ep, a, 7)) == [7, 7]
+
+
+def test_share_plan_gives_receivers_the_senders_plan():
+    from mxport.refit.handshake import share_plan
+
+    plan = RefitPlan(_items([((4, 3), torch.bfloat16), ((3,), torch.uint8)]), 64)
+    out = _both(lambda ep: share_plan(ep, plan), share_plan)
+    assert out[0] is plan and out[1].digest == plan.digest
+
+
+@pytest.mark.parametrize("bad", ["none", "np", "meta", "strided"])
+def test_a_bad_item_aborts_in_process_and_the_sender_reports_every_receiver(bad):
+    """Each bad item is refused before packing, the receivers get the abort trailer, keep their weights, and
+    the next refit succeeds; a successful send lists every receiver's result."""
+    import numpy as np
+
+    plan = RefitPlan(_items([((8, 4), torch.float32), ((6,), torch.uint8)]), 64)
+    good = [torch.full((8, 4), 2.0), torch.arange(6, dtype=torch.uint8)]
+    item = {"none": None, "np": np.zeros((8, 4), dtype=np.float32), "meta": torch.empty(8, 4, device="meta"),
+            "strided": torch.zeros(4, 8).t()}[bad]
+    targets = [torch.zeros(8, 4), torch.zeros(6, dtype=torch.uint8)]
+    sent, got, _ = _refit_in_process(plan, [[item, good[1]], good], targets)
+    assert isinstance(sent[0], (TypeError, ValueError)) and "'t0'" in str(sent[0])
+    assert isinstance(got[0], RefitError) and "the sender aborted refit v1 at tensor 't0'" in str(got[0])
+    assert got[0].status == Status.ABORTED and got[1]["version"] == 2
+    assert sent[1]["receivers"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
+    assert torch.equal(targets[0], good[0]) and torch.equal(targets[1], good[1])
+
+
+def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused():
+    """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near 2**32
+    included), the sequence and log-probs cut back to their length; a reply with a token id outside the vocab
+    is refused."""
+    from mxport.refit.demo import _gather_replies, _Reply, _ReplyShape
+
+    shape = _ReplyShape(prompt_len=3, max_new=4, vocab=10)
+    seq = torch.tensor([[1, 2, 3, 9, 0]])
+    logits = torch.randn(2, 10)
+    mine = _Reply(rank=1, version=7, seconds=0.25, recv_s=0.125, commit_s=0.0625, bit_exact=True,
+                  live_crc32=2**32 - 5, pointers_stable=False, gen_s=1.5, prompt_len=3, seq=seq, logits=logits)
+    out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, mine))
+    got = out[0][1]
+    assert got.live_crc32 == 2**32 - 5 and got.version == 7 and got.rank == 1 and got.prompt_len == 3
+    assert got.bit_exact is True and got.pointers_stable is False and got.seconds == 0.25
+    assert torch.equal(got.seq, seq) and torch.equal(got.logits, logits)
+    bad = _Reply(**{**mine.__dict__, "seq": torch.tensor([[1, 2, 3, 10]]), "logits": logits[:1]})
+    out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, bad))
+    assert isinstance(out[0], RuntimeError) and "out of range" in str(out[0])
+
+
+def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
+    """``TorchDistTransport.from_group`` on a ``ProcessGroupGloo`` built on its own store (as engines make them,
+    outside torch.distributed's registry): handshake, a refit, and the receivers' reports all go through it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mxport.refit import TorchDistTransport
+
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=20)
+    plan = RefitPlan(_items([((40,), torch.float32), ((8, 4), torch.bfloat16)]), 64)
+    sent = [torch.arange(40, dtype=torch.float32), torch.full((8, 4), 1.5, dtype=torch.bfloat16)]
+    targets = [torch.zeros(40), torch.zeros(8, 4, dtype=torch.bfloat16)]
+    out = [None, None]
+
+    def run(rank):
+        try:
+            tr = TorchDistTransport.from_group(dist.ProcessGroupGloo(store, rank, 2, timeout))
+            assert (tr.rank, tr.world_size, tr.device.type) == (rank, 2, "cpu")
+            end = RefitSender(tr, plan) if rank == 0 else RefitReceiver(tr, plan, targets)
+            out[rank] = end.send(sent) if rank == 0 else end.receive()
+            tr.close()
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[rank] = exc
+
+    ths = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=60)
+    assert out[1]["version"] == 1 and out[0]["receivers"][0]["status"] == "ok", out
+    assert all(torch.equal(byte_view(t), byte_view(s)) for t, s in zip(targets, sent, strict=True))

@@ -1,4 +1,5 @@
-"""Tiny random models for tests and examples: saved with ``save_pretrained`` into a folder, nothing downloaded."""
+"""Test helpers: tiny random models (saved with ``save_pretrained`` into a folder, nothing downloaded) and a
+refit transport wrapper that injects faults on the wire (:class:`FaultyTransport`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from .refit.transport import Transport
 
 
 def _save(model, path: Path, dtype: torch.dtype, max_shard_size: str | None) -> Path:
@@ -46,10 +49,11 @@ def make_tiny_mixtral(path: str | os.PathLike, *, seed: int = 0, hidden: int = 6
                       dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True) -> Path:
     """Write a random Mixtral-architecture MoE model to ``path``.
 
-    ``save_pretrained`` stores per-expert 2-D weights (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) and the
-    router ``block_sparse_moe.gate.weight``. With ``fused_experts=True`` the state dict is written as the module
-    holds it: 3-D ``mlp.experts.gate_up_proj`` [E, 2*intermediate, hidden] and ``mlp.experts.down_proj``
-    [E, hidden, intermediate] (the [E, N, K] layout of fused-expert checkpoints), router ``mlp.gate.weight``.
+    ``save_pretrained`` stores per-expert 2-D weights (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) and
+    the router ``block_sparse_moe.gate.weight``. With ``fused_experts=True`` the state dict is written as the
+    module holds it: 3-D ``mlp.experts.gate_up_proj`` [E, 2*intermediate, hidden] and
+    ``mlp.experts.down_proj`` [E, hidden, intermediate] (the [E, N, K] layout of fused-expert checkpoints),
+    router ``mlp.gate.weight``.
     """
     from safetensors.torch import save_file
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -92,3 +96,39 @@ def save_byte_tokenizer(path: str | os.PathLike, vocab: int = 256) -> None:
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     fast.save_pretrained(str(path))
+
+
+class FaultyTransport(Transport):
+    """A refit transport wrapper that tampers with what the sender puts on the wire, for tests: each outgoing
+    broadcast is handed to ``fault(refit, bucket, wire)`` as a *copy* of the bytes (the sender's own memory
+    and its checksums stay untouched, as on a real faulty link); ``fault`` may change ``wire`` in place, or
+    stop the process. ``refit`` counts refits through this transport from 1; ``bucket`` is the bucket index,
+    ``buckets`` (the plan's ``num_buckets``) for the trailer. Everything else passes through to ``inner``.
+    """
+
+    def __init__(self, inner, buckets: int, fault):
+        self.inner, self.buckets, self.fault = inner, buckets, fault
+        self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
+        self._sent = 0
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == self.src
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def all_gather(self, t):
+        return self.inner.all_gather(t)
+
+    def broadcast(self, buf, async_op: bool = False):
+        if self.is_sender:
+            refit, bucket = divmod(self._sent, self.buckets + 1)
+            self._sent += 1
+            buf = buf.clone()
+            self.fault(refit + 1, bucket, buf)
+        return self.inner.broadcast(buf, async_op)
+
+    def close(self) -> None:
+        self.inner.close()

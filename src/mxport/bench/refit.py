@@ -93,10 +93,30 @@ def _worker(rank: int, init: str, cfg: dict, q) -> None:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
 
 
+#: the stats fields a timed run shares with the other process (as float64, after its two timestamps)
+_STAT_KEYS = ("commit_s", "backup_after_s", "produce_s", "pack_s", "checksum_s", "direct")
+
+
+def _row(*timed) -> torch.Tensor:
+    """``(t0, t1, stats)`` per timed run as one float64 row (fixed size: it crosses the wire, no pickle)."""
+    vals = []
+    for t0, t1, stats in timed:
+        stats = stats if isinstance(stats, dict) else {}
+        vals += [t0, t1, *(float(stats.get(k, 0.0)) for k in _STAT_KEYS)]
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def _unrow(row: torch.Tensor) -> list[tuple[float, float, dict]]:
+    width = 2 + len(_STAT_KEYS)
+    vals = row.tolist()
+    return [(v[0], v[1], dict(zip(_STAT_KEYS, v[2:], strict=True)))
+            for v in (vals[i:i + width] for i in range(0, len(vals), width))]
+
+
 def _body(rank: int, init: str, cfg: dict) -> dict | None:
     from ..quantize import FAST_PATH, kernel_label
-    from ..refit import RefitPlan, RefitReceiver, RefitSender, TorchDistTransport, TrainerSource
-    from ..refit.consumers import allocate_targets
+    from ..refit import RefitReceiver, RefitSender, TorchDistTransport, TrainerSource, allocate_targets
+    from ..refit.handshake import share_plan
 
     if not cfg["model"]:  # quick mode: a compile would cost more than the whole quick run
         FAST_PATH.disabled_reason = "refit benchmark --quick: eager kernel"
@@ -113,24 +133,22 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
             else:
                 model = _synthetic_model(cfg["layers"])
             src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"], arena=True)
-            items = [(e.name, e.role, e.dtype, e.shape) for e in src.plan.entries]
-            tr.all_gather_object(items)
-            plan = src.plan
+            plan = share_plan(tr, src.plan)
             end = RefitSender(tr, plan)
             tensors = list(src.tensors())
         else:
-            items = tr.all_gather_object(None)[0]
-            plan = RefitPlan(items, cfg["bucket_bytes"])
+            plan = share_plan(tr)
             end = RefitReceiver(tr, plan, allocate_targets(plan))
         end.handshake()
         flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
 
         def timed(fn):
-            tr.all_gather_object(None)  # barrier
+            tr.all_gather(torch.zeros(1))  # barrier
             t0 = _now()
             stats = fn()
             t1 = _now()
-            if rank != 0 and isinstance(stats, dict):
+            stats = stats.to_dict() if stats is not None else None
+            if rank != 0 and stats is not None:
                 # direct mode: the background rollback copy finishes here, outside the timed region and before the
                 # next barrier, so it never overlaps (and slows) the raw-broadcast baseline; its cost is reported
                 stats["backup_after_s"] = end.wait_backup()
@@ -149,7 +167,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
             b = timed(lambda: tr.broadcast(flat))
             c = timed(lambda: end.send(src.tensors()) if rank == 0 else end.receive())
             d = timed(refit_without_checksums)
-            got = tr.all_gather_object((a, b, c, d))
+            got = [_unrow(x) for x in tr.all_gather(_row(a, b, c, d))]
             if i < cfg["warmup"]:
                 continue
             (sa, sb, sc, sd), (ra, rb, rc, rd) = got
@@ -163,7 +181,8 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
         if rank != 0:
             return None
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
-                "kernel": kernel_label(torch.empty(576, 576)).split(" (")[0], "direct": got[1][0][2]["direct"],
+                "kernel": kernel_label(torch.empty(576, 576)).split(" (")[0],
+                "direct": bool(got[1][0][2]["direct"]),
                 "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e,
                 "nosum_s": nosum_s}
     finally:

@@ -2,28 +2,38 @@
 checked, in place, all or nothing.
 
 - :class:`RefitPlan` (ordered tensors, bytes, buckets, digest) and :class:`RefitPlanMismatch`;
-- :class:`RefitSender` / :class:`RefitReceiver` (fixed-size byte buckets, overlapped packing, per-bucket checksums,
-  stable pointers, a version counter; staging then ``copy_`` commit, or direct receive into an arena from
-  :func:`allocate_targets` with a rollback copy) and :class:`RefitError`;
+- :class:`RefitSender` / :class:`RefitReceiver` (fixed-size byte buckets, overlapped packing, per-bucket
+  checksums, stable pointers, a version counter; staging then ``copy_`` commit, or direct receive into an
+  arena from
+  :func:`allocate_targets` with a rollback copy), :class:`RefitError` and each receiver's
+  :class:`ReceiverResult` / :class:`Status`;
 - transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated);
-- consumers: :class:`TrainerSource` (policy + quantize), :func:`receiver_plan` (an ``MXFP8Linear`` model's live
-  buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM / SGLang loaders).
+- the trainer side: :class:`TrainerSource` (policy + quantize); the inference side: :func:`receiver_plan` (an
+  ``MXFP8Linear`` model's live buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM /
+  SGLang loaders); the arena: :func:`allocate_targets`, :func:`stream_arena`.
+
+The modules are described in docs/guide-refit.md.
 """
 
-from .consumers import TrainerSource, allocate_targets, checkpoint_tensors, model_tensors, receiver_plan
+from .arena import allocate_targets, stream_arena
+from .inference import checkpoint_tensors, model_tensors, receiver_plan
 from .plan import PlanEntry, RefitPlan, RefitPlanMismatch
-from .receiver import RefitError, RefitReceiver
+from .receiver import RefitReceiver
+from .results import ReceiverResult, RefitError, Status
 from .sender import RefitSender
+from .trainer import TrainerSource
 from .transport import InProcessChannel, TorchDistTransport, Transport
 
 __all__ = [
     "InProcessChannel",
     "PlanEntry",
+    "ReceiverResult",
     "RefitError",
     "RefitPlan",
     "RefitPlanMismatch",
     "RefitReceiver",
     "RefitSender",
+    "Status",
     "TorchDistTransport",
     "TrainerSource",
     "Transport",
@@ -31,4 +41,5 @@ __all__ = [
     "checkpoint_tensors",
     "model_tensors",
     "receiver_plan",
+    "stream_arena",
 ]

@@ -1,11 +1,13 @@
 """Fixed-size byte buckets: packing tensors' bytes into them, unpacking, the refit trailer and checksums.
 
-One refit on the wire is ``plan.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte stream
-from ``b * bucket_bytes``, ``plan.bucket_size(b)`` bytes long — then one trailer broadcast of int64 words
-``[magic, version, num_buckets, status, entry, 0, checksum_0, ..., checksum_{n-1}]``. A bucket that lies inside
-one tensor is broadcast straight from that tensor's storage (no packing copy); other buckets are packed into a
-reused buffer. Every tensor moves as its raw bytes (``tensor.view(torch.uint8)``): FP8 values and E8M0 scales are
-uint8 on the wire (NCCL cannot broadcast FP8 dtypes on older GPUs); kept tensors keep their bit patterns.
+One refit on the wire is ``plan.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte
+stream from ``b * bucket_bytes``, ``plan.bucket_size(b)`` bytes long — then one trailer broadcast of int64
+words ``[magic, version, num_buckets, status, entry, reason, checksum_0, ..., checksum_{n-1}]`` (``status`` ok
+or abort; on an abort, ``entry`` the plan index of the tensor at fault or -1, ``reason`` an
+:class:`~mxport.refit.results.AbortReason`). A bucket that lies inside one tensor is broadcast straight from
+that tensor's storage (no packing copy); other buckets are packed into a reused buffer. Every tensor moves as
+its raw bytes (``tensor.view(torch.uint8)``): FP8 values and E8M0 scales are uint8 on the wire (NCCL cannot
+broadcast FP8 dtypes on older GPUs); kept tensors keep their bit patterns.
 
 Checksum (:func:`checksum`): a sum of the payload's int64 words per 1 MiB chunk, the chunk sums mixed with odd
 weights, computed on the payload's device (the sender sums each chunk as it packs it, :func:`pack_bucket`).
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arena import storage_bytes
 from .plan import RefitPlan
 
 MAGIC = 0x4D58524654  # "MXRFT"
@@ -25,8 +28,8 @@ STATUS_OK, STATUS_ABORT = 0, 1
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
-    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to the device of a
-    tensor on it (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to the device of
+    a tensor on it (``torch.device("cuda") != torch.device("cuda:0")``)."""
     device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
         module = getattr(torch, device.type, None)
@@ -60,11 +63,12 @@ def _mix(n_words: int, sums: list[int]) -> int:
 def checksum(payload: torch.Tensor) -> int:
     """Checksum of a 1-D uint8 tensor whose length is a multiple of 8 (bucket payloads always are).
 
-    Sum-based, computed where the bytes are (CPU or GPU; one pass over memory, several times faster than CRC-32
-    here): the payload's int64 words are summed (wrapping) per :data:`CHUNK_BYTES` chunk, plus the shorter last
-    chunk; the chunk sums are mixed with odd weights ``2i + 1`` and the word count. Any change of a single word, and
-    any reordering of chunks, changes it; it is a corruption check, not a cryptographic digest. Returned as a signed
-    64-bit int (the int64 header). :func:`pack_bucket` computes the same value while packing.
+    Sum-based, computed where the bytes are (CPU or GPU; one pass over memory, several times faster than
+    CRC-32 here): the payload's int64 words are summed (wrapping) per :data:`CHUNK_BYTES` chunk, plus the
+    shorter last chunk; the chunk sums are mixed with odd weights ``2i + 1`` and the word count. Any change of
+    a single word, and any reordering of chunks, changes it; it is a corruption check, not a cryptographic
+    digest. Returned as a signed 64-bit int (the int64 header). :func:`pack_bucket` computes the same value
+    while packing.
     """
     words = payload.view(torch.int64)
     n = words.numel()
@@ -80,7 +84,8 @@ def checksum(payload: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class Segment:
-    """``length`` bytes of entry ``entry`` starting at byte ``src`` of the tensor land at ``dst`` of the payload."""
+    """``length`` bytes of entry ``entry`` starting at byte ``src`` of the tensor land at ``dst`` of the
+    payload."""
 
     entry: int
     src: int
@@ -118,8 +123,9 @@ class BucketLayout:
         self._gap_index: dict[tuple[int, str], torch.Tensor | None] = {}
 
     def gap_index(self, b: int, device: torch.device) -> torch.Tensor | None:
-        """Bucket ``b``'s gap byte positions (alignment padding) as one int64 index on ``device``, or None when it
-        has no gaps. Computed once per bucket and device, so checking the gaps costs one gather per bucket."""
+        """Bucket ``b``'s gap byte positions (alignment padding) as one int64 index on ``device``, or None
+        when it has no gaps. Computed once per bucket and device, so checking the gaps costs one gather per
+        bucket."""
         key = (b, str(device))
         if key not in self._gap_index:
             ranges = [torch.arange(g0, g0 + n) for g0, n in self.gaps[b]]
@@ -128,7 +134,8 @@ class BucketLayout:
 
     def chunk_pieces(self, b: int) -> list[list[tuple[int, int, int, int]]]:
         """Bucket ``b``'s segments and gaps cut at :data:`CHUNK_BYTES` boundaries: per checksum chunk, pieces
-        ``(entry, src, dst, length)`` in payload order (``entry`` -1 for a gap to zero). Computed once per bucket."""
+        ``(entry, src, dst, length)`` in payload order (``entry`` -1 for a gap to zero). Computed once per
+        bucket."""
         cached = self._chunks.get(b)
         if cached is not None:
             return cached
@@ -153,16 +160,32 @@ class BucketLayout:
         return [self.plan.entries[s.entry].name for s in self.segments[b]]
 
 
-def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, entry: int = -1) -> torch.Tensor:
-    """The int64 trailer of one refit (see module doc). ``entry``: on an abort, the plan index of the tensor that
-    caused it (-1 if none)."""
-    return torch.tensor([MAGIC, version, len(checksums), status, entry, 0, *checksums], dtype=torch.int64)
+@dataclass(frozen=True)
+class Trailer:
+    """The last broadcast of a refit (see module doc)."""
+
+    magic: int
+    version: int
+    num_buckets: int
+    status: int
+    entry: int
+    reason: int
+    checksums: list[int]
+
+    def to_tensor(self) -> torch.Tensor:
+        head = [self.magic, self.version, self.num_buckets, self.status, self.entry, self.reason]
+        return torch.tensor([*head, *self.checksums], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, trailer: torch.Tensor) -> Trailer:
+        vals = trailer.cpu().tolist()
+        return cls(*vals[:TRAILER_FIXED], vals[TRAILER_FIXED:])
 
 
-def read_trailer(trailer: torch.Tensor) -> tuple[int, int, int, int, int, list[int]]:
-    """``(magic, version, num_buckets, status, entry, checksums)`` of a received trailer."""
-    vals = trailer.tolist() if trailer.device.type == "cpu" else trailer.cpu().tolist()
-    return vals[0], vals[1], vals[2], vals[3], vals[4], vals[TRAILER_FIXED:]
+def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, entry: int = -1,
+                 reason: int = 0) -> torch.Tensor:
+    """The int64 trailer of one refit (see module doc)."""
+    return Trailer(MAGIC, version, len(checksums), status, entry, reason, list(checksums)).to_tensor()
 
 
 def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload: torch.Tensor) -> None:
@@ -173,10 +196,12 @@ def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload:
 
 def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], payload: torch.Tensor, *,
                 with_checksum: bool = False) -> int | None:
-    """Fill ``payload`` (``plan.bucket_size(b)`` bytes) with bucket ``b``: its segments, and zeros in the gaps.
+    """Fill ``payload`` (``plan.bucket_size(b)`` bytes) with bucket ``b``: its segments, and zeros in the
+    gaps.
 
-    ``with_checksum``: pack one :data:`CHUNK_BYTES` chunk at a time and sum each chunk's words right after packing
-    it (still in cache), returning ``checksum(payload)`` — one pass over memory fewer than packing then summing.
+    ``with_checksum``: pack one :data:`CHUNK_BYTES` chunk at a time and sum each chunk's words right after
+    packing it (still in cache), returning ``checksum(payload)`` — one pass over memory fewer than packing
+    then summing.
     """
     if not with_checksum:
         pack_segments(layout.segments[b], sources, payload)
@@ -207,8 +232,8 @@ def in_place_payload(segments: list[Segment], gap_index: torch.Tensor | None, so
     in one storage on ``device`` exactly where the bucket's layout puts them (a bucket inside one tensor, or
     tensors laid out as the plan's byte stream in one arena, as :func:`~mxport.refit.allocate_targets` and
     ``TrainerSource(arena=True)`` make them) and the bucket's gaps (alignment padding, the tail of the last
-    bucket) hold zeros there, as packing would write them (so the bytes on the wire never depend on the sender's
-    memory layout). ``None`` when the bucket must be packed.
+    bucket) hold zeros there, as packing would write them (so the bytes on the wire never depend on the
+    sender's memory layout). ``None`` when the bucket must be packed.
 
     ``segments``: the bucket's :class:`Segment` list; ``gap_index``: its gap byte positions
     (:meth:`BucketLayout.gap_index`); ``sources``: flat uint8 views per plan entry.
@@ -227,34 +252,7 @@ def in_place_payload(segments: list[Segment], gap_index: torch.Tensor | None, so
     start = base - storage.data_ptr()
     if start < 0 or start + size > storage.nbytes():
         return None
-    payload = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (size,), (1,))
+    payload = storage_bytes(storage, start, size, device)
     if gap_index is not None and bool(payload[gap_index].any()):
         return None
     return payload
-
-
-def stream_arena(plan: RefitPlan, targets: list[torch.Tensor]) -> torch.Tensor | None:
-    """The flat ``uint8`` tensor over the targets' storage when the targets are laid out exactly as the plan's byte
-    stream (``allocate_targets`` does that): all share one storage, each target's first byte sits at
-    ``base + entry.offset``, and the storage covers ``[base, base + plan.total_bytes)``. None otherwise.
-
-    Writing the returned tensor writes the targets (and the alignment padding between them, which belongs to the
-    stream). Zero-byte entries are not checked (they own no bytes).
-    """
-    storage, base, device = None, None, None
-    for e, t in zip(plan.entries, targets, strict=True):
-        if e.nbytes == 0:
-            continue
-        if not t.is_contiguous():
-            return None
-        s = t.untyped_storage()
-        if storage is None:
-            storage, base, device = s, t.data_ptr() - e.offset, t.device
-        elif s.data_ptr() != storage.data_ptr() or t.device != device or t.data_ptr() - e.offset != base:
-            return None
-    if storage is None:
-        return None
-    start = base - storage.data_ptr()
-    if start < 0 or start + plan.total_bytes > storage.nbytes():
-        return None
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (plan.total_bytes,), (1,))

@@ -1,10 +1,11 @@
 """The processes of ``mxport refit``: one trainer and R inference processes on loopback gloo.
 
-The trainer keeps float32 master weights, takes a real AdamW step on a text batch, quantizes with the precision
-policy and sends the refit; each inference process (a model converted once with :func:`mxport.nn.quantize_model`)
-receives in place, checks its bytes and pointers, generates a few tokens greedily and returns its log-probs; the
-trainer computes ``gen_kl_error`` against its own log-probs on the same tokens. Results stream to the parent through a
-queue (one message per step), so the parent can show progress and write JSON.
+The trainer keeps float32 master weights, takes a real AdamW step on a text batch, quantizes with the
+precision policy and sends the refit; each inference process (a model converted once with
+:func:`mxport.nn.quantize_model`) receives in place, checks its bytes and pointers, generates a few tokens
+greedily and returns its log-probs; the trainer computes ``gen_kl_error`` against its own log-probs on the
+same tokens. Results stream to the parent through a queue (one message per step), so the parent can show
+progress and write JSON.
 """
 
 from __future__ import annotations
@@ -72,10 +73,9 @@ def _logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
 
 
 def _trainer(cfg: DemoConfig, transport, q) -> None:
-    from ..metrics import gen_kl_error, greedy_agreement
     from ..models import load_causal_lm
-    from .consumers import TrainerSource
     from .sender import RefitSender
+    from .trainer import TrainerSource
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True)  # quantize into the send buffer
@@ -95,34 +95,148 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         train_s = time.perf_counter() - t0
         stats = sender.send(source.tensors())
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
-        replies = transport.all_gather_object(None)[1:]
-        per_recv = []
-        for r in replies:
-            seq = r.pop("seq")
-            logits_gen = r.pop("logits")
-            logits_train = _logits_on(model, seq, r["prompt_len"])
-            kl = gen_kl_error(logits_gen, logits_train)
-            r["gen_kl_error"] = kl["mean"]
-            r["gen_kl_error_max"] = kl["max"]
-            r["greedy_agreement"] = greedy_agreement(logits_gen, logits_train)
-            r["bit_exact"] = bool(r["bit_exact"] and r["live_crc32"] == sent_crc32)
-            per_recv.append(r)
-        seconds = stats["seconds"] + max(r["commit_s"] for r in per_recv)
-        q.put(("step", 0, {
-            "step": step, "version": stats["version"], "loss": loss, "train_s": train_s,
-            "bytes": stats["bytes"], "buckets": stats["buckets"],
-            # end to end: quantize + pack + transfer (sender) then the slowest receiver's commit
-            "seconds": seconds,
-            "gbps": stats["bytes"] / seconds / 1e9,
-            "send_s": stats["seconds"], "quantize_s": stats["produce_s"], "pack_s": stats["pack_s"],
-            "checksum_s": stats["checksum_s"], "stream_crc32": sent_crc32, "receivers": per_recv,
-        }))
+        shape = _ReplyShape(int(_prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
+        rows = [_receiver_row(model, tok, r, sent_crc32) for r in _gather_replies(transport, shape, None)[1:]]
+        # end to end: quantize + pack + transfer (sender) up to every receiver's commit and report
+        q.put(("step", 0, StepRow(
+            step=step, version=stats.version, loss=loss, train_s=train_s, bytes=stats.bytes,
+            buckets=stats.buckets, seconds=stats.seconds, gbps=stats.bytes / stats.seconds / 1e9,
+            send_s=stats.seconds, quantize_s=stats.produce_s, pack_s=stats.pack_s,
+            checksum_s=stats.checksum_s, stream_crc32=sent_crc32, receivers=tuple(rows)).to_dict()))
+
+
+@dataclass(frozen=True)
+class ReceiverRow:
+    """One inference process's part of a step row (JSON: ``steps[i].receivers[j]``)."""
+
+    rank: int
+    version: int
+    seconds: float
+    recv_s: float
+    commit_s: float
+    bit_exact: bool
+    live_crc32: int
+    pointers_stable: bool
+    gen_s: float
+    prompt_len: int
+    text: str
+    gen_kl_error: float
+    gen_kl_error_max: float
+    greedy_agreement: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One training step and its refit, as ``mxport refit`` reports it (JSON: ``steps[i]``)."""
+
+    step: int
+    version: int
+    loss: float
+    train_s: float
+    bytes: int
+    buckets: int
+    seconds: float
+    gbps: float
+    send_s: float
+    quantize_s: float
+    pack_s: float
+    checksum_s: float
+    stream_crc32: int
+    receivers: tuple[ReceiverRow, ...]
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "receivers"},
+                "receivers": [r.to_dict() for r in self.receivers]}
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What an inference process reports after a step (crosses the wire as fixed-size tensors, see
+    :func:`_gather_replies`)."""
+
+    rank: int
+    version: int
+    seconds: float
+    recv_s: float
+    commit_s: float
+    bit_exact: bool
+    live_crc32: int
+    pointers_stable: bool
+    gen_s: float
+    prompt_len: int
+    seq: torch.Tensor  # [1, prompt + generated] token ids
+    logits: torch.Tensor  # [generated, vocab] float32
+
+
+#: the numbers of a :class:`_Reply`, in wire order (one float64 row), then the sequence length
+_REPLY_NUMBERS = ("rank", "version", "seconds", "recv_s", "commit_s", "bit_exact", "live_crc32",
+                  "pointers_stable", "gen_s", "prompt_len")
+_INTS = ("rank", "version", "live_crc32", "prompt_len")
+_BOOLS = ("bit_exact", "pointers_stable")
+
+
+def _receiver_row(model, tok, r: _Reply, sent_crc32: int) -> ReceiverRow:
+    """The trainer's view of a reply: its generation scored against the trainer's own logits."""
+    from ..metrics import gen_kl_error, greedy_agreement
+
+    logits_train = _logits_on(model, r.seq, r.prompt_len)
+    kl = gen_kl_error(r.logits, logits_train)
+    return ReceiverRow(
+        rank=r.rank, version=r.version, seconds=r.seconds, recv_s=r.recv_s, commit_s=r.commit_s,
+        bit_exact=bool(r.bit_exact and r.live_crc32 == sent_crc32), live_crc32=r.live_crc32,
+        pointers_stable=r.pointers_stable, gen_s=r.gen_s, prompt_len=r.prompt_len,
+        text=tok.decode(r.seq[0, r.prompt_len:], skip_special_tokens=True), gen_kl_error=kl["mean"],
+        gen_kl_error_max=kl["max"], greedy_agreement=greedy_agreement(r.logits, logits_train))
+
+
+@dataclass(frozen=True)
+class _ReplyShape:
+    """Sizes of one reply, known to every process: the prompt, at most ``max_new`` generated tokens, the
+    vocab."""
+
+    prompt_len: int
+    max_new: int
+    vocab: int
+
+
+def _vocab(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _gather_replies(transport, shape: _ReplyShape, mine: _Reply | None) -> list[_Reply | None]:
+    """Every process's reply (``mine``: this process's, None on the trainer) through fixed-size tensors: a
+    float64 row of :data:`_REPLY_NUMBERS` and the sequence length, the token ids padded to ``prompt_len +
+    max_new``, the log-probs padded to ``[max_new, vocab]``. Nothing is unpickled; a reply whose sizes or
+    token ids are out of range is refused."""
+    n_seq = shape.prompt_len + shape.max_new
+    row = torch.zeros(len(_REPLY_NUMBERS) + 1, dtype=torch.float64)
+    seq = torch.zeros(n_seq, dtype=torch.int64)
+    logits = torch.zeros(shape.max_new, shape.vocab, dtype=torch.float32)
+    if mine is not None:
+        row[:] = torch.tensor([float(getattr(mine, k)) for k in _REPLY_NUMBERS] + [mine.seq.shape[1]],
+                              dtype=torch.float64)  # exact for every int below 2**53 (the CRC-32 too)
+        seq[:mine.seq.shape[1]] = mine.seq[0]
+        logits[:mine.logits.shape[0]] = mine.logits
+    rows, seqs, logs = (transport.all_gather(t) for t in (row, seq, logits))
+    out: list[_Reply | None] = [None]
+    for r in range(1, len(rows)):
+        *vals, n = rows[r].tolist()
+        n = int(n)
+        if not shape.prompt_len < n <= n_seq or not bool(((seqs[r] >= 0) & (seqs[r] < shape.vocab)).all()):
+            raise RuntimeError(f"inference process {r} sent a reply out of range ({n} tokens)")
+        fields = {k: int(v) if k in _INTS else bool(v) if k in _BOOLS else v
+                  for k, v in zip(_REPLY_NUMBERS, vals, strict=True)}
+        out.append(_Reply(**fields, seq=seqs[r][:n].view(1, n), logits=logs[r][:n - shape.prompt_len]))
+    return out
 
 
 def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
-    from .consumers import receiver_plan
+    from .inference import receiver_plan
     from .receiver import RefitReceiver
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
@@ -145,12 +259,11 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
                                  do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos)
         logits = _logits_on(model, seq, prompt.shape[1])
         gen_s = time.perf_counter() - t0
-        transport.all_gather_object({
-            "rank": rank, "version": stats["version"], "seconds": stats["seconds"], "recv_s": stats["recv_s"],
-            "commit_s": stats["commit_s"], "bit_exact": bit_exact, "live_crc32": live_crc, "pointers_stable": stable, "gen_s": gen_s,
-            "prompt_len": int(prompt.shape[1]), "seq": seq, "logits": logits,
-            "text": tok.decode(seq[0, prompt.shape[1]:], skip_special_tokens=True),
-        })
+        shape = _ReplyShape(int(prompt.shape[1]), cfg.max_new_tokens, _vocab(model))
+        _gather_replies(transport, shape, _Reply(
+            rank=rank, version=stats.version, seconds=stats.seconds, recv_s=stats.recv_s,
+            commit_s=stats.commit_s, bit_exact=bit_exact, live_crc32=live_crc, pointers_stable=stable,
+            gen_s=gen_s, prompt_len=int(prompt.shape[1]), seq=seq, logits=logits))
 
 
 def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:

@@ -1,36 +1,127 @@
-"""The plan handshake: before any payload moves, every endpoint shares its plan digest (and refit version); on a
-mismatch every endpoint shares its canonical plan and raises :class:`RefitPlanMismatch` with the first differences."""
+"""The plan handshake: before any payload moves, every endpoint shares its plan digest and refit version; on a
+mismatch every endpoint shares its canonical plan and raises :class:`RefitPlanMismatch` with the first
+differences.
+
+Only fixed-size tensors cross the wire, and nothing received is unpickled:
+
+1. ``all_gather`` of one int64 word, :data:`HELLO` (the protocol's magic and version). A peer that sends
+   anything else does not speak this protocol (``torch.distributed.all_gather_object`` starts with an int64
+   length, say):
+   every endpoint raises :class:`RefitError` without reading anything more from it.
+2. ``all_gather`` of int64 ``[digest words 0..3, version]``: the plan's sha256 as four int64 words.
+3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length (int64), then of the JSON
+   bytes (uint8, zero-padded to the longest; every endpoint refuses beyond :data:`MAX_PLAN_JSON` bytes), each
+   parsed
+   with ``json`` and rebuilt with :meth:`RefitPlan.from_canonical` (strictly validated) for the differences.
+"""
 
 from __future__ import annotations
 
+import json
+
+import torch
+
 from .plan import RefitPlan, RefitPlanMismatch, diff_canonical
+from .results import RefitError
 from .transport import Transport
+
+#: "MXRFTHS" and the handshake protocol's version (1)
+HELLO = 0x4D58524654485301
+#: the longest canonical plan JSON an endpoint accepts from a peer
+MAX_PLAN_JSON = 64 << 20
+
+
+def _hello(transport: Transport) -> None:
+    words = [int(w) for w in transport.all_gather(torch.tensor([HELLO], dtype=torch.int64))]
+    strangers = [r for r, w in enumerate(words) if w != HELLO]
+    if strangers:
+        r = strangers[0]
+        raise RefitError(f"rank {r} does not speak the mxport refit handshake (it sent {words[r]:#x}, "
+                         f"expected {HELLO:#x}: another program or another mxport version on this process "
+                         f"group?); nothing more was read from it; re-create the transport")
+
+
+def _digest_row(plan: RefitPlan, version: int) -> torch.Tensor:
+    digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
+    return torch.cat([digest, torch.tensor([version], dtype=torch.int64)])
 
 
 def exchange_plans(transport: Transport, plan: RefitPlan, version: int = 0) -> int:
     """Compare ``plan`` with every other endpoint's; return the highest refit version among them.
 
     Raises:
-        RefitPlanMismatch: on every endpoint when any receiver's digest differs from the sender's. The sender lists
-            its differences with each mismatching receiver; a receiver lists its own differences with the sender's
-            plan (or, if it agrees with the sender, names the receivers that do not).
+        RefitError: a peer that does not speak this handshake, or reports a negative version.
+        RefitPlanMismatch: on every endpoint when any receiver's digest differs from the sender's. The sender
+            lists its differences with each mismatching receiver; a receiver lists its own differences with
+            the sender's plan (or, if it agrees with the sender, names the receivers that do not).
     """
-    gathered = transport.all_gather_object((plan.digest, int(version)))
-    digests = [d for d, _ in gathered]
-    top_version = max(v for _, v in gathered)
+    _hello(transport)
+    rows = transport.all_gather(_digest_row(plan, int(version)))
+    digests = [row[:4].numpy().tobytes().hex() for row in rows]
+    versions = [int(row[4]) for row in rows]
+    if min(versions) < 0:
+        raise RefitError(f"rank {versions.index(min(versions))} reported a negative refit version; re-create "
+                         f"the transport")
     src = transport.src
     if all(d == digests[src] for d in digests):
-        return top_version
-    canon = transport.all_gather_object(plan.canonical())
-    me = transport.rank
+        return max(versions)
+    remote = _exchange_canonical(transport, plan)
     if transport.is_sender:
         diffs = []
         for r, d in enumerate(digests):
             if r != src and d != plan.digest:
-                diffs += [f"receiver {r}: {x}" for x in diff_canonical(plan.canonical(), canon[r])]
-    elif digests[me] != digests[src]:
-        diffs = diff_canonical(plan.canonical(), canon[src])
+                diffs += [f"receiver {r}: {x}" for x in _diff(plan, remote[r])]
+    elif digests[transport.rank] != digests[src]:
+        diffs = _diff(plan, remote[src])
     else:
         bad = [r for r, d in enumerate(digests) if d != digests[src]]
         diffs = [f"receiver(s) {bad} disagree with the sender's plan"]
     raise RefitPlanMismatch(diffs or ["digests differ"], local_digest=plan.digest, remote_digest=digests[src])
+
+
+def _diff(plan: RefitPlan, remote: RefitPlan | str) -> list[str]:
+    if isinstance(remote, str):
+        return [remote]
+    return diff_canonical(plan.canonical(), remote.canonical())
+
+
+def _exchange_canonical(transport: Transport, plan: RefitPlan) -> list[RefitPlan | str]:
+    """Every endpoint's plan rebuilt from its canonical JSON, or a string saying why it could not be."""
+    text = json.dumps(plan.canonical(), sort_keys=True, separators=(",", ":")).encode()
+    lengths = [int(n) for n in transport.all_gather(torch.tensor([len(text)], dtype=torch.int64))]
+    longest = max(lengths)
+    if min(lengths) < 0 or longest > MAX_PLAN_JSON:
+        raise RefitPlanMismatch([f"a plan too large to compare ({longest} bytes of JSON, at most "
+                                 f"{MAX_PLAN_JSON})"])
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    out: list[RefitPlan | str] = []
+    for r, got in enumerate(transport.all_gather(buf)):
+        try:
+            out.append(RefitPlan.from_canonical(json.loads(got[:lengths[r]].numpy().tobytes())))
+        except (ValueError, TypeError, RecursionError) as exc:
+            out.append(f"rank {r} sent a plan that is not valid: {exc}")
+    return out
+
+
+def share_plan(transport: Transport, plan: RefitPlan | None = None) -> RefitPlan:
+    """The sender's plan, on every endpoint: the sender passes ``plan`` and broadcasts its canonical JSON
+    (an int64 length, then the bytes); a receiver rebuilds it with :meth:`RefitPlan.from_canonical` (refusing
+    more than :data:`MAX_PLAN_JSON` bytes, or anything that is not a valid plan: ValueError). For a receiver
+    that has no model of its own to derive a plan from (a benchmark, an engine that loads checkpoint-format
+    tensors)."""
+    if transport.is_sender:
+        if not isinstance(plan, RefitPlan):
+            raise TypeError(f"the sender must pass its RefitPlan, got {type(plan).__name__}")
+        text = json.dumps(plan.canonical(), sort_keys=True, separators=(",", ":")).encode()
+        transport.broadcast(torch.tensor([len(text)], dtype=torch.int64, device=transport.device))
+        transport.broadcast(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(transport.device))
+        return plan
+    n = torch.zeros(1, dtype=torch.int64, device=transport.device)
+    transport.broadcast(n)
+    if not 0 < int(n) <= MAX_PLAN_JSON:
+        raise ValueError(f"the sender's plan is {int(n)} bytes of JSON (at most {MAX_PLAN_JSON}); re-create "
+                         f"the transport")
+    buf = torch.zeros(int(n), dtype=torch.uint8, device=transport.device)
+    transport.broadcast(buf)
+    return RefitPlan.from_canonical(json.loads(buf.cpu().numpy().tobytes()))

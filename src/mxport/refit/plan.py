@@ -1,27 +1,34 @@
-"""RefitPlan: the ordered list of what one refit moves, where each tensor lands in the byte stream, and a digest.
+"""RefitPlan: the ordered list of what one refit moves, where each tensor lands in the byte stream, and a
+digest.
 
-Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in one
-virtual byte stream cut into fixed-size buckets. A plan entry records the tensor's checkpoint name (modelopt names:
-``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` / ``kept``), dtype, shape,
-byte count and its place in the stream (``offset``; first ``bucket`` = ``offset // bucket_bytes``). A tensor larger
-than a bucket simply spans several buckets.
+Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in
+one virtual byte stream cut into fixed-size buckets. A plan entry records the tensor's checkpoint name
+(modelopt names: ``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` /
+``kept``), dtype, shape, byte count and its place in the stream (``offset``; first ``bucket`` = ``offset //
+bucket_bytes``). A tensor larger than a bucket simply spans several buckets.
 
-Sender and receiver build their plans independently (from the trainer's policy and from the inference model) and
-compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the first
-differences.
+Sender and receiver build their plans independently (from the trainer's policy and from the inference model)
+and compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the
+first differences.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal, get_args
 
 import torch
 
-ROLES = ("values", "scales", "kept")
+#: how a tensor travels: MXFP8 element values, their E8M0 scales, or a tensor kept as it is
+Role = Literal["values", "scales", "kept"]
+ROLES: tuple[str, ...] = get_args(Role)
+#: one plan item: ``(name, role, dtype or dtype name, shape)``
+Item = tuple[str, Role, torch.dtype | str, Sequence[int]]
 #: every tensor starts at a multiple of this many bytes in the stream (keeps bucket payloads 8-byte aligned)
 ALIGN = 16
 PLAN_FORMAT = "mxport-refit-plan/1"
@@ -51,6 +58,35 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
+#: dtype names a plan received from a peer may name (:meth:`RefitPlan.from_canonical`): what refit moves
+WIRE_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint8", "int8", "int16", "int32",
+                         "int64", "bool", "float16", "bfloat16", "float32", "float64"})
+_CANONICAL_KEYS = {"format", "bucket_bytes", "align", "entries"}
+
+
+def _is_count(x) -> bool:
+    """A non-negative int (bool excluded)."""
+    return type(x) is int and x >= 0
+
+
+def _entry_item(i: int, e) -> tuple[str, str, str, tuple[int, ...]]:
+    """Validate one canonical entry ``[name, role, dtype, shape, nbytes, offset, bucket]`` -> a plan item."""
+    if type(e) is not list or len(e) != 7:
+        raise ValueError(f"plan entry {i} must be a list of 7 fields, got {type(e).__name__}")
+    name, role, dt, shape, *counts = e
+    if type(name) is not str or not name:
+        raise ValueError(f"plan entry {i}: name must be a non-empty string")
+    if role not in ROLES:
+        raise ValueError(f"plan entry {i} ({name!r}): role must be one of {ROLES}")
+    if type(dt) is not str or dt not in WIRE_DTYPES:
+        raise ValueError(f"plan entry {i} ({name!r}): dtype must be one of {sorted(WIRE_DTYPES)}")
+    if type(shape) is not list or not all(_is_count(s) for s in shape):
+        raise ValueError(f"plan entry {i} ({name!r}): shape must be a list of non-negative ints")
+    if not all(_is_count(c) for c in counts):
+        raise ValueError(f"plan entry {i} ({name!r}): nbytes, offset and bucket must be non-negative ints")
+    return name, role, dt, tuple(shape)
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -60,20 +96,17 @@ class PlanEntry:
     """One tensor of the refit stream.
 
     name: checkpoint (HF) name; role: "values" | "scales" | "kept"; dtype: torch dtype name ("float8_e4m3fn",
-    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the stream
-    (a multiple of :data:`ALIGN`); bucket: index of the bucket holding the first byte.
+    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the
+    stream (a multiple of :data:`ALIGN`); bucket: index of the bucket holding the first byte.
     """
 
     name: str
-    role: str
+    role: Role
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     offset: int
     bucket: int
-
-    def key(self) -> tuple:
-        return (self.name, self.role, self.dtype, self.shape)
 
     def canonical(self) -> list:
         return [self.name, self.role, self.dtype, list(self.shape), self.nbytes, self.offset, self.bucket]
@@ -91,7 +124,7 @@ class RefitPlan:
         TypeError: a dtype that is not a torch dtype / dtype name.
     """
 
-    def __init__(self, items: Iterable[tuple[str, str, torch.dtype | str, Sequence[int]]], bucket_bytes: int):
+    def __init__(self, items: Iterable[Item], bucket_bytes: int):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
                 or bucket_bytes % ALIGN:
             raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
@@ -110,10 +143,7 @@ class RefitPlan:
             if not isinstance(dtype, torch.dtype):
                 raise TypeError(f"dtype of {name!r} must be a torch.dtype, got {type(dtype).__name__}")
             shape = tuple(int(s) for s in shape)
-            numel = 1
-            for s in shape:
-                numel *= s
-            nbytes = numel * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset, offset // bucket_bytes))
             offset = _align(offset + nbytes)
         if not entries:
@@ -122,6 +152,32 @@ class RefitPlan:
         self.total_bytes = offset
         self.num_buckets = max(1, -(-offset // bucket_bytes))
         self._index = {e.name: i for i, e in enumerate(self.entries)}
+
+    @classmethod
+    def from_canonical(cls, obj) -> RefitPlan:
+        """Rebuild a plan from its :meth:`canonical` form (e.g. parsed from a peer's JSON); same digest.
+
+        Every field is checked strictly: exactly the canonical keys, this plan format and alignment, ints that
+        are non-negative ints (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and each entry's
+        ``nbytes``, ``offset`` and ``bucket`` equal to what its shapes imply.
+
+        Raises:
+            ValueError: anything else, naming the first bad field.
+        """
+        if type(obj) is not dict or set(obj) != _CANONICAL_KEYS:
+            raise ValueError(f"a canonical plan is a dict with exactly the keys {sorted(_CANONICAL_KEYS)}")
+        if obj["format"] != PLAN_FORMAT:
+            raise ValueError(f"plan format must be {PLAN_FORMAT!r}, got {obj['format']!r}")
+        if obj["align"] != ALIGN or type(obj["align"]) is not int:
+            raise ValueError(f"plan align must be {ALIGN}, got {obj['align']!r}")
+        if type(obj["entries"]) is not list:
+            raise ValueError("plan entries must be a list")
+        plan = cls([_entry_item(i, e) for i, e in enumerate(obj["entries"])], obj["bucket_bytes"])
+        for e, given in zip(plan.entries, obj["entries"], strict=True):
+            if e.canonical() != given:
+                raise ValueError(f"plan entry {e.name!r}: nbytes / offset / bucket {given[4:]} do not follow "
+                                 f"from its dtype and shape ({[e.nbytes, e.offset, e.bucket]})")
+        return plan
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -136,11 +192,6 @@ class RefitPlan:
     def bucket_size(self, b: int) -> int:
         """Payload bytes of bucket ``b`` (the last one may be shorter)."""
         return min(self.bucket_bytes, self.total_bytes - b * self.bucket_bytes)
-
-    def entries_in_bucket(self, b: int) -> list[PlanEntry]:
-        """Entries with at least one byte in bucket ``b``."""
-        lo, hi = b * self.bucket_bytes, b * self.bucket_bytes + self.bucket_size(b)
-        return [e for e in self.entries if e.offset < hi and e.offset + max(e.nbytes, 1) > lo]
 
     def canonical(self) -> dict:
         """JSON-able canonical form (what the digest covers)."""
@@ -165,14 +216,23 @@ class RefitPlan:
                 "bucket_bytes": self.bucket_bytes, "digest": self.digest, "bytes_by_role": self.nbytes_by_role}
 
     def check_tensor(self, i: int, t: torch.Tensor) -> None:
-        """Per-refit check of tensor ``i`` against the plan: dtype and shape must be exactly those planned.
+        """Per-refit check of tensor ``i`` against the plan: a ``torch.Tensor`` with data (not on the meta
+        device), contiguous, with exactly the planned dtype and shape.
 
-        Raises ValueError naming the tensor.
+        Raises:
+            TypeError: not a torch.Tensor (None, a numpy array, ...), naming the tensor.
+            ValueError: a meta tensor, a non-contiguous one, or another dtype / shape, naming the tensor.
         """
         e = self.entries[i]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {e.name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_meta:
+            raise ValueError(f"tensor {e.name!r} is on the meta device (it has no data to send)")
         if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
             raise ValueError(f"tensor {e.name!r} is {dtype_name(t.dtype)} {tuple(t.shape)} but the refit plan "
                              f"says {e.dtype} {e.shape}")
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {e.name!r} must be contiguous to be moved as bytes")
 
 
 def diff_canonical(local: dict, remote: dict, *, limit: int = 10) -> list[str]:

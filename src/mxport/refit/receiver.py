@@ -3,51 +3,70 @@ exactly one complete version — all or nothing, pointers never move.
 
 Two modes, chosen from the targets:
 
-* **staging** (any targets): buckets land in a staging copy of the byte stream; after the trailer validates, the
+* **staging** (any targets): buckets land in a staging copy of the byte stream; after the trailer validates,
+the
   live tensors are written with ``copy_`` (the commit).
-* **direct** (targets laid out as one arena in the plan's byte order, as :func:`~mxport.refit.allocate_targets`
-  makes them): buckets land straight in the live arena, so there is no commit copy. The staging buffer then holds
-  the *previous* version (a rollback copy): on any failure the touched part of the arena is restored from it before
-  :class:`RefitError` is raised. After a successful refit a background thread copies the new version into staging
-  (off the critical path); the next :meth:`~RefitReceiver.receive` waits for it first.
+* **direct** (targets laid out as one arena in the plan's byte order, as
+:func:`~mxport.refit.allocate_targets`
+  makes them): buckets land straight in the live arena, so there is no commit copy. The staging buffer then
+  holds the *previous* version (a rollback copy): on any failure the touched part of the arena is restored
+  from it before :class:`RefitError` is raised. After a successful refit a background thread copies the new
+  version into staging (off the critical path); the next :meth:`~RefitReceiver.receive` waits for it first.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .arena import RollbackCopy, bump_versions, stream_arena
 from .buckets import (
     MAGIC,
     STATUS_ABORT,
+    STATUS_OK,
     TRAILER_FIXED,
     BucketLayout,
+    Trailer,
     byte_view,
     checksum,
     pack_bucket,
-    read_trailer,
-    stream_arena,
     unpack_segments,
 )
 from .handshake import exchange_plans
 from .plan import RefitPlan
+from .results import AbortReason, ReceiverResult, ReceiveStats, RefitError, Status
+from .timing import Stopwatch
 from .transport import Transport
 
 
-class RefitError(RuntimeError):
-    """A refit failed on the receiver; the live weights stayed on ``kept_version``.
+@dataclass(frozen=True)
+class _Problem:
+    """Why a received refit is rejected: the status reported, a readable reason, where (bucket, entry)."""
 
-    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed.
-    """
+    status: Status
+    why: str
+    bucket: int | None = None
+    entry: int = -1
 
-    def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
-                 kept_version: int = 0):
-        self.bucket, self.tensors, self.kept_version = bucket, list(tensors), kept_version
-        super().__init__(message)
+
+_ABORT_WHY = {AbortReason.BAD_TENSOR: "a tensor that does not match the plan",
+              AbortReason.COUNT: "too few or too many tensors",
+              AbortReason.PRODUCER: "the producer of the tensors failed",
+              AbortReason.INTERNAL: "the sender failed"}
+
+
+def _wait_quietly(handles: list) -> None:
+    """Wait for every posted broadcast, ignoring errors (the transport is broken anyway)."""
+    for h in handles:
+        if h is not None:
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001, S110
+                pass
 
 
 def _names(names: list[str], limit: int = 4) -> str:
@@ -61,25 +80,25 @@ class RefitReceiver:
     Args:
         transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
         plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
-        targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned dtype and
-            shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer, or the views
-            returned by :func:`~mxport.refit.allocate_targets`). They are only ever written in place: pointers stay
-            put (CUDA-graph safe) and every refit bumps each target's ``_version`` (so MXFP8Linear's decoded cache
-            follows).
+        targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned
+            dtype and shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer,
+            or the views returned by :func:`~mxport.refit.allocate_targets`). They are only ever written in
+            place: pointers stay put (CUDA-graph safe) and every refit bumps each target's ``_version`` (so
+            MXFP8Linear's decoded cache follows).
         use_checksum: verify each bucket's checksum (the sender must write them).
-        refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales, caches
-            that do not follow ``_version``).
+        refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales,
+            caches that do not follow ``_version``).
         inflight: broadcasts posted ahead of the one being validated.
-        direct: receive straight into the live tensors (see the module doc). None (default): whenever the targets
-            form one arena laid out as the plan's byte stream; False: always stage then ``copy_``; True: require
-            an arena (ValueError otherwise).
+        direct: receive straight into the live tensors (see the module doc). None (default): whenever the
+            targets form one arena laid out as the plan's byte stream; False: always stage then ``copy_``;
+            True: require an arena (ValueError otherwise).
 
-    Direct mode, honestly: *during* :meth:`receive` the live tensors are being written (engines pause generation
-    during a refit anyway); once it returns or raises they hold exactly one complete version — the new one, or the
-    previous one restored from the rollback copy. The rollback copy costs one background ``copy_`` of the stream
-    per refit (and ``plan.total_bytes`` of memory, as staging does), reported as ``backup_s`` /
-    ``backup_wait_s`` in :meth:`receive`'s stats and by :meth:`wait_backup`. The whole arena, alignment padding
-    included, belongs to the stream and is overwritten.
+    Direct mode, honestly: *during* :meth:`receive` the live tensors are being written (engines pause
+    generation during a refit anyway); once it returns or raises they hold exactly one complete version — the
+    new one, or the previous one restored from the rollback copy. The rollback copy costs one background
+    ``copy_`` of the stream per refit (and ``plan.total_bytes`` of memory, as staging does), reported as
+    ``backup_s`` / ``backup_wait_s`` in :meth:`receive`'s stats and by :meth:`wait_backup`. The whole arena,
+    alignment padding included, belongs to the stream and is overwritten.
 
     Staging (the whole byte stream) and the trailer are allocated once, on the targets' device.
     """
@@ -116,17 +135,12 @@ class RefitReceiver:
         self.version = 0
         self.last_checksums: list[int] = []
         self._handshaken = False
-        self._backup: threading.Thread | None = None
-        self._backup_error: BaseException | None = None
-        self.last_backup_s = 0.0
-        if arena is None:
+        #: direct mode: the previous version, restored from on a failure (the staging buffer is that copy)
+        self._rollback_copy = RollbackCopy(arena, targets) if arena is not None else None
+        if self._rollback_copy is None:
             self._staging = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
-        else:  # the rollback copy starts as the initial live contents
-            t0 = time.perf_counter()
-            self._staging = arena.clone()
-            self.last_backup_s = time.perf_counter() - t0
-        #: the targets' version counters when the rollback copy was last taken (None: not trackable)
-        self._backup_versions = self._target_versions()
+        else:
+            self._staging = self._rollback_copy.copy
         self._payloads = self._bucket_views(self._staging)
         # where the broadcasts land: the live arena (direct) or staging
         self._landing = self._bucket_views(arena) if arena is not None else self._payloads
@@ -135,7 +149,7 @@ class RefitReceiver:
         B = self.plan.bucket_bytes
         return [stream[b * B:b * B + n] for b, n in enumerate(self.layout.sizes)]
 
-    # -- state ---------------------------------------------------------------------------------------------------
+    # -- state -----------------------------------------------------------------------------------------------
     def pointers(self) -> list[int]:
         """``data_ptr()`` of every live target."""
         return [t.data_ptr() for t in self.targets]
@@ -145,122 +159,117 @@ class RefitReceiver:
         return self.pointers() == self._pointers
 
     def handshake(self) -> None:
-        """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any payload)."""
+        """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any
+        payload)."""
         exchange_plans(self.transport, self.plan, self.version)
         self._handshaken = True
 
-    # -- direct mode: the rollback copy ----------------------------------------------------------------------------
-    def _run_backup(self) -> None:
-        try:
-            t0 = time.perf_counter()
-            self._staging.copy_(self._arena)
-            if self._staging.device.type == "cuda":
-                torch.cuda.current_stream(self._staging.device).synchronize()
-            self.last_backup_s = time.perf_counter() - t0
-        except BaseException as exc:  # noqa: BLE001 - re-done synchronously by wait_backup
-            self._backup_error = exc
+    # -- direct mode: the rollback copy ----------------------------------------------------------------------
+    @property
+    def last_backup_s(self) -> float:
+        """Direct mode: seconds of the last rollback copy (0.0 in staging mode)."""
+        return self._rollback_copy.last_s if self._rollback_copy is not None else 0.0
 
     def wait_backup(self) -> float:
-        """Direct mode: block until the rollback copy of the live version is complete (the background copy started
-        by the last successful :meth:`receive`); returns that copy's seconds (0.0 in staging mode). If the
-        background copy failed, or the live tensors were written in place since it was taken (their ``_version``
-        counters moved: a checkpoint load into ``allocate_targets`` views, say), it is taken again here, so a
-        failed refit always restores what was live when it started."""
-        if self._backup is not None:
-            self._backup.join()
-            self._backup = None
-        stale = self.direct and self._target_versions() != self._backup_versions
-        if self._backup_error is not None or stale:
-            # the background copy failed, or the live tensors were written in place since the copy was taken
-            # (a checkpoint load, an engine's own update): take it again now so a rollback restores what is live
-            self._backup_error = None
-            t0 = time.perf_counter()
-            self._staging.copy_(self._arena)
-            self.last_backup_s = time.perf_counter() - t0
-            self._backup_versions = self._target_versions()
-        return self.last_backup_s if self.direct else 0.0
-
-    def _target_versions(self) -> tuple[int, ...] | None:
-        """The live targets' ``_version`` counters (bumped by every in-place torch write), or None where they have
-        none (inference tensors): then only writes made through this receiver are known."""
-        try:
-            return tuple(t._version for t in self.targets)
-        except RuntimeError:
-            return None
-
-    def _start_backup(self) -> None:
-        self._backup_versions = self._target_versions()
-        self._backup = threading.Thread(target=self._run_backup, name="mxport-refit-backup", daemon=True)
-        self._backup.start()
-
-    def _rollback(self, nbytes: int) -> None:
-        """Direct mode: restore the first ``nbytes`` of the live arena from the rollback copy (previous version)."""
-        if nbytes > 0:
-            self._arena[:nbytes].copy_(self._staging[:nbytes])
-        self._bump_versions()
-        self._backup_versions = self._target_versions()
-
-    def _bump_versions(self) -> None:
-        """Broadcasts write memory without bumping ``_version``: bump every target's so derived caches follow."""
-        for t in self.targets:
-            try:
-                torch.autograd.graph.increment_version(t)
-            except RuntimeError:  # inference tensors have no version counter
-                pass
+        """Direct mode: block until the rollback copy of the live version is complete (the background copy
+        started by the last successful :meth:`receive`); returns that copy's seconds (0.0 in staging mode). If
+        the background copy failed, or the live tensors were written in place since it was taken (their
+        ``_version`` counters moved: a checkpoint load into ``allocate_targets`` views, say), it is taken
+        again here, so a failed refit always restores what was live when it started."""
+        return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
 
     def _landed_bytes(self, posted: int) -> int:
         """Stream bytes that broadcasts ``0..posted-1`` may have written."""
         n = min(posted, self.plan.num_buckets)
         return min(n * self.plan.bucket_bytes, self.plan.total_bytes)
 
-    # -- one refit ------------------------------------------------------------------------------------------------
-    def receive(self) -> dict:
-        """Receive one refit, validate every bucket, and leave the live tensors on the new version (or, on any
-        failure, on the previous one).
+    # -- one refit -------------------------------------------------------------------------------------------
+    def receive(self) -> ReceiveStats:
+        """Receive one refit, validate every bucket, leave the live tensors on the new version (or, on any
+        failure, on the previous one), and report the outcome to the sender.
 
-        Staging mode: buckets land in staging; after validation every tensor is committed with ``copy_``. Direct
-        mode: buckets land in the live arena; on a failure the touched part is restored from the rollback copy
-        before raising; on success a background thread refreshes the rollback copy (waited for at the start of the
-        next ``receive``).
+        Staging mode: buckets land in staging; after validation every tensor is committed with ``copy_``.
+        Direct mode: buckets land in the live arena; on a failure the touched part is restored from the
+        rollback copy before raising; on success a background thread refreshes the rollback copy (waited for
+        at the start of the next ``receive``). After the trailer every receiver sends the sender a fixed-size
+        status report (ok, or why it rejected: :class:`~mxport.refit.results.Status`), so the sender knows the
+        outcome.
 
         Returns:
-            dict: ``version`` (the sender's refit version now live), ``bytes``, ``buckets``, ``direct`` (bool),
-            ``idle_s`` (waiting for the first bucket: the sender was still training / quantizing), ``seconds``
-            (first bucket in to commit done), ``recv_s`` (receiving + validating after the first bucket),
-            ``commit_s`` (unpack into live tensors + refresh hooks; no copy in direct mode), ``gbps`` (bytes /
-            seconds / 1e9), ``backup_s`` (direct mode: seconds of the background rollback copy that followed the
-            previous refit, or of the initial copy; 0.0 in staging mode) and ``backup_wait_s`` (how long this call
-            waited for it before receiving).
+            :class:`~mxport.refit.results.ReceiveStats`: ``version`` (the sender's refit version now live),
+            ``bytes``, ``buckets``, ``direct`` (bool), ``idle_s`` (waiting for the first bucket: the sender
+            was still training / quantizing), ``seconds`` (first bucket in to commit done), ``recv_s``
+            (receiving + validating after the first bucket), ``commit_s`` (unpack into live tensors + refresh
+            hooks; no copy in direct mode), ``gbps`` (bytes / seconds / 1e9), ``backup_s`` (direct mode:
+            seconds of the background rollback copy that followed the previous refit, or of the initial copy;
+            0.0 in staging mode) and ``backup_wait_s`` (how long this call waited for it before receiving).
 
         Raises:
-            RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender, a
-                stale version, or a live tensor whose dtype/shape/pointer changed. The message names the bucket and
-                its tensors; the live weights hold exactly the previous version (untouched in staging mode, restored
-                in direct mode). After a checksum mismatch or an abort the transport is still in step and the next
-                refit can succeed; after a dead peer or timeout the transport must be re-created (in direct mode
-                every posted broadcast is waited for before restoring, so a timeout can take up to ``inflight``
-                times the group's timeout to surface).
+            RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender,
+                a stale version, or a live tensor whose dtype/shape/pointer changed. The message names the
+                bucket and its tensors; the live weights hold exactly the previous version (untouched in
+                staging mode, restored in direct mode). After a checksum mismatch or an abort the transport is
+                still in step and the next refit can succeed; after a dead peer or timeout the transport must
+                be re-created (in direct mode every posted broadcast is waited for before restoring, so a
+                timeout can take up to ``inflight`` times the group's timeout to surface).
         """
         if not self._handshaken:
             self.handshake()
-        plan, layout = self.plan, self.layout
-        t_wait0 = time.perf_counter()
-        backup_s = self.wait_backup()
-        backup_wait_s = time.perf_counter() - t_wait0
-        local_problem = None  # found before receiving: still drain the stream so sender and receivers stay in step
+        sw = Stopwatch()
+        with sw.phase("backup_wait"):
+            backup_s = self.wait_backup()
+        problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
+        sw.mark("posted")
+        got, t_first = self._receive_stream()
+        sw.mark("first", t_first)
+        trailer = Trailer.from_tensor(self._trailer)
+        problem = problem or self._judge(trailer, got)
+        sw.mark("judged")
+        if problem is not None:
+            if self._rollback_copy is not None:
+                self._rollback_copy.restore(self.plan.total_bytes)
+            self._report(problem.status, problem.bucket, problem.entry)
+            raise self._error("rejected", problem.bucket, problem.why, problem.status)
+        try:
+            with sw.phase("commit"):
+                self._commit(trailer)
+        except BaseException:
+            self._report(Status.COMMIT_FAILED, None, -1)
+            raise
+        sw.mark("done")
+        self._report(Status.OK, None, -1)
+        if self._rollback_copy is not None:
+            self._rollback_copy.start()
+        seconds = sw.between("first", "done")
+        return ReceiveStats(version=self.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+                            direct=self.direct, seconds=seconds, idle_s=sw.between("posted", "first"),
+                            recv_s=sw.between("first", "judged"), commit_s=sw["commit"],
+                            gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                            backup_s=backup_s, backup_wait_s=sw["backup_wait"])
+
+    def _live_problem(self) -> _Problem | None:
+        """A live tensor whose dtype / shape changed or that moved since the receiver was built, or None."""
         try:
             for i, t in enumerate(self.targets):
-                plan.check_tensor(i, t)
-        except ValueError as exc:
-            local_problem = f"a live tensor changed since the receiver was built: {exc}"
-        if local_problem is None and not self.pointers_stable():
-            local_problem = "a live tensor was moved or reallocated since the receiver was built"
-        t0 = t_first = time.perf_counter()
-        n = plan.num_buckets
+                self.plan.check_tensor(i, t)
+        except (ValueError, TypeError) as exc:
+            return _Problem(Status.LIVE_CHANGED, f"a live tensor changed since the receiver was built: {exc}")
+        if not self.pointers_stable():
+            return _Problem(Status.LIVE_CHANGED,
+                            "a live tensor was moved or reallocated since the receiver was built")
+        return None
+
+    def _receive_stream(self) -> tuple[list[int], float]:
+        """Receive every bucket and the trailer (``inflight`` broadcasts posted ahead), summing each bucket
+        while later ones are on the wire. Returns the checksums and when the first bucket arrived. A transport
+        failure (dead peer, timeout) raises :class:`RefitError` after waiting for every posted broadcast and,
+        in direct mode, restoring what they touched."""
+        n = self.plan.num_buckets
         bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
         got = [0] * n
         posted = 0
+        t_first = time.perf_counter()
         for b in range(n + 1):
             try:
                 while posted <= n and posted <= b + self.inflight:
@@ -273,87 +282,92 @@ class RefitReceiver:
                 if b < n and self.use_checksum:  # checksum while later buckets are still on the wire
                     got[b] = checksum(bufs[b])
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-                where = f"bucket {b} of {n}" if b < n else "the trailer"
-                names = layout.tensor_names(b) if b < n else []
-                restored = ""
-                if self.direct:
-                    for h in handles:  # nothing may still write into the live arena after the restore
-                        if h is not None:
-                            try:
-                                h.wait()
-                            except Exception:  # noqa: BLE001, S110 - the transport is broken anyway
-                                pass
-                    self._rollback(self._landed_bytes(posted))
-                    restored = " (restored from the rollback copy)"
-                raise RefitError(f"refit failed receiving {where} (tensors: {_names(names)}): "
-                                 f"{type(exc).__name__}: {exc}; live weights kept at version {self.version}"
-                                 f"{restored}",
-                                 bucket=b if b < n else None, tensors=names, kept_version=self.version) from exc
-        magic, version, nb, status, entry, crcs = read_trailer(self._trailer)
-        problem: tuple[int | None, str] | None = None
-        if local_problem is not None:
-            problem = (None, local_problem)
-        elif magic != MAGIC or nb != n:
-            problem = (None, f"bad trailer (magic {magic:#x}, {nb} buckets, expected {n})")
-        elif status == STATUS_ABORT:
-            what = f" at tensor {plan.entries[entry].name!r}" if 0 <= entry < len(plan) else ""
-            bucket = plan.entries[entry].bucket if 0 <= entry < len(plan) else None
-            problem = (bucket, f"the sender aborted refit v{version}{what}")
-        elif version <= self.version:
-            problem = (None, f"stale refit version {version} (live version is {self.version})")
-        elif self.use_checksum:
+                if self._rollback_copy is not None:
+                    _wait_quietly(handles)  # nothing may still write into the live arena after the restore
+                    self._rollback_copy.restore(self._landed_bytes(posted))
+                raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
+                                  None, trailer=b == n) from exc
+        return got, t_first
+
+    def _judge(self, trailer: Trailer, got: list[int]) -> _Problem | None:
+        """Why the received refit must be rejected (bad trailer, sender abort, stale version, checksum), or
+        None."""
+        plan, n = self.plan, self.plan.num_buckets
+        if trailer.magic != MAGIC or trailer.num_buckets != n or trailer.status not in (STATUS_OK,
+                                                                                         STATUS_ABORT):
+            return _Problem(Status.BAD_TRAILER, f"bad trailer (magic {trailer.magic:#x}, "
+                                                f"{trailer.num_buckets} buckets, status {trailer.status}, "
+                                                f"expected {n} buckets)")
+        if trailer.status == STATUS_ABORT:
+            entry = trailer.entry if 0 <= trailer.entry < len(plan) else -1
+            what = f" at tensor {plan.entries[entry].name!r}" if entry >= 0 else ""
+            why = _ABORT_WHY.get(trailer.reason, "an error on the sender")
+            return _Problem(Status.ABORTED, f"the sender aborted refit v{trailer.version}{what} ({why})",
+                            plan.entries[entry].bucket if entry >= 0 else None, entry)
+        if trailer.version <= self.version:
+            return _Problem(Status.STALE,
+                            f"stale refit version {trailer.version} (live version is {self.version})")
+        if self.use_checksum:
             for b in range(n):
-                if got[b] != crcs[b]:
-                    problem = (b, f"checksum mismatch (sent {crcs[b]:#x}, received {got[b]:#x})")
-                    break
-        recv_s = time.perf_counter() - t_first
-        if problem is not None:
-            b, why = problem
-            restored = ""
-            if self.direct:
-                self._rollback(plan.total_bytes)
-                restored = " (restored from the rollback copy)"
-            names = layout.tensor_names(b) if b is not None else []
-            where = f"at bucket {b} of {n} (tensors: {_names(names)})" if b is not None else f"({n} buckets)"
-            raise RefitError(f"refit rejected {where}: {why}; live weights kept at version {self.version}{restored}",
-                             bucket=b, tensors=names, kept_version=self.version)
-        t1 = time.perf_counter()
+                if got[b] != trailer.checksums[b]:
+                    return _Problem(Status.CHECKSUM, f"checksum mismatch (sent {trailer.checksums[b]:#x}, "
+                                                     f"received {got[b]:#x})", b)
+        return None
+
+    def _commit(self, trailer: Trailer) -> None:
+        """Make the validated refit live (unpack from staging, or in direct mode just bump the version
+        counters), then run the refresh hooks."""
         if self.direct:
-            self._bump_versions()
+            bump_versions(self.targets)
         else:
-            for b in range(n):
-                unpack_segments(layout.segments[b], self._payloads[b], self._views)
-        self.version = int(version)
-        self.last_checksums = crcs
+            for b in range(self.plan.num_buckets):
+                unpack_segments(self.layout.segments[b], self._payloads[b], self._views)
+        self.version = int(trailer.version)
+        self.last_checksums = trailer.checksums
         for hook in self.refresh_hooks:
             hook()
-        t2 = time.perf_counter()
-        if self.direct:
-            self._start_backup()
-        seconds = t2 - t_first
-        return {"version": self.version, "bytes": plan.total_bytes, "buckets": n, "direct": self.direct,
-                "seconds": seconds, "idle_s": t_first - t0, "recv_s": recv_s, "commit_s": t2 - t1,
-                "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                "backup_s": backup_s, "backup_wait_s": backup_wait_s}
+
+    def _report(self, status: Status, bucket: int | None, entry: int) -> None:
+        """Send the sender this refit's outcome (every rank's fixed-size row; the others' rows are not
+        needed)."""
+        bucket = -1 if bucket is None else bucket
+        row = ReceiverResult(self.transport.rank, status, bucket, entry, self.version)
+        self.transport.all_gather(row.to_tensor())
+
+    def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
+               trailer: bool = False) -> RefitError:
+        """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
+        n = self.plan.num_buckets
+        names = self.layout.tensor_names(bucket) if bucket is not None else []
+        if bucket is not None:
+            where = f"bucket {bucket} of {n} (tensors: {_names(names)})"
+        else:
+            where = "the trailer" if trailer else f"({n} buckets)"
+        restored = " (restored from the rollback copy)" if self.direct else ""
+        at = "at " if verb == "rejected" and bucket is not None else ""
+        return RefitError(f"refit {verb} {at}{where}: "
+                          f"{why}; live weights kept at version {self.version}{restored}",
+                          bucket=bucket, tensors=names, kept_version=self.version, status=status)
 
     def verify_live(self) -> bool:
-        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender wrote
-        for the last refit (an independent check of the committed bytes; needs sender checksums)."""
+        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender
+        wrote for the last refit (an independent check of the committed bytes; needs sender checksums)."""
         if not self.last_checksums:
             return False
         return all(checksum(payload) == self.last_checksums[b] for b, payload in self._live_buckets())
 
     def live_crc32(self) -> int:
-        """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding zero):
-        equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were sent."""
+        """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding
+        zero): equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were
+        sent."""
         crc = 0
         for _, payload in self._live_buckets():
             crc = zlib.crc32(payload.cpu().numpy(), crc)
         return crc
 
     def _live_buckets(self):
-        """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer (each
-        payload is valid until the next one is yielded)."""
+        """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer
+        (each payload is valid until the next one is yielded)."""
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return

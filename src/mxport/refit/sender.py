@@ -1,18 +1,26 @@
-"""RefitSender: broadcasts the plan's tensors in fixed-size byte buckets — buckets inside one tensor straight from
-its storage, mixed buckets packed into reused buffers while earlier buckets are on the wire (asynchronous broadcast)
-— then a trailer with the version and per-bucket checksums."""
+"""RefitSender: broadcasts the plan's tensors in fixed-size byte buckets — buckets inside one tensor straight
+from its storage, mixed buckets packed into reused buffers while earlier buckets are on the wire (asynchronous
+broadcast) — then a trailer with the version and per-bucket checksums, then gathers every receiver's status
+report.
+
+Every broadcast has exactly the size the agreed plan gives it (checked before it is posted): a receiver posts
+the same size, and gloo kills a process that receives more bytes than it posted. Every item is checked against
+its plan entry before it is packed; any failure before the trailer sends the remaining buckets (unused
+content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
+"""
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from .buckets import (
     STATUS_ABORT,
+    TRAILER_FIXED,
     BucketLayout,
     byte_view,
     canonical_device,
@@ -23,24 +31,40 @@ from .buckets import (
 )
 from .handshake import exchange_plans
 from .plan import RefitPlan
+from .results import AbortReason, ReceiverResult, RefitError, SendStats, Status
+from .timing import Stopwatch
 from .transport import Transport
 
+_END = object()
 
-class _ProducerFailed(Exception):
-    """Carries an exception raised by the ``tensors`` iterator, so that ``send`` aborts the refit (the receivers
-    keep their weights and stay in step) before re-raising it."""
+
+class _TransportFailed(Exception):
+    """The transport itself failed (a dead peer, a timeout): nothing more can be sent on it."""
 
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
 
 
-def _retire_oldest(pending, slot_busy: list) -> None:
-    """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
-    handle, slot, _ = pending.popleft()
-    handle.wait()
-    if slot is not None:
-        slot_busy[slot] = None
+@dataclass
+class _Run:
+    """One refit in progress on the sender."""
+
+    version: int
+    items: Iterator
+    slots: int
+    sources: list = field(default_factory=list)  # flat uint8 views per entry (None once on the wire)
+    pending: deque = field(default_factory=deque)  # (handle, pack slot or None, payload kept alive)
+    crcs: list = field(default_factory=list)
+    stream_crc: int = 0
+    zero_copy: int = 0
+    posted: int = 0  # bucket broadcasts posted
+    reason: AbortReason = AbortReason.INTERNAL  # what the step under way would abort for
+    entry: int = -1  # the plan entry it concerns
+
+    def __post_init__(self):
+        self.slot_busy = [False] * self.slots
+
 
 class RefitSender:
     """The trainer side of refit.
@@ -48,8 +72,8 @@ class RefitSender:
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        use_checksum: compute a per-bucket checksum (chunked int64 sum, :func:`~mxport.refit.buckets.checksum`);
-            receivers verify it before committing.
+        use_checksum: compute a per-bucket checksum (chunked int64 sum,
+            :func:`~mxport.refit.buckets.checksum`); receivers verify it before committing.
         device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL); tensors already there are sent
             without packing when a bucket lies inside one of them.
         inflight: broadcasts in flight at once (and pack buffers), >= 1.
@@ -81,143 +105,188 @@ class RefitSender:
         ends = [min((b + 1) * plan.bucket_bytes, plan.total_bytes) for b in range(plan.num_buckets)]
         self._need = [sum(1 for e in plan.entries if e.offset < end) for end in ends]
         self._need[-1] = len(plan)
-        #: test hook: ``corrupt(bucket, payload)`` called after the checksum is taken, before the broadcast
-        self._corrupt = None
 
     def handshake(self) -> None:
         """Exchange plan digests with every receiver (raises RefitPlanMismatch on all sides on a mismatch)."""
         self.version = exchange_plans(self.transport, self.plan, self.version)
         self._handshaken = True
 
-    def send(self, tensors: Iterable[torch.Tensor]) -> dict:
-        """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a list,
-        or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next tensors
-        overlaps the broadcast of the current bucket).
+    def send(self, tensors: Iterable[torch.Tensor]) -> SendStats:
+        """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a
+        list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
+        tensors overlaps the broadcast of the current bucket).
 
-        A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors that
-        are views of one arena laid out as the plan's byte stream, such as :func:`~mxport.refit.allocate_targets`
-        views or ``TrainerSource(arena=True)``'s tensors) is sent straight from that memory, without packing
-        (:func:`~mxport.refit.buckets.in_place_payload`; alignment padding goes out as it is). The other buckets
-        are packed; packing sums each checksum chunk while it is in cache, and a zero-copy bucket is summed while
-        it is on the wire.
+        A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors
+        that are views of one arena laid out as the plan's byte stream, such as
+        :func:`~mxport.refit.allocate_targets` views or ``TrainerSource(arena=True)``'s tensors) is sent
+        straight from that memory, without packing (:func:`~mxport.refit.buckets.in_place_payload`; alignment
+        padding goes out as it is). The other buckets are packed; packing sums each checksum chunk while it is
+        in cache, and a zero-copy bucket is summed while it is on the wire.
 
-        Each tensor's dtype and shape are checked against the plan. On any error (wrong dtype/shape, too few or too
-        many tensors, any exception raised by the ``tensors`` iterator itself) the remaining buckets are still sent (their content unused) followed by an "abort" trailer,
-        so receivers keep their weights and stay in step; then the error is raised here.
+        Each item is checked against its plan entry before it is packed (:meth:`RefitPlan.check_tensor`: a
+        ``torch.Tensor`` with data, contiguous, the planned dtype and shape). On any failure before the
+        trailer (a bad item, too few or too many items, anything the ``tensors`` iterator raises, a
+        sender-side fault) the remaining buckets are still sent (their content unused) followed by an "abort"
+        trailer, so receivers fail at once, keep their weights and stay in step; then the error is raised
+        here. A failure of the transport itself (dead peer, timeout) is raised as it is: the group is
+        unusable.
 
         Returns:
-            dict: ``version``, ``bytes`` (payload bytes), ``buckets``, ``zero_copy_buckets`` (sent without
-            packing), ``seconds`` (whole send), ``produce_s`` (time inside ``tensors``, e.g. quantize), ``pack_s``
-            (packing, with the packed buckets' checksums summed on the fly), ``checksum_s`` (checksums of the
-            zero-copy buckets, and the optional ``stream_crc32``), ``wait_s`` (waiting for the wire), ``stream_crc32`` (int, or None when off), ``gbps``
-            (payload bytes / seconds / 1e9).
+            :class:`~mxport.refit.results.SendStats`: ``version``, ``bytes`` (payload bytes), ``buckets``,
+            ``zero_copy_buckets`` (sent without packing), ``seconds`` (whole send, up to every receiver's
+            status report), ``produce_s`` (time inside ``tensors``, e.g. quantize), ``pack_s`` (packing, with
+            the packed buckets' checksums summed on the fly), ``checksum_s`` (checksums of the zero-copy
+            buckets, and the optional ``stream_crc32``), ``wait_s`` (waiting for the wire and the receivers'
+            reports), ``stream_crc32`` (int, or None when off), ``gbps`` (payload bytes / seconds / 1e9),
+            ``receivers`` (each receiver's :class:`~mxport.refit.results.ReceiverResult`).
+
+        Raises:
+            RefitError: some receiver rejected the refit (``receivers`` holds every receiver's result).
         """
         if not self._handshaken:
             self.handshake()
-        plan, layout = self.plan, self.layout
         self.version += 1
-        version = self.version
-        it = iter(tensors)
-        sources: list[torch.Tensor | None] = []
-        pending: deque = deque()  # (handle, pack slot or None, payload kept alive)
-        slot_busy: list = [None] * len(self._packbuf)
-        crcs: list[int] = []
-        stream_crc = 0
-        t_produce = t_pack = t_crc = t_wait = 0.0
-        zero_copy = 0
-        t0 = time.perf_counter()
-        error: BaseException | None = None
-        abort_entry = -1
-        b = 0
+        run = _Run(self.version, iter(tensors), len(self._packbuf))
+        sw = Stopwatch()
         try:
-            for b in range(plan.num_buckets):
-                t1 = time.perf_counter()
-                while len(sources) < self._need[b]:
-                    i = len(sources)
-                    abort_entry = i
-                    try:
-                        t = next(it)
-                    except StopIteration:
-                        raise ValueError(f"refit v{version}: got {i} tensors, the plan has {len(plan)} "
-                                         f"(first missing: {plan.entries[i].name!r})") from None
-                    except (ValueError, TypeError):
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - the producer failed (OOM, a kernel error): abort below
-                        raise _ProducerFailed(exc) from exc
-                    plan.check_tensor(i, t)
-                    sources.append(byte_view(t, argname=plan.entries[i].name))
-                if b == plan.num_buckets - 1 and next(it, None) is not None:
-                    abort_entry = -1
-                    raise ValueError(f"refit v{version}: more tensors than the {len(plan)} of the plan")
-                t2 = time.perf_counter()
-                size = layout.sizes[b]
-                slot = None
-                payload = in_place_payload(layout.segments[b], layout.gap_index(b, self.device), sources, size,
-                                           self.device)
-                if payload is not None:
-                    zero_copy += 1
-                else:
-                    slot = b % len(self._packbuf)
-                    while slot_busy[slot] is not None:  # wait until this pack buffer is off the wire
-                        _retire_oldest(pending, slot_busy)
-                    payload = self._packbuf[slot][:size]
-                t3 = time.perf_counter()
-                crc = None
-                if slot is not None:  # packing sums each chunk while it is in cache: checksum for one pass less
-                    crc = pack_bucket(layout, b, sources, payload, with_checksum=self.use_checksum)
-                t4 = time.perf_counter()
-                # a zero-copy bucket is summed once its broadcast is posted, while it is on the wire (the test hook
-                # that corrupts the wire needs the checksum of the bytes before it)
-                late = crc is None and self.use_checksum and self._corrupt is None
-                if crc is None and not late:
-                    crc = checksum(payload) if self.use_checksum else 0
-                if self.stream_crc32:
-                    stream_crc = zlib.crc32(payload.cpu().numpy(), stream_crc)
-                t5 = time.perf_counter()
-                if self._corrupt is not None:
-                    self._corrupt(b, payload)
-                while len(pending) >= self.inflight:
-                    _retire_oldest(pending, slot_busy)
-                t6 = time.perf_counter()
-                pending.append((self.transport.broadcast(payload, async_op=True), slot, payload))
-                t6b = time.perf_counter()
-                if late:
-                    crc = checksum(payload)
-                crcs.append(crc)
-                t_crc += time.perf_counter() - t6b
-                if slot is not None:
-                    slot_busy[slot] = True
-                # release sources that are fully handed to the wire (a generator's tensors can then be freed)
-                bucket_end = b * plan.bucket_bytes + size
-                for i in range(len(sources)):
-                    if sources[i] is not None and plan.entries[i].offset + plan.entries[i].nbytes <= bucket_end:
-                        sources[i] = None
-                t_produce += t2 - t1
-                t_pack += t4 - t3
-                t_crc += t5 - t4
-                t_wait += (t3 - t2) + (t6 - t5)
-        except _ProducerFailed as exc:
-            error = exc.error
-        except (ValueError, TypeError) as exc:
-            error = exc
-        t7 = time.perf_counter()
-        while pending:
-            pending.popleft()[0].wait()
-        t_wait += time.perf_counter() - t7
-        if error is not None:
-            self._abort(b, abort_entry)
-            raise error
-        self.transport.broadcast(make_trailer(version, crcs).to(self.device))
-        seconds = time.perf_counter() - t0
-        return {"version": version, "bytes": plan.total_bytes, "buckets": plan.num_buckets,
-                "zero_copy_buckets": zero_copy, "seconds": seconds, "produce_s": t_produce, "pack_s": t_pack,
-                "checksum_s": t_crc, "wait_s": t_wait, "stream_crc32": stream_crc if self.stream_crc32 else None,
-                "gbps": plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0}
+            for b in range(self.plan.num_buckets):
+                self._send_bucket(run, b, sw)
+            run.reason, run.entry = AbortReason.PRODUCER, -1
+            if next(run.items, _END) is not _END:
+                run.reason = AbortReason.COUNT
+                raise ValueError(f"refit v{run.version}: more tensors than the {len(self.plan)} of the plan")
+            with sw.phase("wait"):
+                self._drain(run)
+        except _TransportFailed as exc:
+            raise exc.error from None
+        except BaseException as exc:
+            self._abort(run, exc)
+            raise
+        with sw.phase("wait"):
+            self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets).wait()
+            results = self._reports(Status.OK)
+        self._raise_rejections(run, results)
+        seconds = sw.elapsed()
+        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+                         zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
+                         pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
+                         stream_crc32=run.stream_crc if self.stream_crc32 else None,
+                         gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                         receivers=tuple(results))
 
-    def _abort(self, first: int, entry: int) -> None:
-        """Send buckets ``first..`` (unused content) and an abort trailer so receivers drain the same bytes."""
-        buf = self._packbuf[0]
-        for b in range(first, self.plan.num_buckets):
-            self.transport.broadcast(buf[:self.layout.sizes[b]])
-        trailer = make_trailer(self.version, [0] * self.plan.num_buckets, STATUS_ABORT, entry)
-        self.transport.broadcast(trailer.to(self.device))
+    # -- one bucket ------------------------------------------------------------------------------------------
+    def _send_bucket(self, run: _Run, b: int, sw: Stopwatch) -> None:
+        with sw.phase("produce"):
+            self._produce(run, b)
+        run.reason, run.entry = AbortReason.INTERNAL, -1
+        size = self.layout.sizes[b]
+        gaps = self.layout.gap_index(b, self.device)
+        payload = in_place_payload(self.layout.segments[b], gaps, run.sources, size, self.device)
+        slot, crc = None, None
+        if payload is None:
+            slot = b % len(self._packbuf)
+            with sw.phase("wait"):
+                while run.slot_busy[slot]:  # wait until this pack buffer is off the wire
+                    self._retire_oldest(run)
+            payload = self._packbuf[slot][:size]
+            with sw.phase("pack"):  # packing sums each chunk while it is in cache: checksum for one pass less
+                crc = pack_bucket(self.layout, b, run.sources, payload, with_checksum=self.use_checksum)
+        else:
+            run.zero_copy += 1
+        if self.stream_crc32:
+            with sw.phase("checksum"):
+                run.stream_crc = zlib.crc32(payload.cpu().numpy(), run.stream_crc)
+        with sw.phase("wait"):
+            while len(run.pending) >= self.inflight:
+                self._retire_oldest(run)
+        run.pending.append((self._post(payload, b), slot, payload))
+        run.posted += 1
+        if slot is not None:
+            run.slot_busy[slot] = True
+        elif self.use_checksum:
+            with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
+                crc = checksum(payload)
+        run.crcs.append(crc if crc is not None else 0)
+        # release sources that are fully handed to the wire (a generator's tensors can then be freed)
+        bucket_end = b * self.plan.bucket_bytes + size
+        for i, e in enumerate(self.plan.entries[:len(run.sources)]):
+            if e.offset + e.nbytes <= bucket_end:
+                run.sources[i] = None
+
+    def _produce(self, run: _Run, b: int) -> None:
+        """Take the items bucket ``b`` needs from the iterator, each checked against its plan entry."""
+        while len(run.sources) < self._need[b]:
+            i = run.entry = len(run.sources)
+            run.reason = AbortReason.PRODUCER
+            t = next(run.items, _END)
+            if t is _END:
+                run.reason = AbortReason.COUNT
+                raise ValueError(f"refit v{run.version}: got {i} tensors, the plan has {len(self.plan)} "
+                                 f"(first missing: {self.plan.entries[i].name!r})")
+            run.reason = AbortReason.BAD_TENSOR
+            self.plan.check_tensor(i, t)
+            run.sources.append(byte_view(t, argname=self.plan.entries[i].name))
+
+    # -- the wire --------------------------------------------------------------------------------------------
+    def _post(self, payload: torch.Tensor, b: int):
+        """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it
+        has exactly the size the plan gives it (the receivers post that size; a larger message kills them in
+        gloo)."""
+        n = self.plan.num_buckets
+        want = self.plan.bucket_size(b) if b < n else (TRAILER_FIXED + n) * 8
+        got = payload.nbytes
+        if payload.dim() != 1 or got != want:
+            raise RuntimeError(f"refit v{self.version}: {'bucket ' + str(b) if b < n else 'the trailer'} is "
+                               f"{got} bytes but the plan gives it {want}: not sent")
+        try:
+            return self.transport.broadcast(payload.to(self.device), async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+            raise _TransportFailed(exc) from exc
+
+    def _retire_oldest(self, run: _Run) -> None:
+        """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
+        handle, slot, _ = run.pending.popleft()
+        try:
+            handle.wait()
+        except Exception as exc:  # noqa: BLE001
+            raise _TransportFailed(exc) from exc
+        if slot is not None:
+            run.slot_busy[slot] = False
+
+    def _drain(self, run: _Run) -> None:
+        while run.pending:
+            self._retire_oldest(run)
+
+    def _reports(self, mine: Status) -> list[ReceiverResult]:
+        """Every receiver's status report for this refit (one fixed-size int64 row each)."""
+        row = ReceiverResult(self.transport.rank, mine, -1, -1, self.version).to_tensor()
+        rows = self.transport.all_gather(row)
+        return [ReceiverResult.from_tensor(r, x) for r, x in enumerate(rows) if r != self.transport.src]
+
+    def _raise_rejections(self, run: _Run, results: list[ReceiverResult]) -> None:
+        bad = [r for r in results if not r.ok]
+        if not bad:
+            return
+        parts = []
+        for r in bad:
+            where = f" at bucket {r.bucket}" if 0 <= r.bucket < self.plan.num_buckets else ""
+            parts.append(f"receiver {r.rank}: {r.status.name.lower()}{where} (live version {r.version})")
+        raise RefitError(f"refit v{run.version} was rejected by {len(bad)} of {len(results)} receiver(s): "
+                         f"{'; '.join(parts)}", bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
+                         kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
+
+    def _abort(self, run: _Run, error: BaseException) -> None:
+        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
+        bytes and fail at once; then gather their reports (they all reject). A transport failure meanwhile is
+        noted on ``error`` (which the caller raises)."""
+        try:
+            self._drain(run)
+            buf = self._packbuf[0]
+            for b in range(run.posted, self.plan.num_buckets):
+                self._post(buf[:self.plan.bucket_size(b)], b).wait()
+            trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
+                                   run.reason)
+            self._post(trailer, self.plan.num_buckets).wait()
+            self._reports(Status.ABORTED)
+        except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note
+            error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")

@@ -2,8 +2,11 @@
 in-process channel for a colocated trainer and engine (threads in one process).
 
 A transport has one sender (rank ``src``) and one or more receivers. It offers exactly two things: an
-``all_gather_object`` for the plan handshake (small Python objects) and a ``broadcast`` of a 1-D uint8 tensor from
-the sender to every receiver, optionally asynchronous (the returned handle has ``wait()``).
+``all_gather`` of one small tensor per rank (every rank gives the same dtype and shape: the plan handshake and
+the receivers' status reports) and a ``broadcast`` of a 1-D uint8 tensor from the sender to every receiver,
+optionally asynchronous (the returned handle has ``wait()``). Nothing else crosses the wire: no Python
+objects, no pickle (``torch.distributed.all_gather_object`` unpickles what a peer sends, which runs any code
+the peer chose).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import datetime
 import queue
 import threading
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
@@ -33,14 +35,21 @@ class Transport(ABC):
     def is_sender(self) -> bool:
         return self.rank == self.src
 
+    @property
+    def device(self) -> torch.device:
+        """Where this transport's collectives take tensors (CPU unless the backend is NCCL)."""
+        return torch.device("cpu")
+
     @abstractmethod
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, indexed by rank."""
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (a small tensor; every rank passes the same dtype and shape), indexed by rank,
+        as new CPU tensors."""
 
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
-        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With ``async_op``
-        return a handle whose ``wait()`` completes it; otherwise complete before returning (returns None)."""
+        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With
+        ``async_op`` return a handle whose ``wait()`` completes it; otherwise complete before returning
+        (returns None)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (no-op by default)."""
@@ -50,25 +59,38 @@ class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
     Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``); gloo for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first; the NCCL path
-    is untested on the development machines, which have no GPU). A peer that dies or a broadcast that exceeds the
-    group's ``timeout`` raises ``RuntimeError`` from ``broadcast`` / ``wait``; the group is then unusable and must be
-    re-created (``close()`` then :meth:`init`).
+    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does not
+    know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are called on
+    the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors (call
+    ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have no GPU).
+    A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
+    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then :meth:`init`).
     """
 
     def __init__(self, group=None, src: int = 0):
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if group is None and not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized: call TorchDistTransport.init(...) first")
         self._dist = dist
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self._pg = dist.group.WORLD if group is None else group
+        self.rank, self.world_size = self._pg.rank(), self._pg.size()
         if not 0 <= src < self.world_size:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
-        self._global_src = dist.get_global_rank(group, src) if group is not None else src
+        self._device = torch.device("cpu")
+        if str(self._pg.name()).lower() == "nccl" or (dist.is_initialized() and _backend(dist, group) == "nccl"):
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @classmethod
+    def from_group(cls, pg, src: int = 0) -> TorchDistTransport:
+        """A transport over an existing process group ``pg`` (``src``: the sender's rank in ``pg``)."""
+        return cls(group=pg, src=src)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     @classmethod
     def init(cls, *, rank: int, world_size: int, init_method: str, backend: str = "gloo",
@@ -91,25 +113,49 @@ class TorchDistTransport(Transport):
                                  timeout=datetime.timedelta(seconds=timeout_s))
         return cls(src=src)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.to(self._device).contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._pg.allgather([out], [t]).wait()
+        return [x.cpu() for x in out]
 
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
-        return self._dist.broadcast(buf, src=self._global_src, group=self.group, async_op=async_op)
+        opts = self._dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = self.src, 0
+        work = self._pg.broadcast([buf], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given)."""
-        if self._dist.is_initialized():
+        """Destroy this transport's group (the default group when none was given; a group ``torch.distributed``
+        does not know is shut down)."""
+        if self.group is None:
+            if self._dist.is_initialized():
+                self._dist.destroy_process_group()
+            return
+        try:
             self._dist.destroy_process_group(self.group)
+        except (ValueError, RuntimeError):  # not registered with torch.distributed
+            shutdown = getattr(self.group, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+
+
+def _backend(dist, group) -> str:
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (ValueError, RuntimeError):  # a group torch.distributed does not know
+        return ""
 
 
 class InProcessChannel:
     """A colocated sender and ``receivers`` receivers in one process (each endpoint used from its own thread).
 
     ``channel.endpoint(rank)``: rank 0 is the sender. A broadcast hands each receiver a copy of the bytes (the
-    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises ``TimeoutError``.
+    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises
+    ``TimeoutError``.
     """
 
     def __init__(self, receivers: int = 1, timeout_s: float = 60.0):
@@ -119,7 +165,7 @@ class InProcessChannel:
         self.timeout_s = timeout_s
         self._queues = [queue.Queue() for _ in range(self.world_size)]
         self._barrier = threading.Barrier(self.world_size, timeout=timeout_s)
-        self._gather: list[Any] = [None] * self.world_size
+        self._gather: list[torch.Tensor | None] = [None] * self.world_size
         self._lock = threading.Lock()
 
     def endpoint(self, rank: int) -> InProcessTransport:
@@ -152,13 +198,16 @@ class InProcessTransport(Transport):
     def __init__(self, channel: InProcessChannel, rank: int):
         self.channel, self.rank, self.world_size, self.src = channel, rank, channel.world_size, 0
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         ch = self.channel
         with ch._lock:
-            ch._gather[self.rank] = obj
+            ch._gather[self.rank] = t.detach().cpu().clone()
         ch._barrier.wait()
-        out = list(ch._gather)
+        out = [x.clone() for x in ch._gather]
         ch._barrier.wait()
+        if any(x.dtype != t.dtype or x.shape != t.shape for x in out):
+            raise RuntimeError("in-process all_gather: the ranks passed tensors of different dtypes or "
+                               "shapes")
         return out
 
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):

@@ -1,0 +1,135 @@
+"""What a refit reports: the receivers' status codes, each receiver's result as the sender sees it, and
+:class:`RefitError`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+
+import torch
+
+
+class Status(IntEnum):
+    """A receiver's outcome of one refit (word 0 of its status report)."""
+
+    OK = 0
+    ABORTED = 1  # the sender aborted the refit (its trailer says so)
+    CHECKSUM = 2  # a bucket's checksum differs from the sender's
+    STALE = 3  # the refit's version is not newer than the live one
+    BAD_TRAILER = 4  # the trailer's magic or bucket count is wrong
+    LIVE_CHANGED = 5  # a live tensor was moved, or its dtype / shape changed, since the receiver was built
+    COMMIT_FAILED = 6  # writing the live tensors or a refresh hook failed
+
+
+class AbortReason(IntEnum):
+    """Why the sender aborted (the trailer's reason word)."""
+
+    NONE = 0
+    BAD_TENSOR = 1  # an item does not match its plan entry (type, device, dtype, shape, layout)
+    COUNT = 2  # too few or too many tensors
+    PRODUCER = 3  # the ``tensors`` iterator raised
+    INTERNAL = 4  # the sender itself failed (a bucket of the wrong size, a packing error)
+
+
+#: words of one status report: ``[status, bucket, entry, version]`` (bucket / entry -1 when none)
+REPORT_WORDS = 4
+
+
+@dataclass(frozen=True)
+class ReceiverResult:
+    """One receiver's outcome of a refit, as reported back to the sender.
+
+    rank: the receiver's rank; status: :class:`Status`; bucket / entry: where it failed (-1: nowhere in
+    particular); version: the version live on that receiver afterwards.
+    """
+
+    rank: int
+    status: Status
+    bucket: int
+    entry: int
+    version: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "status": self.status.name.lower()}
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([int(self.status), self.bucket, self.entry, self.version], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, rank: int, t: torch.Tensor) -> ReceiverResult:
+        """Parse a peer's report; an unknown status code reads as ``COMMIT_FAILED`` (never trusted as ok)."""
+        status, bucket, entry, version = (int(x) for x in t.tolist())
+        try:
+            st = Status(status)
+        except ValueError:
+            st = Status.COMMIT_FAILED
+        return cls(rank, st, bucket, entry, version)
+
+
+class RefitError(RuntimeError):
+    """A refit failed; the live weights stayed on ``kept_version``.
+
+    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed on a receiver; on the
+    sender, ``receivers`` holds every receiver's :class:`ReceiverResult` (some of them rejected the refit).
+    """
+
+    def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
+                 kept_version: int = 0, status: Status | None = None,
+                 receivers: Sequence[ReceiverResult] = ()):
+        self.bucket, self.tensors, self.kept_version = bucket, list(tensors), kept_version
+        self.status, self.receivers = status, list(receivers)
+        super().__init__(message)
+
+
+class _Row:
+    """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row["key"]`` reads one key of it."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
+
+
+@dataclass(frozen=True)
+class SendStats(_Row):
+    """One refit as the sender saw it (see :meth:`~mxport.refit.RefitSender.send`)."""
+
+    version: int
+    bytes: int
+    buckets: int
+    zero_copy_buckets: int
+    seconds: float
+    produce_s: float
+    pack_s: float
+    checksum_s: float
+    wait_s: float
+    stream_crc32: int | None
+    gbps: float
+    receivers: tuple[ReceiverResult, ...]
+
+    def to_dict(self) -> dict:
+        return {**{f: getattr(self, f) for f in self.__dataclass_fields__ if f != "receivers"},
+                "receivers": [r.to_dict() for r in self.receivers]}
+
+
+@dataclass(frozen=True)
+class ReceiveStats(_Row):
+    """One refit as a receiver saw it (see :meth:`~mxport.refit.RefitReceiver.receive`)."""
+
+    version: int
+    bytes: int
+    buckets: int
+    direct: bool
+    seconds: float
+    idle_s: float
+    recv_s: float
+    commit_s: float
+    gbps: float
+    backup_s: float
+    backup_wait_s: float

@@ -1,0 +1,146 @@
+"""The trainer side of a refit: :class:`TrainerSource` — the plan from the trainer's model and the precision
+policy, and per refit the tensors to send (quantized lazily; optionally written straight into a send buffer
+laid out as the plan's byte stream, :mod:`mxport.refit.arena`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..components import compact_scale_shape
+from .arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
+from .items import model_tensors, tensor_items
+from .plan import RefitPlan
+
+
+def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a kept tensor travels in: ``kept_dtype`` for floating-point tensors, else its own (integer
+    and bool buffers are never cast)."""
+    return kept_dtype if kept_dtype is not None and t.is_floating_point() else t.dtype
+
+
+class TrainerSource:
+    """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
+
+    Args:
+        model: the trainer's model with high-precision master weights (or native MXFP8 storage, exported
+            as is).
+        policy: a :class:`mxport.policy.PrecisionPolicy` (None = default: linear weights MXFP8; embeddings,
+            lm_head, norms, routers kept).
+        bucket_bytes: payload bytes per bucket.
+        fp8_dtype: element format of quantized weights.
+        kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
+        arena: keep one send buffer laid out as the whole plan's byte stream (:func:`allocate_targets` on the
+            weights' device, ``plan.total_bytes``, allocated here) so that :class:`~mxport.refit.RefitSender`
+            sends every bucket straight from it, without packing, and nothing is allocated per refit.
+            Quantized weights are written into it by ``quantize(..., out=...)``. A kept tensor (embedding,
+            norms) that owns its whole storage alone (no other parameter or buffer of the model, persistent or
+            not, shares it) and already has the planned dtype and the buffer's device is *adopted*, here: its
+            bytes are copied in and its ``.data`` becomes its view of the buffer (like Megatron's contiguous
+            parameter buffer), so the optimizer updates it in place there and a refit never copies it; the
+            parameter objects, their values, gradients and the optimizer's references are unchanged, their
+            addresses are not — build the source before capturing CUDA graphs of the training step (a graph
+            captured earlier keeps writing the old, freed storage). Any other kept tensor (another dtype, a
+            view of a larger storage, one whose ``.data`` was replaced since) and any weight exported from
+            native MXFP8 storage are copied in at every refit. References to an adopted tensor's old storage
+            taken before (a ``p.data`` kept elsewhere) no longer follow the parameter, and ``torch.save`` of
+            an adopted tensor (or of a ``state_dict``) writes the whole send buffer it is a view of, once
+            (``save_pretrained`` / safetensors write each tensor's own bytes). Costs about the model's refit
+            size for the trainer's lifetime, less the adopted tensors' old storage; off by default.
+
+    Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
+    ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil).
+    """
+
+    def __init__(self, model: nn.Module, policy=None, *, bucket_bytes: int,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
+                 arena: bool = False):
+        from ..policy import PrecisionPolicy
+
+        policy = PrecisionPolicy() if policy is None else policy
+        self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
+        self.tensors_by_name = model_tensors(model)
+        decisions = policy.decide_all([(n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
+        self.quantized = [d.quantize for d in decisions]
+        items = []
+        for (name, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            if q:
+                items += tensor_items(name, fp8_dtype, t.shape,
+                                      scales=(torch.uint8, compact_scale_shape(t.shape, "rowwise")))
+            else:
+                items += tensor_items(name, _kept_dtype(t, kept_dtype), t.shape)
+        self.plan = RefitPlan(items, bucket_bytes)
+        self.arena = bool(arena)
+        self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
+        self._complete = False  # the last tensors() call ran to its end (stream_crc32 covers a whole refit)
+
+    @torch.no_grad()
+    def _arena_slots(self) -> list[torch.Tensor]:
+        """Per plan entry, its view of the send buffer (the whole stream); adopts the kept tensors it can (see
+        ``arena`` in the class doc)."""
+        slots = allocate_targets(self.plan, self.tensors_by_name[0][1].device)
+        users = storage_users(self.model)
+        i = 0
+        for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            if not q and adoptable(t, slots[i], users):
+                adopt(t, slots[i])
+            i += 2 if q else 1
+        return slots
+
+    def stream_crc32(self) -> int:
+        """CRC-32 (``zlib.crc32``) of the send buffer as it is now, laid out as the plan's byte stream
+        (padding zero): right after a refit of a complete :meth:`tensors` call, and before the trainer changes
+        its weights again (the adopted kept tensors live in the buffer), it is the CRC of what was sent — the
+        value a receiver's :meth:`~mxport.refit.RefitReceiver.live_crc32` must equal. Computed outside the
+        refit (about 3 GB/s on CPU), so a bit-exactness check does not slow the send. 0 for a plan of empty
+        tensors.
+
+        Raises:
+            ValueError: without ``arena=True``, or when no :meth:`tensors` call has run to its end.
+        """
+        import zlib
+
+        if not self.arena or not self._complete:
+            raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran to its "
+                             "end (a complete refit) before it")
+        stream = stream_arena(self.plan, self._slots)
+        return 0 if stream is None else zlib.crc32(stream.cpu().numpy())
+
+    @torch.no_grad()
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Yield the current weights in plan order, quantizing lazily (one weight at a time). With ``arena``
+        the yielded tensors are views of the send buffer: quantized ones hold this call's bytes until the next
+        call, adopted kept ones *are* the trainer's parameters (they change when the optimizer steps)."""
+        from ..nn import _plain_float, weight_components
+        from ..quantize import quantize
+
+        slots = self._slots
+        self._complete = False
+        i = 0
+        for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            if q:
+                if slots is not None and _plain_float(t):
+                    quantize(t.detach(), self.fp8_dtype, out=(slots[i], slots[i + 1]))
+                    yield slots[i]
+                    yield slots[i + 1]
+                else:
+                    c = weight_components(t, self.fp8_dtype)
+                    for j, part in ((i, c.data), (i + 1, c.scale_inv)):
+                        if slots is not None and part.dtype == slots[j].dtype and part.shape == slots[j].shape:
+                            part = slots[j].copy_(part)  # native storage: into the send buffer too (one copy)
+                        yield part.contiguous()
+                i += 2
+            else:
+                x = t.detach()
+                want = _kept_dtype(x, self.kept_dtype)
+                if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
+                    slot = slots[i]
+                    if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:  # not adopted: copy (and cast) in
+                        slot.copy_(x)
+                    yield slot
+                else:  # (a tensor whose dtype or shape drifted from the plan goes out as is: the sender refuses it)
+                    yield (x.to(want) if x.dtype != want else x).contiguous()
+                i += 1
+        self._complete = True
