@@ -1,11 +1,13 @@
 """quantize(): float tensors -> MXFP8 components, bit-exact with Transformer Engine ("rceil") or OCP MX ("floor").
 
 One kernel function (``_rowwise_kernel``) holds the whole algorithm; the eager path calls it directly and the
-compiled path calls a ``torch.compile``d copy of the same function, so the two cannot drift apart. On CPUs with
-AVX-512 a native C kernel (:mod:`mxport.native`, the same algorithm in one pass) is used instead; it is checked
-byte for byte against ``_rowwise_kernel`` on a probe tensor before its first use (tests check all three agree).
+compiled path calls a ``torch.compile``d copy of the same function, so the two cannot drift apart. On CPUs
+with AVX-512 or AVX2 a native C kernel (:mod:`mxport.native`, the same algorithm in one pass) is used instead;
+it is checked byte for byte against ``_rowwise_kernel`` on a probe tensor before its first use (tests check
+all three agree).
 
-Sources: design.md §2; TE ``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0 §6.3.
+Sources: design.md §2; TE ``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0
+    §6.3.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from .formats import (
 )
 
 ROUNDINGS = ("rceil", "floor")
-#: tensors with fewer elements than this use the eager path under ``fast=None`` (compiled launch overhead wins).
+# : tensors with fewer elements than this use the eager path under ``fast=None`` (compiled launch overhead
+# wins).
 FAST_MIN_NUMEL = 1 << 15
 
 
@@ -49,8 +52,8 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
     """The MXFP8 cast of a 2-D ``(M, K)`` tensor, blocks of 32 along K (32×32 with ``block_2d``).
 
     Returns FP8 value bytes ``(M, K)`` and E8M0 bytes ``(M, ceil(K/32))``, both uint8 (the caller views the
-    values as FP8 outside the compiled region, which keeps the compiled output one fused pass). A short last block is padded with
-    zeros, which never change an amax; NaN elements are skipped in the amax.
+    values as FP8 outside the compiled region, which keeps the compiled output one fused pass). A short last
+    block is padded with zeros, which never change an amax; NaN elements are skipped in the amax.
     """
     m, k = x2.shape
     nb = ceil_div(k, BLOCK_SIZE)
@@ -76,8 +79,8 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
     return q, e.to(torch.uint8)  # q: uint8 bytes of fp8_dtype
 
 
-#: graphs one compiled kernel (one element format, rounding and block shape) may hold: input dtypes (3) x padded K
-#: (2), with room to spare
+# : graphs one compiled kernel (one element format, rounding and block shape) may hold: input dtypes (3) x
+# padded K : (2), with room to spare
 RECOMPILE_LIMIT = 64
 
 
@@ -102,9 +105,10 @@ def _compile_options() -> dict | None:
 
 def _bound_kernel(params: tuple):
     """``_rowwise_kernel`` with its scalar parameters (max_norm, inv_max_norm, emax, fp8_dtype, floor, block_2d)
-    closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are marked dynamic):
-    the parameters are constants of the compiled kernel. Passed as arguments under ``dynamic=True`` they became
-    graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton then failed to bitcast the int64
+    closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are marked
+    dynamic): the parameters are constants of the compiled kernel. Passed as arguments under ``dynamic=True``
+    they became graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton then failed to
+    bitcast the int64
     E8M0 arithmetic to float32, so the floor rounding (and, after it, every other kernel) never compiled there."""
     def kernel(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _rowwise_kernel(x2, *params)
@@ -117,8 +121,9 @@ class _FastPath:
     """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format, rounding,
     block shape); disabled for good after one failure (with a warning).
 
-    ``failed_reason``: why it cannot run at all (no ``torch.compile``, a compile failure). ``disabled_reason``:
-    why the automatic choice (``kernel=None``) does not pick it: the failure, or ``MXPORT_DISABLE_COMPILE``; an
+    ``failed_reason``: why it cannot run at all (no ``torch.compile``, a compile failure).
+    ``disabled_reason``: why the automatic choice (``kernel=None``) does not pick it: the failure, or
+    ``MXPORT_DISABLE_COMPILE``; an
     explicit ``quantize(..., kernel="compiled")`` still runs it then."""
 
     def __init__(self) -> None:
@@ -157,7 +162,8 @@ FAST_PATH = _FastPath()
 
 def _probe_inputs() -> list[torch.Tensor]:
     """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last block
-    (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8 ties
+    (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8
+    ties
     and rounding edges, many binades."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(36, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (36, 600), generator=g).float())
@@ -174,8 +180,9 @@ class _NativePath:
     """The native CPU kernel (:mod:`mxport.native`), built and loaded lazily, checked against the eager kernel
     on probe tensors before first use; disabled for good (with the reason) when any of that fails.
 
-    ``failed_reason``: why it cannot run at all (build, load or self-check failed). ``disabled_reason``: why the
-    automatic choice (``kernel=None``) does not pick it: the failure, or ``MXPORT_DISABLE_NATIVE``; an explicit
+    ``failed_reason``: why it cannot run at all (build, load or self-check failed). ``disabled_reason``: why
+    the automatic choice (``kernel=None``) does not pick it: the failure, or ``MXPORT_DISABLE_NATIVE``; an
+    explicit
     ``quantize(..., kernel="native")`` still builds and runs it then."""
 
     def __init__(self) -> None:
@@ -304,12 +311,13 @@ def kernel_for(x2: torch.Tensor, *, fast: bool | None = None, kernel: str | None
     """Which kernel :func:`quantize` runs for the 2-D ``(M, K)`` view ``x2``: ``"native"``, ``"compiled"`` or
     ``"eager"`` (``fast`` and ``kernel`` as in :func:`quantize`).
 
-    ``kernel`` names one (:data:`KERNELS`): it runs whatever ``MXPORT_DISABLE_NATIVE`` / ``MXPORT_DISABLE_COMPILE``
-    say (they steer the automatic choice only); RuntimeError when it cannot run here (no AVX-512 / a failed
-    build, a failed compile, an input the native kernel does not take). ``kernel=None`` chooses by ``fast``:
-    ``fast=None``: native where it supports the input (CPU with AVX-512, float32 / bfloat16 / float16), else
-    compiled for ``>= FAST_MIN_NUMEL`` elements when ``torch.compile`` works, else eager.
-    ``fast=True``: native or compiled, RuntimeError when neither is available. ``fast=False``: eager.
+    ``kernel`` names one (:data:`KERNELS`): it runs whatever ``MXPORT_DISABLE_NATIVE`` /
+    ``MXPORT_DISABLE_COMPILE`` say (they steer the automatic choice only); RuntimeError when it cannot run
+    here (no AVX-512 or AVX2 / a failed build, a failed compile, an input the native kernel does not take).
+    ``kernel=None`` chooses by ``fast``: ``fast=None``: native where it supports the input (x86-64 CPU with
+    AVX-512 or AVX2, float32 / bfloat16 / float16), else compiled for ``>= FAST_MIN_NUMEL`` elements when
+    ``torch.compile`` works, else eager. ``fast=True``: native or compiled, RuntimeError when neither is
+    available. ``fast=False``: eager.
     """
     if fast is not None and not isinstance(fast, bool):
         raise TypeError(f"fast must be None, True or False, got {describe(fast)}")
@@ -398,7 +406,7 @@ def kernel_label(x: torch.Tensor) -> str:
         x2 = x2.to(torch.float32)
     kind = kernel_for(x2)
     if kind == "native":
-        return "native (AVX-512 C kernel)"
+        return f"native ({native.isa(NATIVE_PATH._lib).upper().replace('AVX512', 'AVX-512')} C kernel)"
     if kind == "compiled":
         return "compiled (torch.compile)"
     why = [f"native: {NATIVE_PATH.disabled_reason or 'does not take this input'}",
@@ -426,35 +434,36 @@ def quantize(
         fp8_dtype: element format, ``torch.float8_e4m3fn`` (max 448) or ``torch.float8_e5m2`` (max 57344).
         direction: ``"rowwise"`` (blocks along K; scales ``(*x.shape[:-1], ceil(K/32))``) or ``"columnwise"``
             (blocks along M; scales ``(ceil(M/32), K)``). Values keep the logical shape either way.
-        rounding: ``"rceil"`` (default; TE / cuBLAS / ModelOpt / vLLM: smallest power of two >= amax/max_norm) or
-            ``"floor"`` (OCP MX v1.0 §6.3: floor(log2 amax) - emax_elem).
-        block_2d: amax over 32×32 blocks of the 2-D ``(M, K)`` view (TE ``with_2d_quantization``, weights); the
-            scale keeps the compact layout of ``direction``, repeated over the block's 32 rows (columns).
+        rounding: ``"rceil"`` (default; TE / cuBLAS / ModelOpt / vLLM: smallest power of two >= amax/max_norm)
+            or ``"floor"`` (OCP MX v1.0 §6.3: floor(log2 amax) - emax_elem).
+        block_2d: amax over 32×32 blocks of the 2-D ``(M, K)`` view (TE ``with_2d_quantization``, weights);
+            the scale keeps the compact layout of ``direction``, repeated over the block's 32 rows (columns).
         block_size: must be 32.
-        fast: ``None`` picks the fastest kernel that takes the input (:func:`kernel_for`: the native AVX-512 C
-            kernel on CPU, else the ``torch.compile``d one for large tensors, else eager); ``True`` requires a fast
+        fast: ``None`` picks the fastest kernel that takes the input (:func:`kernel_for`: the native C kernel
+            on CPU, else the ``torch.compile``d one for large tensors, else eager); ``True`` requires a fast
             kernel (native or compiled); ``False`` forces eager. All give identical bytes.
-        kernel: ``None`` (choose by ``fast``), or the kernel to run: ``"native"``, ``"compiled"`` or ``"eager"``
-            (:func:`kernel_for`; it runs even where ``MXPORT_DISABLE_NATIVE`` / ``MXPORT_DISABLE_COMPILE``, which
-            steer the automatic choice, are set). Not together with ``fast``.
+        kernel: ``None`` (choose by ``fast``), or the kernel to run: ``"native"``, ``"compiled"`` or
+            ``"eager"`` (:func:`kernel_for`; it runs even where ``MXPORT_DISABLE_NATIVE`` /
+            ``MXPORT_DISABLE_COMPILE``, which steer the automatic choice, are set). Not together with
+            ``fast``.
         out: optional ``(values, scales)`` to write the result into, rowwise only (e.g. slots of a refit send
-            arena): ``values`` contiguous, ``x.shape``, dtype ``fp8_dtype`` or uint8; ``scales`` contiguous, the
-            rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``, overlapping neither ``x`` nor
-            each other. The native kernel writes
-            them directly (no temporary, no page faults of fresh outputs); other kernels copy into them. The
-            returned components are views of them (``scale_inv`` as uint8 bytes).
+            arena): ``values`` contiguous, ``x.shape``, dtype ``fp8_dtype`` or uint8; ``scales`` contiguous,
+            the rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``, overlapping neither
+            ``x`` nor each other. The native kernel writes them directly (no temporary, no page faults of
+            fresh outputs); other kernels copy into them. The returned components are views of them
+            (``scale_inv`` as uint8 bytes).
 
-    A short last block (K not a multiple of 32) keeps its own scale from its valid elements; blocks never cross
-    rows. NaN elements are skipped in the amax and stay NaN; Inf saturates to ±max_norm (amax Inf gives E = 254);
-    an all-zero block gets E = 0.
+    A short last block (K not a multiple of 32) keeps its own scale from its valid elements; blocks never
+    cross rows. NaN elements are skipped in the amax and stay NaN; Inf saturates to ±max_norm (amax Inf gives
+    E = 254); an all-zero block gets E = 0.
 
     Returns:
         :class:`MXFP8Components` on ``x.device``.
 
     Raises:
-        TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype`` (anything but
-            the two MXFP8 element dtypes, e.g. ``float8_e4m3fnuz`` or ``float8_e8m0fnu``); ``block_2d`` not a bool;
-            ``fast`` not None / True / False.
+        TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype`` (anything
+            but the two MXFP8 element dtypes, e.g. ``float8_e4m3fnuz`` or ``float8_e8m0fnu``); ``block_2d``
+            not a bool; ``fast`` not None / True / False.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
         TooLargeError (a MemoryError and a ValueError): the outputs cannot be allocated (a huge view).
         RuntimeError: ``fast=True`` where no fast kernel is available; a ``kernel`` that cannot run here.

@@ -114,12 +114,12 @@ def _unrow(row: torch.Tensor) -> list[tuple[float, float, dict]]:
 
 
 def _body(rank: int, init: str, cfg: dict) -> dict | None:
-    from ..quantize import FAST_PATH, kernel_label
+    from ..quantize import NATIVE_PATH, kernel_label
     from ..refit import RefitReceiver, RefitSender, TorchDistTransport, TrainerSource, allocate_targets
     from ..refit.handshake import share_plan
 
-    if not cfg["model"]:  # quick mode: a compile would cost more than the whole quick run
-        FAST_PATH.disabled_reason = "refit benchmark --quick: eager kernel"
+    # quick mode: a compile would cost more than the whole quick run
+    kernel = "eager" if not cfg["model"] and not NATIVE_PATH.available else None
     torch.set_num_threads(1)
     tr = TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=300)
     try:
@@ -132,7 +132,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
                 model, _ = load_causal_lm(None, dtype=torch.float32)
             else:
                 model = _synthetic_model(cfg["layers"])
-            src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"], arena=True)
+            src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"], arena=True, kernel=kernel)
             plan = share_plan(tr, src.plan)
             end = RefitSender(tr, plan)
             tensors = list(src.tensors())
@@ -181,7 +181,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
         if rank != 0:
             return None
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
-                "kernel": kernel_label(torch.empty(576, 576)).split(" (")[0],
+                "kernel": kernel or kernel_label(torch.empty(576, 576)).split(" (")[0],
                 "direct": bool(got[1][0][2]["direct"]),
                 "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e,
                 "nosum_s": nosum_s}

@@ -72,13 +72,23 @@ def _logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return logits[prompt_len - 1:seq.shape[1] - 1]
 
 
+def _kernel(steps: int) -> str | None:
+    """The trainer's quantize kernel. Where the native CPU kernel is unavailable, compiling the fast kernel costs
+    6-30 s of CPU and saves ~0.8 s per step on the embedded model: runs under :data:`COMPILE_MIN_STEPS` steps
+    stay eager, longer ones let quantize choose (the bytes are identical)."""
+    from ..quantize import NATIVE_PATH
+
+    return None if steps >= COMPILE_MIN_STEPS or NATIVE_PATH.available else "eager"
+
+
 def _trainer(cfg: DemoConfig, transport, q) -> None:
     from ..models import load_causal_lm
     from .sender import RefitSender
     from .trainer import TrainerSource
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
-    source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True)  # quantize into the send buffer
+    source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True,  # quantize into the send buffer
+                           kernel=_kernel(cfg.steps))
     sender = RefitSender(transport, source.plan)
     sender.handshake()
     q.put(("plan", 0, source.plan.summary()))
@@ -269,7 +279,6 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
 def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
     """Entry point of one spawned process: rank 0 trains and sends, ranks >= 1 receive and generate."""
     from .._env import quiet_third_party_logs
-    from ..quantize import FAST_PATH
     from .transport import TorchDistTransport
 
     quiet_third_party_logs()
@@ -279,10 +288,6 @@ def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    # where the native CPU kernel is unavailable, compiling the fast quantize kernel costs 6-30 s of CPU and saves
-    # ~0.8 s per step on the embedded model: short runs stay eager, long ones compile (the bytes are identical)
-    if cfg.steps < COMPILE_MIN_STEPS:
-        FAST_PATH.disabled_reason = f"mxport refit: eager kernel for runs under {COMPILE_MIN_STEPS} steps"
     transport = None
     try:
         _threads(world)

@@ -25,7 +25,11 @@ PLAN_NAMING = "modelopt"
 def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every parameter and persistent buffer of ``model`` in canonical order (see
     module doc); shared tensors once. Non-persistent buffers (rotary ``inv_freq``, caches) are not part of a
-    refit."""
+    refit. Native MXFP8 storage held as a plain module attribute (Megatron-LM's ``quantize_params_to_mxfp8``
+    replaces each weight parameter by an ``MXFP8Tensor`` attribute of the same name) is included too, under
+    that name (:func:`mxport.sources.native_attributes`): it is an object, not a tensor."""
+    from ..sources.discover import native_attributes
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     seen: set[int] = set()
@@ -35,6 +39,7 @@ def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for n, b in mod.named_buffers(recurse=False):
             if b is not None and n not in mod._non_persistent_buffers_set:
                 local[n] = b
+        local.update(native_attributes(mod))
         for n in sorted(local):
             t = local[n]
             if id(t) in seen:

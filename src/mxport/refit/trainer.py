@@ -21,6 +21,24 @@ def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
     return kept_dtype if kept_dtype is not None and t.is_floating_point() else t.dtype
 
 
+def _native_components(tensors: list[tuple[str, object]]) -> dict:
+    """Components (views) of the entries that are native MXFP8 producers (TE, torchao, Megatron storage), by
+    name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``; a
+    TE tensor reports its nominal bf16)."""
+    from ..export import export_components
+    from ..sources.discover import is_mxfp8_producer
+
+    return {n: export_components(t) for n, t in tensors if is_mxfp8_producer(t)}
+
+
+def _device_of(tensors: list[tuple[str, object]], native: dict) -> torch.device:
+    """The device of the model's first tensor (a native producer's: its values' device)."""
+    if not tensors:
+        return torch.device("cpu")
+    name, t = tensors[0]
+    return native[name].data.device if name in native else t.device
+
+
 class TrainerSource:
     """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
 
@@ -32,6 +50,8 @@ class TrainerSource:
         bucket_bytes: payload bytes per bucket.
         fp8_dtype: element format of quantized weights.
         kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
+        kernel: the quantize kernel (``"native"``, ``"compiled"``, ``"eager"``; None = the fastest that takes
+            each weight, see :func:`mxport.quantize`). Every kernel gives the same bytes.
         arena: keep one send buffer laid out as the whole plan's byte stream (:func:`allocate_targets` on the
             weights' device, ``plan.total_bytes``, allocated here) so that :class:`~mxport.refit.RefitSender`
             sends every bucket straight from it, without packing, and nothing is allocated per refit.
@@ -51,27 +71,37 @@ class TrainerSource:
             size for the trainer's lifetime, less the adopted tensors' old storage; off by default.
 
     Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
-    ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil).
+    ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil). Native MXFP8 storage
+    (TE ``MXFP8Tensor`` / ``GroupedTensor`` parameters, torchao ``MXTensor``, Megatron ``MXFP8Tensor`` module
+    attributes, found by :func:`mxport.sources.native_tensors`) is always sent as values and scales in its own
+    element format, exported as is.
     """
 
     def __init__(self, model: nn.Module, policy=None, *, bucket_bytes: int,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
-                 arena: bool = False):
+                 arena: bool = False, kernel: str | None = None):
         from ..policy import PrecisionPolicy
 
         policy = PrecisionPolicy() if policy is None else policy
         self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
         self.tensors_by_name = model_tensors(model)
-        decisions = policy.decide_all([(n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
-        self.quantized = [d.quantize for d in decisions]
+        self.kernel = kernel
+        native = _native_components(self.tensors_by_name)
+        decisions = policy.decide_all([(n, tuple(native[n].shape), native[n].data.dtype) if n in native else
+                                       (n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
+        self.quantized = [d.name in native or d.quantize for d in decisions]
         items = []
         for (name, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
-            if q:
+            if name in native:  # native MXFP8 storage travels in its own element format
+                c = native[name]
+                items += tensor_items(name, c.fp8_dtype, c.shape, scales=(torch.uint8, c.scale_inv.shape))
+            elif q:
                 items += tensor_items(name, fp8_dtype, t.shape,
                                       scales=(torch.uint8, compact_scale_shape(t.shape, "rowwise")))
             else:
                 items += tensor_items(name, _kept_dtype(t, kept_dtype), t.shape)
         self.plan = RefitPlan(items, bucket_bytes)
+        self._device = _device_of(self.tensors_by_name, native)
         self.arena = bool(arena)
         self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
         self._complete = False  # the last tensors() call ran to its end (stream_crc32 covers a whole refit)
@@ -80,7 +110,7 @@ class TrainerSource:
     def _arena_slots(self) -> list[torch.Tensor]:
         """Per plan entry, its view of the send buffer (the whole stream); adopts the kept tensors it can (see
         ``arena`` in the class doc)."""
-        slots = allocate_targets(self.plan, self.tensors_by_name[0][1].device)
+        slots = allocate_targets(self.plan, self._device)
         users = storage_users(self.model)
         i = 0
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
@@ -113,7 +143,8 @@ class TrainerSource:
         """Yield the current weights in plan order, quantizing lazily (one weight at a time). With ``arena``
         the yielded tensors are views of the send buffer: quantized ones hold this call's bytes until the next
         call, adopted kept ones *are* the trainer's parameters (they change when the optimizer steps)."""
-        from ..nn import _plain_float, weight_components
+        from ..export import export_components
+        from ..nn import _plain_float
         from ..quantize import quantize
 
         slots = self._slots
@@ -122,11 +153,12 @@ class TrainerSource:
         for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
             if q:
                 if slots is not None and _plain_float(t):
-                    quantize(t.detach(), self.fp8_dtype, out=(slots[i], slots[i + 1]))
+                    quantize(t.detach(), self.fp8_dtype, out=(slots[i], slots[i + 1]), kernel=self.kernel)
                     yield slots[i]
                     yield slots[i + 1]
                 else:
-                    c = weight_components(t, self.fp8_dtype)
+                    c = (quantize(t.detach(), self.fp8_dtype, kernel=self.kernel) if _plain_float(t)
+                         else export_components(t.data if isinstance(t, nn.Parameter) else t))
                     for j, part in ((i, c.data), (i + 1, c.scale_inv)):
                         if slots is not None and part.dtype == slots[j].dtype and part.shape == slots[j].shape:
                             part = slots[j].copy_(part)  # native storage: into the send buffer too (one copy)
