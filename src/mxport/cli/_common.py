@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.file_proxy import FileProxy
 
 from .._fs import atomic_write_text
 
@@ -21,22 +22,41 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 _REPORTS_TO_STDERR = [False]
 
 
-class _ReportConsole(Console):
-    """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout (``--json -``):
-    then to stderr, so stdout holds JSON only. The stream is looked up at each write (test runners swap them)."""
+def real_stream(stream):
+    """``stream`` without rich's redirect proxies: inside a ``Live`` display (progress bars, status spinners) on a
+    terminal, rich replaces ``sys.stdout`` / ``sys.stderr`` with proxies that print into the live console; a
+    console that wrote to such a proxy would write into itself, forever."""
+    while isinstance(stream, FileProxy):
+        stream = stream.rich_proxied_file
+    return stream
+
+
+class _StreamConsole(Console):
+    """A console whose stream is looked up at each write (test runners swap ``sys.stdout`` / ``sys.stderr``), never
+    one of rich's own redirect proxies (see :func:`real_stream`)."""
+
+    def __init__(self, pick, **kwargs) -> None:
+        self._pick = pick
+        super().__init__(**kwargs)
 
     @property
     def file(self):
-        return sys.stderr if _REPORTS_TO_STDERR[0] else sys.stdout
+        return real_stream(self._pick())
 
     @file.setter
     def file(self, value) -> None:  # the stream is chosen per write, above
         pass
 
 
+def _report_stream():
+    """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout (``--json -``):
+    then to stderr, so stdout holds JSON only."""
+    return sys.stderr if _REPORTS_TO_STDERR[0] else sys.stdout
+
+
 # Not a terminal (CI logs, pipes): 160 columns instead of rich's 80, so tables keep their columns.
-console = _ReportConsole(width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+console = _StreamConsole(_report_stream, width=None if sys.stdout.isatty() else 160)
+err_console = _StreamConsole(lambda: sys.stderr, width=None if sys.stderr.isatty() else 160)
 
 
 def json_to_stdout(json_out: str | None) -> None:
@@ -62,8 +82,9 @@ def emit_json(obj: Any, path: str | None) -> None:
     if path is None:
         return
     if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        out = real_stream(sys.stdout)
+        out.write(text)
+        out.flush()
     else:
         atomic_write_text(path, text)
 
