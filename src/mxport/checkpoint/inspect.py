@@ -17,6 +17,7 @@ bytes: a warning, not a problem.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,7 +72,8 @@ def pair_stats(c: MXFP8Components) -> dict:
     return out
 
 
-def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
+def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True,
+                       on_progress: Callable[[int, int], None] | None = None) -> dict:
     """Inspect the checkpoint at ``path`` (a model directory or one ``.safetensors`` file).
 
     Returns a JSON-able dict: ``path``, ``format`` (one of FORMATS or None), ``format_source`` ("config" | "names"
@@ -79,6 +81,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
     element, scale_shape, scale_dtype, ok, and with ``stats`` the :func:`pair_stats` figures}), ``totals``
     ({tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}), ``problems`` and
     ``warnings`` (lists of one-line strings).
+
+    ``on_progress(done, total)`` is called before the first MXFP8 pair is read and after each one.
 
     Raises FileNotFoundError / ValueError for a missing path, no safetensors, a corrupt header.
     """
@@ -131,6 +135,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
                 problems.append(f"{n}: {_dtype_str(dtypes[n])} values, but format {fmt!r} declares E4M3")
 
     pairs = []
+    if on_progress is not None:
+        on_progress(0, len(pair_of))
     for base, sname in pair_of.items():
         shape, sshape, sdt = shapes[base], shapes[sname], dtypes[sname]
         want = compact_scale_shape(shape) if shape else None
@@ -164,6 +170,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
                     warnings.append(f"{base}: an all-zero weight (values and scales all 0)")
             del c
         pairs.append(entry)
+        if on_progress is not None:
+            on_progress(len(pairs), len(pair_of))
     d.close()
 
     if qc is not None and fmt_src == "config" and not pair_of:

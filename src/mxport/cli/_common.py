@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import sys
@@ -95,12 +96,44 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
+#: optional packages the commands import, and the extra of mxport that installs each
+EXTRA_OF = {"transformers": "models", "gguf": "models", "accelerate": "models", "sentencepiece": "models",
+            "torchao": "dev", "matplotlib": "dev"}
+
+
+def missing_extra(exc: ImportError) -> str | None:
+    """The one-line advice for an ImportError of an optional package (None for any other import error)."""
+    root = (getattr(exc, "name", None) or "").split(".")[0]
+    extra = EXTRA_OF.get(root)
+    if extra is None:
+        return None
+    return f"this needs the optional package {root!r}, not installed here: pip install 'mxport[{extra}]'"
+
+
+def require(*modules: str) -> None:
+    """Raise ModuleNotFoundError for the first of ``modules`` that cannot be imported (checked without importing
+    it), so that a command stops before its work, or before starting worker processes that would need it."""
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn bad-input exceptions (ValueError, TypeError, FileNotFoundError, FileExistsError, ...) into a one-line
-    message and exit code 2; other exceptions keep their traceback."""
+    """Turn bad-input exceptions (ValueError, TypeError, FileNotFoundError, FileExistsError, ...) and a missing
+    optional package (:func:`missing_extra`) into a one-line message and exit code 2; other exceptions keep their
+    traceback."""
     try:
         yield
+    except ImportError as exc:
+        advice = missing_extra(exc)
+        if advice is None:
+            raise
+        raise fail(advice) from None
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
             PermissionError) as exc:
         raise fail(str(exc) or type(exc).__name__) from None
