@@ -6,6 +6,7 @@ import enum
 
 import typer
 
+from ..bench import BENCHMARKS
 from ..checkpoint.export import DTYPES, FP8_DTYPES
 from ..checkpoint.naming import FORMATS
 
@@ -17,6 +18,7 @@ def _choices(name: str, values) -> type[enum.Enum]:
 Format = _choices("Format", FORMATS)  #: checkpoint formats of ``mxport export``
 Fp8Dtype = _choices("Fp8Dtype", FP8_DTYPES)  #: FP8 element types (e4m3, e5m2)
 Dtype = _choices("Dtype", DTYPES)  #: what kept floating tensors may be cast to
+Benchmark = _choices("Benchmark", BENCHMARKS)  #: ``mxport bench --only``
 Activation = _choices("Activation", ("none", "mxfp8"))  #: ``mxport verify --activation``
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.file_proxy import FileProxy
+from rich.markup import escape
 
 from .._fs import atomic_write_text
 
@@ -92,7 +93,8 @@ def emit_json(obj: Any, path: str | None) -> None:
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``error: message`` to stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, never wrapped
+    # one line, never wrapped; the message is text, not markup ("pip install 'mxport[models]'" keeps its brackets)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
