@@ -113,3 +113,13 @@ def test_verify_target_kl_prints_a_command_that_runs(tmp_path, llama, monkeypatc
     kept = {d["name"] for d in json.loads(res.stdout)["decisions"] if not d["quantize"]}
     assert "model.layers.1.self_attn.q_proj.weight" in kept and "model.layers.0.mlp.up_proj.weight" in kept
     assert (tmp_path / argv[argv.index("-o") + 1] / "config.json").is_file()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_unwritable_json_fails_first_exit_2(tmp_path, command):
+    """A --json FILE that cannot be written fails at once, one line, exit 2: not a traceback after the work."""
+    args = [command] + (["x"] if command == "inspect" else [])
+    r = runner.invoke(app, [*args, "--json", str(tmp_path / "missing" / "out.json")])
+    assert r.exit_code == 2 and r.stderr.strip() == f"error: --json: {tmp_path / 'missing'} does not exist"
+    r = runner.invoke(app, [*args, "--json", str(tmp_path)])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --json:") and "is a directory" in r.stderr

@@ -62,8 +62,18 @@ err_console = _StreamConsole(lambda: sys.stderr, width=None if sys.stderr.isatty
 
 
 def json_to_stdout(json_out: str | None) -> None:
-    """Call first in a command: when its JSON goes to stdout (``json_out == "-"``), reports go to stderr."""
+    """Call first in a command: when its JSON goes to stdout (``json_out == "-"``), reports go to stderr; a
+    ``--json FILE`` that cannot be written (its folder missing or not a folder, FILE a folder) fails now, exit 2,
+    before the command's work."""
     _REPORTS_TO_STDERR[0] = json_out == "-"
+    if json_out in (None, "-"):
+        return
+    path = Path(json_out).expanduser()
+    if path.is_dir():
+        raise fail(f"--json: {json_out} is a directory; give a file name (or '-' for stdout)")
+    if not path.parent.is_dir():
+        what = "is not a directory" if path.parent.exists() else "does not exist"
+        raise fail(f"--json: {path.parent} {what}")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -88,7 +98,10 @@ def emit_json(obj: Any, path: str | None) -> None:
         out.write(text)
         out.flush()
     else:
-        atomic_write_text(path, text)
+        try:
+            atomic_write_text(path, text)
+        except OSError as exc:  # e.g. no permission, disk full
+            raise fail(f"--json: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:

@@ -37,10 +37,9 @@ def bench(
             raise ValueError(f"--plot must name a .png file, got {plot!r}")
         if plot is not None and "quantize" not in names:
             raise ValueError("--plot needs the 'quantize' benchmark (add --only quantize)")
-        for flag, path in (("--json", json_out), ("--plot", plot)):
-            parent = Path(path).parent if path not in (None, "-") else None
-            if parent is not None and parent.exists() and not parent.is_dir():
-                raise NotADirectoryError(f"{flag}: {parent} is not a directory")
+        parent = Path(plot).parent if plot is not None else None
+        if parent is not None and parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(f"--plot: {parent} is not a directory")
     rows: list[dict] = []
     t_start = time.perf_counter()
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
