@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.file_proxy import FileProxy
 from rich.markup import escape
 
@@ -35,7 +35,10 @@ def real_stream(stream):
 
 class _StreamConsole(Console):
     """A console whose stream is looked up at each write (test runners swap ``sys.stdout`` / ``sys.stderr``), never
-    one of rich's own redirect proxies (see :func:`real_stream`)."""
+    one of rich's own redirect proxies (see :func:`real_stream`). What rich otherwise decides once, from the stream
+    it had when built, follows the stream in use: whether it is interactive (a live display draws only on an
+    interactive console) and its width (the terminal's; 160 columns when not a terminal -- CI logs, pipes -- so that
+    tables keep their columns)."""
 
     def __init__(self, pick, **kwargs) -> None:
         self._pick = pick
@@ -49,6 +52,23 @@ class _StreamConsole(Console):
     def file(self, value) -> None:  # the stream is chosen per write, above
         pass
 
+    @property
+    def is_interactive(self) -> bool:
+        return self.is_terminal and not self.is_dumb_terminal
+
+    @is_interactive.setter
+    def is_interactive(self, value) -> None:  # follows the stream, above
+        pass
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = Console.size.fget(self)
+        return dims if self.is_terminal else ConsoleDimensions(160, dims.height)
+
+    @size.setter
+    def size(self, new_size) -> None:
+        Console.size.fset(self, new_size)
+
 
 def _report_stream():
     """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout (``--json -``):
@@ -56,9 +76,8 @@ def _report_stream():
     return sys.stderr if _REPORTS_TO_STDERR[0] else sys.stdout
 
 
-# Not a terminal (CI logs, pipes): 160 columns instead of rich's 80, so tables keep their columns.
-console = _StreamConsole(_report_stream, width=None if sys.stdout.isatty() else 160)
-err_console = _StreamConsole(lambda: sys.stderr, width=None if sys.stderr.isatty() else 160)
+console = _StreamConsole(_report_stream)
+err_console = _StreamConsole(lambda: sys.stderr)
 
 
 def json_to_stdout(json_out: str | None) -> None:
