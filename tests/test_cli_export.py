@@ -76,10 +76,11 @@ def bad_dtype_dir(path):
     ("empty_dir", "no model found"),
     ("corrupt", "corrupt safetensors header"),
     ("bad_source_dtype", "unsupported dtype 'C64'"),
-    ("bad_flag_dtype", "--dtype must be one of"),
-    ("bad_fp8", "--fp8-dtype must be one of"),
+    ("bad_flag_dtype", "Invalid value for '--dtype': Value error, 'int8' is not one of 'bf16', 'fp16', 'fp32'"),
+    ("bad_fp8", "Invalid value for '--fp8-dtype': Value error, 'e3m4' is not one of 'e4m3', 'e5m2'"),
     ("e5m2_modelopt", "E4M3 only"),
-    ("bad_format", "format must be one of"),
+    ("bad_format", "Invalid value for '--format': Value error, 'gguf' is not one of 'modelopt'"),
+    ("bad_keep_first", "Invalid value for '--keep-first'"),
     ("bad_shard", "max_shard_size"),
     ("exists", "already exists"),
     ("no_out", "-o/--out"),
@@ -105,6 +106,8 @@ def test_bad_inputs_exit_2_nothing_left(tmp_path, llama, case, message):
         extra = ["--fp8-dtype", "e5m2"]
     elif case == "bad_format":
         extra = ["--format", "gguf"]
+    elif case == "bad_keep_first":
+        extra = ["--keep-first", "-1"]
     elif case == "bad_shard":
         extra = ["--max-shard-size", "huge"]
     elif case == "exists":

@@ -21,7 +21,7 @@ runner = CliRunner()
 
 
 def inspect_json(path):
-    r = runner.invoke(app, ["inspect", str(path), "--json"])
+    r = runner.invoke(app, ["inspect", str(path), "--json", "-"])
     return r.exit_code, (json.loads(r.stdout) if r.stdout.strip() else None), r
 
 

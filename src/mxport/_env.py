@@ -46,10 +46,35 @@ def mx_gemm_available(device: torch.device | int | None = None) -> bool:
 #: a deprecated registration): the command line shows their errors only; the library leaves logging alone
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
+#: set (unless the user set them) by the command line before any of these packages is imported: transformers'
+#: own warnings at error level only, no third-party progress bars (transformers' "Loading weights", the hub's)
+QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+#: packages whose Python warnings (deprecations, optional-library notes) the command line does not show
+QUIET_WARNINGS_FROM = ("torchao", "transformers", "accelerate", "gguf", "huggingface_hub")
+
 
 def quiet_third_party_logs() -> None:
-    """Raise :data:`QUIET_LOGGERS` to ERROR (called by the ``mxport`` command and its worker processes)."""
+    """Quiet optional packages for the ``mxport`` command and its worker processes (the library leaves logging
+    alone): :data:`QUIET_LOGGERS` to ERROR, :data:`QUIET_ENV` set (inherited by worker processes), Python warnings
+    from :data:`QUIET_WARNINGS_FROM` hidden, progress bars of an already imported transformers / hub turned off."""
     import logging
+    import sys
+    import warnings
 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    pattern = "|".join(QUIET_WARNINGS_FROM)
+    warnings.filterwarnings("ignore", module=rf"({pattern})(\.|$)")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()

@@ -21,7 +21,9 @@ The result is an :class:`InspectReport` (typed); :func:`inspect_checkpoint` retu
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +95,15 @@ class InspectReport:
         return self.to_dict()[key]
 
 
-def _decode_pairs(d: SafetensorsDir, a, fmt, stats: bool, problems: list, warnings: list) -> list[dict]:
-    """One entry per pair; pairs whose scale header is right are read and checked (:func:`data_problems`)."""
+def _decode_pairs(d: SafetensorsDir, a, fmt, stats: bool, problems: list, warnings: list,
+                  on_progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """One entry per pair; pairs whose scale header is right are read and checked (:func:`data_problems`).
+    ``on_progress(done, total)`` is called before the first pair and after each one."""
     shapes = {n: s for n, s, _ in d.entries()}
     dtypes = {n: t for n, _, t in d.entries()}
     pairs = []
+    if on_progress is not None:
+        on_progress(0, len(a.pair_of))
     for base, sname in a.pair_of.items():
         entry = {"values": base, "scale": sname, "shape": list(shapes[base]),
                  "element": "e5m2" if dtypes[base] == torch.float8_e5m2 else "e4m3",
@@ -113,6 +119,8 @@ def _decode_pairs(d: SafetensorsDir, a, fmt, stats: bool, problems: list, warnin
             warnings.extend(w)
             del c
         pairs.append(entry)
+        if on_progress is not None:
+            on_progress(len(pairs), len(a.pair_of))
     if fmt == "sglang" and any(p["element"] == "e5m2" for p in pairs):
         problems.append("E5M2 values in an sglang checkpoint: SGLang 0.5.23 registers MXFP8 values as E4M3 "
                         "whatever the config says, so they load there as garbage (export E4M3)")
@@ -125,19 +133,18 @@ def _totals(d: SafetensorsDir, roles: dict[str, str]) -> dict:
     for n, shape, _ in d.entries():
         by_role[roles[n]] += d.nbytes(n)
         if roles[n] != "scales":
-            numel = 1
-            for s in shape:
-                numel *= s
-            bf16 += 2 * numel
+            bf16 += 2 * math.prod(shape)
     total = sum(by_role.values())
     return {"tensors": len(roles), "bytes": total, "values_bytes": by_role["values"],
             "scales_bytes": by_role["scales"], "kept_bytes": by_role["kept"], "bf16_bytes": bf16,
             "ratio_to_bf16": total / bf16 if bf16 else 0.0}
 
 
-def inspect(path: str | os.PathLike, *, stats: bool = True) -> InspectReport:
+def inspect(path: str | os.PathLike, *, stats: bool = True,
+            on_progress: Callable[[int, int], None] | None = None) -> InspectReport:
     """Inspect the checkpoint at ``path`` (a model directory or one ``.safetensors`` file); see the module
-    docstring for the problems it reports.
+    docstring for the problems it reports. ``on_progress(done, total)`` is called before the first MXFP8 pair
+    is read and after each one.
 
     Raises FileNotFoundError for a missing path; CheckpointError (a ValueError) for files that cannot be read
     safely (no safetensors, a corrupt header or index, a FIFO, a symlink out of the folder, malformed JSON).
@@ -146,7 +153,7 @@ def inspect(path: str | os.PathLike, *, stats: bool = True) -> InspectReport:
         q = describe_quantization(d)
         a = analyse_pairs(d.entries(), q.format, q.declared)
         problems, warnings = list(a.problems), list(a.warnings)
-        pairs = _decode_pairs(d, a, q.format, stats, problems, warnings)
+        pairs = _decode_pairs(d, a, q.format, stats, problems, warnings, on_progress)
     if not a.pair_of:
         if q.source == "config":
             problems.append(f"config declares {q.format!r} MXFP8 quantization but no FP8 values/scale pair is in "
@@ -160,10 +167,11 @@ def inspect(path: str | os.PathLike, *, stats: bool = True) -> InspectReport:
                          tuple(problems), tuple(warnings))
 
 
-def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True) -> dict:
+def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True,
+                       on_progress: Callable[[int, int], None] | None = None) -> dict:
     """:func:`inspect` as a JSON-able dict (``InspectReport.to_dict()``): ``path``, ``format``, ``format_source``,
     ``tensors``, ``pairs``, ``totals``, ``problems``, ``warnings``.
 
     Raises FileNotFoundError / CheckpointError (a ValueError) as :func:`inspect`.
     """
-    return inspect(path, stats=stats).to_dict()
+    return inspect(path, stats=stats, on_progress=on_progress).to_dict()

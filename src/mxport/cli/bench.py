@@ -8,18 +8,21 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ..bench import BENCHMARKS, ERROR, run_benchmark, select
+from ..bench import ERROR, run_benchmark, select
 from ..bench.report import goal_met, machine, rows_table, write_plot
+from ._choices import Benchmark
 from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
 from .app import app
 
 
 @app.command()
 def bench(
-    json_out: str = typer.Option(None, "--json", help="Write {'rows': [...], 'machine', 'quick', 'seconds'} to FILE ('-': stdout)."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write {'rows': [...], 'machine', 'quick', "
+                                                                        "'seconds'} to FILE ('-': stdout)."),
     quick: bool = typer.Option(False, "--quick", help="Small tensors and few runs (under a minute here)."),
-    only: list[str] = typer.Option(None, "--only", help=f"Run only this benchmark (repeatable): {', '.join(BENCHMARKS)}."),
-    plot: str = typer.Option(None, "--plot", help="Write a PNG of quantize throughput vs tensor size to FILE."),
+    only: list[Benchmark] = typer.Option(None, "--only", help="Run only this benchmark (repeatable)."),
+    plot: str = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of quantize throughput vs tensor "
+                                                                  "size to FILE."),
 ):
     """Run mxport's benchmarks (quantize vs torchao and the memory bound, export, checkpoint, refit).
 
@@ -29,15 +32,14 @@ def bench(
     """
     json_to_stdout(json_out)
     with user_errors():
-        names = select(only)
+        names = select([Benchmark(b).value for b in only or ()])
         if plot is not None and not plot.lower().endswith(".png"):
             raise ValueError(f"--plot must name a .png file, got {plot!r}")
         if plot is not None and "quantize" not in names:
             raise ValueError("--plot needs the 'quantize' benchmark (add --only quantize)")
-        for flag, path in (("--json", json_out), ("--plot", plot)):
-            parent = Path(path).parent if path not in (None, "-") else None
-            if parent is not None and parent.exists() and not parent.is_dir():
-                raise NotADirectoryError(f"{flag}: {parent} is not a directory")
+        parent = Path(plot).parent if plot is not None else None
+        if parent is not None and parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(f"--plot: {parent} is not a directory")
     rows: list[dict] = []
     t_start = time.perf_counter()
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -7,41 +7,35 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_source, plan, prepare_out
-from ..checkpoint.naming import ALLOWED_FP8, DEFAULT_FORMAT, FORMATS, check_format, check_fp8_dtype
+from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
+from ._choices import Dtype, Format, Fp8Dtype
 from ._common import console, emit_json, json_to_stdout, user_errors
 from .app import app
-
-_E5M2_FORMATS = ", ".join(f for f in FORMATS if len(ALLOWED_FP8[f]) > 1)
-
-
-def _choice(value: str, options: dict, flag: str):
-    if value not in options:
-        raise ValueError(f"{flag} must be one of {list(options)}, got {value!r}")
-    return options[value]
 
 
 @app.command("export")
 def export_cmd(
-    source: str = typer.Argument(None, help="HF model directory (*.safetensors), a .gguf file, or omit for the "
+    source: str = typer.Argument(None, metavar="SOURCE", help="HF model directory (*.safetensors), a .gguf file, or omit for the "
                                             "embedded default model (SmolLM2-135M-Instruct)."),
-    out: str = typer.Option(None, "-o", "--out", help="Output directory (required unless --dry-run)."),
-    fmt: str = typer.Option(DEFAULT_FORMAT, "--format", help=f"Checkpoint format: {' | '.join(FORMATS)}."),
-    fp8_dtype: str = typer.Option("e4m3", "--fp8-dtype", help=f"FP8 element type: e4m3 | e5m2 (e5m2 only for: "
-                                                               f"{_E5M2_FORMATS})."),
-    exclude: list[str] = typer.Option(None, "--exclude", help="Keep tensors matching this fnmatch pattern in high "
+    out: str = typer.Option(None, "-o", "--out", metavar="OUT", help="Output directory (required unless --dry-run)."),
+    fmt: Format = typer.Option(DEFAULT_FORMAT, "--format", help="Checkpoint format."),
+    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="FP8 element type. Every format's consumers read E4M3 values (vLLM's "
+                                      "loaders; SGLang 0.5.23 registers E4M3 whatever the config says), so e5m2 "
+                                      "is refused."),
+    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN", help="Keep tensors matching this fnmatch pattern in high "
                                                               "precision (tensor or module name; repeatable)."),
-    include: list[str] = typer.Option(None, "--include", help="Quantize only linear/expert weights matching this "
+    include: list[str] = typer.Option(None, "--include", metavar="PATTERN", help="Quantize only linear/expert weights matching this "
                                                               "fnmatch pattern (repeatable)."),
-    keep_first: int = typer.Option(0, "--keep-first", help="Keep the first N decoder layers in high precision."),
-    keep_last: int = typer.Option(0, "--keep-last", help="Keep the last N decoder layers in high precision."),
-    dtype: str = typer.Option(None, "--dtype", help="Cast kept floating tensors to bf16 | fp16 | fp32 "
-                                                    "(default: keep each tensor's dtype)."),
+    keep_first: int = typer.Option(0, "--keep-first", min=0, help="Keep the first N decoder layers in high precision."),
+    keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep the last N decoder layers in high precision."),
+    dtype: Dtype = typer.Option(None, "--dtype", help="Cast kept floating tensors to this dtype (default: keep each "
+                                                      "tensor's dtype)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each tensor's decision and why; write nothing."),
-    json_out: str = typer.Option(None, "--json", help="Write the result (or the dry-run plan) as JSON to FILE "
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the result (or the dry-run plan) as JSON to FILE "
                                                       "('-': stdout)."),
 ):
     """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang) loads.
@@ -53,10 +47,10 @@ def export_cmd(
     """
     json_to_stdout(json_out)
     with user_errors():
-        check_format(fmt)
-        fp8 = _choice(fp8_dtype, FP8_DTYPES, "--fp8-dtype")
+        fmt = Format(fmt).value
+        fp8 = FP8_DTYPES[Fp8Dtype(fp8_dtype).value]
         check_fp8_dtype(fmt, fp8)
-        cast = _choice(dtype, DTYPES, "--dtype") if dtype is not None else None
+        cast = DTYPES[Dtype(dtype).value] if dtype is not None else None
         parse_size(max_shard_size)
         policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()), keep_first=keep_first,
                                  keep_last=keep_last)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..checkpoint.inspect import inspect_checkpoint
@@ -12,8 +13,9 @@ from .app import app
 
 @app.command("inspect")
 def inspect_cmd(
-    path: str = typer.Argument(..., help="Checkpoint directory (or one .safetensors file)."),
-    json_flag: bool = typer.Option(False, "--json", help="Print the report as JSON to stdout."),
+    path: str = typer.Argument(..., metavar="PATH", help="Checkpoint directory (or one .safetensors file)."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the report as JSON to FILE ('-': "
+                                                                        "stdout)."),
     no_stats: bool = typer.Option(False, "--no-stats", help="Skip decoding the values (faster on big models)."),
 ):
     """Look inside an MXFP8 checkpoint (modelopt, compressed-tensors, sglang) and check it.
@@ -22,12 +24,16 @@ def inspect_cmd(
     decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a compact uint8
     scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
     """
-    json_to_stdout("-" if json_flag else None)
-    with user_errors():
-        report = inspect_checkpoint(path, stats=not no_stats)
-    if json_flag:
-        emit_json(report, "-")
-    else:
+    json_to_stdout(json_out)
+    columns = (TextColumn("inspect"), BarColumn(), MofNCompleteColumn(), TextColumn("MXFP8 pairs"),
+               TimeElapsedColumn())
+    with user_errors(), Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        report = inspect_checkpoint(path, stats=not no_stats,
+                                    on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if json_out:
+        emit_json(report, json_out)
+    if json_out != "-":
         _print(report)
     if report["problems"]:
         raise typer.Exit(EXIT_CHECK_FAILED)

@@ -11,7 +11,8 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
+from ._choices import positive
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, require, user_errors
 from .app import app
 
 MAX_RECEIVERS = 8
@@ -49,14 +50,19 @@ def summarize_step(s: dict) -> dict:
 
 @app.command()
 def refit(
-    source: str = typer.Argument(None, help="HF model directory or .gguf (default: the embedded SmolLM2-135M)."),
-    steps: int = typer.Option(3, "--steps", help="Training steps, each followed by one refit."),
-    bucket_mb: float = typer.Option(None, "--bucket-mb", help="Bucket size in MiB (default: sized for the machine)."),
-    receivers: int = typer.Option(1, "--receivers", help=f"Inference processes (1..{MAX_RECEIVERS})."),
-    json_out: str = typer.Option(None, "--json", help="Write {'steps': [...], 'plan': ..., 'ok': ...} to FILE ('-': stdout)."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Tokens each inference process generates per step."),
-    lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate of the trainer."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a refit may wait on a peer before failing."),
+    source: str = typer.Argument(None, metavar="SOURCE", help="HF model directory or .gguf (default: the embedded "
+                                                                "SmolLM2-135M)."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Training steps, each followed by one refit."),
+    bucket_mb: float = typer.Option(None, "--bucket-mb", max=4096, callback=positive,
+                                    help="Bucket size in MiB (default: sized for the machine)."),
+    receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS, help="Inference processes."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write {'steps': [...], 'plan': ..., "
+                                                                        "'ok': ...} to FILE ('-': stdout)."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1,
+                                       help="Tokens each inference process generates per step."),
+    lr: float = typer.Option(1e-5, "--lr", callback=positive, help="AdamW learning rate of the trainer."),
+    timeout: float = typer.Option(120.0, "--timeout", callback=positive,
+                                  help="Seconds a refit may wait on a peer before failing."),
 ):
     """Train and refit: a trainer process and R inference processes on loopback gloo.
 
@@ -65,37 +71,31 @@ def refit(
     each inference process (its model converted once to MXFP8Linear, its weights moved once into one arena)
     receives the buckets in place, validates their checksums (restoring the previous weights on any failure), and
     generates.
-    Per step: bytes, seconds (the trainer's whole send — quantizing bucket by bucket while earlier buckets are on
-    the wire, checksums, transfer — plus the slowest receiver's commit; quant s is the part spent quantizing), GB/s, gen_kl_error (trainer vs inference
-    log-probs on the generated tokens, worst receiver), bit_exact (the live bytes, re-packed, have the sender's
-    per-bucket checksums and the CRC-32 of the whole stream it sent), pointers_stable.
+
+    Per step: bytes, seconds (the trainer's whole send -- quantizing bucket by bucket while earlier buckets are on
+    the wire, checksums, transfer -- plus the slowest receiver's commit; quant s is the part spent quantizing),
+    GB/s, gen_kl_error (trainer vs inference log-probs on the generated tokens, worst receiver), bit_exact (the
+    live bytes, re-packed, have the sender's per-bucket checksums and the CRC-32 of the whole stream it sent),
+    pointers_stable.
 
     JSON (--json): {"steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
+
     Exit 0 on success; 1 if a step is not bit-exact, pointers moved, or a process failed; 2 on bad input.
     """
     json_to_stdout(json_out)
     from ..refit.plan import ALIGN
 
     with user_errors():
-        if steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {steps}")
-        if not 1 <= receivers <= MAX_RECEIVERS:
-            raise ValueError(f"--receivers must be in 1..{MAX_RECEIVERS}, got {receivers}")
-        if max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if not lr > 0:
-            raise ValueError(f"--lr must be > 0, got {lr}")
-        if not timeout > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {timeout}")
+        require("transformers")  # every process loads the model with it
         mb = default_bucket_mb() if bucket_mb is None else bucket_mb
-        if not 0 < mb <= 4096:
-            raise ValueError(f"--bucket-mb must be in (0, 4096], got {mb}")
         bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
         from ..models import resolve_source
 
         with console.status("resolving the model (the embedded model is converted once, ~25 s)"):
             src = resolve_source(source)
+        if src.kind == "gguf":
+            require("gguf", "accelerate")
         # each process loads the model itself: a GGUF is dequantized by transformers in every process (slow)
         model_path = str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
     from ..refit.demo import DemoConfig, DemoFailed, run_demo

@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import math
+import shlex
+from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
+from ._choices import Activation, Fp8Dtype
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, require, user_errors
 from .app import app
-
-_FP8 = {"e4m3": "e4m3", "e5m2": "e5m2"}
 
 
 def _fmt(v) -> str:
@@ -23,7 +24,19 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _print_report(r: dict) -> None:
+def export_command(source: str | None, exclude: list[str], fp8_dtype: str) -> str:
+    """The ``mxport export`` command line that keeps ``exclude`` in high precision, complete (source, ``-o``) and
+    quoted for a POSIX shell."""
+    name = Path(source).name.removesuffix(".gguf") if source else "SmolLM2-135M-Instruct"
+    args = ["mxport", "export"] + ([source] if source else []) + ["-o", f"{name}-mxfp8"]
+    if fp8_dtype == "e5m2":
+        args += ["--format", "sglang", "--fp8-dtype", "e5m2"]  # the one format that declares E5M2 values
+    for pattern in exclude:
+        args += ["--exclude", pattern]
+    return shlex.join(args)
+
+
+def _print_report(r: dict, source: str | None, exclude: list[str], fp8_dtype: str) -> None:
     t = Table(title=f"mxport verify: {r['model']} ({r['fp8_dtype']}, activation {r['activation']})")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -48,44 +61,49 @@ def _print_report(r: dict) -> None:
             status = "[green]met[/]" if s["met"] else "[red]not met[/]"
             console.print(f"target_kl {_fmt(s['target_kl'])}: keep layers {s['keep_layers']} in high precision "
                           f"-> gen_kl_error_mean {_fmt(s['gen_kl_error_mean'])} ({status})", highlight=False)
-            if s["exclude"]:
-                console.print("  mxport export " + " ".join(f"--exclude '{p}'" for p in s["exclude"]),
-                              highlight=False)
+            if s["exclude"]:  # one unwrapped line, so that it can be copied and run as printed
+                patterns = list(dict.fromkeys([*exclude, *s["exclude"]]))  # the user's --exclude kept too
+                console.print("  " + export_command(source, patterns, fp8_dtype), highlight=False,
+                              soft_wrap=True, markup=False)
 
 
 @app.command()
 def verify(
-    source: str = typer.Argument(None, help="Model directory or GGUF file (default: the embedded SmolLM2-135M)."),
-    checkpoint: str = typer.Option(None, "--checkpoint", help="Build the MXFP8 twin from this `mxport export` "
-                                   "directory instead of quantizing SOURCE here."),
-    prompts: str = typer.Option(None, "--prompts", help="Prompts file: one per line, or a JSON list of strings / "
-                                "chat message lists (default: the built-in set of 18)."),
+    source: str = typer.Argument(None, metavar="SOURCE", help="Model directory or GGUF file (default: the "
+                                                                "embedded SmolLM2-135M)."),
+    checkpoint: str = typer.Option(None, "--checkpoint", metavar="DIR", help="Build the MXFP8 twin from this "
+                                   "`mxport export` directory instead of quantizing SOURCE here."),
+    prompts: str = typer.Option(None, "--prompts", metavar="FILE", help="Prompts file: one per line, or a JSON "
+                                "list of strings / chat message lists (default: the built-in set of 18)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Greedy generation budget per prompt."),
-    activation: str = typer.Option("none", "--activation", help="none (weight-only) or mxfp8 (W8A8 emulation)."),
-    fp8_dtype: str = typer.Option("e4m3", "--fp8-dtype", help="Element format of the weights: e4m3 or e5m2."),
-    max_kl: float = typer.Option(None, "--max-kl", help="Exit 1 when gen_kl_error_mean exceeds this."),
+    activation: Activation = typer.Option("none", "--activation", help="none (weight-only) or mxfp8 (W8A8 "
+                                                                        "emulation)."),
+    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="Element format of the weights."),
+    max_kl: float = typer.Option(None, "--max-kl", min=0, help="Exit 1 when gen_kl_error_mean exceeds this."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Measure each decoder layer's share of the error."),
-    target_kl: float = typer.Option(None, "--target-kl", help="With --per-layer: suggest the fewest layers to "
-                                    "keep in high precision to reach this gen_kl_error_mean."),
-    exclude: list[str] = typer.Option(None, "--exclude", help="Keep matching layers in high precision "
-                                      "(PrecisionPolicy pattern, repeatable, e.g. 'model.layers.3.*')."),
+    target_kl: float = typer.Option(None, "--target-kl", min=0, help="With --per-layer: suggest the fewest layers "
+                                    "to keep in high precision to reach this gen_kl_error_mean."),
+    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN", help="Keep matching layers in high "
+                                      "precision (PrecisionPolicy pattern, repeatable, e.g. 'model.layers.3.*')."),
     device: str = typer.Option("cpu", "--device", help="Device for both models (cpu, cuda, cuda:1, ...)."),
-    json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the report as JSON to FILE ('-' "
+                                                                        "for stdout)."),
 ):
     """Generate greedily with the MXFP8 twin of a model and score the tokens with both models.
 
     Reports gen_kl_error (KL of the full next-token distributions, MXFP8 || source), token_mult_prob_error
-    (NeMo-RL), greedy agreement and the weight SQNR of each quantized tensor.
+    (NeMo-RL), greedy agreement and the weight SQNR of each quantized tensor. With --per-layer --target-kl it
+    prints the `mxport export` command that keeps the suggested layers in high precision.
+
+    Exit 0 ok; 1 when gen_kl_error_mean exceeds --max-kl; 2 on bad input.
     """
     json_to_stdout(json_out)
-    from ..policy import PrecisionPolicy
-    from ..verify import verify as run_verify
-
+    activation, fp8_dtype = Activation(activation).value, Fp8Dtype(fp8_dtype).value
     with user_errors():
-        if activation not in ("none", "mxfp8"):
-            raise fail(f"--activation must be 'none' or 'mxfp8', got {activation!r}")
-        if fp8_dtype not in _FP8:
-            raise fail(f"--fp8-dtype must be 'e4m3' or 'e5m2', got {fp8_dtype!r}")
+        require("transformers")
+        from ..policy import PrecisionPolicy
+        from ..verify import verify as run_verify
+
         if target_kl is not None and not per_layer:
             raise fail("--target-kl needs --per-layer")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -101,12 +119,12 @@ def verify(
             if policy is not None and checkpoint is not None:
                 raise fail("--exclude applies when quantizing here, not with --checkpoint (export with --exclude)")
             report = run_verify(source, checkpoint=checkpoint, policy=policy, prompts=prompts, max_new_tokens=max_new_tokens,
-                                activation=activation, fp8_dtype=_FP8[fp8_dtype], max_kl=max_kl,
+                                activation=activation, fp8_dtype=fp8_dtype, max_kl=max_kl,
                                 per_layer=per_layer, target_kl=target_kl, device=device, progress=progress)
     if json_out:
         emit_json(report, json_out)
     if json_out != "-":
-        _print_report(report)
+        _print_report(report, source, exclude or [], fp8_dtype)
     if not report["passed"]:
         console.print(f"[red]gen_kl_error_mean {_fmt(report['gen_kl_error_mean'])} exceeds --max-kl "
                       f"{_fmt(max_kl)}[/]", highlight=False)
