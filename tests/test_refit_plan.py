@@ -943,3 +943,30 @@ def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
         th.join(timeout=60)
     assert out[1]["version"] == 1 and out[0]["receivers"][0]["status"] == "ok", out
     assert all(torch.equal(byte_view(t), byte_view(s)) for t, s in zip(targets, sent, strict=True))
+
+
+def test_trainer_sends_megatron_mxfp8_attributes_as_they_are():
+    """After Megatron-LM's quantize_params_to_mxfp8 a weight is a plain module attribute (an MXFP8Tensor, not a
+    parameter): the trainer's plan still holds it (values + scales in its own element format, exported as is),
+    and a refit lands its bytes; before, it was invisible and left out of the refit."""
+    from test_sources_megatron import megatron_tensor
+
+    import mxport
+
+    torch.manual_seed(3)
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(64, 32, bias=False)
+    model.norm = torch.nn.Parameter(torch.randn(16))
+    mt, _ = megatron_tensor(torch.randn(32, 64), backend="triton")
+    del model.lin._parameters["weight"]
+    model.lin.weight = mt
+    src = TrainerSource(model, bucket_bytes=256, arena=True)
+    assert [(e.name, e.role) for e in src.plan.entries] == [  # canonical order: the root module's first
+        ("norm", "kept"), ("lin.weight", "values"), ("lin.weight_scale", "scales")]
+    want = mxport.export_components(mt)
+    targets = allocate_targets(src.plan)
+    sent, got, _ = _refit_in_process(src.plan, [src.tensors()], targets)
+    assert not isinstance(got[0], Exception), got[0]
+    assert torch.equal(targets[0], model.norm.detach())
+    assert torch.equal(byte_view(targets[1]), byte_view(want.data.contiguous()))
+    assert torch.equal(targets[2], want.scale_inv)

