@@ -1,0 +1,307 @@
+"""A trainer process refitting a real vLLM engine through the ``"mxport"`` backend: the engine (``vllm.LLM``) in
+this process, the trainer in a spawned child that drives vLLM's weight-sync calls through a pipe
+(:class:`PipeClient`, a ``VLLMWeightSyncClient``) while it broadcasts over gloo. Used by
+:func:`run_vllm_refit_demo` (``mxport refit --engine vllm``) and the tests.
+
+The trainer's weights at step ``k`` are :func:`trainer_weights` (the source checkpoint plus a seeded perturbation
+per tensor for ``k > 0``), so any process can rebuild them and check the engine's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: messages on the pipe are JSON (never pickle); tensors travel as raw bytes after a JSON header
+_RPC = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+PROMPTS = ("The weights arrive in blocks of thirty-two", "Refit moves the trainer's weights")
+
+
+def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
+    """The trainer's bf16 weights at ``step``: the checkpoint in ``src_dir``, plus for ``step > 0`` a seeded
+    Gaussian perturbation of each floating tensor (``scale`` x its RMS; seed from the name and step)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(src_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    if step:
+        for name, t in out.items():
+            if t.is_floating_point():
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1_000_003 * step)
+                rms = t.float().pow(2).mean().sqrt().clamp_min(1e-6)
+                out[name] = (t.float() + scale * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
+    return out
+
+
+# -- pipe RPC ---------------------------------------------------------------------------------------------------------
+def _send(conn, obj: dict) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def _recv(conn) -> dict:
+    obj = json.loads(conn.recv_bytes(maxlength=64 << 20))
+    if not isinstance(obj, dict):
+        raise ValueError("pipe message is not a JSON object")
+    return obj
+
+
+class PipeClient:
+    """``VLLMWeightSyncClient`` for a trainer whose engine is in the parent process (see :func:`serve_step`):
+    each call is one JSON request and one JSON answer on the pipe."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def _call(self, name: str, arg=None) -> None:
+        _send(self.conn, {"call": name, "arg": arg})
+        reply = _recv(self.conn)
+        if reply.get("error"):
+            raise RuntimeError(f"engine {name}: {reply['error']}")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:  # noqa: ARG002
+        self._call("finish_weight_update")
+
+
+def _engine_call(llm, name: str, arg) -> None:
+    if name == "init_weight_transfer_engine":
+        llm.init_weight_transfer_engine({"init_info": arg})
+    elif name == "update_weights":
+        llm.update_weights({"update_info": arg})
+    else:
+        getattr(llm, name)()
+
+
+def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
+    """Send ``request`` (if any) to the trainer, serve its engine calls on ``llm`` until it answers; return the
+    answer (``{"error": ...}`` when the trainer died or failed)."""
+    if request is not None:
+        _send(conn, request)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            return {"error": f"trainer did not answer within {timeout_s} s"}
+        try:
+            msg = _recv(conn)
+        except (EOFError, OSError) as exc:
+            return {"error": f"trainer is gone ({type(exc).__name__})"}
+        if "call" not in msg:
+            return msg
+        if msg["call"] not in _RPC:
+            return {"error": f"unknown engine call {msg['call']!r}"}
+        try:
+            _engine_call(llm, msg["call"], msg.get("arg"))
+            reply = {"ok": True}
+        except Exception as exc:  # noqa: BLE001 - reported to the trainer and the caller
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            _send(conn, reply)
+        except (BrokenPipeError, OSError):
+            return {"error": f"trainer is gone; engine said {reply}"}
+
+
+# -- the trainer process ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainerConfig:
+    source: str  # bf16 HF model directory (the trainer's step-0 weights)
+    port: int
+    timeout_s: float = 30.0
+    bucket_bytes: int = 1 << 20
+
+
+def _load_step(model, src: str, step: int) -> None:
+    w = trainer_weights(src, step)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in w:
+                p.copy_(w[name])
+
+
+def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
+    _load_step(model, cfg.source, int(req["step"]))
+    fault = req.get("fault")
+    if fault == "corrupt":
+        engine.sender._corrupt = lambda b, payload: payload[:1].bitwise_xor_(1) if b == 0 else None
+    elif fault == "kill":
+        engine.sender._corrupt = lambda b, payload: os._exit(3) if b == 1 else None
+    else:
+        engine.sender._corrupt = None
+    try:
+        engine.send_weights()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "stats": {k: v for k, v in engine.last_stats.items() if isinstance(v, (int, float))}}
+
+
+def _score(model, req: dict) -> dict:
+    """Log-softmax of the trainer's logits at every generated position of ``prompt + tokens``."""
+    ids = torch.tensor([list(req["prompt"]) + list(req["tokens"])])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(req["prompt"]) - 1:-1].float()
+    return {"ok": True, "logp": torch.log_softmax(logits, -1).tolist()}
+
+
+def trainer_main(conn, cfg_dict: dict) -> None:
+    """Entry point of the trainer child process."""
+    from transformers import AutoModelForCausalLM
+
+    from .vllm import MxportTrainerInitInfo, MxportWeightSource, register
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # isort: skip
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(**cfg_dict)
+    register()
+    model = AutoModelForCausalLM.from_pretrained(cfg.source, dtype=torch.bfloat16)
+    source = MxportWeightSource(model, bucket_bytes=cfg.bucket_bytes)
+    info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port, world_size=2, rank=0,
+                                 timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
+    _send(conn, {"ok": True, "plan": source.plan.summary()})
+    while True:
+        try:
+            req = _recv(conn)
+        except (EOFError, OSError):
+            return
+        if req.get("cmd") == "step":
+            _send(conn, _trainer_step(engine, model, cfg, req))
+        elif req.get("cmd") == "score":
+            _send(conn, _score(model, req))
+        else:
+            engine.shutdown()
+            return
+
+
+def start_trainer(cfg: TrainerConfig):
+    """Spawn the trainer; returns ``(process, parent_end_of_pipe)``."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=trainer_main, args=(child, cfg.__dict__), daemon=True, name="mxport-trainer")
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+# -- the engine side ---------------------------------------------------------------------------------------------------
+def engine_env() -> dict[str, str]:
+    """Environment for an in-process CPU vLLM engine that keeps MXFP8 bytes as loaded (set before import)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD": "0",
+            "MXPORT_VLLM_CPU_EMULATION": "1"}
+
+
+def start_engine(mx_dir: str, *, max_model_len: int = 256, full_logprobs: bool = True):
+    """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with ``weight_transfer_config={"backend": "mxport"}``.
+    On CPU, vLLM's emulation kernel is enabled for this process (:func:`~mxport.integrations.vllm.
+    enable_cpu_emulation`); returns ``(llm, emulated)``."""
+    for k, v in engine_env().items():
+        os.environ.setdefault(k, v)
+    from vllm import LLM
+
+    from .vllm import enable_cpu_emulation, register
+
+    register()
+    emulated = enable_cpu_emulation()
+    llm = LLM(model=mx_dir, max_model_len=max_model_len, enforce_eager=True, dtype="bfloat16", max_num_seqs=4,
+              seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=-1 if full_logprobs else 20,
+              weight_transfer_config={"backend": "mxport"})
+    return llm, emulated
+
+
+def generate(llm, prompt_ids: list[list[int]], max_tokens: int = 8, full: bool = True) -> list[dict]:
+    """Greedy generation: per prompt ``tokens`` and ``logprobs`` (each generated token's), and with ``full`` the
+    whole log-prob row per position (``logp``, a [T, V] tensor)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1 if full else 0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        r = {"tokens": toks, "logprobs": [float(d[t].logprob) for d, t in zip(c.logprobs, toks, strict=True)]}
+        if full:
+            vocab = max(max(d) for d in c.logprobs) + 1
+            logp = torch.full((len(toks), vocab), float("-inf"))
+            for i, d in enumerate(c.logprobs):
+                ids = torch.tensor(list(d.keys()))
+                logp[i, ids] = torch.tensor([v.logprob for v in d.values()])
+            r["logp"] = logp
+        res.append(r)
+    return res
+
+
+def engine_tensors(llm) -> dict[str, torch.Tensor]:
+    """CPU copies of the engine's parameters (as its loader stores them)."""
+    return llm.apply_model(lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()})[0]
+
+
+def engine_pointers(llm) -> dict[str, int]:
+    return llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+
+
+class VllmRefitSession:
+    """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
+
+    def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
+                 max_model_len: int = 256):
+        from ..refit.demo import free_port
+
+        self.src_dir, self.timeout_s, self.bucket_bytes = src_dir, timeout_s, bucket_bytes
+        self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len)
+        self.proc = self.conn = None
+        self._free_port = free_port
+        self.plan_summary = self.connect()
+
+    def connect(self) -> dict:
+        """(Re)start the trainer and run the weight-transfer init handshake through vLLM."""
+        self.close_trainer()
+        cfg = TrainerConfig(self.src_dir, self._free_port(), self.timeout_s, self.bucket_bytes)
+        self.proc, self.conn = start_trainer(cfg)
+        ans = serve_step(self.llm, self.conn, None, self.timeout_s + 120)
+        if ans.get("error"):
+            raise RuntimeError(f"trainer init failed: {ans['error']}")
+        return ans["plan"]
+
+    def refit(self, step: int, fault: str | None = None) -> dict:
+        """One refit of the trainer's step-``step`` weights (``fault``: "corrupt" a bucket, "kill" the trainer
+        mid-transfer). Returns the trainer's answer plus ``wall_s``."""
+        t0 = time.perf_counter()
+        ans = serve_step(self.llm, self.conn, {"cmd": "step", "step": step, "fault": fault}, self.timeout_s + 60)
+        ans["wall_s"] = time.perf_counter() - t0
+        return ans
+
+    def score(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ans = serve_step(self.llm, self.conn, {"cmd": "score", "prompt": prompt, "tokens": tokens}, 120)
+        if ans.get("error"):
+            raise RuntimeError(f"trainer scoring failed: {ans['error']}")
+        return torch.tensor(ans["logp"])
+
+    def close_trainer(self) -> None:
+        if self.conn is not None:
+            try:
+                _send(self.conn, {"cmd": "stop"})
+            except OSError:
+                pass
+            self.conn.close()
+        if self.proc is not None:
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5)
+        self.proc = self.conn = None
