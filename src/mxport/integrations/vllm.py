@@ -84,7 +84,10 @@ def enable_cpu_emulation() -> bool:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register the ``"mxport"`` worker and trainer engines (lazily, by
     module path; idempotent), and the CPU emulation kernel when ``MXPORT_VLLM_CPU_EMULATION=1``."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "MxportWeightTransferEngine")
@@ -133,11 +136,8 @@ def _param_name(name: str, model: torch.nn.Module) -> str:
     """The vLLM parameter a checkpoint tensor loads into (``q_proj`` -> ``qkv_proj`` via the model's
     ``packed_modules_mapping``)."""
     mapping = getattr(model, "packed_modules_mapping", {}) or {}
-    for fused, parts in mapping.items():
-        for part in parts:
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}.")
-    return name
+    fused_of = {part: fused for fused, parts in mapping.items() for part in parts}
+    return ".".join(fused_of.get(c, c) for c in name.split("."))
 
 
 def check_plan_against_model(plan: RefitPlan, model: torch.nn.Module) -> None:
@@ -149,7 +149,7 @@ def check_plan_against_model(plan: RefitPlan, model: torch.nn.Module) -> None:
     bad = []
     for e in plan.entries:
         p = params.get(_param_name(e.name, model))
-        if p is None and e.name.startswith("lm_head.") and getattr(model.config, "tie_word_embeddings", False):
+        if p is None and e.name.startswith("lm_head.") and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
             continue
         if p is None:
             bad.append(f"{e.name}: no parameter {_param_name(e.name, model)!r} in the engine's model")
