@@ -183,9 +183,28 @@ def trainer_main(conn, cfg_dict: dict) -> None:
             _send(conn, _trainer_step(engine, model, cfg, req))
         elif req.get("cmd") == "score":
             _send(conn, _score(model, req))
+        elif req.get("cmd") == "raw":
+            _send(conn, {"ok": True, "seconds": raw_broadcast(0, int(req["port"]), int(req["nbytes"]),
+                                                               int(req.get("reps", 3)), cfg.timeout_s)})
         else:
             engine.shutdown()
             return
+
+
+def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float) -> float:
+    """Best of ``reps`` plain gloo broadcasts of ``nbytes`` bytes (no plan, no checksums, no engine): the floor a
+    refit of the same bytes is compared with."""
+    from ._group import GroupTransport, open_group
+
+    t = GroupTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=timeout_s, prefix="mxport-raw"))
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        t.broadcast(buf)
+        best = min(best, time.perf_counter() - t0)
+    t.close()
+    return best
 
 
 def start_trainer(cfg: TrainerConfig):
@@ -305,3 +324,125 @@ class VllmRefitSession:
                 self.proc.kill()
                 self.proc.join(timeout=5)
         self.proc = self.conn = None
+
+    def raw_broadcast_s(self, nbytes: int, reps: int = 3) -> float:
+        """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process (best of ``reps``)."""
+        import threading
+
+        port = self._free_port()
+        th = threading.Thread(target=raw_broadcast, args=(1, port, nbytes, reps, self.timeout_s), daemon=True)
+        th.start()
+        ans = serve_step(self.llm, self.conn, {"cmd": "raw", "port": port, "nbytes": nbytes, "reps": reps},
+                         self.timeout_s + 60)
+        th.join(self.timeout_s)
+        if ans.get("error"):
+            raise RuntimeError(f"raw broadcast failed: {ans['error']}")
+        return float(ans["seconds"])
+
+
+# -- checks and the demo ---------------------------------------------------------------------------------------------
+def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tensor], packed: dict
+                          ) -> dict[str, torch.Tensor]:
+    """What vLLM's loader stores for the trainer's step-``step`` bf16 weights: ``mxport.quantize`` of each
+    weight, fused projections (``packed``: vLLM's ``packed_modules_mapping``) concatenated along N. Engine
+    tensors without a trainer counterpart (a tied lm_head) are left out."""
+    from .. import quantize
+
+    w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in trainer_weights(src_dir, step).items()}
+    out = {}
+    for name, t in engine.items():
+        comps = name.split(".")
+        hf = [name]
+        for fused, parts in packed.items():
+            if fused in comps:
+                hf = [".".join(p if c == fused else c for c in comps) for p in parts]
+        base = [h.removesuffix("_scale") for h in hf]
+        if any(b not in w for b in base):
+            continue
+        if name.endswith(".weight_scale"):
+            out[name] = torch.cat([quantize(w[b]).scale_inv for b in base])
+        elif t.dtype == torch.float8_e4m3fn:
+            out[name] = torch.cat([quantize(w[b]).data for b in base])
+        else:
+            out[name] = torch.cat([w[h] for h in hf])
+    return out
+
+
+def engine_bit_exact(session: VllmRefitSession, step: int) -> bool:
+    """The engine's weights hold exactly :func:`expected_engine_bytes` (and every quantized weight is covered)."""
+    eng = engine_tensors(session.llm)
+    packed = session.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
+    want = expected_engine_bytes(session.src_dir, step, eng, packed)
+    if any(t.dtype == torch.float8_e4m3fn and n not in want for n, t in eng.items()):
+        return False
+    for name, w in want.items():
+        t = eng[name]
+        if t.dtype != w.dtype or t.shape != w.shape:
+            return False
+        if not torch.equal(t.view(torch.uint8), w.view(torch.uint8)) if t.dtype.itemsize == 1 else \
+                not torch.equal(t, w):
+            return False
+    return True
+
+
+def _prompt(session: VllmRefitSession) -> list[int]:
+    from ..refit.demo import PROMPT
+
+    tok = session.llm.get_tokenizer()
+    return list(tok(PROMPT)["input_ids"])[:48]
+
+
+def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int], max_new_tokens: int,
+              ptr0: dict) -> dict:
+    from ..metrics import gen_kl_error
+
+    gen = generate(session.llm, [prompt], max_tokens=max_new_tokens)[0]
+    logp_train = session.score(prompt, gen["tokens"])
+    v = min(gen["logp"].shape[-1], logp_train.shape[-1])
+    kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
+    st = ans["stats"]
+    return {"step": step, "bytes": int(st["bytes"]), "seconds": ans["wall_s"],
+            "gbps": st["bytes"] / ans["wall_s"] / 1e9 if ans["wall_s"] > 0 else 0.0,
+            "transfer_s": st["seconds"], "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
+            "bit_exact": engine_bit_exact(session, step), "pointers_stable": engine_pointers(session.llm) == ptr0,
+            "tokens": gen["tokens"], "engine": "vllm"}
+
+
+def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20, max_new_tokens: int = 16,
+                        timeout_s: float = 120.0, workdir: str | None = None, on_row=None) -> dict:
+    """``mxport refit SOURCE --engine vllm``: export ``source`` (an HF model directory) as MXFP8, start a real
+    vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added
+    for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer calls.
+
+    The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
+    optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
+    ``seconds`` (start_weight_update -> finish_weight_update, layerwise reload included), ``gbps``,
+    ``transfer_s`` (the sender's bucketed broadcast alone), ``gen_kl_error`` (mean KL(engine || trainer) over the
+    engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes
+    == mxport.quantize of the trainer's weights as vLLM stores them), ``pointers_stable``, ``engine: "vllm"``.
+    Returns ``{"engine", "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
+    """
+    import tempfile
+
+    from ..checkpoint.export import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="mxport-vllm-", dir=workdir) as tmp:
+        mx = str(Path(tmp) / "mxfp8")
+        export_checkpoint(source, mx)
+        session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        try:
+            ptr0, prompt, rows = engine_pointers(session.llm), _prompt(session), []
+            for k in range(1, steps + 1):
+                ans = session.refit(k)
+                if not ans.get("ok"):
+                    raise RuntimeError(f"refit step {k} failed: {ans.get('error')}")
+                rows.append(_step_row(session, k, ans, prompt, max_new_tokens, ptr0))
+                if on_row is not None:
+                    on_row(rows[-1])
+            plan = session.plan_summary
+            raw = session.raw_broadcast_s(plan["bytes"])
+        finally:
+            session.close_trainer()
+    by_role = plan["bytes_by_role"]
+    return {"engine": "vllm", "steps": rows, "plan": plan, "raw_broadcast_s": raw,
+            "bf16_bytes": by_role["values"] * 2 + by_role["kept"], "cpu_emulation": session.emulated}
