@@ -121,13 +121,18 @@ def test_check_plan_against_model_names_the_misfits():
             super().__init__()
             self.qkv_proj = Lin(64)
             self.o_proj = Lin(48)
+            self.down_proj = Lin(64)
+            self.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 48, dtype=torch.float8_e4m3fn),
+                                                       requires_grad=False)  # a row-parallel shard of K=96
 
     ok = RefitPlan([("q_proj.weight", "values", torch.float8_e4m3fn, (64, 64)),
                     ("q_proj.weight_scale", "scales", torch.uint8, (64, 2))], 4096)
     mxv.check_plan_against_model(ok, M())
     bad = RefitPlan([("x_proj.weight", "values", torch.float8_e4m3fn, (64, 64)),
-                     ("o_proj.weight", "values", torch.float8_e4m3fn, (64, 48))], 4096)
-    with pytest.raises(ValueError, match=r"x_proj.weight: no parameter.*o_proj.weight: K=48"):
+                     ("o_proj.weight", "values", torch.float8_e4m3fn, (64, 48)),
+                     ("down_proj.weight", "values", torch.float8_e4m3fn, (64, 96))], 4096)
+    with pytest.raises(ValueError, match=r"x_proj.weight: no parameter.*o_proj.weight: K=48.*down_proj.weight: K "
+                                         r"per tensor-parallel shard is 48"):
         mxv.check_plan_against_model(bad, M())
 
 

@@ -155,6 +155,8 @@ def check_plan_against_model(plan: RefitPlan, model: torch.nn.Module) -> None:
             bad.append(f"{e.name}: no parameter {_param_name(e.name, model)!r} in the engine's model")
         elif e.role == "values" and e.shape[-1] % 32:
             bad.append(f"{e.name}: K={e.shape[-1]} is not a multiple of 32 (vLLM's MXFP8 loader rejects it)")
+        elif e.role == "values" and p.shape[-1] % 32:
+            bad.append(f"{e.name}: K per tensor-parallel shard is {p.shape[-1]}, not a multiple of 32")
         elif e.role == "scales" and p.dtype != torch.uint8:
             bad.append(f"{e.name}: the engine's {_param_name(e.name, model)!r} is {p.dtype}, not uint8 E8M0")
     if bad:

@@ -93,6 +93,7 @@ def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
     answer (``{"error": ...}`` when the trainer died or failed)."""
     if request is not None:
         _send(conn, request)
+    calls: dict[str, float] = {}
     deadline = time.monotonic() + timeout_s
     while True:
         if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -102,11 +103,13 @@ def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
         except (EOFError, OSError) as exc:
             return {"error": f"trainer is gone ({type(exc).__name__})"}
         if "call" not in msg:
-            return msg
+            return {**msg, "engine_calls_s": calls}
         if msg["call"] not in _RPC:
             return {"error": f"unknown engine call {msg['call']!r}"}
         try:
+            t0 = time.perf_counter()
             _engine_call(llm, msg["call"], msg.get("arg"))
+            calls[msg["call"]] = time.perf_counter() - t0
             reply = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - reported to the trainer and the caller
             reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -368,21 +371,21 @@ def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tenso
     return out
 
 
-def engine_bit_exact(session: VllmRefitSession, step: int) -> bool:
-    """The engine's weights hold exactly :func:`expected_engine_bytes` (and every quantized weight is covered)."""
+def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
+    """Engine tensors whose bytes differ from :func:`expected_engine_bytes` (quantized weights with no trainer
+    counterpart count as differing); empty when the engine holds exactly the trainer's step-``step`` weights."""
     eng = engine_tensors(session.llm)
     packed = session.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
     want = expected_engine_bytes(session.src_dir, step, eng, packed)
-    if any(t.dtype == torch.float8_e4m3fn and n not in want for n, t in eng.items()):
-        return False
+    bad = [f"{n} (no trainer weight)" for n, t in eng.items() if t.dtype == torch.float8_e4m3fn and n not in want]
     for name, w in want.items():
         t = eng[name]
         if t.dtype != w.dtype or t.shape != w.shape:
-            return False
-        if not torch.equal(t.view(torch.uint8), w.view(torch.uint8)) if t.dtype.itemsize == 1 else \
+            bad.append(f"{name} ({t.dtype} {tuple(t.shape)} vs {w.dtype} {tuple(w.shape)})")
+        elif not torch.equal(t.view(torch.uint8), w.view(torch.uint8)) if t.dtype.itemsize == 1 else \
                 not torch.equal(t, w):
-            return False
-    return True
+            bad.append(name)
+    return bad
 
 
 def _prompt(session: VllmRefitSession) -> list[int]:
@@ -400,11 +403,11 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int]
     logp_train = session.score(prompt, gen["tokens"])
     v = min(gen["logp"].shape[-1], logp_train.shape[-1])
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
-    st = ans["stats"]
+    st, bad = ans["stats"], engine_mismatches(session, step)
     return {"step": step, "bytes": int(st["bytes"]), "seconds": ans["wall_s"],
             "gbps": st["bytes"] / ans["wall_s"] / 1e9 if ans["wall_s"] > 0 else 0.0,
-            "transfer_s": st["seconds"], "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
-            "bit_exact": engine_bit_exact(session, step), "pointers_stable": engine_pointers(session.llm) == ptr0,
+            "transfer_s": st["seconds"], "apply_s": ans["engine_calls_s"].get("finish_weight_update", 0.0), "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
+            "bit_exact": not bad, "mismatches": bad[:8], "pointers_stable": engine_pointers(session.llm) == ptr0,
             "tokens": gen["tokens"], "engine": "vllm"}
 
 
@@ -417,7 +420,8 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
     The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
     optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
     ``seconds`` (start_weight_update -> finish_weight_update, layerwise reload included), ``gbps``,
-    ``transfer_s`` (the sender's bucketed broadcast alone), ``gen_kl_error`` (mean KL(engine || trainer) over the
+    ``transfer_s`` (the sender's bucketed broadcast alone, quantize included), ``apply_s`` (vLLM's
+    ``finish_weight_update``: the layerwise reload), ``gen_kl_error`` (mean KL(engine || trainer) over the
     engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes
     == mxport.quantize of the trainer's weights as vLLM stores them), ``pointers_stable``, ``engine: "vllm"``.
     Returns ``{"engine", "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
