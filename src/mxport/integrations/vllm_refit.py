@@ -112,7 +112,10 @@ def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
         try:
             t0 = time.perf_counter()
             _engine_call(llm, msg["call"], msg.get("arg"))
-            calls[msg["call"]] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            calls[msg["call"]] = t1 - t0
+            calls.setdefault("first_call_t", t0)
+            calls["last_call_t"] = t1
             reply = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - reported to the trainer and the caller
             reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -406,9 +409,10 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int]
     logp_train = session.score(prompt, gen["tokens"])
     v = min(gen["logp"].shape[-1], logp_train.shape[-1])
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
-    st, bad = ans["stats"], engine_mismatches(session, step)
-    return {"step": step, "bytes": int(st["bytes"]), "seconds": ans["wall_s"],
-            "gbps": st["bytes"] / ans["wall_s"] / 1e9 if ans["wall_s"] > 0 else 0.0,
+    st, bad, calls = ans["stats"], engine_mismatches(session, step), ans["engine_calls_s"]
+    seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. finish_weight_update
+    return {"step": step, "bytes": int(st["bytes"]), "seconds": seconds,
+            "gbps": st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
             "transfer_s": st["seconds"], "apply_s": ans["engine_calls_s"].get("finish_weight_update", 0.0), "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
             "bit_exact": not bad, "mismatches": bad[:8], "pointers_stable": engine_pointers(session.llm) == ptr0,
             "tokens": gen["tokens"], "engine": "vllm"}
@@ -422,7 +426,8 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
 
     The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
     optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
-    ``seconds`` (start_weight_update -> finish_weight_update, layerwise reload included), ``gbps``,
+    ``seconds`` (from vLLM's ``start_weight_update`` to the end of ``finish_weight_update``: transfer, checks and
+    layerwise reload; the trainer's weight update before it is not counted), ``gbps``,
     ``transfer_s`` (the sender's bucketed broadcast alone, quantize included), ``apply_s`` (vLLM's
     ``finish_weight_update``: the layerwise reload), ``gen_kl_error`` (mean KL(engine || trainer) over the
     engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes
