@@ -413,3 +413,10 @@ def _together(local, remote) -> tuple[Any, Any]:
         return fl.result(), fr.result()
     finally:
         exe.shutdown(wait=False)
+
+
+def run_vllm_refit_demo(source: str, **kwargs) -> dict:
+    """``mxport refit SOURCE --engine vllm``: see :func:`mxport.integrations.vllm_refit.run_vllm_refit_demo`."""
+    from .vllm_refit import run_vllm_refit_demo as run
+
+    return run(source, **kwargs)
