@@ -175,6 +175,7 @@ def session(tmp_path_factory):
     src = make_tiny_llama(d / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2)
     export_checkpoint(str(src), d / "mx")
     s = harness.VllmRefitSession(str(src), str(d / "mx"), timeout_s=20, bucket_bytes=64 << 10)
+    s.mx_dir = str(d / "mx")
     s.gen0 = harness.generate(s.llm, PROMPTS)  # a fresh vLLM from an mxport export of the step-0 weights
     s.ptr0 = harness.engine_pointers(s.llm)
     yield s
@@ -292,3 +293,35 @@ def test_trainer_weights_are_the_same_bytes_whatever_the_thread_count():
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(one.view(torch.int32), many.view(torch.int32))
+
+
+_MP_ENGINE = """
+import os, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], max_model_len=128, enforce_eager=True, dtype="bfloat16", max_num_seqs=2,
+          kv_cache_memory_bytes=32 << 20, weight_transfer_config={"backend": "mxport"})
+out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0))
+print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_entry_point_reaches_vllm_worker_processes(session):
+    """With vLLM's engine core and worker in their own processes, the vllm.general_plugins entry point registers
+    the "mxport" backend there (and, with MXPORT_VLLM_CPU_EMULATION=1, the CPU emulation kernel)."""
+    import os
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    if not any(e.value == "mxport.integrations.vllm:register" for e in entry_points(group="vllm.general_plugins")):
+        pytest.skip("mxport is not installed with its vllm.general_plugins entry point (pip install -e .)")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "MXPORT_VLLM_CPU_EMULATION": "1"}
+    proc = subprocess.run([sys.executable, "-c", _MP_ENGINE, session.mx_dir], env=env, capture_output=True, text=True,
+                          timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "GENERATED" in out
+    worker = [line for line in out.splitlines() if "Creating weight transfer engine: MxportWeightTransferEngine"
+              in line]
+    assert worker and "Worker" in worker[0]
