@@ -1,0 +1,460 @@
+"""A trainer process refitting a real vLLM engine through the ``"mxport"`` backend: the engine (``vllm.LLM``) in
+this process, the trainer in a spawned child that drives vLLM's weight-sync calls through a pipe
+(:class:`PipeClient`, a ``VLLMWeightSyncClient``) while it broadcasts over gloo. Used by
+:func:`run_vllm_refit_demo` (``mxport refit --engine vllm``) and the tests.
+
+The trainer's weights at step ``k`` are :func:`trainer_weights` (the source checkpoint plus a seeded perturbation
+per tensor for ``k > 0``), so any process can rebuild them and check the engine's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: messages on the pipe are JSON (never pickle); tensors travel as raw bytes after a JSON header
+_RPC = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+PROMPTS = ("The weights arrive in blocks of thirty-two", "Refit moves the trainer's weights")
+
+
+def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
+    """The trainer's bf16 weights at ``step``: the checkpoint in ``src_dir``, plus for ``step > 0`` a seeded
+    Gaussian perturbation of each floating tensor (``scale`` x its RMS; seed from the name and step). The same
+    bytes in every process, whatever its thread count."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(src_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    if step:
+        for name, t in out.items():
+            if t.is_floating_point():
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1_000_003 * step)
+                # the RMS rounded to 3 digits: float sums depend on the thread count, and every process that
+                # rebuilds these weights must get the same bytes
+                rms = max(float(f"{t.double().pow(2).mean().sqrt().item():.3g}"), 1e-6)
+                out[name] = (t.float() + scale * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
+    return out
+
+
+# -- pipe RPC ---------------------------------------------------------------------------------------------------------
+def _send(conn, obj: dict) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def _recv(conn) -> dict:
+    obj = json.loads(conn.recv_bytes(maxlength=64 << 20))
+    if not isinstance(obj, dict):
+        raise ValueError("pipe message is not a JSON object")
+    return obj
+
+
+class PipeClient:
+    """``VLLMWeightSyncClient`` for a trainer whose engine is in the parent process (see :func:`serve_step`):
+    each call is one JSON request and one JSON answer on the pipe."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def _call(self, name: str, arg=None) -> None:
+        _send(self.conn, {"call": name, "arg": arg})
+        reply = _recv(self.conn)
+        if reply.get("error"):
+            raise RuntimeError(f"engine {name}: {reply['error']}")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:  # noqa: ARG002
+        self._call("finish_weight_update")
+
+
+def _engine_call(llm, name: str, arg) -> None:
+    if name == "init_weight_transfer_engine":
+        llm.init_weight_transfer_engine({"init_info": arg})
+    elif name == "update_weights":
+        llm.update_weights({"update_info": arg})
+    else:
+        getattr(llm, name)()
+
+
+def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
+    """Send ``request`` (if any) to the trainer, serve its engine calls on ``llm`` until it answers; return the
+    answer (``{"error": ...}`` when the trainer died or failed)."""
+    if request is not None:
+        _send(conn, request)
+    calls: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            return {"error": f"trainer did not answer within {timeout_s} s"}
+        try:
+            msg = _recv(conn)
+        except (EOFError, OSError) as exc:
+            return {"error": f"trainer is gone ({type(exc).__name__})"}
+        if "call" not in msg:
+            return {**msg, "engine_calls_s": calls}
+        if msg["call"] not in _RPC:
+            return {"error": f"unknown engine call {msg['call']!r}"}
+        try:
+            t0 = time.perf_counter()
+            _engine_call(llm, msg["call"], msg.get("arg"))
+            t1 = time.perf_counter()
+            calls[msg["call"]] = t1 - t0
+            calls.setdefault("first_call_t", t0)
+            calls["last_call_t"] = t1
+            reply = {"ok": True}
+        except Exception as exc:  # noqa: BLE001 - reported to the trainer and the caller
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            _send(conn, reply)
+        except (BrokenPipeError, OSError):
+            return {"error": f"trainer is gone; engine said {reply}"}
+
+
+# -- the trainer process ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainerConfig:
+    source: str  # bf16 HF model directory (the trainer's step-0 weights)
+    port: int
+    timeout_s: float = 30.0
+    bucket_bytes: int = 1 << 20
+
+
+def _load_step(model, src: str, step: int) -> None:
+    w = trainer_weights(src, step)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in w:
+                p.copy_(w[name])
+
+
+def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
+    _load_step(model, cfg.source, int(req["step"]))
+    fault = req.get("fault")
+    if fault == "corrupt":
+        engine.sender._corrupt = lambda b, payload: payload[:1].bitwise_xor_(1) if b == 0 else None
+    elif fault == "kill":
+        engine.sender._corrupt = lambda b, payload: os._exit(3) if b == 1 else None
+    else:
+        engine.sender._corrupt = None
+    try:
+        engine.send_weights()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "stats": {k: v for k, v in engine.last_stats.items() if isinstance(v, (int, float))}}
+
+
+def _score(model, req: dict) -> dict:
+    """Log-softmax of the trainer's logits at every generated position of ``prompt + tokens``."""
+    ids = torch.tensor([list(req["prompt"]) + list(req["tokens"])])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(req["prompt"]) - 1:-1].float()
+    return {"ok": True, "logp": torch.log_softmax(logits, -1).tolist()}
+
+
+def trainer_main(conn, cfg_dict: dict) -> None:
+    """Entry point of the trainer child process."""
+    from transformers import AutoModelForCausalLM
+
+    from .vllm import MxportTrainerInitInfo, MxportWeightSource, register
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # isort: skip
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(**cfg_dict)
+    register()
+    model = AutoModelForCausalLM.from_pretrained(cfg.source, dtype=torch.bfloat16)
+    source = MxportWeightSource(model, bucket_bytes=cfg.bucket_bytes)
+    info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port, world_size=2, rank=0,
+                                 timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
+    _send(conn, {"ok": True, "plan": source.plan.summary()})
+    while True:
+        try:
+            req = _recv(conn)
+        except (EOFError, OSError):
+            return
+        if req.get("cmd") == "step":
+            _send(conn, _trainer_step(engine, model, cfg, req))
+        elif req.get("cmd") == "score":
+            _send(conn, _score(model, req))
+        elif req.get("cmd") == "raw":
+            _send(conn, {"ok": True, "seconds": raw_broadcast(0, int(req["port"]), int(req["nbytes"]),
+                                                               int(req.get("reps", 3)), cfg.timeout_s)})
+        else:
+            engine.shutdown()
+            return
+
+
+def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float) -> float:
+    """Best of ``reps`` plain gloo broadcasts of ``nbytes`` bytes (no plan, no checksums, no engine): the floor a
+    refit of the same bytes is compared with."""
+    from ._group import GroupTransport, open_group
+
+    t = GroupTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=timeout_s, prefix="mxport-raw"))
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        t.broadcast(buf)
+        best = min(best, time.perf_counter() - t0)
+    t.close()
+    return best
+
+
+def start_trainer(cfg: TrainerConfig):
+    """Spawn the trainer; returns ``(process, parent_end_of_pipe)``."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=trainer_main, args=(child, cfg.__dict__), daemon=True, name="mxport-trainer")
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+# -- the engine side ---------------------------------------------------------------------------------------------------
+def engine_env() -> dict[str, str]:
+    """Environment for an in-process CPU vLLM engine that keeps MXFP8 bytes as loaded (set before import)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD": "0",
+            "MXPORT_VLLM_CPU_EMULATION": "1"}
+
+
+def start_engine(mx_dir: str, *, max_model_len: int = 256, full_logprobs: bool = True):
+    """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with ``weight_transfer_config={"backend": "mxport"}``.
+    On CPU, vLLM's emulation kernel is enabled for this process (:func:`~mxport.integrations.vllm.
+    enable_cpu_emulation`); returns ``(llm, emulated)``."""
+    for k, v in engine_env().items():
+        os.environ.setdefault(k, v)
+    from vllm import LLM
+
+    from .vllm import enable_cpu_emulation, register
+
+    register()
+    emulated = enable_cpu_emulation()
+    llm = LLM(model=mx_dir, max_model_len=max_model_len, enforce_eager=True, dtype="bfloat16", max_num_seqs=4,
+              seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=-1 if full_logprobs else 20,
+              weight_transfer_config={"backend": "mxport"})
+    return llm, emulated
+
+
+def generate(llm, prompt_ids: list[list[int]], max_tokens: int = 8, full: bool = True) -> list[dict]:
+    """Greedy generation: per prompt ``tokens`` and ``logprobs`` (each generated token's), and with ``full`` the
+    whole log-prob row per position (``logp``, a [T, V] tensor)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1 if full else 0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        r = {"tokens": toks, "logprobs": [float(d[t].logprob) for d, t in zip(c.logprobs, toks, strict=True)]}
+        if full:
+            vocab = max(max(d) for d in c.logprobs) + 1
+            logp = torch.full((len(toks), vocab), float("-inf"))
+            for i, d in enumerate(c.logprobs):
+                ids = torch.tensor(list(d.keys()))
+                logp[i, ids] = torch.tensor([v.logprob for v in d.values()])
+            r["logp"] = logp
+        res.append(r)
+    return res
+
+
+def engine_tensors(llm) -> dict[str, torch.Tensor]:
+    """CPU copies of the engine's parameters (as its loader stores them)."""
+    return llm.apply_model(lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()})[0]
+
+
+def engine_pointers(llm) -> dict[str, int]:
+    return llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+
+
+class VllmRefitSession:
+    """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
+
+    def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
+                 max_model_len: int = 256):
+        from ..refit.demo import free_port
+
+        self.src_dir, self.timeout_s, self.bucket_bytes = src_dir, timeout_s, bucket_bytes
+        self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len)
+        self.proc = self.conn = None
+        self._free_port = free_port
+        self.plan_summary = self.connect()
+
+    def connect(self) -> dict:
+        """(Re)start the trainer and run the weight-transfer init handshake through vLLM."""
+        self.close_trainer()
+        cfg = TrainerConfig(self.src_dir, self._free_port(), self.timeout_s, self.bucket_bytes)
+        self.proc, self.conn = start_trainer(cfg)
+        ans = serve_step(self.llm, self.conn, None, self.timeout_s + 120)
+        if ans.get("error"):
+            raise RuntimeError(f"trainer init failed: {ans['error']}")
+        return ans["plan"]
+
+    def refit(self, step: int, fault: str | None = None) -> dict:
+        """One refit of the trainer's step-``step`` weights (``fault``: "corrupt" a bucket, "kill" the trainer
+        mid-transfer). Returns the trainer's answer plus ``wall_s``."""
+        t0 = time.perf_counter()
+        ans = serve_step(self.llm, self.conn, {"cmd": "step", "step": step, "fault": fault}, self.timeout_s + 60)
+        ans["wall_s"] = time.perf_counter() - t0
+        return ans
+
+    def score(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ans = serve_step(self.llm, self.conn, {"cmd": "score", "prompt": prompt, "tokens": tokens}, 120)
+        if ans.get("error"):
+            raise RuntimeError(f"trainer scoring failed: {ans['error']}")
+        return torch.tensor(ans["logp"])
+
+    def close_trainer(self) -> None:
+        if self.conn is not None:
+            try:
+                _send(self.conn, {"cmd": "stop"})
+            except OSError:
+                pass
+            self.conn.close()
+        if self.proc is not None:
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5)
+        self.proc = self.conn = None
+
+    def raw_broadcast_s(self, nbytes: int, reps: int = 3) -> float:
+        """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process (best of ``reps``)."""
+        import threading
+
+        port = self._free_port()
+        th = threading.Thread(target=raw_broadcast, args=(1, port, nbytes, reps, self.timeout_s), daemon=True)
+        th.start()
+        ans = serve_step(self.llm, self.conn, {"cmd": "raw", "port": port, "nbytes": nbytes, "reps": reps},
+                         self.timeout_s + 60)
+        th.join(self.timeout_s)
+        if ans.get("error"):
+            raise RuntimeError(f"raw broadcast failed: {ans['error']}")
+        return float(ans["seconds"])
+
+
+# -- checks and the demo ---------------------------------------------------------------------------------------------
+def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tensor], packed: dict
+                          ) -> dict[str, torch.Tensor]:
+    """What vLLM's loader stores for the trainer's step-``step`` bf16 weights: ``mxport.quantize`` of each
+    weight, fused projections (``packed``: vLLM's ``packed_modules_mapping``) concatenated along N. Engine
+    tensors without a trainer counterpart (a tied lm_head) are left out."""
+    from .. import quantize
+
+    w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in trainer_weights(src_dir, step).items()}
+    out = {}
+    for name, t in engine.items():
+        comps = name.split(".")
+        hf = [name]
+        for fused, parts in packed.items():
+            if fused in comps:
+                hf = [".".join(p if c == fused else c for c in comps) for p in parts]
+        base = [h.removesuffix("_scale") for h in hf]
+        if any(b not in w for b in base):
+            continue
+        if name.endswith(".weight_scale"):
+            out[name] = torch.cat([quantize(w[b]).scale_inv for b in base])
+        elif t.dtype == torch.float8_e4m3fn:
+            out[name] = torch.cat([quantize(w[b]).data for b in base])
+        else:
+            out[name] = torch.cat([w[h] for h in hf])
+    return out
+
+
+def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
+    """Engine tensors whose bytes differ from :func:`expected_engine_bytes` (quantized weights with no trainer
+    counterpart count as differing); empty when the engine holds exactly the trainer's step-``step`` weights."""
+    eng = engine_tensors(session.llm)
+    packed = session.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
+    want = expected_engine_bytes(session.src_dir, step, eng, packed)
+    bad = [f"{n} (no trainer weight)" for n, t in eng.items() if t.dtype == torch.float8_e4m3fn and n not in want]
+    for name, w in want.items():
+        t = eng[name]
+        if t.dtype != w.dtype or t.shape != w.shape:
+            bad.append(f"{name} ({t.dtype} {tuple(t.shape)} vs {w.dtype} {tuple(w.shape)})")
+        elif not torch.equal(t.view(torch.uint8), w.view(torch.uint8)) if t.dtype.itemsize == 1 else \
+                not torch.equal(t, w):
+            bad.append(name)
+    return bad
+
+
+def _prompt(session: VllmRefitSession) -> list[int]:
+    from ..refit.demo import PROMPT
+
+    tok = session.llm.get_tokenizer()
+    return list(tok(PROMPT)["input_ids"])[:48]
+
+
+def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int], max_new_tokens: int,
+              ptr0: dict) -> dict:
+    from ..metrics import gen_kl_error
+
+    gen = generate(session.llm, [prompt], max_tokens=max_new_tokens)[0]
+    logp_train = session.score(prompt, gen["tokens"])
+    v = min(gen["logp"].shape[-1], logp_train.shape[-1])
+    kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
+    st, bad, calls = ans["stats"], engine_mismatches(session, step), ans["engine_calls_s"]
+    seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. finish_weight_update
+    return {"step": step, "bytes": int(st["bytes"]), "seconds": seconds,
+            "gbps": st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+            "transfer_s": st["seconds"], "apply_s": ans["engine_calls_s"].get("finish_weight_update", 0.0), "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
+            "bit_exact": not bad, "mismatches": bad[:8], "pointers_stable": engine_pointers(session.llm) == ptr0,
+            "tokens": gen["tokens"], "engine": "vllm"}
+
+
+def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20, max_new_tokens: int = 16,
+                        timeout_s: float = 120.0, workdir: str | None = None, on_row=None) -> dict:
+    """``mxport refit SOURCE --engine vllm``: export ``source`` (an HF model directory) as MXFP8, start a real
+    vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added
+    for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer calls.
+
+    The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
+    optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
+    ``seconds`` (from vLLM's ``start_weight_update`` to the end of ``finish_weight_update``: transfer, checks and
+    layerwise reload; the trainer's weight update before it is not counted), ``gbps``,
+    ``transfer_s`` (the sender's bucketed broadcast alone, quantize included), ``apply_s`` (vLLM's
+    ``finish_weight_update``: the layerwise reload), ``gen_kl_error`` (mean KL(engine || trainer) over the
+    engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes
+    == mxport.quantize of the trainer's weights as vLLM stores them), ``pointers_stable``, ``engine: "vllm"``.
+    Returns ``{"engine", "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
+    """
+    import tempfile
+
+    from ..checkpoint.export import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="mxport-vllm-", dir=workdir) as tmp:
+        mx = str(Path(tmp) / "mxfp8")
+        export_checkpoint(source, mx)
+        session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        try:
+            ptr0, prompt, rows = engine_pointers(session.llm), _prompt(session), []
+            for k in range(1, steps + 1):
+                ans = session.refit(k)
+                if not ans.get("ok"):
+                    raise RuntimeError(f"refit step {k} failed: {ans.get('error')}")
+                rows.append(_step_row(session, k, ans, prompt, max_new_tokens, ptr0))
+                if on_row is not None:
+                    on_row(rows[-1])
+            plan = session.plan_summary
+            raw = session.raw_broadcast_s(plan["bytes"])
+        finally:
+            session.close_trainer()
+    by_role = plan["bytes_by_role"]
+    return {"engine": "vllm", "steps": rows, "plan": plan, "raw_broadcast_s": raw,
+            "bf16_bytes": by_role["values"] * 2 + by_role["kept"], "cpu_emulation": session.emulated}
