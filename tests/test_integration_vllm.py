@@ -3,7 +3,8 @@
 The engine tests share one in-process ``vllm.LLM`` (started from an ``mxport export`` of a tiny random Llama,
 MXFP8 on CPU through vLLM's own emulation kernel, added to the CPU kernel table for this process only) and one
 trainer child process driving vLLM's ``init_weight_transfer_engine`` -> ``start_weight_update`` ->
-``update_weights`` -> ``finish_weight_update`` over gloo. Skipped (with the reason) where vLLM is not installed.
+``update_weights`` -> ``finish_weight_update`` over gloo. Skipped (with the reason) where vLLM is not
+installed.
 """
 
 import threading
@@ -24,7 +25,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-# -- pieces without an engine ---------------------------------------------------------------------------------------
+# -- pieces without an engine
+# ---------------------------------------------------------------------------------------
 def test_transport_over_a_group_of_its_own():
     """open_group + TorchDistTransport.from_group: a group apart from torch.distributed's default one (which the
     engine owns): tensors gathered and broadcast over it."""
@@ -168,7 +170,8 @@ def test_register_and_cpu_emulation_never_displaces_a_native_kernel(monkeypatch)
     assert kernels._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] == [EmulationMxfp8LinearKernel]
 
 
-# -- a real engine ----------------------------------------------------------------------------------------------------
+# -- a real engine
+# ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     from mxport.checkpoint.export import export_checkpoint

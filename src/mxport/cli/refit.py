@@ -83,12 +83,12 @@ def refit(
     --engine vllm: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it with
     weight_transfer_config={"backend": "mxport"}; a trainer process refits it through vLLM's own
     init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update calls (the whole
-    refit is validated before vLLM's layerwise reload applies it). The trainer's step is a seeded perturbation of
-    its weights. On a CPU-only machine vLLM has no MXFP8 kernel: mxport adds vLLM's own emulation kernel for the
-    CPU platform in the engine's process, and says so.
+    refit is validated before vLLM's layerwise reload applies it). The trainer's step is a seeded perturbation
+    of its weights. On a CPU-only machine vLLM has no MXFP8 kernel: mxport adds vLLM's own emulation kernel
+    for the CPU platform in the engine's process, and says so.
 
-    Per step: bytes, seconds, GB/s, gen_kl_error (trainer vs engine log-probs on the engine's generated tokens),
-    bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable.
+    Per step: bytes, seconds, GB/s, gen_kl_error (trainer vs engine log-probs on the engine's generated
+    tokens), bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable.
 
     JSON (--json): {"engine": ..., "steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.

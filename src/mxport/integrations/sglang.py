@@ -1,23 +1,24 @@
 """Refit an SGLang engine with MXFP8 checkpoint-format tensors, every step checked.
 
 SGLang 0.5.23 (``sglang/srt/entrypoints/engine.py``: ``Engine.begin_weight_update`` l.1643,
-``end_weight_update`` l.1650, ``update_weights_from_distributed`` l.1657, ``update_weights_from_tensor`` l.1679;
-``managers/tokenizer_control_mixin.py`` returns ``Tuple[bool, str]``) only accepts ``update_weights_from_tensor`` /
-``_from_distributed`` between ``begin_weight_update()`` and ``end_weight_update()``: outside a session they return
-``(False, "... must run between begin_weight_update() and end_weight_update()")``
-(``managers/scheduler_components/weight_updater.py`` l.192-196, l.234-238) instead of raising, and a second
-``begin_weight_update`` while one is open returns ``(False, "a weight-update session is already open ...")``.
+``end_weight_update`` l.1650, ``update_weights_from_distributed`` l.1657, ``update_weights_from_tensor``
+l.1679; ``managers/tokenizer_control_mixin.py`` returns ``Tuple[bool, str]``) only accepts
+``update_weights_from_tensor`` / ``_from_distributed`` between ``begin_weight_update()`` and
+``end_weight_update()``: outside a session they return ``(False, "... must run between begin_weight_update()
+and end_weight_update()")`` (``managers/scheduler_components/weight_updater.py`` l.192-196, l.234-238) instead
+of raising, and a second ``begin_weight_update`` while one is open returns ``(False, "a weight-update session
+is already open ...")``.
 
 :func:`update_sglang_weights` drives begin -> update_weights_from_tensor (in chunks) -> end, checks every
-``(success, message)`` and raises :class:`SGLangUpdateError` with SGLang's message. Before ``begin`` it checks every
-tensor (FP8 values with a uint8 E8M0 ``weight_scale_inv`` of the compact shape right after them), so a malformed
-refit never reaches the engine; if SGLang itself fails mid-update the session is still closed with
-``end_weight_update`` (so the next refit can begin) and the error is raised. SGLang's loader writes each chunk as it
-arrives, so unlike mxport's vLLM backend a failure *inside* SGLang can leave part of the new weights loaded: re-send
-the whole refit.
+``(success, message)`` and raises :class:`SGLangUpdateError` with SGLang's message. Before ``begin`` it checks
+every tensor (FP8 values with a uint8 E8M0 ``weight_scale_inv`` of the compact shape right after them), so a
+malformed refit never reaches the engine; if SGLang itself fails mid-update the session is still closed with
+``end_weight_update`` (so the next refit can begin) and the error is raised. SGLang's loader writes each chunk
+as it arrives, so unlike mxport's vLLM backend a failure *inside* SGLang can leave part of the new weights
+loaded: re-send the whole refit.
 
-SGLang does not run on CPU-only machines; this module is tested against a stand-in with the 0.5.23 signatures and
-return values (tests/test_integration_sglang.py).
+SGLang does not run on CPU-only machines; this module is tested against a stand-in with the 0.5.23 signatures
+and return values (tests/test_integration_sglang.py).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def update_sglang_weights(engine, pairs: Iterable[tuple[str, torch.Tensor]], *, 
         chunk_bytes: bytes per ``update_weights_from_tensor`` call (values and their scales stay together).
     Returns: ``{"chunks": int, "bytes": int, "messages": [str, ...]}``.
     Raises:
-        ValueError: malformed pairs (nothing was sent). SGLangUpdateError: SGLang returned ``(False, message)``
-            (the session was closed with ``end_weight_update`` before raising).
+        ValueError: malformed pairs (nothing was sent). SGLangUpdateError: SGLang returned ``(False,
+            message)`` (the session was closed with ``end_weight_update`` before raising).
     """
     pairs = to_sglang_names(pairs)
     check_pairs(pairs)

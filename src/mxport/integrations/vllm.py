@@ -1,25 +1,28 @@
 """mxport as vLLM's weight-transfer backend ``"mxport"``, and an mxport ``WeightSource`` for vLLM's own engines.
 
 Inference side (:class:`MxportWeightTransferEngine`, registered with vLLM's
-``WeightTransferEngineFactory.register_engine("mxport", ...)`` by :func:`register`, the ``vllm.general_plugins``
-entry point, so every vLLM worker process has it)::
+``WeightTransferEngineFactory.register_engine("mxport", ...)`` by :func:`register`, the
+``vllm.general_plugins`` entry point, so every vLLM worker process has it)::
 
     llm = LLM(model=mxfp8_checkpoint, weight_transfer_config={"backend": "mxport"})
     llm.init_weight_transfer_engine({"init_info": ...})   # joins the trainer's group, checks the plan
-    llm.start_weight_update(); llm.update_weights({"update_info": {"plan_digest": ...}}); llm.finish_weight_update()
+    llm.start_weight_update(); llm.update_weights({"update_info": {"plan_digest": ...}});
+    llm.finish_weight_update()
 
-``update_weights`` receives the whole refit (plan-checked, checksummed buckets over gloo / NCCL) into buffers of
-the worker's own; nothing of the model is touched until every byte has been validated. ``finish_weight_update``
-then applies the validated checkpoint-format tensors through vLLM's layerwise reload
-(``initialize_layerwise_reload`` -> ``model.load_weights`` -> ``finalize_layerwise_reload``), which re-runs each
-layer's ``process_weights_after_loading`` (swizzled scales, emulation layouts) and copies the results back into the
-original tensors (pointers stable). A refit that fails (corrupt bucket, dead trainer, wrong plan) raises from
-``update_weights``; the engine keeps generating with its previous weights, and the next refit can succeed.
+``update_weights`` receives the whole refit (plan-checked, checksummed buckets over gloo / NCCL) into buffers
+of the worker's own; nothing of the model is touched until every byte has been validated.
+``finish_weight_update`` then applies the validated checkpoint-format tensors through vLLM's layerwise reload
+(``initialize_layerwise_reload`` -> ``model.load_weights`` -> ``finalize_layerwise_reload``), which re-runs
+each layer's ``process_weights_after_loading`` (swizzled scales, emulation layouts) and copies the results
+back into the original tensors (pointers stable). A refit that fails (corrupt bucket, dead trainer, wrong
+plan) raises from ``update_weights``; the engine keeps generating with its previous weights, and the next
+refit can succeed.
 
-Trainer side: :class:`MxportTrainerWeightTransferEngine` (``WeightTransferTrainerFactory`` backend ``"mxport"``,
-init info :class:`MxportTrainerInitInfo`) drives the same four calls through any ``VLLMWeightSyncClient``; and
-:class:`MxportWeightSource` yields MXFP8 checkpoint-format ``(name, tensor)`` pairs (FP8 values + uint8 E8M0
-``weight_scale`` under HF names) that also feed vLLM's own NCCL / IPC trainer engines unchanged.
+Trainer side: :class:`MxportTrainerWeightTransferEngine` (``WeightTransferTrainerFactory`` backend
+``"mxport"``, init info :class:`MxportTrainerInitInfo`) drives the same four calls through any
+``VLLMWeightSyncClient``; and :class:`MxportWeightSource` yields MXFP8 checkpoint-format ``(name, tensor)``
+pairs (FP8 values + uint8 E8M0 ``weight_scale`` under HF names) that also feed vLLM's own NCCL / IPC trainer
+engines unchanged.
 
 CPU: vLLM has no native MXFP8 linear kernel for the CPU platform. :func:`enable_cpu_emulation` adds vLLM's own
 ``EmulationMxfp8LinearKernel`` to the CPU entry of vLLM's kernel table (``register_linear_kernel``) in the calling
@@ -67,7 +70,8 @@ BACKEND = "mxport"
 ENV_CPU_EMULATION = "MXPORT_VLLM_CPU_EMULATION"
 
 
-# -- plug-in --------------------------------------------------------------------------------------------------------
+# -- plug-in
+# --------------------------------------------------------------------------------------------------------
 def enable_cpu_emulation() -> bool:
     """On vLLM's CPU platform only, add vLLM's ``EmulationMxfp8LinearKernel`` to the CPU row of its MXFP8 kernel
     table (``vllm/model_executor/kernels/linear/__init__.py``: ``_POSSIBLE_MXFP8_KERNELS``, via
@@ -104,7 +108,8 @@ def register() -> None:
         enable_cpu_emulation()
 
 
-# -- plan glue ------------------------------------------------------------------------------------------------------
+# -- plan glue
+# ------------------------------------------------------------------------------------------------------
 def plan_from_metadata(meta: Iterable[ParamMeta], bucket_bytes: int) -> RefitPlan:
     """The refit plan of a ``WeightSource``'s ``metadata()``: FP8 tensors are values, a uint8 tensor named
     ``<values>_scale`` right after its values tensor is their scales, everything else is kept."""
@@ -173,7 +178,8 @@ def apply_checkpoint_weights(model: torch.nn.Module, model_config, pairs: Iterab
             finalize_layerwise_reload(model, model_config)
 
 
-# -- inference side -------------------------------------------------------------------------------------------------
+# -- inference side
+# -------------------------------------------------------------------------------------------------
 @dataclass
 class MxportInitInfo(WeightTransferInitInfo):
     """Worker-side init info (built by the trainer engine; plain JSON)."""
@@ -258,12 +264,13 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         self._transport, self.receiver, self.targets, self.plan = None, None, [], None
 
 
-# -- trainer side ---------------------------------------------------------------------------------------------------
+# -- trainer side
+# ---------------------------------------------------------------------------------------------------
 class MxportWeightSource(WeightSource):
     """vLLM ``WeightSource`` over a trainer model: MXFP8 checkpoint-format pairs under HF names.
 
-    Quantized weights yield ``<m>.weight`` (FP8 values) then ``<m>.weight_scale`` (uint8 E8M0, compact
-    ``(N, ceil(K/32))``), quantized with :func:`mxport.quantize` (rceil) or exported natively from TE / torchao /
+    Quantized weights yield ``<m>.weight`` (FP8 values) then ``<m>.weight_scale`` (uint8 E8M0, compact ``(N,
+    ceil(K/32))``), quantized with :func:`mxport.quantize` (rceil) or exported natively from TE / torchao /
     Megatron MXFP8 storage; embeddings, norms, lm_head travel as ``kept_dtype``. Works with vLLM's own trainer
     engines (NCCL, IPC): 1.03 bytes per quantized weight instead of 2, and the engine quantizes nothing.
 
@@ -325,8 +332,9 @@ class MxportTrainerInitInfo(TrainerInitInfo):
 
 class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTrainerInitInfo]):
     """Trainer-side engine of the ``"mxport"`` backend: plan from the source's metadata, plan handshake at init,
-    then per :meth:`send_weights` the ``start_weight_update`` -> ``update_weights`` (concurrent with the bucketed,
-    checksummed broadcast) -> ``finish_weight_update`` round trip. ``last_stats``: the sender's stats of the last
+    then per :meth:`send_weights` the ``start_weight_update`` -> ``update_weights`` (concurrent with the
+    bucketed, checksummed broadcast) -> ``finish_weight_update`` round trip. ``last_stats``: the sender's
+    stats of the last
     refit (bytes, seconds, gbps, ...)."""
 
     init_info_cls = MxportTrainerInitInfo
@@ -390,7 +398,8 @@ def _in_plan_order(source: Iterable[tuple[str, torch.Tensor]], plan: RefitPlan) 
 
 def _together(local, remote) -> tuple[Any, Any]:
     """Run ``remote`` (an RPC into the engine) on a thread while ``local`` (this side of the same collective) runs
-    here; return both results. If ``remote`` fails first, its error is raised at once -- not after ``local`` has
+    here; return both results. If ``remote`` fails first, its error is raised at once -- not after ``local``
+    has
     waited out the group's timeout for a peer that is gone."""
     exe = cf.ThreadPoolExecutor(max_workers=2)
     try:

@@ -3,8 +3,8 @@ this process, the trainer in a spawned child that drives vLLM's weight-sync call
 (:class:`PipeClient`, a ``VLLMWeightSyncClient``) while it broadcasts over gloo. Used by
 :func:`run_vllm_refit_demo` (``mxport refit --engine vllm``) and the tests.
 
-The trainer's weights at step ``k`` are :func:`trainer_weights` (the source checkpoint plus a seeded perturbation
-per tensor for ``k > 0``), so any process can rebuild them and check the engine's bytes.
+The trainer's weights at step ``k`` are :func:`trainer_weights` (the source checkpoint plus a seeded
+perturbation per tensor for ``k > 0``), so any process can rebuild them and check the engine's bytes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) 
     return out
 
 
-# -- pipe RPC ---------------------------------------------------------------------------------------------------------
+# -- pipe RPC
+# ---------------------------------------------------------------------------------------------------------
 def _send(conn, obj: dict) -> None:
     conn.send_bytes(json.dumps(obj).encode())
 
@@ -125,7 +126,8 @@ def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
             return {"error": f"trainer is gone; engine said {reply}"}
 
 
-# -- the trainer process ----------------------------------------------------------------------------------------------
+# -- the trainer process
+# ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainerConfig:
     source: str  # bf16 HF model directory (the trainer's step-0 weights)
@@ -244,7 +246,8 @@ def start_trainer(cfg: TrainerConfig):
     return proc, parent
 
 
-# -- the engine side ---------------------------------------------------------------------------------------------------
+# -- the engine side
+# ---------------------------------------------------------------------------------------------------
 def engine_env() -> dict[str, str]:
     """Environment for an in-process CPU vLLM engine that keeps MXFP8 bytes as loaded (set before import)."""
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD": "0",
@@ -367,7 +370,8 @@ class VllmRefitSession:
         return float(ans["seconds"])
 
 
-# -- checks and the demo ---------------------------------------------------------------------------------------------
+# -- checks and the demo
+# ---------------------------------------------------------------------------------------------
 def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tensor], packed: dict
                           ) -> dict[str, torch.Tensor]:
     """What vLLM's loader stores for the trainer's step-``step`` bf16 weights: ``mxport.quantize`` of each
@@ -439,18 +443,19 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int]
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20, max_new_tokens: int = 16,
                         timeout_s: float = 120.0, workdir: str | None = None, on_row=None) -> dict:
     """``mxport refit SOURCE --engine vllm``: export ``source`` (an HF model directory) as MXFP8, start a real
-    vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added
-    for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer calls.
+    vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel
+    added for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer
+    calls.
 
     The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
     optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
-    ``seconds`` (from vLLM's ``start_weight_update`` to the end of ``finish_weight_update``: transfer, checks and
-    layerwise reload; the trainer's weight update before it is not counted), ``gbps``,
-    ``transfer_s`` (the sender's bucketed broadcast alone, quantize included), ``apply_s`` (vLLM's
-    ``finish_weight_update``: the layerwise reload), ``gen_kl_error`` (mean KL(engine || trainer) over the
-    engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes
-    == mxport.quantize of the trainer's weights as vLLM stores them), ``pointers_stable``, ``engine: "vllm"``.
-    Returns ``{"engine", "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
+    ``seconds`` (from vLLM's ``start_weight_update`` to the end of ``finish_weight_update``: transfer, checks
+    and layerwise reload; the trainer's weight update before it is not counted), ``gbps``, ``transfer_s`` (the
+    sender's bucketed broadcast alone, quantize included), ``apply_s`` (vLLM's ``finish_weight_update``: the
+    layerwise reload), ``gen_kl_error`` (mean KL(engine || trainer) over the engine's greedy tokens, from
+    vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes == mxport.quantize of
+    the trainer's weights as vLLM stores them), ``pointers_stable``, ``engine: "vllm"``. Returns ``{"engine",
+    "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
     """
     import tempfile
 
