@@ -1,7 +1,7 @@
 """File-system safety of outputs: atomic file writes (a temporary sibling and a rename), output folders built
 under a findable temporary name and swapped into place, stale temporaries of killed runs cleaned, outputs that
-would clobber their own source refused, and "cannot write here" errors (disk full, read-only, ...) turned into one
-clear :class:`OutputError`."""
+would clobber their own source refused, and "cannot write here" errors (disk full, read-only, ...) turned into
+one clear :class:`OutputError`."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ OUTPUT_ERRNOS = {
 
 class OutputError(OSError, ValueError):
     """The output cannot be written (disk full, read-only file system, symlink loop, ...): an ``OSError`` with
-    ``errno`` and ``filename``, and a ``ValueError`` (bad output place: the CLI's exit code 2). ``str()`` is one
-    line naming the path and the reason."""
+    ``errno`` and ``filename``, and a ``ValueError`` (bad output place: the CLI's exit code 2). ``str()`` is
+    one line naming the path and the reason."""
 
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
@@ -79,8 +79,8 @@ def mkstemp_like_open(path: Path, suffix: str = "") -> tuple[int, str]:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename (the file gets the mode
-    a plain ``open()`` would give it). Missing parent folders are created. The temporary file is removed on any
-    failure; a full disk, read-only file system, ... raise :class:`OutputError`."""
+    a plain ``open()`` would give it). Missing parent folders are created. The temporary file is removed on
+    any failure; a full disk, read-only file system, ... raise :class:`OutputError`."""
     path = Path(path)
     with output_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,8 +209,9 @@ def _rename_exchange(a: Path, b: Path) -> bool:
 def replace_dir(tmp: Path, out: Path) -> None:
     """Put the finished folder ``tmp`` at ``out`` (same parent). An existing ``out`` is swapped with ``tmp`` in
     one atomic ``renameat2(RENAME_EXCHANGE)`` where the system has it; elsewhere it is first renamed to
-    ``.<name>.mxport-old-<pid>-<random>``, then ``tmp`` takes its place, then the old copy is removed. A crash at
-    any point leaves either ``out`` complete or that old copy, which :func:`clean_stale_temps` renames back."""
+    ``.<name>.mxport-old-<pid>-<random>``, then ``tmp`` takes its place, then the old copy is removed. A crash
+    at any point leaves either ``out`` complete or that old copy, which :func:`clean_stale_temps` renames
+    back."""
     if not os.path.lexists(out):
         os.rename(tmp, out)
         return
@@ -237,8 +238,8 @@ def _absolute(path: str | os.PathLike) -> Path:
 
 def check_output_place(out: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
     """Refuse an output folder that would clobber what the user did not ask to replace, compared on real paths
-    (symlinks resolved) and on the paths as named: ``out`` that is, contains or lies inside ``source`` (a file or
-    folder), and ``out`` that is or contains the current directory, the home directory or ``/``.
+    (symlinks resolved) and on the paths as named: ``out`` that is, contains or lies inside ``source`` (a file
+    or folder), and ``out`` that is or contains the current directory, the home directory or ``/``.
 
     Raises ValueError naming the paths.
     """

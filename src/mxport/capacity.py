@@ -6,18 +6,18 @@ What it counts (per refit, every tensor of the model once per engine replica):
 * **MXFP8** (what mxport sends): quantized weights as FP8 values + one E8M0 byte per block of 32, kept tensors
   (embeddings, norms, routers, ``lm_head``) in ``kept_bytes`` per element (BF16 on engines: 2); the trainer
   ranks quantize their share of the weights.
-* **BF16** (the default path today: gather the full tensors on the trainer, send BF16, quantize on the engine):
-  every tensor at 2 bytes per element; sharded trainers first gather (``full_tensor()``: every rank of a
-  pipeline stage receives the stage's whole model over its link), and every engine rank quantizes the slice it
-  holds.
+* **BF16** (the default path today: gather the full tensors on the trainer, send BF16, quantize on the
+  engine): every tensor at 2 bytes per element; sharded trainers first gather (``full_tensor()``: every rank
+  of a pipeline stage receives the stage's whole model over its link), and every engine rank quantizes the
+  slice it holds.
 
 Each engine rank receives the slice it holds (:func:`mxport.layout.engine_shard`, vLLM's tensor / expert
-parallel slicing); the trainer ranks share the sending equally. Every rank has one link of ``link_gbps``; the wire
-time is the busier side's bytes over it:
-``t_wire = max(wire_bytes / trainer_ranks, max bytes of one engine rank) / link``. Quantizing and sending overlap
-(the sender quantizes bucket ``b + 1`` while bucket ``b`` is on the wire) unless ``overlap=False``:
-``t = max(t_quantize, t_wire)`` or their sum. Constants it does not know (per-message latency, checksums,
-stragglers) are left out: it is a lower bound shaped like the measurements, not a simulator.
+parallel slicing); the trainer ranks share the sending equally. Every rank has one link of ``link_gbps``; the
+wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks, max bytes of one
+engine rank) / link``. Quantizing and sending overlap (the sender quantizes bucket ``b + 1`` while bucket
+``b`` is on the wire) unless ``overlap=False``: ``t = max(t_quantize, t_wire)`` or their sum. Constants it
+does not know (per-message latency, checksums, stragglers) are left out: it is a lower bound shaped like the
+measurements, not a simulator.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ E8M0_NAN = 255
 E8M0_MAX = 254  # largest finite E8M0 byte: 2**127
 FP8_CANONICAL_NAN = 0x7F  # NaN in both E4M3 (S.1111.111) and E5M2 (S.11111.11)
 
-#: ``torch.float8_e8m0fnu`` where this torch has it (2.7+), else ``None``. mxport carries scales as uint8 bytes.
+#: ``torch.float8_e8m0fnu`` where this torch has it (2.7+), else ``None``. mxport carries scales as uint8
+#: bytes.
 FLOAT8_E8M0FNU = getattr(torch, "float8_e8m0fnu", None)
 
 #: the high-precision float dtypes mxport quantizes from and decodes to
@@ -128,9 +129,9 @@ def e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
 def e8m0_rceil(v: torch.Tensor) -> torch.Tensor:
     """E8M0 byte (int32 tensor) = the smallest E with 2**(E-127) >= v, for float32 ``v >= 0``.
 
-    Clamped to [0, 254]: v == 0 -> 0, v Inf -> 254 (saturating), v NaN -> 255. Computed from the float's exponent
-    and mantissa bits; a float log2 is wrong near powers of two. Matches TE ``float_to_e8m0`` with satfinite
-    (``cvt.rp.satfinite.ue8m0x2.f32``).
+    Clamped to [0, 254]: v == 0 -> 0, v Inf -> 254 (saturating), v NaN -> 255. Computed from the float's
+    exponent and mantissa bits; a float log2 is wrong near powers of two. Matches TE ``float_to_e8m0`` with
+    satfinite (``cvt.rp.satfinite.ue8m0x2.f32``).
     """
     bits = v.contiguous().view(torch.int32)
     exp = torch.bitwise_and(torch.bitwise_right_shift(bits, 23), 0xFF)
@@ -160,11 +161,11 @@ def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) ->
     """float32 -> FP8 bytes (``torch.uint8``; view them as ``fp8_dtype``): round-to-nearest-even, saturating to
     ±max_norm (Inf -> ±max_norm); every NaN -> 0x7F.
 
-    PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps NaN).
-    Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite`` gives), so the
-    eager and compiled casts, whose NaN sign bits differ, produce identical bytes. E4M3 is computed from the float32
-    bits (:func:`_saturating_cast_e4m3`); for E5M2 the NaN test runs on the bytes (low 7 bits 0x7D..0x7F). Returning
-    bytes (not FP8) keeps a compiled caller's output a single fused pass.
+    PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps
+    NaN). Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite``
+    gives), so the eager and compiled casts, whose NaN sign bits differ, produce identical bytes. E4M3 is
+    computed from the float32 bits (:func:`_saturating_cast_e4m3`); for E5M2 the NaN test runs on the bytes
+    (low 7 bits 0x7D..0x7F). Returning bytes (not FP8) keeps a compiled caller's output a single fused pass.
     """
     if fp8_dtype == torch.float8_e4m3fn:
         return _saturating_cast_e4m3(x, max_norm)
@@ -176,11 +177,12 @@ def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) ->
 def _saturating_cast_e4m3(x: torch.Tensor, max_norm: float) -> torch.Tensor:
     """float32 -> E4M3 bytes by integer arithmetic on the float32 bits (same contract as :func:`saturating_cast`).
 
-    All lanes stay 32-bit until the final narrowing, which the compiled kernel vectorizes far better than the FP8
-    convert + byte-wise NaN fix-up (checked equal to ``saturating_cast``'s cast on all 2**32 float32 patterns).
-    Normal results (|x| >= 2**-6): round the mantissa to 3 bits, nearest-even, by adding 0x7FFFF + lsb and
-    shifting (a carry into the exponent is the correct rounding), then rebias 127 -> 7. Subnormal results: the
-    integer nearest-even to |x| * 2**9, read from the mantissa of |x| * 2**9 + 2**23 (exact for |x| < 2**-6).
+    All lanes stay 32-bit until the final narrowing, which the compiled kernel vectorizes far better than the
+    FP8 convert + byte-wise NaN fix-up (checked equal to ``saturating_cast``'s cast on all 2**32 float32
+    patterns). Normal results (|x| >= 2**-6): round the mantissa to 3 bits, nearest-even, by adding 0x7FFFF +
+    lsb and shifting (a carry into the exponent is the correct rounding), then rebias 127 -> 7. Subnormal
+    results: the integer nearest-even to |x| * 2**9, read from the mantissa of |x| * 2**9 + 2**23 (exact for
+    |x| < 2**-6).
     """
     a = torch.clamp(x.abs(), max=max_norm)  # NaN stays NaN (either sign); Inf -> max_norm
     bits = a.view(torch.int32)

@@ -3,8 +3,9 @@
 All functions take and return ``torch.uint8`` tensors (``float8_e8m0fnu`` input is bit-viewed) and work on any
 device with one reshape/permute, never a per-element loop.
 
-Source: design.md §3; cuBLAS docs "1D block scaling factors layout" (VEC32_UE8M0); TE
-``pytorch/tensor/storage/mxfp8_tensor_storage.py`` (padding to 128×4); FlashInfer ``layout_128x4``.
+Source: docs/format.md, "Scale layouts: compact, padded, swizzled"; cuBLAS docs "1D block scaling factors
+layout" (VEC32_UE8M0); TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py`` (padding to 128×4); FlashInfer
+``layout_128x4``.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def padded_shape(rows: int, cols: int, direction: str = "rowwise") -> tuple[int,
 def pad(scale_inv_2d: torch.Tensor, direction: str = "rowwise") -> torch.Tensor:
     """Compact ``(R, C)`` scales -> TE's padded layout (zeros in the padding); see :func:`padded_shape`.
 
-    Returns a new uint8 tensor (the input itself when no padding is needed). Raises TypeError / ValueError for a
-    non-E8M0 dtype or a non-2-D tensor.
+    Returns a new uint8 tensor (the input itself when no padding is needed). Raises TypeError / ValueError for
+    a non-E8M0 dtype or a non-2-D tensor.
     """
     scale = _check_2d(scale_inv_2d, "scale_inv_2d")
     r, c = scale.shape
@@ -89,8 +90,8 @@ def pad(scale_inv_2d: torch.Tensor, direction: str = "rowwise") -> torch.Tensor:
 def unpad(padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The compact ``(rows, cols)`` corner of a padded scale grid, as a view (no copy).
 
-    TE leaves padding bytes uninitialized, so they are dropped, never read. Raises ValueError when ``padded`` is
-    smaller than ``(rows, cols)`` or they are negative, TypeError when they are not integers.
+    TE leaves padding bytes uninitialized, so they are dropped, never read. Raises ValueError when ``padded``
+    is smaller than ``(rows, cols)`` or they are negative, TypeError when they are not integers.
     """
     padded = _check_2d(padded, "padded")
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
@@ -111,8 +112,8 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
 
     Returns uint8 ``(roundup(R,128), roundup(C,4))`` whose row-major bytes put compact entry ``(r, c)`` at
     ``((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (c%4)``; padding bytes are 0. Columnwise
-    scales are swizzled as their transpose: ``swizzle(scale.T)``. An empty grid gives the empty result of that shape,
-    e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``.
+    scales are swizzled as their transpose: ``swizzle(scale.T)``. An empty grid gives the empty result of that
+    shape, e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``.
     """
     scale = _check_2d(scale_inv_2d, "scale_inv_2d")
     r, c = scale.shape

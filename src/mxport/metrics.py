@@ -1,8 +1,9 @@
 """Fidelity metrics between a generation (MXFP8) model and a training (high-precision) model, and weight SQNR.
 
-Conventions: ``logp_gen`` / ``logp_train`` are next-token log-probabilities (or logits: every function normalizes
-with ``log_softmax`` in float32) of shape ``[..., T, V]`` for T positions over a V-token vocabulary; ``mask`` is a
-bool / 0-1 tensor ``[..., T]`` selecting the generated positions (None = all). Results are Python floats.
+Conventions: ``logp_gen`` / ``logp_train`` are next-token log-probabilities (or logits: every function
+normalizes with ``log_softmax`` in float32) of shape ``[..., T, V]`` for T positions over a V-token
+vocabulary; ``mask`` is a bool / 0-1 tensor ``[..., T]`` selecting the generated positions (None = all).
+Results are Python floats.
 
 Sources: NeMo-RL ``nemo_rl/algorithms/loss_functions.py`` (``token_mult_prob_error``: masked mean of
 ``exp(|generation_logprobs - prev_logprobs|)``) and its GRPO guide (``gen_kl_error``, here computed exactly over the
@@ -52,8 +53,8 @@ def gen_kl_error(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.T
 
     Returns:
         ``{"mean": float, "max": float, "per_position": Tensor [..., T] float32}`` (mean / max over masked
-        positions; 0.0 when none). Terms with p_gen = 0 contribute 0; p_train = 0 where p_gen > 0 gives inf.
-        A position where either distribution holds a NaN (NaN logits, or a row with no finite logit) is NaN, and
+        positions; 0.0 when none). Terms with p_gen = 0 contribute 0; p_train = 0 where p_gen > 0 gives inf. A
+        position where either distribution holds a NaN (NaN logits, or a row with no finite logit) is NaN, and
         so are the mean and max over it: a broken model never reads as a perfect match.
 
     Raises:
@@ -84,7 +85,8 @@ def token_mult_prob_error(logp_gen_tokens: torch.Tensor, logp_train_tokens: torc
         mask: ``[..., T]`` generated positions (None = all).
 
     Returns a float >= 1 (1.0 = identical; 1.0 when no position is selected).
-    Source: NeMo-RL ``ClippedPGLossFn``: ``masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask)``.
+    Source: NeMo-RL ``ClippedPGLossFn``:
+    ``masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask)``.
     """
     for x, n in ((logp_gen_tokens, "logp_gen_tokens"), (logp_train_tokens, "logp_train_tokens")):
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
@@ -120,8 +122,8 @@ def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: tor
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``test`` against ``ref`` in dB:
-    ``10 log10(sum(ref^2) / sum((ref - test)^2))``, squares in float32, sums in float64. ``inf`` when identical; ``-inf`` for
-    an all-zero ``ref`` with nonzero error; NaN when either holds NaN.
+    ``10 log10(sum(ref^2) / sum((ref - test)^2))``, squares in float32, sums in float64. ``inf`` when
+    identical; ``-inf`` for an all-zero ``ref`` with nonzero error; NaN when either holds NaN.
 
     Raises ValueError on a shape mismatch, TypeError on non-tensors.
     """

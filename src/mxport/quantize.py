@@ -6,8 +6,8 @@ with AVX-512 or AVX2 a native C kernel (:mod:`mxport.native`, the same algorithm
 it is checked byte for byte against ``_rowwise_kernel`` on a probe tensor before its first use (tests check
 all three agree).
 
-Sources: design.md §2; TE ``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0
-    §6.3.
+Sources: docs/format.md ("Elements, blocks, scales", "Rounding rules"); TE
+``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0 §6.3.
 """
 
 from __future__ import annotations

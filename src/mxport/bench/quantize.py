@@ -91,8 +91,8 @@ def run(quick: bool = False) -> list[dict]:
 
     ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds;
     plus ~20 s the first time where the compiled kernel is used). The default kernel is used in both modes:
-    native where the CPU has AVX-512 or AVX2, else compiled when ``torch.compile`` works, else eager (``mxport info``
-    says; row notes name it). Runs on CUDA when available, else CPU.
+    native where the CPU has AVX-512 or AVX2, else compiled when ``torch.compile`` works, else eager (``mxport
+    info`` says; row notes name it). Runs on CUDA when available, else CPU.
     """
     from ..quantize import kernel_for, kernel_label
     from ..quantize import quantize as mx_quantize

@@ -1,15 +1,16 @@
 """The export pipeline: source reader -> precision policy -> quantize -> streaming writer, into a temporary
 directory renamed into place.
 
-Source kinds: a Hugging Face directory of ``*.safetensors`` (streamed one tensor at a time), a ``.gguf`` file or a
-directory holding one (loaded through :func:`mxport.models.load_causal_lm`), ``None`` (the embedded default model,
-see :mod:`mxport.models`), an ``nn.Module`` or a state dict.
+Source kinds: a Hugging Face directory of ``*.safetensors`` (streamed one tensor at a time), a ``.gguf`` file
+or a directory holding one (loaded through :func:`mxport.models.load_causal_lm`), ``None`` (the embedded
+default model, see :mod:`mxport.models`), an ``nn.Module`` or a state dict.
 
-Output (design.md §4): quantized tensors as ``<m>.weight`` FP8 values (rowwise, the source shape) plus the scale
-tensor named by :func:`~mxport.checkpoint.naming.scale_name` (uint8 E8M0, compact ``(*shape[:-1], ceil(K/32))``),
-written next to each other; kept tensors in their dtype, or cast to ``dtype`` when given (floating ones only);
-``config.json`` with ``quantization_config`` (+ ``hf_quant_config.json`` for modelopt); every other small file of
-the source directory (tokenizer, generation config, chat template, ...) copied.
+Output (docs/format.md, "What each consumer expects"): quantized tensors as ``<m>.weight`` FP8 values
+(rowwise, the source shape) plus the scale tensor named by :func:`~mxport.checkpoint.naming.scale_name` (uint8
+E8M0, compact ``(*shape[:-1], ceil(K/32))``), written next to each other; kept tensors in their dtype, or cast
+to ``dtype`` when given (floating ones only); ``config.json`` with ``quantization_config``
+(+ ``hf_quant_config.json`` for modelopt); every other small file of the source directory (tokenizer,
+generation config, chat template, ...) copied.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class ExportResult:
 def open_source(source) -> SafetensorsDir | StateDictSource:
     """A reader for ``source`` (see the module docstring).
 
-    Raises FileNotFoundError / ValueError (from :func:`mxport.models.resolve_source`) for a missing path or a path
-    with no model; TypeError for any other object.
+    Raises FileNotFoundError / ValueError (from :func:`mxport.models.resolve_source`) for a missing path or a
+    path with no model; TypeError for any other object.
     """
     if isinstance(source, (torch.nn.Module, dict)):
         return StateDictSource(source)
@@ -121,11 +122,12 @@ def _copy_small_files(src_dir: Path | None, dst: Path) -> list[str]:
 def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None) -> Path:
     """Check the output path before any work and recover from a killed run into it; returns it as a Path.
 
-    ``source_dir`` is the source (a folder or a file, e.g. a GGUF) or None. Refused (ValueError): an output that
-    is, contains or lies inside the source, or is / contains the current, home or root directory (compared on real
-    paths, :func:`mxport._fs.check_output_place`); an existing file. FileExistsError when ``out`` exists without
-    ``overwrite``. Before that, temporaries of ``out`` left by killed runs are removed, and an output that an
-    interrupted overwrite left renamed aside is put back (:func:`mxport._fs.clean_stale_temps`).
+    ``source_dir`` is the source (a folder or a file, e.g. a GGUF) or None. Refused (ValueError): an output
+    that is, contains or lies inside the source, or is / contains the current, home or root directory
+    (compared on real paths, :func:`mxport._fs.check_output_place`); an existing file. FileExistsError when
+    ``out`` exists without ``overwrite``. Before that, temporaries of ``out`` left by killed runs are removed,
+    and an output that an interrupted overwrite left renamed aside is put back
+    (:func:`mxport._fs.clean_stale_temps`).
     """
     out = Path(out).expanduser()
     check_output_place(out, source_dir)
@@ -149,7 +151,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         source: path (HF dir, GGUF), None (the embedded default model), an ``nn.Module`` or a state dict; or a
             reader from :func:`open_source`.
         out: output directory; written under a temporary name in the same folder and renamed into place.
-        fmt: "modelopt" (default), "compressed-tensors" or "sglang" (:data:`~mxport.checkpoint.naming.FORMATS`).
+        fmt: "modelopt" (default), "compressed-tensors" or "sglang"
+            (:data:`~mxport.checkpoint.naming.FORMATS`).
         fp8_dtype: element type of the values; E5M2 only where the format allows it (sglang).
         policy: which tensors are quantized (default :class:`~mxport.policy.PrecisionPolicy()`).
         dtype: cast kept floating tensors to this dtype (bf16 / fp16 / fp32); None keeps each tensor's dtype.
@@ -158,9 +161,9 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         progress: called as ``progress(tensor_name, input_bytes_done)`` after each source tensor.
 
     Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
-    dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so peak
-    memory is a few chunks plus one tensor's scales, whatever the tensor or shard size; in-memory sources hold
-    their tensors anyway.
+    dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so
+    peak memory is a few chunks plus one tensor's scales, whatever the tensor or shard size; in-memory sources
+    hold their tensors anyway.
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
@@ -239,9 +242,9 @@ def _stream(reader, decisions, writer: ShardedSafetensorsWriter, fmt: str, fp8_d
     """Read -> quantize / cast -> write, chunk by chunk, with the next chunk's read and the previous chunks'
     writes running on two helper threads (file I/O releases the GIL), so I/O overlaps with quantize.
 
-    Rowwise MX blocks never cross rows, so quantizing whole-row chunks gives the bytes of one ``quantize`` of the
-    whole tensor. A quantized tensor's values are streamed; its scales (32x smaller) are written after them.
-    Memory in flight: a few chunks. Returns the source bytes read.
+    Rowwise MX blocks never cross rows, so quantizing whole-row chunks gives the bytes of one ``quantize`` of
+    the whole tensor. A quantized tensor's values are streamed; its scales (32x smaller) are written after
+    them. Memory in flight: a few chunks. Returns the source bytes read.
     """
     in_bytes = 0
     pending: deque = deque()

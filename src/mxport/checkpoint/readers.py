@@ -2,18 +2,19 @@
 
 * :class:`SafetensorsDir` — a Hugging Face model directory (``*.safetensors``, sharded with
   ``model.safetensors.index.json``) or a single ``.safetensors`` file. Every header is checked by the
-  ``safetensors`` library (``safe_open``: offsets contiguous and covering the file, each shape matching its byte
-  range, bounded JSON), so entries come in file order without reading data; :meth:`SafetensorsDir.get` reads one
-  tensor (plain reads at the checked offsets, no memory map).
+  ``safetensors`` library (``safe_open``: offsets contiguous and covering the file, each shape matching its
+  byte range, bounded JSON), so entries come in file order without reading data; :meth:`SafetensorsDir.get`
+  reads one tensor (plain reads at the checked offsets, no memory map).
 * :class:`StateDictSource` — an ``nn.Module`` or a state dict in memory (GGUF files come in this way, through
   :func:`mxport.models.load_causal_lm`).
 * :func:`open_checkpoint` — an MXFP8 (or plain) checkpoint read back as ``(name, MXFP8Components | Tensor)``:
   values and scales paired under the values' name.
 
-Trust nothing on disk: only regular files inside the checkpoint folder are opened (a FIFO, a device, a directory
-named ``*.safetensors`` or a symlink leading out of the folder is refused before it is opened, so nothing blocks),
-an index must name plain files of the folder and agree with the shards' headers, JSON files must be objects of
-bounded size and depth. Every problem is a :class:`CheckpointError` (a ValueError) naming the file.
+Trust nothing on disk: only regular files inside the checkpoint folder are opened (a FIFO, a device, a
+directory named ``*.safetensors`` or a symlink leading out of the folder is refused before it is opened, so
+nothing blocks), an index must name plain files of the folder and agree with the shards' headers, JSON files
+must be objects of bounded size and depth. Every problem is a :class:`CheckpointError` (a ValueError) naming
+the file.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def st_dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported dtype {dtype} (safetensors dtypes: {sorted(ST_TO_TORCH)})") from None
 
 
-# -- files: regular, inside the folder ------------------------------------------------------------------------
+# -- files: regular, inside the folder -----------------------------------------------------------------------
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
@@ -115,7 +116,7 @@ def read_json(path: Path, roots: list[Path] | None = None) -> dict:
     return data
 
 
-# -- safetensors headers ---------------------------------------------------------------------------------------
+# -- safetensors headers -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a safetensors file as its (checked) header describes it."""
@@ -145,9 +146,9 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
     ``{name: {"dtype", "shape", "data_offsets"}}`` (file order) plus ``__metadata__``.
 
     Raises CheckpointError naming the file when it is not a regular file (inside ``roots``), when
-    ``safetensors`` refuses it (truncated, header too large, not JSON or nested too deeply, offsets overlapping,
-    out of range or not covering the data, a shape whose bytes differ from its offsets, negative sizes), or for a
-    dtype mxport does not read.
+    ``safetensors`` refuses it (truncated, header too large, not JSON or nested too deeply, offsets
+    overlapping, out of range or not covering the data, a shape whose bytes differ from its offsets, negative
+    sizes), or for a dtype mxport does not read.
     """
     file = check_regular_file(Path(file), roots)
     try:
@@ -249,9 +250,10 @@ class SafetensorsDir:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError (a ValueError): no ``*.safetensors`` in the directory; a shard, index or config that is
-            not a regular file inside the folder; an index naming a missing shard, a file outside the folder,
-            omitting a shard or a tensor; a corrupt header; an unsupported dtype; a tensor name in two shards.
+        CheckpointError (a ValueError): no ``*.safetensors`` in the directory; a shard, index or config that
+            is not a regular file inside the folder; an index naming a missing shard, a file outside the
+            folder, omitting a shard or a tensor; a corrupt header; an unsupported dtype; a tensor name in two
+            shards.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -403,12 +405,14 @@ class StateDictSource:
     """An in-memory state dict (or ``nn.Module``) with the same interface as :class:`SafetensorsDir`.
 
     Args:
-        obj: ``nn.Module`` (its ``state_dict()``; ``model.config`` is used when present) or a ``dict`` of tensors.
+        obj: ``nn.Module`` (its ``state_dict()``; ``model.config`` is used when present) or a ``dict`` of
+            tensors.
         config: config dict (defaults to ``obj.config.to_dict()`` for a transformers model, else {}).
-        extras: objects with ``save_pretrained(dir)`` (tokenizer, generation config) written next to the weights.
+        extras: objects with ``save_pretrained(dir)`` (tokenizer, generation config) written next to the
+            weights.
 
-    With ``tie_word_embeddings`` in the config, ``lm_head.weight`` is dropped (written once, as the embedding),
-    as ``save_pretrained`` does.
+    With ``tie_word_embeddings`` in the config, ``lm_head.weight`` is dropped (written once, as the
+    embedding), as ``save_pretrained`` does.
     """
 
     def __init__(self, obj, *, config: dict | None = None, extras=(), label: str = "state dict"):
@@ -525,7 +529,7 @@ def describe_quantization(d: SafetensorsDir) -> QuantDescription:
     return QuantDescription(qc, guess, "names" if guess else None, None)
 
 
-# -- pairing values and scales, and what can be wrong with them --------------------------------------------------
+# -- pairing values and scales, and what can be wrong with them ----------------------------------------------
 _ALL_SUFFIXES = ("_scale_inv", "_scale")
 
 
@@ -642,8 +646,8 @@ def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: 
 
 def data_problems(c: MXFP8Components, scale_name: str, values_name: str) -> tuple[list[str], list[str]]:
     """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values; every
-    scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight is only a
-    warning."""
+    scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight is
+    only a warning."""
     problems, warnings = [], []
     e = c.scale_inv
     nan = int((e == 255).sum())
@@ -673,15 +677,16 @@ def _first(problems, path) -> str:
 class CheckpointReader:
     """An exported MXFP8 checkpoint (any of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF directory.
 
-    Opening checks the files (see :class:`SafetensorsDir`) and every values/scale pair's names, dtypes and shapes
-    (:func:`analyse_pairs`): FP8 values without a scale, values of another element type than the quantization
-    config declares (E4M3 bytes stored as ``F8_E5M2``), a padded or non-uint8 scale, a config that declares MXFP8
-    over files without one pair are each a :class:`CheckpointError`. Reading a pair checks its bytes
-    (:func:`data_problems`: NaN scales, scales never written).
+    Opening checks the files (see :class:`SafetensorsDir`) and every values/scale pair's names, dtypes and
+    shapes (:func:`analyse_pairs`): FP8 values without a scale, values of another element type than the
+    quantization config declares (E4M3 bytes stored as ``F8_E5M2``), a padded or non-uint8 scale, a config
+    that declares MXFP8 over files without one pair are each a :class:`CheckpointError`. Reading a pair checks
+    its bytes (:func:`data_problems`: NaN scales, scales never written).
 
     Attributes:
         format: "modelopt" | "compressed-tensors" | "sglang" (from the config's quantization_config or
-            hf_quant_config.json, else guessed from scale tensor names), or None for an unquantized checkpoint.
+            hf_quant_config.json, else guessed from scale tensor names), or None for an unquantized
+            checkpoint.
         config: ``config.json`` as a dict.
     """
 
@@ -747,7 +752,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError (a ValueError): unsafe or corrupt files, index or config; values/scale pairs that do not
-            match (see :class:`CheckpointReader`).
+        CheckpointError (a ValueError): unsafe or corrupt files, index or config; values/scale pairs that do
+            not match (see :class:`CheckpointReader`).
     """
     return CheckpointReader(path)

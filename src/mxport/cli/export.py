@@ -41,9 +41,9 @@ def export_cmd(
     """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang) loads.
 
     Linear-layer weights and fused expert weights become FP8 values + uint8 E8M0 scales (compact, one per 32
-    values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are fnmatch-style
-    ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output goes to a
-    temporary directory renamed into place. Exit 0 ok, 2 bad input.
+    values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are
+    fnmatch-style ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output
+    goes to a temporary directory renamed into place. Exit 0 ok, 2 bad input.
     """
     json_to_stdout(json_out)
     with user_errors():

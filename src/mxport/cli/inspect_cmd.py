@@ -20,9 +20,9 @@ def inspect_cmd(
 ):
     """Look inside an MXFP8 checkpoint (modelopt, compressed-tensors, sglang) and check it.
 
-    Per tensor: name, shape, dtype, role (values / scales / kept); per MXFP8 pair: scale exponent range (E-127) and
-    decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a compact uint8
-    scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
+    Per tensor: name, shape, dtype, role (values / scales / kept); per MXFP8 pair: scale exponent range
+    (E-127) and decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a
+    compact uint8 scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
     """
     json_to_stdout(json_out)
     columns = (TextColumn("inspect"), BarColumn(), MofNCompleteColumn(), TextColumn("MXFP8 pairs"),
