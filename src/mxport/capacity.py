@@ -1,5 +1,5 @@
-"""A capacity model of refit: bytes per link and predicted refit time, MXFP8 against BF16, for any model config,
-trainer layout and engine layout — for machines bigger than the one at hand.
+"""A capacity model of refit: bytes per link and predicted refit time, MXFP8 against BF16, for any model
+config, trainer layout and engine layout — for machines bigger than the one at hand.
 
 What it counts (per refit, every tensor of the model once per engine replica):
 
@@ -112,8 +112,8 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
             hardware: Hardware = Hardware(), *, engine_replicas: int = 1, kept_bytes: int = BF16_BYTES,
             config: dict | None = None, policy: PrecisionPolicy | None = None,
             model: str = "model") -> CapacityReport:
-    """Predict the refit of the tensors ``entries`` (``(name, shape, dtype)`` in model order) from a ``trainer``
-    layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model).
+    """Predict the refit of the tensors ``entries`` (``(name, shape, dtype)`` in model order) from a
+    ``trainer`` layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model).
 
     Raises:
         ValueError: ``engine_replicas`` or ``kept_bytes`` below 1.

@@ -59,8 +59,8 @@ _BY_NAME = {E4M3.name: E4M3, E5M2.name: E5M2, "float8_e4m3fn": E4M3, "float8_e5m
 
 
 def describe(value) -> str:
-    """A short description of an argument for error messages: a tensor by its shape, dtype and device (never its
-    values: printing a huge or meta tensor fails), anything else by its repr, cut to 80 characters."""
+    """A short description of an argument for error messages: a tensor by its shape, dtype and device (never
+    its values: printing a huge or meta tensor fails), anything else by its repr, cut to 80 characters."""
     if isinstance(value, torch.Tensor):
         return f"a {type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}, on {value.device}"
     try:
@@ -106,7 +106,8 @@ def as_e8m0_bytes(scale: torch.Tensor, *, argname: str = "scale_inv") -> torch.T
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """Decode E8M0 bytes to float32 2**(E-127), built from bits: E=0 -> 2**-127, E=255 -> NaN (OCP MX §5.3)."""
+    """Decode E8M0 bytes to float32 2**(E-127), built from bits: E=0 -> 2**-127, E=255 -> NaN (OCP MX
+    §5.3)."""
     e32 = e.to(torch.int32)
     normal = torch.bitwise_left_shift(e32, 23)  # exponent field E, mantissa 0: exactly 2**(E-127) for E >= 1
     bits = torch.where(e32 == 0, torch.full_like(e32, 0x00400000), normal)  # 2**-127 is an FP32 subnormal
@@ -144,7 +145,8 @@ def e8m0_rceil(v: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
-    """E8M0 byte (int32 tensor) of the OCP MX v1.0 §6.3 rule: E-127 = floor(log2 amax) - emax, clamped to [0, 254].
+    """E8M0 byte (int32 tensor) of the OCP MX v1.0 §6.3 rule: E-127 = floor(log2 amax) - emax, clamped to
+    [0, 254].
 
     floor(log2 amax) is the float32 exponent field minus 127 (exact, no float log2). Zero and subnormal amax
     (floor(log2) <= -127) clamp to 0; Inf -> 254; NaN -> 255.
@@ -158,8 +160,8 @@ def e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
 
 
 def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """float32 -> FP8 bytes (``torch.uint8``; view them as ``fp8_dtype``): round-to-nearest-even, saturating to
-    ±max_norm (Inf -> ±max_norm); every NaN -> 0x7F.
+    """float32 -> FP8 bytes (``torch.uint8``; view them as ``fp8_dtype``): round-to-nearest-even, saturating
+    to ±max_norm (Inf -> ±max_norm); every NaN -> 0x7F.
 
     PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps
     NaN). Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite``
@@ -175,7 +177,8 @@ def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) ->
 
 
 def _saturating_cast_e4m3(x: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """float32 -> E4M3 bytes by integer arithmetic on the float32 bits (same contract as :func:`saturating_cast`).
+    """float32 -> E4M3 bytes by integer arithmetic on the float32 bits (same contract as
+    :func:`saturating_cast`).
 
     All lanes stay 32-bit until the final narrowing, which the compiled kernel vectorizes far better than the
     FP8 convert + byte-wise NaN fix-up (checked equal to ``saturating_cast``'s cast on all 2**32 float32
@@ -211,12 +214,13 @@ def numel_of(shape) -> int:
 
 
 class TooLargeError(MemoryError, ValueError):
-    """The result of a call cannot be allocated (e.g. for a huge ``expand()``ed view that holds no memory of its
-    own): a MemoryError, and a ValueError naming the argument and the size."""
+    """The result of a call cannot be allocated (e.g. for a huge ``expand()``ed view that holds no memory of
+    its own): a MemoryError, and a ValueError naming the argument and the size."""
 
 
 def is_alloc_failure(exc: BaseException) -> bool:
-    """True for an exception that says memory could not be allocated (CPU allocator, CUDA OOM, MemoryError)."""
+    """True for an exception that says memory could not be allocated (CPU allocator, CUDA OOM,
+    MemoryError)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     msg = str(exc)
@@ -225,8 +229,8 @@ def is_alloc_failure(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def allocating(argname: str, t) -> Iterator[None]:
-    """Raise an allocation failure inside (CPU allocator RuntimeError, CUDA OutOfMemoryError, MemoryError) as a
-    :class:`TooLargeError` naming ``argname`` and its shape."""
+    """Raise an allocation failure inside (CPU allocator RuntimeError, CUDA OutOfMemoryError, MemoryError) as
+    a :class:`TooLargeError` naming ``argname`` and its shape."""
     try:
         yield
     except (RuntimeError, MemoryError) as exc:

@@ -63,8 +63,8 @@ def _pad_multiples(direction: str) -> tuple[int, int]:
 
 
 def padded_shape(rows: int, cols: int, direction: str = "rowwise") -> tuple[int, int]:
-    """TE's padded scale shape for a compact ``(rows, cols)`` grid: rowwise ``(roundup(rows,128), roundup(cols,4))``,
-    columnwise ``(roundup(rows,4), roundup(cols,128))``."""
+    """TE's padded scale shape for a compact ``(rows, cols)`` grid: rowwise
+    ``(roundup(rows,128), roundup(cols,4))``, columnwise ``(roundup(rows,4), roundup(cols,128))``."""
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     mr, mc = _pad_multiples(direction)
     return roundup(rows, mr), roundup(cols, mc)
@@ -101,7 +101,8 @@ def unpad(padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
-    """Shape of the swizzled grid for ``(rows, cols)`` compact scales: ``(roundup(rows,128), roundup(cols,4))``."""
+    """Shape of the swizzled grid for ``(rows, cols)`` compact scales:
+    ``(roundup(rows,128), roundup(cols,4))``."""
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     return roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
 
@@ -135,8 +136,9 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
 
 
 def _as_words(grid: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous uint8 grid whose rows are multiples of 4 bytes as int32 words (one word = the 4 scale bytes a
-    swizzle moves together: a permute of 4x fewer elements), or None when its memory is not 4-byte aligned."""
+    """A contiguous uint8 grid whose rows are multiples of 4 bytes as int32 words (one word = the 4 scale
+    bytes a swizzle moves together: a permute of 4x fewer elements), or None when its memory is not 4-byte
+    aligned."""
     if not grid.is_contiguous() or grid.numel() == 0 or grid.data_ptr() % 4 or grid.shape[-1] % 4:
         return None
     return grid.view(torch.int32)
@@ -144,8 +146,8 @@ def _as_words(grid: torch.Tensor) -> torch.Tensor | None:
 
 @_sized("swizzled")
 def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle`: swizzled bytes (1-D, or 2-D padded, ``roundup(rows,128)*roundup(cols,4)`` of
-    them) -> compact uint8 ``(rows, cols)``. Raises ValueError when the byte count does not match."""
+    """Inverse of :func:`swizzle`: swizzled bytes (1-D, or 2-D padded, ``roundup(rows,128)*roundup(cols,4)``
+    of them) -> compact uint8 ``(rows, cols)``. Raises ValueError when the byte count does not match."""
     sw = as_e8m0_bytes(swizzled, argname="swizzled")
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     pr, pc = swizzled_shape(rows, cols)

@@ -99,8 +99,8 @@ def token_mult_prob_error(logp_gen_tokens: torch.Tensor, logp_train_tokens: torc
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``logp[..., t, tokens[..., t]]``: the log-prob of each token, ``[..., T]`` float32 (``logp`` normalized with
-    ``log_softmax`` first)."""
+    """``logp[..., t, tokens[..., t]]``: the log-prob of each token, ``[..., T]`` float32 (``logp`` normalized
+    with ``log_softmax`` first)."""
     lp = _logp(logp, "logp")
     if tokens.shape != lp.shape[:-1]:
         raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match positions {tuple(lp.shape[:-1])}")
@@ -108,9 +108,9 @@ def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Fraction of (masked) positions where both models' most likely next token (argmax) is the same, in [0, 1]
-    (1.0 when no position is selected; NaN when a selected position holds a NaN in either input: argmax of NaN
-    is meaningless)."""
+    """Fraction of (masked) positions where both models' most likely next token (argmax) is the same, in
+    [0, 1] (1.0 when no position is selected; NaN when a selected position holds a NaN in either input: argmax
+    of NaN is meaningless)."""
     _check_same(logp_gen, logp_train, "logp_gen", "logp_train")
     same = (logp_gen.argmax(dim=-1) == logp_train.argmax(dim=-1)).double()
     broken = logp_gen.isnan().any(dim=-1) | logp_train.isnan().any(dim=-1)

@@ -1,4 +1,5 @@
-"""quantize(): float tensors -> MXFP8 components, bit-exact with Transformer Engine ("rceil") or OCP MX ("floor").
+"""quantize(): float tensors -> MXFP8 components, bit-exact with Transformer Engine ("rceil") or OCP MX
+("floor").
 
 One kernel function (``_rowwise_kernel``) holds the whole algorithm; the eager path calls it directly and the
 compiled path calls a ``torch.compile``d copy of the same function, so the two cannot drift apart. On CPUs
@@ -94,8 +95,9 @@ def _dynamo_recompile_limit(limit: int):
 
 
 def _compile_options() -> dict | None:
-    """Inductor options for the fast path: realize per-block intermediates (the scale) of more than 10 ops once per
-    block instead of recomputing them for each of the block's 32 elements (about 30% faster on CPU)."""
+    """Inductor options for the fast path: realize per-block intermediates (the scale) of more than 10 ops
+    once per block instead of recomputing them for each of the block's 32 elements (about 30% faster on
+    CPU)."""
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "realize_opcount_threshold"):
@@ -104,12 +106,12 @@ def _compile_options() -> dict | None:
 
 
 def _bound_kernel(params: tuple):
-    """``_rowwise_kernel`` with its scalar parameters (max_norm, inv_max_norm, emax, fp8_dtype, floor, block_2d)
-    closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are marked
-    dynamic): the parameters are constants of the compiled kernel. Passed as arguments under ``dynamic=True``
-    they became graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton then failed to
-    bitcast the int64
-    E8M0 arithmetic to float32, so the floor rounding (and, after it, every other kernel) never compiled there."""
+    """``_rowwise_kernel`` with its scalar parameters (max_norm, inv_max_norm, emax, fp8_dtype, floor,
+    block_2d) closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are
+    marked dynamic): the parameters are constants of the compiled kernel. Passed as arguments under
+    ``dynamic=True`` they became graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton
+    then failed to bitcast the int64 E8M0 arithmetic to float32, so the floor rounding (and, after it, every
+    other kernel) never compiled there."""
     def kernel(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _rowwise_kernel(x2, *params)
     tag = "_".join(str(p).replace("torch.", "").replace(".", "p").replace("-", "m") for p in params)
@@ -118,8 +120,8 @@ def _bound_kernel(params: tuple):
 
 
 class _FastPath:
-    """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format, rounding,
-    block shape); disabled for good after one failure (with a warning).
+    """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format,
+    rounding, block shape); disabled for good after one failure (with a warning).
 
     ``failed_reason``: why it cannot run at all (no ``torch.compile``, a compile failure).
     ``disabled_reason``: why the automatic choice (``kernel=None``) does not pick it: the failure, or
@@ -161,10 +163,9 @@ FAST_PATH = _FastPath()
 
 
 def _probe_inputs() -> list[torch.Tensor]:
-    """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last block
-    (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8
-    ties
-    and rounding edges, many binades."""
+    """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last
+    block (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max /
+    FP8 ties and rounding edges, many binades."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(36, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (36, 600), generator=g).float())
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38, 480.0,
@@ -195,11 +196,13 @@ class _NativePath:
 
     @property
     def available(self) -> bool:
-        """True when the automatic choice may pick it: built, loaded and self-checked (builds it on first call)."""
+        """True when the automatic choice may pick it: built, loaded and self-checked (builds it on first
+        call)."""
         return self.disabled_reason is None and self.loaded()
 
     def loaded(self) -> bool:
-        """Build, load and self-check the kernel once (whatever ``disabled_reason`` says); True when it works."""
+        """Build, load and self-check the kernel once (whatever ``disabled_reason`` says); True when it
+        works."""
         if self._lib is None and self.failed_reason is None:
             with self._lock:
                 if self._lib is None and self.failed_reason is None:
@@ -249,7 +252,8 @@ NATIVE_PATH = _NativePath()
 
 def _reset_locks_after_fork() -> None:
     """A fork while another thread held a path's lock (building the native kernel, compiling) would leave the
-    child waiting forever on a lock nobody owns: the child gets fresh locks (an unfinished build is redone)."""
+    child waiting forever on a lock nobody owns: the child gets fresh locks (an unfinished build is
+    redone)."""
     NATIVE_PATH._lock = threading.Lock()
     FAST_PATH._lock = threading.Lock()
 
@@ -264,7 +268,8 @@ def _kernel_args(fmt: ElementFormat, floor: bool, block_2d: bool) -> tuple:
 
 
 def _native_args(fmt: ElementFormat, floor: bool) -> tuple:
-    """The trailing arguments of :func:`mxport.native.quantize_rows` (same numbers as :func:`_kernel_args`)."""
+    """The trailing arguments of :func:`mxport.native.quantize_rows` (same numbers as
+    :func:`_kernel_args`)."""
     return (0 if fmt.dtype == torch.float8_e4m3fn else 1, floor, float(np.float32(1.0) / np.float32(fmt.max_norm)),
             fmt.emax)
 
@@ -291,7 +296,8 @@ def _check_input(x) -> None:
 
 
 def _check_bool(value, argname: str) -> bool:
-    """A flag: a Python (or numpy) bool, never an int / string read for its truth (``block_2d="no"`` is True)."""
+    """A flag: a Python (or numpy) bool, never an int / string read for its truth (``block_2d="no"`` is
+    True)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{argname} must be a bool (True or False), got {describe(value)}")
@@ -353,8 +359,8 @@ def _named_kernel(x2: torch.Tensor, kernel, fast) -> str:
 
 
 def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))`` uint8
-    views of the caller's tensors."""
+    """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))``
+    uint8 views of the caller's tensors."""
     if direction != "rowwise":
         raise ValueError(f"out is supported for direction='rowwise' only, got direction={describe(direction)}")
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
@@ -381,8 +387,8 @@ def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tupl
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` byte addresses a strided tensor's elements can touch (empty for an empty tensor; torch
-    strides are never negative)."""
+    """``[first, last)`` byte addresses a strided tensor's elements can touch (empty for an empty tensor;
+    torch strides are never negative)."""
     start = t.data_ptr()
     if t.numel() == 0:
         return start, start

@@ -46,8 +46,9 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @dataclass
 class ExportResult:
-    """What :func:`export_checkpoint` wrote: the output directory, decisions, files, byte counts (``input_bytes``
-    read from the source, ``output_bytes`` of tensor data written), the exclude list written to the config."""
+    """What :func:`export_checkpoint` wrote: the output directory, decisions, files, byte counts
+    (``input_bytes`` read from the source, ``output_bytes`` of tensor data written), the exclude list written
+    to the config."""
 
     out: Path
     format: str
@@ -209,8 +210,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
 def _write_configs(tmp: Path, reader, config: dict, fmt: str, excl: list[str], fp8_dtype: torch.dtype,
                    dtype: torch.dtype | None) -> None:
-    """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and, for
-    modelopt, ``hf_quant_config.json``."""
+    """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and,
+    for modelopt, ``hf_quant_config.json``."""
     for extra in getattr(reader, "extras", ()):
         extra.save_pretrained(str(tmp))
     config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)

@@ -1,4 +1,4 @@
-"""Readers: tensors of a model one at a time, with their names, shapes and dtypes known before any data is read.
+"""Readers: a model's tensors one at a time, their names, shapes and dtypes known before any data is read.
 
 * :class:`SafetensorsDir` — a Hugging Face model directory (``*.safetensors``, sharded with
   ``model.safetensors.index.json``) or a single ``.safetensors`` file. Every header is checked by the
@@ -71,8 +71,8 @@ def _roots(folder: Path) -> list[Path]:
 
 
 def check_regular_file(path: Path, roots: list[Path] | None = None) -> Path:
-    """``path`` itself when it is a regular file (following symlinks) that, with ``roots``, resolves inside one of
-    them; CheckpointError otherwise (FIFOs and devices are refused without being opened)."""
+    """``path`` itself when it is a regular file (following symlinks) that, with ``roots``, resolves inside
+    one of them; CheckpointError otherwise (FIFOs and devices are refused without being opened)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -181,8 +181,9 @@ def _no_duplicates(pairs: list[tuple]) -> dict:
 
 
 def _check_unique_keys(file: Path) -> None:
-    """Refuse a header naming one key twice (JSON leaves it to the reader which one wins): ``safetensors`` keeps
-    one silently. Reads the header again, already checked by ``safetensors`` (bounded size and depth)."""
+    """Refuse a header naming one key twice (JSON leaves it to the reader which one wins): ``safetensors``
+    keeps one silently. Reads the header again, already checked by ``safetensors`` (bounded size and
+    depth)."""
     with _open_regular(file) as f:
         raw = f.read(_data_start(f) - 8)  # the file is at byte 8 now
     try:
@@ -203,8 +204,9 @@ def _plain_shard_name(name) -> bool:
 
 
 def _index_shards(p: Path, roots: list[Path]) -> tuple[list[Path], dict[str, str]]:
-    """The shard files ``model.safetensors.index.json`` names, in order, and its weight map; CheckpointError for
-    a malformed index, a shard outside the folder or missing, a ``*.safetensors`` file of the folder it omits."""
+    """The shard files ``model.safetensors.index.json`` names, in order, and its weight map; CheckpointError
+    for a malformed index, a shard outside the folder or missing, a ``*.safetensors`` file of the folder it
+    omits."""
     index = read_json(p / INDEX_NAME, roots)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -464,7 +466,8 @@ class StateDictSource:
 
 
 def _pair_names(names: list[str], dtypes: dict[str, torch.dtype], fmt: str | None) -> dict[str, str]:
-    """values name -> scale name for every FP8 tensor whose scale (``<values>_scale`` / ``_scale_inv``) exists."""
+    """values name -> scale name for every FP8 tensor that has a scale (``<values>_scale`` /
+    ``<values>_scale_inv``)."""
     suffixes = [SCALE_SUFFIX[fmt]] if fmt else list(dict.fromkeys(SCALE_SUFFIX.values()))
     present = set(names)
     pairs = {}
@@ -479,8 +482,9 @@ def _pair_names(names: list[str], dtypes: dict[str, torch.dtype], fmt: str | Non
 
 
 def format_by_names(names: list[str], dtypes: dict[str, torch.dtype]) -> str | None:
-    """Guess the format from tensor names when the config says nothing: FP8 values with ``_scale_inv`` scales ->
-    "sglang"; with ``_scale`` scales -> "modelopt" (compressed-tensors uses the same names); no pairs -> None."""
+    """Guess the format from tensor names when the config says nothing: FP8 values with ``_scale_inv`` scales
+    -> "sglang"; with ``_scale`` scales -> "modelopt" (compressed-tensors uses the same names); no pairs ->
+    None."""
     pairs = _pair_names(names, dtypes, None)
     if not pairs:
         return None
@@ -503,8 +507,9 @@ def read_quant_config(d: SafetensorsDir) -> dict | None:
 
 @dataclass(frozen=True)
 class QuantDescription:
-    """What the files say about quantization: the config (or None), the format (one of FORMATS or None), where the
-    format came from ("config" | "names" | None) and the FP8 element the config declares (None: not declared)."""
+    """What the files say about quantization: the config (or None), the format (one of FORMATS or None), where
+    the format came from ("config" | "names" | None) and the FP8 element the config declares (None: not
+    declared)."""
 
     config: dict | None
     format: str | None
@@ -513,8 +518,8 @@ class QuantDescription:
 
 
 def describe_quantization(d: SafetensorsDir) -> QuantDescription:
-    """:class:`QuantDescription` of ``d``: from ``quantization_config`` / ``hf_quant_config.json``, else the format
-    guessed from the scale names. CheckpointError for a malformed quantization config."""
+    """:class:`QuantDescription` of ``d``: from ``quantization_config`` / ``hf_quant_config.json``, else the
+    format guessed from the scale names. CheckpointError for a malformed quantization config."""
     qc = read_quant_config(d)
     try:
         fmt = detect_format(qc)
@@ -538,8 +543,8 @@ def dtype_str(d: torch.dtype) -> str:
 
 
 def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
-    """(values name, suffix) when ``name`` is named like a scale: ``X_scale_inv`` / ``X_scale`` with ``X`` present,
-    or ``*.weight_scale(_inv)`` regardless of ``X``."""
+    """(values name, suffix) when ``name`` is named like a scale: ``X_scale_inv`` / ``X_scale`` with ``X``
+    present, or ``*.weight_scale(_inv)`` regardless of ``X``."""
     for suf in _ALL_SUFFIXES:
         if name.endswith(suf):
             base = name[: -len(suf)]
@@ -618,10 +623,10 @@ def _scale_header_problems(base, sname, shape, sshape, sdt, problems, warnings) 
 
 def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: str | None,
                   declared: torch.dtype | None = None) -> PairAnalysis:
-    """Pair FP8 values with their scales by name and check everything the headers tell: values without a scale,
-    a scale without values or for non-FP8 values, two scales for one tensor, a scale name that does not follow
-    ``fmt``, values of another FP8 element than ``declared`` (the quantization config's), a scale that is not
-    uint8 E8M0 or not compact."""
+    """Pair FP8 values with their scales by name and check everything the headers tell: values without a
+    scale, a scale without values or for non-FP8 values, two scales for one tensor, a scale name that does not
+    follow ``fmt``, values of another FP8 element than ``declared`` (the quantization config's), a scale that
+    is not uint8 E8M0 or not compact."""
     names = [n for n, _, _ in entries]
     shapes = {n: s for n, s, _ in entries}
     dtypes = {n: t for n, _, t in entries}
@@ -645,9 +650,9 @@ def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: 
 
 
 def data_problems(c: MXFP8Components, scale_name: str, values_name: str) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values; every
-    scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight is
-    only a warning."""
+    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values;
+    every scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight
+    is only a warning."""
     problems, warnings = [], []
     e = c.scale_inv
     nan = int((e == 255).sum())
@@ -675,7 +680,7 @@ def _first(problems, path) -> str:
 
 
 class CheckpointReader:
-    """An exported MXFP8 checkpoint (any of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF directory.
+    """An exported MXFP8 checkpoint (one of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF folder.
 
     Opening checks the files (see :class:`SafetensorsDir`) and every values/scale pair's names, dtypes and
     shapes (:func:`analyse_pairs`): FP8 values without a scale, values of another element type than the
@@ -731,8 +736,9 @@ class CheckpointReader:
         return c
 
     def iter_tensors(self) -> Iterator[tuple[str, MXFP8Components | torch.Tensor]]:
-        """Yield ``(name, value)`` in file order: ``MXFP8Components`` (rowwise, compact uint8 scales; 3-D expert
-        values give scales ``[E, N, ceil(K/32)]``) for each values/scale pair, plain tensors for the rest."""
+        """Yield ``(name, value)`` in file order: ``MXFP8Components`` (rowwise, compact uint8 scales; 3-D
+        expert values give scales ``[E, N, ceil(K/32)]``) for each values/scale pair, plain tensors for the
+        rest."""
         for name in self.names():
             yield name, self.get(name)
 

@@ -1,4 +1,6 @@
-"""``mxport export``: a model (HF directory, GGUF, or the embedded default) -> an MXFP8 checkpoint for vLLM / SGLang."""
+"""``mxport export``: a model (HF directory, GGUF, or the embedded default) -> an MXFP8 checkpoint.
+
+The checkpoint is for vLLM / SGLang."""
 
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def export_cmd(
     json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the result (or the dry-run plan) as JSON to FILE "
                                                       "('-': stdout)."),
 ):
-    """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang) loads.
+    """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang)
+    loads.
 
     Linear-layer weights and fused expert weights become FP8 values + uint8 E8M0 scales (compact, one per 32
     values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are
