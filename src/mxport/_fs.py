@@ -118,8 +118,8 @@ def temp_output_dir(out: Path) -> Iterator[Path]:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except FileExistsError as exc:  # a component of the path is a file or a broken link
-            raise OutputError(errno.ENOTDIR, f"cannot write {str(out)!r}: {str(exc.filename)!r} exists and is not a "
-                                             "directory", str(out)) from None
+            raise OutputError(errno.ENOTDIR, f"cannot write {str(out)!r}: {str(exc.filename)!r} exists and "
+                                             "is not a directory", str(out)) from None
         tmp = make_temp_dir(out)
         try:
             yield tmp
@@ -250,12 +250,14 @@ def check_output_place(out: str | os.PathLike, source: str | os.PathLike | None 
         what = f"the source {'directory' if real_src.is_dir() else 'file'} {str(source)!r}"
         # real paths (links resolved) and the paths as named (a link to the source is the source, too)
         for o, s in ((real_out, real_src), (_absolute(out), _absolute(source))):
-            for clash, relation in ((o == s, "is"), (o in s.parents, "contains"), (s in o.parents, "lies inside")):
+            for clash, relation in ((o == s, "is"), (o in s.parents, "contains"),
+                                    (s in o.parents, "lies inside")):
                 if clash:
-                    raise ValueError(f"output {str(out)!r} {relation} {what}; write the export somewhere else")
+                    raise ValueError(f"output {str(out)!r} {relation} {what}; "
+                                     "write the export somewhere else")
     for what, place in (("the current directory", Path.cwd()), ("the home directory", Path.home()),
                         ("the root directory", Path("/"))):
         real_place = _real(place)
         if real_out == real_place or real_out in real_place.parents:
-            raise ValueError(f"output {str(out)!r} is or contains {what} ({str(place)!r}); write the export into "
-                             "a folder of its own")
+            raise ValueError(f"output {str(out)!r} is or contains {what} ({str(place)!r}); "
+                             "write the export into a folder of its own")

@@ -143,7 +143,8 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
     replicas, t_ranks, link = engine_replicas, trainer.ranks, hardware.link_gbps * 1e9
     stage_ranks = engine.tp * engine.ep  # each holds one slice of every tensor of its stage
     mx_wire, bf_wire = mx_rank * stage_ranks * replicas, bf_rank * stage_ranks * replicas
-    mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(bf_rank / engine.pp)  # stages hold their layers
+    # stages hold their layers
+    mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(bf_rank / engine.pp)
     mx_wire_s = max(mx_wire / t_ranks, mx_rank) / link
     bf_wire_s = max(bf_wire / t_ranks, bf_rank) / link
     mx_quant_s = quant_params / t_ranks / (hardware.trainer_quantize_gelems * 1e9)

@@ -59,8 +59,9 @@ class ExportResult:
     exclude_modules: list[str]
 
     def to_dict(self) -> dict:
-        return {"out": str(self.out), "format": self.format, "files": self.files, "input_bytes": self.input_bytes,
-                "output_bytes": self.output_bytes, "quantized": sum(d.quantize for d in self.decisions),
+        return {"out": str(self.out), "format": self.format, "files": self.files,
+                "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+                "quantized": sum(d.quantize for d in self.decisions),
                 "kept": sum(not d.quantize for d in self.decisions), "exclude_modules": self.exclude_modules,
                 "decisions": [d.to_dict() for d in self.decisions]}
 
@@ -74,7 +75,8 @@ def open_source(source) -> SafetensorsDir | StateDictSource:
     if isinstance(source, (torch.nn.Module, dict)):
         return StateDictSource(source)
     if source is not None and not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be a path, None, an nn.Module or a state dict; got {type(source).__name__}")
+        raise TypeError("source must be a path, None, an nn.Module or a state dict; "
+                        f"got {type(source).__name__}")
     from ..models import load_causal_lm, resolve_source
 
     src = resolve_source(source)
@@ -134,9 +136,11 @@ def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None
     check_output_place(out, source_dir)
     with output_errors(out):
         clean_stale_temps(out)
-    exists = os.path.lexists(out)  # a symlink (even a dangling or looping one) is there: never replaced silently
+    # a symlink (even a dangling or looping one) is there: never replaced silently
+    exists = os.path.lexists(out)
     if exists and not overwrite:
-        raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"output {str(out)!r} already exists; "
+                              "pass overwrite=True (--overwrite) to replace it")
     if exists and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a directory")
     return out
@@ -144,7 +148,8 @@ def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None
 
 def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORMAT,
                       fp8_dtype: torch.dtype = torch.float8_e4m3fn, policy: PrecisionPolicy | None = None,
-                      dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False,
+                      dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
+                      overwrite: bool = False,
                       progress: Callable[[str, int], None] | None = None) -> ExportResult:
     """Export ``source`` as an MXFP8 checkpoint in format ``fmt`` at ``out``.
 
@@ -168,7 +173,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
-        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; nothing is left behind.
+        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; nothing is left
+            behind.
     """
     check_fp8_dtype(fmt, fp8_dtype)
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -220,7 +226,8 @@ def _write_configs(tmp: Path, reader, config: dict, fmt: str, excl: list[str], f
             config[key] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     if fmt == "modelopt":
-        (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
+        (tmp / "hf_quant_config.json").write_text(
+            json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
 
 
 #: elements per chunk: tensors are read, quantized / cast and written in whole-row chunks of about this size

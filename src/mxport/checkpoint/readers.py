@@ -109,7 +109,8 @@ def read_json(path: Path, roots: list[Path] | None = None) -> dict:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: not valid JSON ({reason})") from None
+        raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: "
+                              f"not valid JSON ({reason})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: expected a JSON object, got "
                               f"{type(data).__name__}")
@@ -163,12 +164,13 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
     offset = 0
     for name, dtype, shape in specs:
         if dtype not in ST_TO_TORCH:
-            raise CheckpointError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; mxport reads "
-                                  f"{sorted(ST_TO_TORCH)}")
+            raise CheckpointError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; "
+                                  f"mxport reads {sorted(ST_TO_TORCH)}")
         n = torch.empty((), dtype=ST_TO_TORCH[dtype]).element_size()
         for s in shape:
             n *= s
-        header[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": dtype, "shape": [int(s) for s in shape],
+                        "data_offsets": [offset, offset + n]}
         offset += n  # safetensors checked that the offsets are contiguous and each range fits its shape
     return header
 
@@ -210,12 +212,12 @@ def _index_shards(p: Path, roots: list[Path]) -> tuple[list[Path], dict[str, str
     index = read_json(p / INDEX_NAME, roots)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"corrupt {INDEX_NAME} in {str(p)!r}: 'weight_map' must be a non-empty object of "
-                              f"tensor name -> shard file, got {type(weight_map).__name__}")
+        raise CheckpointError(f"corrupt {INDEX_NAME} in {str(p)!r}: 'weight_map' must be a non-empty "
+                              f"object of tensor name -> shard file, got {type(weight_map).__name__}")
     bad = [v for v in weight_map.values() if not _plain_shard_name(v)]
     if bad:
-        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} names {bad[0]!r}: shards must be *.safetensors files "
-                              "of the checkpoint folder itself")
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} names {bad[0]!r}: shards must be "
+                              "*.safetensors files of the checkpoint folder itself")
     names = list(dict.fromkeys(weight_map.values()))
     missing = [n for n in names if not os.path.lexists(p / n)]
     if missing:
@@ -224,8 +226,8 @@ def _index_shards(p: Path, roots: list[Path]) -> tuple[list[Path], dict[str, str
     omitted = sorted(f.name for f in p.glob("*.safetensors") if f.name not in weight_map.values()
                      and not f.name.startswith("consolidated"))
     if omitted:
-        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} omits shard(s) {omitted} of the folder: their tensors "
-                              "would be dropped")
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} omits shard(s) {omitted} of the folder: "
+                              "their tensors would be dropped")
     return [p / n for n in names], weight_map
 
 
@@ -297,8 +299,8 @@ class SafetensorsDir:
                 if name == "__metadata__":
                     continue
                 if name in self._info:
-                    raise CheckpointError(f"tensor {name!r} appears in two shards ({self._info[name].file.name}, "
-                                          f"{f.name})")
+                    raise CheckpointError(f"tensor {name!r} appears in two shards "
+                                          f"({self._info[name].file.name}, {f.name})")
                 ti = TensorInfo(f, info["dtype"], tuple(info["shape"]), *info["data_offsets"])
                 self._info[name] = ti
                 self.st_dtypes[name] = ti.dtype
@@ -363,8 +365,8 @@ class SafetensorsDir:
             while got < len(view):
                 n = self._handle.readinto(view[got:])
                 if not n:
-                    raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} data ends early "
-                                          "(the file changed after it was opened?)")
+                    raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} data ends "
+                                          "early (the file changed after it was opened?)")
                 got += n
         return buf
 
@@ -428,7 +430,8 @@ class StateDictSource:
             raise TypeError(f"source must be an nn.Module, a state dict, or a path; got {type(obj).__name__}")
         for k, v in state.items():
             if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-                raise TypeError(f"state dict entries must be str -> torch.Tensor, got {k!r}: {type(v).__name__}")
+                raise TypeError("state dict entries must be str -> torch.Tensor, "
+                                f"got {k!r}: {type(v).__name__}")
         self.config = dict(config or {})
         self.path = None
         self.extras = tuple(extras)
@@ -499,8 +502,8 @@ def read_quant_config(d: SafetensorsDir) -> dict | None:
     qc = d.config.get("quantization_config")
     if qc is not None:
         if not isinstance(qc, dict):
-            raise CheckpointError(f"corrupt config.json in {d.label!r}: quantization_config must be an object, got "
-                                  f"{type(qc).__name__}")
+            raise CheckpointError(f"corrupt config.json in {d.label!r}: quantization_config must be an "
+                                  f"object, got {type(qc).__name__}")
         return qc
     return d.read_json("hf_quant_config.json")
 
@@ -525,7 +528,8 @@ def describe_quantization(d: SafetensorsDir) -> QuantDescription:
         fmt = detect_format(qc)
         declared = declared_fp8(fmt, qc)
     except ValueError as exc:
-        where = "config.json quantization_config" if "quantization_config" in d.config else "hf_quant_config.json"
+        where = ("config.json quantization_config" if "quantization_config" in d.config
+                 else "hf_quant_config.json")
         raise CheckpointError(f"corrupt {where} in {d.label!r}: {exc}") from None
     if fmt is not None:
         return QuantDescription(qc, fmt, "config", declared)
@@ -588,7 +592,8 @@ def _find_scales(names, dtypes, fmt, problems) -> tuple[dict[str, str], dict[str
         if not is_fp8_dtype(dtypes[base]):
             if dtypes[n] == torch.uint8:
                 roles[n] = "scales"
-                problems.append(f"{n}: scale for {base!r}, which is {dtype_str(dtypes[base])}, not FP8 values")
+                problems.append(f"{n}: scale for {base!r}, which is {dtype_str(dtypes[base])}, "
+                                "not FP8 values")
             continue
         roles[n] = "scales"
         if base in pair_of:
@@ -596,7 +601,8 @@ def _find_scales(names, dtypes, fmt, problems) -> tuple[dict[str, str], dict[str
             continue
         pair_of[base] = n
         if fmt in FORMATS and suf != SCALE_SUFFIX[fmt]:
-            problems.append(f"{n}: scale name does not follow format {fmt!r} (expected {base + SCALE_SUFFIX[fmt]!r})")
+            problems.append(f"{n}: scale name does not follow format {fmt!r} "
+                            f"(expected {base + SCALE_SUFFIX[fmt]!r})")
     return roles, pair_of
 
 
@@ -604,8 +610,8 @@ def _scale_header_problems(base, sname, shape, sshape, sdt, problems, warnings) 
     """Check one pair's scale dtype and shape against its values; True when it can be decoded."""
     ok = True
     if sdt not in (torch.uint8, _E8M0 or torch.uint8):
-        problems.append(f"{sname}: scale stored as {dtype_str(sdt)}; expected uint8 E8M0 bytes (bit patterns, "
-                        "not values)")
+        problems.append(f"{sname}: scale stored as {dtype_str(sdt)}; "
+                        "expected uint8 E8M0 bytes (bit patterns, not values)")
         ok = False
     elif sdt != torch.uint8:
         warnings.append(f"{sname}: float8_e8m0fnu scale (same bytes as uint8; engines expect U8)")
@@ -644,7 +650,8 @@ def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: 
                                 f"{fmt!r} declares {dtype_str(declared)}")
     bad = set()
     for base, sname in pair_of.items():
-        if not _scale_header_problems(base, sname, shapes[base], shapes[sname], dtypes[sname], problems, warnings):
+        if not _scale_header_problems(base, sname, shapes[base], shapes[sname], dtypes[sname],
+                                      problems, warnings):
             bad.add(base)
     return PairAnalysis(roles, pair_of, frozenset(bad), tuple(problems), tuple(warnings))
 
