@@ -81,7 +81,8 @@ def element_format(fp8_dtype: torch.dtype | str, *, argname: str = "fp8_dtype") 
         fmt = _BY_NAME.get(fp8_dtype.lower()) if isinstance(fp8_dtype, str) else None
     if fmt is None:
         raise TypeError(
-            f"{argname} must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3' / 'e5m2'), got {describe(fp8_dtype)}"
+            f"{argname} must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3' / 'e5m2'), "
+            f"got {describe(fp8_dtype)}"
         )
     return fmt
 
@@ -101,7 +102,8 @@ def as_e8m0_bytes(scale: torch.Tensor, *, argname: str = "scale_inv") -> torch.T
     if FLOAT8_E8M0FNU is not None and scale.dtype == FLOAT8_E8M0FNU:
         return scale.view(torch.uint8)
     raise TypeError(
-        f"{argname} must hold E8M0 scale bytes as torch.uint8 (or torch.float8_e8m0fnu, bit-viewed), got {scale.dtype}"
+        f"{argname} must hold E8M0 scale bytes as torch.uint8 (or torch.float8_e8m0fnu, bit-viewed), "
+        f"got {scale.dtype}"
     )
 
 
@@ -122,7 +124,8 @@ def e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
     """
     e32 = e.to(torch.int32)
     field = 254 - e32  # exponent field of 2**(127-E)
-    bits = torch.where(field >= 1, torch.bitwise_left_shift(field.clamp(min=0), 23), torch.full_like(e32, 0x00400000))
+    bits = torch.where(field >= 1, torch.bitwise_left_shift(field.clamp(min=0), 23),
+                       torch.full_like(e32, 0x00400000))
     bits = torch.where(e32 == E8M0_NAN, torch.full_like(e32, 0x7FC00000), bits)
     return bits.view(torch.float32)
 
@@ -236,5 +239,5 @@ def allocating(argname: str, t) -> Iterator[None]:
     except (RuntimeError, MemoryError) as exc:
         if not is_alloc_failure(exc):
             raise
-        raise TooLargeError(f"{argname} of shape {tuple(t.shape)} ({numel_of(t.shape):.3g} elements) is too large: "
-                            f"its result cannot be allocated on {t.device}") from None
+        raise TooLargeError(f"{argname} of shape {tuple(t.shape)} ({numel_of(t.shape):.3g} elements) is too "
+                            f"large: its result cannot be allocated on {t.device}") from None

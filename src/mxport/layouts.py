@@ -96,7 +96,8 @@ def unpad(padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     padded = _check_2d(padded, "padded")
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     if padded.shape[0] < rows or padded.shape[1] < cols:
-        raise ValueError(f"padded scale grid {tuple(padded.shape)} is too small for ({rows}, {cols}) compact scales")
+        raise ValueError(f"padded scale grid {tuple(padded.shape)} is too small for ({rows}, {cols}) "
+                         "compact scales")
     return padded[:rows, :cols]
 
 
@@ -153,7 +154,8 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     pr, pc = swizzled_shape(rows, cols)
     if sw.numel() != pr * pc:
         raise ValueError(
-            f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to {pr}x{pc} = {pr * pc} bytes"
+            f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to "
+            f"{pr}x{pc} = {pr * pc} bytes"
         )
     if sw.numel() == 0:
         return torch.zeros((rows, cols), dtype=torch.uint8, device=sw.device)

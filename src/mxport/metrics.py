@@ -6,8 +6,8 @@ vocabulary; ``mask`` is a bool / 0-1 tensor ``[..., T]`` selecting the generated
 Results are Python floats.
 
 Sources: NeMo-RL ``nemo_rl/algorithms/loss_functions.py`` (``token_mult_prob_error``: masked mean of
-``exp(|generation_logprobs - prev_logprobs|)``) and its GRPO guide (``gen_kl_error``, here computed exactly over the
-full distributions instead of estimated from the sampled token).
+``exp(|generation_logprobs - prev_logprobs|)``) and its GRPO guide (``gen_kl_error``, here computed exactly
+over the full distributions instead of estimated from the sampled token).
 """
 
 from __future__ import annotations
@@ -103,11 +103,13 @@ def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     with ``log_softmax`` first)."""
     lp = _logp(logp, "logp")
     if tokens.shape != lp.shape[:-1]:
-        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match positions {tuple(lp.shape[:-1])}")
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match "
+                         f"positions {tuple(lp.shape[:-1])}")
     return lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> float:
     """Fraction of (masked) positions where both models' most likely next token (argmax) is the same, in
     [0, 1] (1.0 when no position is selected; NaN when a selected position holds a NaN in either input: argmax
     of NaN is meaningless)."""

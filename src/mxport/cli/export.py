@@ -47,7 +47,8 @@ def export_cmd(
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Print each tensor's decision and why; write nothing."),
     json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                 help="Write the result (or the dry-run plan) as JSON to FILE ('-': stdout)."),
+                                 help="Write the result (or the dry-run plan) as JSON to FILE "
+                                      "('-': stdout)."),
 ):
     """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang)
     loads.
