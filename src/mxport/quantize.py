@@ -64,7 +64,8 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
         xf = F.pad(xf, (0, pad))
     xb = xf.reshape(m, nb, BLOCK_SIZE)
     a = xb.abs()
-    amax = torch.where(a != a, torch.zeros_like(a), a).amax(dim=-1)  # (m, nb); a != a: NaN test that vectorizes
+    # (m, nb); a != a: NaN test that vectorizes
+    amax = torch.where(a != a, torch.zeros_like(a), a).amax(dim=-1)
     if block_2d:
         mb = ceil_div(m, BLOCK_SIZE)
         am = F.pad(amax, (0, 0, 0, mb * BLOCK_SIZE - m)).reshape(mb, BLOCK_SIZE, nb).amax(dim=1)
@@ -131,7 +132,8 @@ class _FastPath:
     def __init__(self) -> None:
         self._fns: dict[tuple, object] = {}
         self._lock = threading.Lock()
-        self.failed_reason: str | None = None if hasattr(torch, "compile") else "torch.compile is not available"
+        self.failed_reason: str | None = (None if hasattr(torch, "compile")
+                                          else "torch.compile is not available")
         self.disabled_reason: str | None = self.failed_reason
         if self.failed_reason is None and os.environ.get("MXPORT_DISABLE_COMPILE", "") not in ("", "0"):
             self.disabled_reason = "MXPORT_DISABLE_COMPILE is set"
@@ -154,8 +156,10 @@ class _FastPath:
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager kernel
             if is_alloc_failure(exc):  # the input's size, not the compiler: the eager kernel would fail alike
                 raise
-            self.disabled_reason = self.failed_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
-            warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})", stacklevel=3)
+            self.disabled_reason = self.failed_reason = (
+                f"torch.compile failed: {type(exc).__name__}: {exc}"[:500])
+            warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})",
+                          stacklevel=3)
             return _rowwise_kernel(x2, *params)
 
 
@@ -168,8 +172,8 @@ def _probe_inputs() -> list[torch.Tensor]:
     FP8 ties and rounding edges, many binades."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(36, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (36, 600), generator=g).float())
-    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38, 480.0,
-                            464.0, 448.0, 61440.0, 2.0 ** -10, 2.0 ** -9 * 1.5, 2.0 ** -17 * 3, 1.0])
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38,
+                            480.0, 464.0, 448.0, 61440.0, 2.0 ** -10, 2.0 ** -9 * 1.5, 2.0 ** -17 * 3, 1.0])
     x[1, :16] = special
     x[2, 560:576] = special.flip(0)
     x[3] = x[3] * 1e-30
@@ -264,23 +268,26 @@ if hasattr(os, "register_at_fork"):
 
 def _kernel_args(fmt: ElementFormat, floor: bool, block_2d: bool) -> tuple:
     """The trailing arguments of ``_rowwise_kernel`` for an element format and rounding."""
-    return (fmt.max_norm, float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax, fmt.dtype, floor, block_2d)
+    return (fmt.max_norm, float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax, fmt.dtype, floor,
+            block_2d)
 
 
 def _native_args(fmt: ElementFormat, floor: bool) -> tuple:
     """The trailing arguments of :func:`mxport.native.quantize_rows` (same numbers as
     :func:`_kernel_args`)."""
-    return (0 if fmt.dtype == torch.float8_e4m3fn else 1, floor, float(np.float32(1.0) / np.float32(fmt.max_norm)),
-            fmt.emax)
+    return (0 if fmt.dtype == torch.float8_e4m3fn else 1, floor,
+            float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax)
 
 
 def _check_input(x) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor of float32/bfloat16/float16 values, got {type(x).__name__}")
+        raise TypeError("x must be a torch.Tensor of float32/bfloat16/float16 values, "
+                        f"got {type(x).__name__}")
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(
-            f"x must be a plain dense tensor, got the tensor subclass {type(x).__name__} (a quantized or wrapped "
-            "tensor's nominal dtype is not its storage); use mxport.export_components for MXFP8 producers"
+            f"x must be a plain dense tensor, got the tensor subclass {type(x).__name__} (a quantized or "
+            "wrapped tensor's nominal dtype is not its storage); use mxport.export_components for MXFP8 "
+            "producers"
         )
     if x.layout != torch.strided or x.is_nested:
         raise TypeError(f"x must be a dense (strided) tensor, got layout {x.layout}")
@@ -292,7 +299,8 @@ def _check_input(x) -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be a float32/bfloat16/float16 tensor, got {x.dtype}")
     if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")
+        raise ValueError("x must have at least one dimension (blocks run along the last one), "
+                         "got a 0-d tensor")
 
 
 def _check_bool(value, argname: str) -> bool:
@@ -362,8 +370,10 @@ def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tupl
     """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))``
     uint8 views of the caller's tensors."""
     if direction != "rowwise":
-        raise ValueError(f"out is supported for direction='rowwise' only, got direction={describe(direction)}")
-    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError("out is supported for direction='rowwise' only, "
+                         f"got direction={describe(direction)}")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and all(isinstance(t, torch.Tensor) for t in out)):
         raise TypeError("out must be a (values, scales) pair of tensors")
     values, scales = out
     shape = tuple(x.shape)
@@ -500,7 +510,8 @@ def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str
     if x2.dtype == torch.float64:
         x2 = x2.to(torch.float32)
     if direction == "columnwise" and not block_2d:
-        x2 = x2.t().contiguous()  # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
+        # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
+        x2 = x2.t().contiguous()
     floor = rounding == "floor"
     kernel = kernel_for(x2, fast=fast, kernel=kernel)
     if kernel == "native":
