@@ -20,6 +20,7 @@ the file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -166,9 +167,7 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
         if dtype not in ST_TO_TORCH:
             raise CheckpointError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; "
                                   f"mxport reads {sorted(ST_TO_TORCH)}")
-        n = torch.empty((), dtype=ST_TO_TORCH[dtype]).element_size()
-        for s in shape:
-            n *= s
+        n = ST_TO_TORCH[dtype].itemsize * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": [int(s) for s in shape],
                         "data_offsets": [offset, offset + n]}
         offset += n  # safetensors checked that the offsets are contiguous and each range fits its shape
@@ -376,13 +375,11 @@ class SafetensorsDir:
         info = self._info_of(name)
         dtype, shape = info.torch_dtype, info.shape
         k = shape[-1] if shape else 1
-        m = 1
-        for s in shape[:-1]:
-            m *= s
+        m = math.prod(shape[:-1])
         if len(shape) < 2 or k == 0 or m == 0:  # 0-d, 1-D, empty: one piece as it is
             yield self.get(name)
             return
-        row_bytes = k * torch.empty((), dtype=dtype).element_size()
+        row_bytes = k * dtype.itemsize
         step = max(1, chunk_numel // k)
         for r0 in range(0, m, step):
             r1 = min(m, r0 + step)
