@@ -1,7 +1,7 @@
 """File-system safety of outputs: atomic file writes (a temporary sibling and a rename), output folders built
 under a findable temporary name and swapped into place, stale temporaries of killed runs cleaned, outputs that
-would clobber their own source refused, and "cannot write here" errors (disk full, read-only, ...) turned into one
-clear :class:`OutputError`."""
+would clobber their own source refused, and "cannot write here" errors (disk full, read-only, ...) turned into
+one clear :class:`OutputError`."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ OUTPUT_ERRNOS = {
 
 class OutputError(OSError, ValueError):
     """The output cannot be written (disk full, read-only file system, symlink loop, ...): an ``OSError`` with
-    ``errno`` and ``filename``, and a ``ValueError`` (bad output place: the CLI's exit code 2). ``str()`` is one
-    line naming the path and the reason."""
+    ``errno`` and ``filename``, and a ``ValueError`` (bad output place: the CLI's exit code 2). ``str()`` is
+    one line naming the path and the reason."""
 
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
@@ -56,16 +56,16 @@ def output_errors(out: str | os.PathLike) -> Iterator[None]:
 
 
 def default_file_mode() -> int:
-    """The mode ``open()`` gives a new file: 0o666 less the process umask (``tempfile.mkstemp`` makes 0o600 files,
-    which other users could not read once renamed into place)."""
+    """The mode ``open()`` gives a new file: 0o666 less the process umask (``tempfile.mkstemp`` makes 0o600
+    files, which other users could not read once renamed into place)."""
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
 
 
 def mkstemp_like_open(path: Path, suffix: str = "") -> tuple[int, str]:
-    """A temporary sibling of ``path`` (``tempfile.mkstemp`` in its folder) with the mode a plain ``open()`` gives;
-    nothing is left behind when that fails."""
+    """A temporary sibling of ``path`` (``tempfile.mkstemp`` in its folder) with the mode a plain ``open()``
+    gives; nothing is left behind when that fails."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
         os.fchmod(fd, default_file_mode())
@@ -78,9 +78,9 @@ def mkstemp_like_open(path: Path, suffix: str = "") -> tuple[int, str]:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename (the file gets the mode
-    a plain ``open()`` would give it). Missing parent folders are created. The temporary file is removed on any
-    failure; a full disk, read-only file system, ... raise :class:`OutputError`."""
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename (the file gets the
+    mode a plain ``open()`` would give it). Missing parent folders are created. The temporary file is removed
+    on any failure; a full disk, read-only file system, ... raise :class:`OutputError`."""
     path = Path(path)
     with output_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,15 +110,16 @@ def make_temp_dir(out: Path) -> Path:
 
 @contextlib.contextmanager
 def temp_output_dir(out: Path) -> Iterator[Path]:
-    """Create ``out``'s parent folders and a :func:`make_temp_dir` to build ``out`` in; on any exception inside
-    (KeyboardInterrupt included) the temporary folder is removed, and "cannot write here" errors are raised as
-    :class:`OutputError` (:func:`output_errors`). The caller renames it into place (:func:`replace_dir`)."""
+    """Create ``out``'s parent folders and a :func:`make_temp_dir` to build ``out`` in; on any exception
+    inside (KeyboardInterrupt included) the temporary folder is removed, and "cannot write here" errors are
+    raised as :class:`OutputError` (:func:`output_errors`). The caller renames it into place
+    (:func:`replace_dir`)."""
     with output_errors(out):
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except FileExistsError as exc:  # a component of the path is a file or a broken link
-            raise OutputError(errno.ENOTDIR, f"cannot write {str(out)!r}: {str(exc.filename)!r} exists and is not a "
-                                             "directory", str(out)) from None
+            raise OutputError(errno.ENOTDIR, f"cannot write {str(out)!r}: {str(exc.filename)!r} exists and "
+                                             "is not a directory", str(out)) from None
         tmp = make_temp_dir(out)
         try:
             yield tmp
@@ -140,8 +141,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def stale_temps(out: Path) -> list[tuple[str, Path]]:
-    """``(kind, path)`` of temporaries of ``out`` left by dead processes: exactly our name pattern, a real folder
-    (not a link), owned by this user, whose pid is no longer running. Oldest first."""
+    """``(kind, path)`` of temporaries of ``out`` left by dead processes: exactly our name pattern, a real
+    folder (not a link), owned by this user, whose pid is no longer running. Oldest first."""
     pattern, found = _temp_pattern(out), []
     try:
         entries = list(os.scandir(out.parent))
@@ -169,8 +170,8 @@ def _remove(path: Path) -> None:
 
 
 def clean_stale_temps(out: Path) -> list[str]:
-    """Recover from a killed run into ``out``: when ``out`` is missing and a replaced output (``mxport-old``) of
-    a dead process is left, it is renamed back to ``out`` (an overwrite that died between its two renames);
+    """Recover from a killed run into ``out``: when ``out`` is missing and a replaced output (``mxport-old``)
+    of a dead process is left, it is renamed back to ``out`` (an overwrite that died between its two renames);
     every other stale temporary (:func:`stale_temps`) is removed. Returns one line per action."""
     done = []
     stale = stale_temps(out)
@@ -207,10 +208,11 @@ def _rename_exchange(a: Path, b: Path) -> bool:
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
-    """Put the finished folder ``tmp`` at ``out`` (same parent). An existing ``out`` is swapped with ``tmp`` in
-    one atomic ``renameat2(RENAME_EXCHANGE)`` where the system has it; elsewhere it is first renamed to
-    ``.<name>.mxport-old-<pid>-<random>``, then ``tmp`` takes its place, then the old copy is removed. A crash at
-    any point leaves either ``out`` complete or that old copy, which :func:`clean_stale_temps` renames back."""
+    """Put the finished folder ``tmp`` at ``out`` (same parent). An existing ``out`` is swapped with ``tmp``
+    in one atomic ``renameat2(RENAME_EXCHANGE)`` where the system has it; elsewhere it is first renamed to
+    ``.<name>.mxport-old-<pid>-<random>``, then ``tmp`` takes its place, then the old copy is removed. A crash
+    at any point leaves either ``out`` complete or that old copy, which :func:`clean_stale_temps` renames
+    back."""
     if not os.path.lexists(out):
         os.rename(tmp, out)
         return
@@ -237,8 +239,8 @@ def _absolute(path: str | os.PathLike) -> Path:
 
 def check_output_place(out: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
     """Refuse an output folder that would clobber what the user did not ask to replace, compared on real paths
-    (symlinks resolved) and on the paths as named: ``out`` that is, contains or lies inside ``source`` (a file or
-    folder), and ``out`` that is or contains the current directory, the home directory or ``/``.
+    (symlinks resolved) and on the paths as named: ``out`` that is, contains or lies inside ``source`` (a file
+    or folder), and ``out`` that is or contains the current directory, the home directory or ``/``.
 
     Raises ValueError naming the paths.
     """
@@ -248,12 +250,14 @@ def check_output_place(out: str | os.PathLike, source: str | os.PathLike | None 
         what = f"the source {'directory' if real_src.is_dir() else 'file'} {str(source)!r}"
         # real paths (links resolved) and the paths as named (a link to the source is the source, too)
         for o, s in ((real_out, real_src), (_absolute(out), _absolute(source))):
-            for clash, relation in ((o == s, "is"), (o in s.parents, "contains"), (s in o.parents, "lies inside")):
+            for clash, relation in ((o == s, "is"), (o in s.parents, "contains"),
+                                    (s in o.parents, "lies inside")):
                 if clash:
-                    raise ValueError(f"output {str(out)!r} {relation} {what}; write the export somewhere else")
+                    raise ValueError(f"output {str(out)!r} {relation} {what}; "
+                                     "write the export somewhere else")
     for what, place in (("the current directory", Path.cwd()), ("the home directory", Path.home()),
                         ("the root directory", Path("/"))):
         real_place = _real(place)
         if real_out == real_place or real_out in real_place.parents:
-            raise ValueError(f"output {str(out)!r} is or contains {what} ({str(place)!r}); write the export into "
-                             "a folder of its own")
+            raise ValueError(f"output {str(out)!r} is or contains {what} ({str(place)!r}); "
+                             "write the export into a folder of its own")

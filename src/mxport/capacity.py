@@ -1,23 +1,23 @@
-"""A capacity model of refit: bytes per link and predicted refit time, MXFP8 against BF16, for any model config,
-trainer layout and engine layout — for machines bigger than the one at hand.
+"""A capacity model of refit: bytes per link and predicted refit time, MXFP8 against BF16, for any model
+config, trainer layout and engine layout — for machines bigger than the one at hand.
 
 What it counts (per refit, every tensor of the model once per engine replica):
 
 * **MXFP8** (what mxport sends): quantized weights as FP8 values + one E8M0 byte per block of 32, kept tensors
   (embeddings, norms, routers, ``lm_head``) in ``kept_bytes`` per element (BF16 on engines: 2); the trainer
   ranks quantize their share of the weights.
-* **BF16** (the default path today: gather the full tensors on the trainer, send BF16, quantize on the engine):
-  every tensor at 2 bytes per element; sharded trainers first gather (``full_tensor()``: every rank of a
-  pipeline stage receives the stage's whole model over its link), and every engine rank quantizes the slice it
-  holds.
+* **BF16** (the default path today: gather the full tensors on the trainer, send BF16, quantize on the
+  engine): every tensor at 2 bytes per element; sharded trainers first gather (``full_tensor()``: every rank
+  of a pipeline stage receives the stage's whole model over its link), and every engine rank quantizes the
+  slice it holds.
 
 Each engine rank receives the slice it holds (:func:`mxport.layout.engine_shard`, vLLM's tensor / expert
-parallel slicing); the trainer ranks share the sending equally. Every rank has one link of ``link_gbps``; the wire
-time is the busier side's bytes over it:
-``t_wire = max(wire_bytes / trainer_ranks, max bytes of one engine rank) / link``. Quantizing and sending overlap
-(the sender quantizes bucket ``b + 1`` while bucket ``b`` is on the wire) unless ``overlap=False``:
-``t = max(t_quantize, t_wire)`` or their sum. Constants it does not know (per-message latency, checksums,
-stragglers) are left out: it is a lower bound shaped like the measurements, not a simulator.
+parallel slicing); the trainer ranks share the sending equally. Every rank has one link of ``link_gbps``; the
+wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks, max bytes of one
+engine rank) / link``. Quantizing and sending overlap (the sender quantizes bucket ``b + 1`` while bucket
+``b`` is on the wire) unless ``overlap=False``: ``t = max(t_quantize, t_wire)`` or their sum. Constants it
+does not know (per-message latency, checksums, stragglers) are left out: it is a lower bound shaped like the
+measurements, not a simulator.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
             hardware: Hardware = Hardware(), *, engine_replicas: int = 1, kept_bytes: int = BF16_BYTES,
             config: dict | None = None, policy: PrecisionPolicy | None = None,
             model: str = "model") -> CapacityReport:
-    """Predict the refit of the tensors ``entries`` (``(name, shape, dtype)`` in model order) from a ``trainer``
-    layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model).
+    """Predict the refit of the tensors ``entries`` (``(name, shape, dtype)`` in model order) from a
+    ``trainer`` layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model).
 
     Raises:
         ValueError: ``engine_replicas`` or ``kept_bytes`` below 1.
@@ -143,7 +143,8 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
     replicas, t_ranks, link = engine_replicas, trainer.ranks, hardware.link_gbps * 1e9
     stage_ranks = engine.tp * engine.ep  # each holds one slice of every tensor of its stage
     mx_wire, bf_wire = mx_rank * stage_ranks * replicas, bf_rank * stage_ranks * replicas
-    mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(bf_rank / engine.pp)  # stages hold their layers
+    # stages hold their layers
+    mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(bf_rank / engine.pp)
     mx_wire_s = max(mx_wire / t_ranks, mx_rank) / link
     bf_wire_s = max(bf_wire / t_ranks, bf_rank) / link
     mx_quant_s = quant_params / t_ranks / (hardware.trainer_quantize_gelems * 1e9)

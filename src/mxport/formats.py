@@ -22,7 +22,8 @@ E8M0_NAN = 255
 E8M0_MAX = 254  # largest finite E8M0 byte: 2**127
 FP8_CANONICAL_NAN = 0x7F  # NaN in both E4M3 (S.1111.111) and E5M2 (S.11111.11)
 
-#: ``torch.float8_e8m0fnu`` where this torch has it (2.7+), else ``None``. mxport carries scales as uint8 bytes.
+#: ``torch.float8_e8m0fnu`` where this torch has it (2.7+), else ``None``. mxport carries scales as uint8
+#: bytes.
 FLOAT8_E8M0FNU = getattr(torch, "float8_e8m0fnu", None)
 
 #: the high-precision float dtypes mxport quantizes from and decodes to
@@ -58,8 +59,8 @@ _BY_NAME = {E4M3.name: E4M3, E5M2.name: E5M2, "float8_e4m3fn": E4M3, "float8_e5m
 
 
 def describe(value) -> str:
-    """A short description of an argument for error messages: a tensor by its shape, dtype and device (never its
-    values: printing a huge or meta tensor fails), anything else by its repr, cut to 80 characters."""
+    """A short description of an argument for error messages: a tensor by its shape, dtype and device (never
+    its values: printing a huge or meta tensor fails), anything else by its repr, cut to 80 characters."""
     if isinstance(value, torch.Tensor):
         return f"a {type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}, on {value.device}"
     try:
@@ -80,7 +81,8 @@ def element_format(fp8_dtype: torch.dtype | str, *, argname: str = "fp8_dtype") 
         fmt = _BY_NAME.get(fp8_dtype.lower()) if isinstance(fp8_dtype, str) else None
     if fmt is None:
         raise TypeError(
-            f"{argname} must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3' / 'e5m2'), got {describe(fp8_dtype)}"
+            f"{argname} must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3' / 'e5m2'), "
+            f"got {describe(fp8_dtype)}"
         )
     return fmt
 
@@ -100,12 +102,14 @@ def as_e8m0_bytes(scale: torch.Tensor, *, argname: str = "scale_inv") -> torch.T
     if FLOAT8_E8M0FNU is not None and scale.dtype == FLOAT8_E8M0FNU:
         return scale.view(torch.uint8)
     raise TypeError(
-        f"{argname} must hold E8M0 scale bytes as torch.uint8 (or torch.float8_e8m0fnu, bit-viewed), got {scale.dtype}"
+        f"{argname} must hold E8M0 scale bytes as torch.uint8 (or torch.float8_e8m0fnu, bit-viewed), "
+        f"got {scale.dtype}"
     )
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """Decode E8M0 bytes to float32 2**(E-127), built from bits: E=0 -> 2**-127, E=255 -> NaN (OCP MX §5.3)."""
+    """Decode E8M0 bytes to float32 2**(E-127), built from bits: E=0 -> 2**-127, E=255 -> NaN (OCP MX
+    §5.3)."""
     e32 = e.to(torch.int32)
     normal = torch.bitwise_left_shift(e32, 23)  # exponent field E, mantissa 0: exactly 2**(E-127) for E >= 1
     bits = torch.where(e32 == 0, torch.full_like(e32, 0x00400000), normal)  # 2**-127 is an FP32 subnormal
@@ -120,7 +124,8 @@ def e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
     """
     e32 = e.to(torch.int32)
     field = 254 - e32  # exponent field of 2**(127-E)
-    bits = torch.where(field >= 1, torch.bitwise_left_shift(field.clamp(min=0), 23), torch.full_like(e32, 0x00400000))
+    bits = torch.where(field >= 1, torch.bitwise_left_shift(field.clamp(min=0), 23),
+                       torch.full_like(e32, 0x00400000))
     bits = torch.where(e32 == E8M0_NAN, torch.full_like(e32, 0x7FC00000), bits)
     return bits.view(torch.float32)
 
@@ -128,9 +133,9 @@ def e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
 def e8m0_rceil(v: torch.Tensor) -> torch.Tensor:
     """E8M0 byte (int32 tensor) = the smallest E with 2**(E-127) >= v, for float32 ``v >= 0``.
 
-    Clamped to [0, 254]: v == 0 -> 0, v Inf -> 254 (saturating), v NaN -> 255. Computed from the float's exponent
-    and mantissa bits; a float log2 is wrong near powers of two. Matches TE ``float_to_e8m0`` with satfinite
-    (``cvt.rp.satfinite.ue8m0x2.f32``).
+    Clamped to [0, 254]: v == 0 -> 0, v Inf -> 254 (saturating), v NaN -> 255. Computed from the float's
+    exponent and mantissa bits; a float log2 is wrong near powers of two. Matches TE ``float_to_e8m0`` with
+    satfinite (``cvt.rp.satfinite.ue8m0x2.f32``).
     """
     bits = v.contiguous().view(torch.int32)
     exp = torch.bitwise_and(torch.bitwise_right_shift(bits, 23), 0xFF)
@@ -143,7 +148,8 @@ def e8m0_rceil(v: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
-    """E8M0 byte (int32 tensor) of the OCP MX v1.0 §6.3 rule: E-127 = floor(log2 amax) - emax, clamped to [0, 254].
+    """E8M0 byte (int32 tensor) of the OCP MX v1.0 §6.3 rule: E-127 = floor(log2 amax) - emax, clamped to
+    [0, 254].
 
     floor(log2 amax) is the float32 exponent field minus 127 (exact, no float log2). Zero and subnormal amax
     (floor(log2) <= -127) clamp to 0; Inf -> 254; NaN -> 255.
@@ -157,14 +163,14 @@ def e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
 
 
 def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """float32 -> FP8 bytes (``torch.uint8``; view them as ``fp8_dtype``): round-to-nearest-even, saturating to
-    ±max_norm (Inf -> ±max_norm); every NaN -> 0x7F.
+    """float32 -> FP8 bytes (``torch.uint8``; view them as ``fp8_dtype``): round-to-nearest-even, saturating
+    to ±max_norm (Inf -> ±max_norm); every NaN -> 0x7F.
 
-    PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps NaN).
-    Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite`` gives), so the
-    eager and compiled casts, whose NaN sign bits differ, produce identical bytes. E4M3 is computed from the float32
-    bits (:func:`_saturating_cast_e4m3`); for E5M2 the NaN test runs on the bytes (low 7 bits 0x7D..0x7F). Returning
-    bytes (not FP8) keeps a compiled caller's output a single fused pass.
+    PyTorch's own cast does not saturate (480 -> NaN in E4M3), so values are clamped first (``clamp`` keeps
+    NaN). Every NaN becomes the canonical byte 0x7F (a NaN in both E4M3 and E5M2, as ``cvt.rn.satfinite``
+    gives), so the eager and compiled casts, whose NaN sign bits differ, produce identical bytes. E4M3 is
+    computed from the float32 bits (:func:`_saturating_cast_e4m3`); for E5M2 the NaN test runs on the bytes
+    (low 7 bits 0x7D..0x7F). Returning bytes (not FP8) keeps a compiled caller's output a single fused pass.
     """
     if fp8_dtype == torch.float8_e4m3fn:
         return _saturating_cast_e4m3(x, max_norm)
@@ -174,13 +180,15 @@ def saturating_cast(x: torch.Tensor, max_norm: float, fp8_dtype: torch.dtype) ->
 
 
 def _saturating_cast_e4m3(x: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """float32 -> E4M3 bytes by integer arithmetic on the float32 bits (same contract as :func:`saturating_cast`).
+    """float32 -> E4M3 bytes by integer arithmetic on the float32 bits (same contract as
+    :func:`saturating_cast`).
 
-    All lanes stay 32-bit until the final narrowing, which the compiled kernel vectorizes far better than the FP8
-    convert + byte-wise NaN fix-up (checked equal to ``saturating_cast``'s cast on all 2**32 float32 patterns).
-    Normal results (|x| >= 2**-6): round the mantissa to 3 bits, nearest-even, by adding 0x7FFFF + lsb and
-    shifting (a carry into the exponent is the correct rounding), then rebias 127 -> 7. Subnormal results: the
-    integer nearest-even to |x| * 2**9, read from the mantissa of |x| * 2**9 + 2**23 (exact for |x| < 2**-6).
+    All lanes stay 32-bit until the final narrowing, which the compiled kernel vectorizes far better than the
+    FP8 convert + byte-wise NaN fix-up (checked equal to ``saturating_cast``'s cast on all 2**32 float32
+    patterns). Normal results (|x| >= 2**-6): round the mantissa to 3 bits, nearest-even, by adding 0x7FFFF +
+    lsb and shifting (a carry into the exponent is the correct rounding), then rebias 127 -> 7. Subnormal
+    results: the integer nearest-even to |x| * 2**9, read from the mantissa of |x| * 2**9 + 2**23 (exact for
+    |x| < 2**-6).
     """
     a = torch.clamp(x.abs(), max=max_norm)  # NaN stays NaN (either sign); Inf -> max_norm
     bits = a.view(torch.int32)
@@ -209,12 +217,13 @@ def numel_of(shape) -> int:
 
 
 class TooLargeError(MemoryError, ValueError):
-    """The result of a call cannot be allocated (e.g. for a huge ``expand()``ed view that holds no memory of its
-    own): a MemoryError, and a ValueError naming the argument and the size."""
+    """The result of a call cannot be allocated (e.g. for a huge ``expand()``ed view that holds no memory of
+    its own): a MemoryError, and a ValueError naming the argument and the size."""
 
 
 def is_alloc_failure(exc: BaseException) -> bool:
-    """True for an exception that says memory could not be allocated (CPU allocator, CUDA OOM, MemoryError)."""
+    """True for an exception that says memory could not be allocated (CPU allocator, CUDA OOM,
+    MemoryError)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     msg = str(exc)
@@ -223,12 +232,12 @@ def is_alloc_failure(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def allocating(argname: str, t) -> Iterator[None]:
-    """Raise an allocation failure inside (CPU allocator RuntimeError, CUDA OutOfMemoryError, MemoryError) as a
-    :class:`TooLargeError` naming ``argname`` and its shape."""
+    """Raise an allocation failure inside (CPU allocator RuntimeError, CUDA OutOfMemoryError, MemoryError) as
+    a :class:`TooLargeError` naming ``argname`` and its shape."""
     try:
         yield
     except (RuntimeError, MemoryError) as exc:
         if not is_alloc_failure(exc):
             raise
-        raise TooLargeError(f"{argname} of shape {tuple(t.shape)} ({numel_of(t.shape):.3g} elements) is too large: "
-                            f"its result cannot be allocated on {t.device}") from None
+        raise TooLargeError(f"{argname} of shape {tuple(t.shape)} ({numel_of(t.shape):.3g} elements) is too "
+                            f"large: its result cannot be allocated on {t.device}") from None

@@ -3,8 +3,9 @@
 All functions take and return ``torch.uint8`` tensors (``float8_e8m0fnu`` input is bit-viewed) and work on any
 device with one reshape/permute, never a per-element loop.
 
-Source: design.md §3; cuBLAS docs "1D block scaling factors layout" (VEC32_UE8M0); TE
-``pytorch/tensor/storage/mxfp8_tensor_storage.py`` (padding to 128×4); FlashInfer ``layout_128x4``.
+Source: docs/format.md, "Scale layouts: compact, padded, swizzled"; cuBLAS docs "1D block scaling factors
+layout" (VEC32_UE8M0); TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py`` (padding to 128×4); FlashInfer
+``layout_128x4``.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def _pad_multiples(direction: str) -> tuple[int, int]:
 
 
 def padded_shape(rows: int, cols: int, direction: str = "rowwise") -> tuple[int, int]:
-    """TE's padded scale shape for a compact ``(rows, cols)`` grid: rowwise ``(roundup(rows,128), roundup(cols,4))``,
-    columnwise ``(roundup(rows,4), roundup(cols,128))``."""
+    """TE's padded scale shape for a compact ``(rows, cols)`` grid: rowwise
+    ``(roundup(rows,128), roundup(cols,4))``, columnwise ``(roundup(rows,4), roundup(cols,128))``."""
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     mr, mc = _pad_multiples(direction)
     return roundup(rows, mr), roundup(cols, mc)
@@ -73,8 +74,8 @@ def padded_shape(rows: int, cols: int, direction: str = "rowwise") -> tuple[int,
 def pad(scale_inv_2d: torch.Tensor, direction: str = "rowwise") -> torch.Tensor:
     """Compact ``(R, C)`` scales -> TE's padded layout (zeros in the padding); see :func:`padded_shape`.
 
-    Returns a new uint8 tensor (the input itself when no padding is needed). Raises TypeError / ValueError for a
-    non-E8M0 dtype or a non-2-D tensor.
+    Returns a new uint8 tensor (the input itself when no padding is needed). Raises TypeError / ValueError for
+    a non-E8M0 dtype or a non-2-D tensor.
     """
     scale = _check_2d(scale_inv_2d, "scale_inv_2d")
     r, c = scale.shape
@@ -89,18 +90,20 @@ def pad(scale_inv_2d: torch.Tensor, direction: str = "rowwise") -> torch.Tensor:
 def unpad(padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The compact ``(rows, cols)`` corner of a padded scale grid, as a view (no copy).
 
-    TE leaves padding bytes uninitialized, so they are dropped, never read. Raises ValueError when ``padded`` is
-    smaller than ``(rows, cols)`` or they are negative, TypeError when they are not integers.
+    TE leaves padding bytes uninitialized, so they are dropped, never read. Raises ValueError when ``padded``
+    is smaller than ``(rows, cols)`` or they are negative, TypeError when they are not integers.
     """
     padded = _check_2d(padded, "padded")
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     if padded.shape[0] < rows or padded.shape[1] < cols:
-        raise ValueError(f"padded scale grid {tuple(padded.shape)} is too small for ({rows}, {cols}) compact scales")
+        raise ValueError(f"padded scale grid {tuple(padded.shape)} is too small for ({rows}, {cols}) "
+                         "compact scales")
     return padded[:rows, :cols]
 
 
 def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
-    """Shape of the swizzled grid for ``(rows, cols)`` compact scales: ``(roundup(rows,128), roundup(cols,4))``."""
+    """Shape of the swizzled grid for ``(rows, cols)`` compact scales:
+    ``(roundup(rows,128), roundup(cols,4))``."""
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     return roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
 
@@ -111,8 +114,8 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
 
     Returns uint8 ``(roundup(R,128), roundup(C,4))`` whose row-major bytes put compact entry ``(r, c)`` at
     ``((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (c%4)``; padding bytes are 0. Columnwise
-    scales are swizzled as their transpose: ``swizzle(scale.T)``. An empty grid gives the empty result of that shape,
-    e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``.
+    scales are swizzled as their transpose: ``swizzle(scale.T)``. An empty grid gives the empty result of that
+    shape, e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``.
     """
     scale = _check_2d(scale_inv_2d, "scale_inv_2d")
     r, c = scale.shape
@@ -134,8 +137,9 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
 
 
 def _as_words(grid: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous uint8 grid whose rows are multiples of 4 bytes as int32 words (one word = the 4 scale bytes a
-    swizzle moves together: a permute of 4x fewer elements), or None when its memory is not 4-byte aligned."""
+    """A contiguous uint8 grid whose rows are multiples of 4 bytes as int32 words (one word = the 4 scale
+    bytes a swizzle moves together: a permute of 4x fewer elements), or None when its memory is not 4-byte
+    aligned."""
     if not grid.is_contiguous() or grid.numel() == 0 or grid.data_ptr() % 4 or grid.shape[-1] % 4:
         return None
     return grid.view(torch.int32)
@@ -143,14 +147,15 @@ def _as_words(grid: torch.Tensor) -> torch.Tensor | None:
 
 @_sized("swizzled")
 def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle`: swizzled bytes (1-D, or 2-D padded, ``roundup(rows,128)*roundup(cols,4)`` of
-    them) -> compact uint8 ``(rows, cols)``. Raises ValueError when the byte count does not match."""
+    """Inverse of :func:`swizzle`: swizzled bytes (1-D, or 2-D padded, ``roundup(rows,128)*roundup(cols,4)``
+    of them) -> compact uint8 ``(rows, cols)``. Raises ValueError when the byte count does not match."""
     sw = as_e8m0_bytes(swizzled, argname="swizzled")
     rows, cols = _check_count(rows, "rows"), _check_count(cols, "cols")
     pr, pc = swizzled_shape(rows, cols)
     if sw.numel() != pr * pc:
         raise ValueError(
-            f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to {pr}x{pc} = {pr * pc} bytes"
+            f"swizzled holds {sw.numel()} bytes, but ({rows}, {cols}) scales swizzle to "
+            f"{pr}x{pc} = {pr * pc} bytes"
         )
     if sw.numel() == 0:
         return torch.zeros((rows, cols), dtype=torch.uint8, device=sw.device)

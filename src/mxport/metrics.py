@@ -1,12 +1,13 @@
 """Fidelity metrics between a generation (MXFP8) model and a training (high-precision) model, and weight SQNR.
 
-Conventions: ``logp_gen`` / ``logp_train`` are next-token log-probabilities (or logits: every function normalizes
-with ``log_softmax`` in float32) of shape ``[..., T, V]`` for T positions over a V-token vocabulary; ``mask`` is a
-bool / 0-1 tensor ``[..., T]`` selecting the generated positions (None = all). Results are Python floats.
+Conventions: ``logp_gen`` / ``logp_train`` are next-token log-probabilities (or logits: every function
+normalizes with ``log_softmax`` in float32) of shape ``[..., T, V]`` for T positions over a V-token
+vocabulary; ``mask`` is a bool / 0-1 tensor ``[..., T]`` selecting the generated positions (None = all).
+Results are Python floats.
 
 Sources: NeMo-RL ``nemo_rl/algorithms/loss_functions.py`` (``token_mult_prob_error``: masked mean of
-``exp(|generation_logprobs - prev_logprobs|)``) and its GRPO guide (``gen_kl_error``, here computed exactly over the
-full distributions instead of estimated from the sampled token).
+``exp(|generation_logprobs - prev_logprobs|)``) and its GRPO guide (``gen_kl_error``, here computed exactly
+over the full distributions instead of estimated from the sampled token).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def gen_kl_error(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.T
 
     Returns:
         ``{"mean": float, "max": float, "per_position": Tensor [..., T] float32}`` (mean / max over masked
-        positions; 0.0 when none). Terms with p_gen = 0 contribute 0; p_train = 0 where p_gen > 0 gives inf.
-        A position where either distribution holds a NaN (NaN logits, or a row with no finite logit) is NaN, and
+        positions; 0.0 when none). Terms with p_gen = 0 contribute 0; p_train = 0 where p_gen > 0 gives inf. A
+        position where either distribution holds a NaN (NaN logits, or a row with no finite logit) is NaN, and
         so are the mean and max over it: a broken model never reads as a perfect match.
 
     Raises:
@@ -84,7 +85,8 @@ def token_mult_prob_error(logp_gen_tokens: torch.Tensor, logp_train_tokens: torc
         mask: ``[..., T]`` generated positions (None = all).
 
     Returns a float >= 1 (1.0 = identical; 1.0 when no position is selected).
-    Source: NeMo-RL ``ClippedPGLossFn``: ``masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask)``.
+    Source: NeMo-RL ``ClippedPGLossFn``:
+    ``masked_mean(exp(|generation_logprobs - prev_logprobs| * mask), mask)``.
     """
     for x, n in ((logp_gen_tokens, "logp_gen_tokens"), (logp_train_tokens, "logp_train_tokens")):
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
@@ -97,18 +99,20 @@ def token_mult_prob_error(logp_gen_tokens: torch.Tensor, logp_train_tokens: torc
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``logp[..., t, tokens[..., t]]``: the log-prob of each token, ``[..., T]`` float32 (``logp`` normalized with
-    ``log_softmax`` first)."""
+    """``logp[..., t, tokens[..., t]]``: the log-prob of each token, ``[..., T]`` float32 (``logp`` normalized
+    with ``log_softmax`` first)."""
     lp = _logp(logp, "logp")
     if tokens.shape != lp.shape[:-1]:
-        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match positions {tuple(lp.shape[:-1])}")
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match "
+                         f"positions {tuple(lp.shape[:-1])}")
     return lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Fraction of (masked) positions where both models' most likely next token (argmax) is the same, in [0, 1]
-    (1.0 when no position is selected; NaN when a selected position holds a NaN in either input: argmax of NaN
-    is meaningless)."""
+def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> float:
+    """Fraction of (masked) positions where both models' most likely next token (argmax) is the same, in
+    [0, 1] (1.0 when no position is selected; NaN when a selected position holds a NaN in either input: argmax
+    of NaN is meaningless)."""
     _check_same(logp_gen, logp_train, "logp_gen", "logp_train")
     same = (logp_gen.argmax(dim=-1) == logp_train.argmax(dim=-1)).double()
     broken = logp_gen.isnan().any(dim=-1) | logp_train.isnan().any(dim=-1)
@@ -120,8 +124,8 @@ def greedy_agreement(logp_gen: torch.Tensor, logp_train: torch.Tensor, mask: tor
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``test`` against ``ref`` in dB:
-    ``10 log10(sum(ref^2) / sum((ref - test)^2))``, squares in float32, sums in float64. ``inf`` when identical; ``-inf`` for
-    an all-zero ``ref`` with nonzero error; NaN when either holds NaN.
+    ``10 log10(sum(ref^2) / sum((ref - test)^2))``, squares in float32, sums in float64. ``inf`` when
+    identical; ``-inf`` for an all-zero ``ref`` with nonzero error; NaN when either holds NaN.
 
     Raises ValueError on a shape mismatch, TypeError on non-tensors.
     """

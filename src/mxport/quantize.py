@@ -1,4 +1,5 @@
-"""quantize(): float tensors -> MXFP8 components, bit-exact with Transformer Engine ("rceil") or OCP MX ("floor").
+"""quantize(): float tensors -> MXFP8 components, bit-exact with Transformer Engine ("rceil") or OCP MX
+("floor").
 
 One kernel function (``_rowwise_kernel``) holds the whole algorithm; the eager path calls it directly and the
 compiled path calls a ``torch.compile``d copy of the same function, so the two cannot drift apart. On CPUs
@@ -6,8 +7,8 @@ with AVX-512 or AVX2 a native C kernel (:mod:`mxport.native`, the same algorithm
 it is checked byte for byte against ``_rowwise_kernel`` on a probe tensor before its first use (tests check
 all three agree).
 
-Sources: design.md §2; TE ``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0
-    §6.3.
+Sources: docs/format.md ("Elements, blocks, scales", "Rounding rules"); TE
+``common/cast/mxfp8/quantize_mxfp8.cuh`` and ``common/util/ptx.cuh``; OCP MX v1.0 §6.3.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _rowwise_kernel(x2: torch.Tensor, max_norm: float, inv_max_norm: float, emax
         xf = F.pad(xf, (0, pad))
     xb = xf.reshape(m, nb, BLOCK_SIZE)
     a = xb.abs()
-    amax = torch.where(a != a, torch.zeros_like(a), a).amax(dim=-1)  # (m, nb); a != a: NaN test that vectorizes
+    # (m, nb); a != a: NaN test that vectorizes
+    amax = torch.where(a != a, torch.zeros_like(a), a).amax(dim=-1)
     if block_2d:
         mb = ceil_div(m, BLOCK_SIZE)
         am = F.pad(amax, (0, 0, 0, mb * BLOCK_SIZE - m)).reshape(mb, BLOCK_SIZE, nb).amax(dim=1)
@@ -94,8 +96,9 @@ def _dynamo_recompile_limit(limit: int):
 
 
 def _compile_options() -> dict | None:
-    """Inductor options for the fast path: realize per-block intermediates (the scale) of more than 10 ops once per
-    block instead of recomputing them for each of the block's 32 elements (about 30% faster on CPU)."""
+    """Inductor options for the fast path: realize per-block intermediates (the scale) of more than 10 ops
+    once per block instead of recomputing them for each of the block's 32 elements (about 30% faster on
+    CPU)."""
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "realize_opcount_threshold"):
@@ -104,12 +107,12 @@ def _compile_options() -> dict | None:
 
 
 def _bound_kernel(params: tuple):
-    """``_rowwise_kernel`` with its scalar parameters (max_norm, inv_max_norm, emax, fp8_dtype, floor, block_2d)
-    closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are marked
-    dynamic): the parameters are constants of the compiled kernel. Passed as arguments under ``dynamic=True``
-    they became graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton then failed to
-    bitcast the int64
-    E8M0 arithmetic to float32, so the floor rounding (and, after it, every other kernel) never compiled there."""
+    """``_rowwise_kernel`` with its scalar parameters (max_norm, inv_max_norm, emax, fp8_dtype, floor,
+    block_2d) closed over, in a code object of its own, compiled without ``dynamic=True`` (only x's sizes are
+    marked dynamic): the parameters are constants of the compiled kernel. Passed as arguments under
+    ``dynamic=True`` they became graph inputs — ``emax`` a symbolic int64 — and on an H200 (torch 2.11) triton
+    then failed to bitcast the int64 E8M0 arithmetic to float32, so the floor rounding (and, after it, every
+    other kernel) never compiled there."""
     def kernel(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _rowwise_kernel(x2, *params)
     tag = "_".join(str(p).replace("torch.", "").replace(".", "p").replace("-", "m") for p in params)
@@ -118,8 +121,8 @@ def _bound_kernel(params: tuple):
 
 
 class _FastPath:
-    """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format, rounding,
-    block shape); disabled for good after one failure (with a warning).
+    """Lazily compiled copies of ``_rowwise_kernel``, one per set of scalar parameters (element format,
+    rounding, block shape); disabled for good after one failure (with a warning).
 
     ``failed_reason``: why it cannot run at all (no ``torch.compile``, a compile failure).
     ``disabled_reason``: why the automatic choice (``kernel=None``) does not pick it: the failure, or
@@ -129,7 +132,8 @@ class _FastPath:
     def __init__(self) -> None:
         self._fns: dict[tuple, object] = {}
         self._lock = threading.Lock()
-        self.failed_reason: str | None = None if hasattr(torch, "compile") else "torch.compile is not available"
+        self.failed_reason: str | None = (None if hasattr(torch, "compile")
+                                          else "torch.compile is not available")
         self.disabled_reason: str | None = self.failed_reason
         if self.failed_reason is None and os.environ.get("MXPORT_DISABLE_COMPILE", "") not in ("", "0"):
             self.disabled_reason = "MXPORT_DISABLE_COMPILE is set"
@@ -152,8 +156,10 @@ class _FastPath:
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager kernel
             if is_alloc_failure(exc):  # the input's size, not the compiler: the eager kernel would fail alike
                 raise
-            self.disabled_reason = self.failed_reason = f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
-            warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})", stacklevel=3)
+            self.disabled_reason = self.failed_reason = (
+                f"torch.compile failed: {type(exc).__name__}: {exc}"[:500])
+            warnings.warn(f"mxport: fast quantize path disabled, using eager ({self.disabled_reason})",
+                          stacklevel=3)
             return _rowwise_kernel(x2, *params)
 
 
@@ -161,14 +167,13 @@ FAST_PATH = _FastPath()
 
 
 def _probe_inputs() -> list[torch.Tensor]:
-    """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last block
-    (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max / FP8
-    ties
-    and rounding edges, many binades."""
+    """Small tensors that reach every branch of the kernels: one full group of 16 blocks and a short last
+    block (K = 600), a full and a short group of 32 rows (M = 36), NaN / ±Inf / ±0 / subnormals / FP32 max /
+    FP8 ties and rounding edges, many binades."""
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(36, 600, generator=g) * torch.exp2(torch.randint(-30, 30, (36, 600), generator=g).float())
-    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38, 480.0,
-                            464.0, 448.0, 61440.0, 2.0 ** -10, 2.0 ** -9 * 1.5, 2.0 ** -17 * 3, 1.0])
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-40, 3.4e38,
+                            480.0, 464.0, 448.0, 61440.0, 2.0 ** -10, 2.0 ** -9 * 1.5, 2.0 ** -17 * 3, 1.0])
     x[1, :16] = special
     x[2, 560:576] = special.flip(0)
     x[3] = x[3] * 1e-30
@@ -195,11 +200,13 @@ class _NativePath:
 
     @property
     def available(self) -> bool:
-        """True when the automatic choice may pick it: built, loaded and self-checked (builds it on first call)."""
+        """True when the automatic choice may pick it: built, loaded and self-checked (builds it on first
+        call)."""
         return self.disabled_reason is None and self.loaded()
 
     def loaded(self) -> bool:
-        """Build, load and self-check the kernel once (whatever ``disabled_reason`` says); True when it works."""
+        """Build, load and self-check the kernel once (whatever ``disabled_reason`` says); True when it
+        works."""
         if self._lib is None and self.failed_reason is None:
             with self._lock:
                 if self._lib is None and self.failed_reason is None:
@@ -249,7 +256,8 @@ NATIVE_PATH = _NativePath()
 
 def _reset_locks_after_fork() -> None:
     """A fork while another thread held a path's lock (building the native kernel, compiling) would leave the
-    child waiting forever on a lock nobody owns: the child gets fresh locks (an unfinished build is redone)."""
+    child waiting forever on a lock nobody owns: the child gets fresh locks (an unfinished build is
+    redone)."""
     NATIVE_PATH._lock = threading.Lock()
     FAST_PATH._lock = threading.Lock()
 
@@ -260,22 +268,26 @@ if hasattr(os, "register_at_fork"):
 
 def _kernel_args(fmt: ElementFormat, floor: bool, block_2d: bool) -> tuple:
     """The trailing arguments of ``_rowwise_kernel`` for an element format and rounding."""
-    return (fmt.max_norm, float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax, fmt.dtype, floor, block_2d)
+    return (fmt.max_norm, float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax, fmt.dtype, floor,
+            block_2d)
 
 
 def _native_args(fmt: ElementFormat, floor: bool) -> tuple:
-    """The trailing arguments of :func:`mxport.native.quantize_rows` (same numbers as :func:`_kernel_args`)."""
-    return (0 if fmt.dtype == torch.float8_e4m3fn else 1, floor, float(np.float32(1.0) / np.float32(fmt.max_norm)),
-            fmt.emax)
+    """The trailing arguments of :func:`mxport.native.quantize_rows` (same numbers as
+    :func:`_kernel_args`)."""
+    return (0 if fmt.dtype == torch.float8_e4m3fn else 1, floor,
+            float(np.float32(1.0) / np.float32(fmt.max_norm)), fmt.emax)
 
 
 def _check_input(x) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor of float32/bfloat16/float16 values, got {type(x).__name__}")
+        raise TypeError("x must be a torch.Tensor of float32/bfloat16/float16 values, "
+                        f"got {type(x).__name__}")
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(
-            f"x must be a plain dense tensor, got the tensor subclass {type(x).__name__} (a quantized or wrapped "
-            "tensor's nominal dtype is not its storage); use mxport.export_components for MXFP8 producers"
+            f"x must be a plain dense tensor, got the tensor subclass {type(x).__name__} (a quantized or "
+            "wrapped tensor's nominal dtype is not its storage); use mxport.export_components for MXFP8 "
+            "producers"
         )
     if x.layout != torch.strided or x.is_nested:
         raise TypeError(f"x must be a dense (strided) tensor, got layout {x.layout}")
@@ -287,11 +299,13 @@ def _check_input(x) -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be a float32/bfloat16/float16 tensor, got {x.dtype}")
     if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (blocks run along the last one), got a 0-d tensor")
+        raise ValueError("x must have at least one dimension (blocks run along the last one), "
+                         "got a 0-d tensor")
 
 
 def _check_bool(value, argname: str) -> bool:
-    """A flag: a Python (or numpy) bool, never an int / string read for its truth (``block_2d="no"`` is True)."""
+    """A flag: a Python (or numpy) bool, never an int / string read for its truth (``block_2d="no"`` is
+    True)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{argname} must be a bool (True or False), got {describe(value)}")
@@ -353,11 +367,13 @@ def _named_kernel(x2: torch.Tensor, kernel, fast) -> str:
 
 
 def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))`` uint8
-    views of the caller's tensors."""
+    """Validate ``quantize``'s ``out``; return ``(values, scales)`` as 2-D ``(M, K)`` / ``(M, ceil(K/32))``
+    uint8 views of the caller's tensors."""
     if direction != "rowwise":
-        raise ValueError(f"out is supported for direction='rowwise' only, got direction={describe(direction)}")
-    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError("out is supported for direction='rowwise' only, "
+                         f"got direction={describe(direction)}")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and all(isinstance(t, torch.Tensor) for t in out)):
         raise TypeError("out must be a (values, scales) pair of tensors")
     values, scales = out
     shape = tuple(x.shape)
@@ -381,8 +397,8 @@ def _check_out(out, x: torch.Tensor, fmt: ElementFormat, direction: str) -> tupl
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` byte addresses a strided tensor's elements can touch (empty for an empty tensor; torch
-    strides are never negative)."""
+    """``[first, last)`` byte addresses a strided tensor's elements can touch (empty for an empty tensor;
+    torch strides are never negative)."""
     start = t.data_ptr()
     if t.numel() == 0:
         return start, start
@@ -494,7 +510,8 @@ def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str
     if x2.dtype == torch.float64:
         x2 = x2.to(torch.float32)
     if direction == "columnwise" and not block_2d:
-        x2 = x2.t().contiguous()  # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
+        # columnwise blocks = rowwise blocks of the transpose (copied: strided reads are slower)
+        x2 = x2.t().contiguous()
     floor = rounding == "floor"
     kernel = kernel_for(x2, fast=fast, kernel=kernel)
     if kernel == "native":

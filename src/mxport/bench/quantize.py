@@ -91,12 +91,9 @@ def run(quick: bool = False) -> list[dict]:
 
     ``quick=True``: the same 4096x4096 headline, 3 runs after 1 warm-up, sizes up to 1024² (a few seconds;
     plus ~20 s the first time where the compiled kernel is used). The default kernel is used in both modes:
-    native where the CPU has AVX-512 or AVX2, else compiled when ``torch.compile`` works, else eager (``mxport info``
-    says; row notes name it). Runs on CUDA when available, else CPU.
+    native where the CPU has AVX-512 or AVX2, else compiled when ``torch.compile`` works, else eager (``mxport
+    info`` says; row notes name it). Runs on CUDA when available, else CPU.
     """
-    from ..quantize import kernel_for, kernel_label
-    from ..quantize import quantize as mx_quantize
-
     device = _device()
     side = QUICK_SIDE if quick else FULL_SIDE
     sweep = QUICK_SWEEP if quick else FULL_SWEEP
@@ -108,6 +105,20 @@ def run(quick: bool = False) -> list[dict]:
         return torch.randn(n, n, generator=gen, dtype=torch.float32).to(device=device, dtype=torch.bfloat16)
 
     x = make(side)
+    rows = _headline_rows(x, ao_fn, ao_missing, runs=runs, warmup=warmup, device=device)
+    for n in sweep:
+        xs = x if n == side else make(n)
+        rows.append(_sweep_row(xs, ao_fn, ao_missing, runs=runs, warmup=warmup, device=device))
+    return rows
+
+
+def _headline_rows(x: torch.Tensor, ao_fn, ao_missing: str | None, *, runs: int, warmup: int,
+                   device: torch.device) -> list[dict]:
+    """The rows of the headline tensor ``x``: first call (compile), speed against torchao, memory bound."""
+    from ..quantize import kernel_label
+    from ..quantize import quantize as mx_quantize
+
+    side = x.shape[0]
     numel = x.numel()
     nbytes = quantize_bytes(numel)
     path = kernel_label(x)
@@ -153,21 +164,26 @@ def run(quick: bool = False) -> list[dict]:
         f"copy_ of the same bf16 tensor (bytes read + written, median {copy_t * 1e3:.2f} ms); quantize moves "
         f"{nbytes / numel:.3f} B/elem; {path}",
     ))
-
-    for n in sweep:
-        xs = x if n == side else make(n)
-        b = quantize_bytes(xs.numel())
-        sub = {"mxport": lambda xs=xs: mx_quantize(xs)}
-        if ao_fn is not None:
-            sub["torchao"] = lambda xs=xs: ao_fn(xs)
-        med = interleaved_medians(sub, runs=runs, warmup=warmup, device=device)
-        g_mx = b / med["mxport"] / 1e9
-        if ao_fn is None:
-            rows.append(_row(f"throughput {n}x{n}", g_mx, "GB/s", "torchao to_mx RCEIL (not installed)", 0.0,
-                             "plot", ao_missing))
-            continue
-        g_ao = b / med["torchao"] / 1e9
-        sub_path = kernel_for(xs)
-        rows.append(_row(f"throughput {n}x{n}", g_mx, "GB/s", f"torchao to_mx RCEIL {g_ao:.3f} GB/s",
-                         g_mx / g_ao, "plot", f"{sub_path}; ratio = speed-up over torchao"))
     return rows
+
+
+def _sweep_row(xs: torch.Tensor, ao_fn, ao_missing: str | None, *, runs: int, warmup: int,
+               device: torch.device) -> dict:
+    """The throughput row of one square tensor ``xs`` of the size sweep."""
+    from ..quantize import kernel_for
+    from ..quantize import quantize as mx_quantize
+
+    n = xs.shape[0]
+    b = quantize_bytes(xs.numel())
+    sub = {"mxport": lambda xs=xs: mx_quantize(xs)}
+    if ao_fn is not None:
+        sub["torchao"] = lambda xs=xs: ao_fn(xs)
+    med = interleaved_medians(sub, runs=runs, warmup=warmup, device=device)
+    g_mx = b / med["mxport"] / 1e9
+    if ao_fn is None:
+        return _row(f"throughput {n}x{n}", g_mx, "GB/s", "torchao to_mx RCEIL (not installed)", 0.0,
+                    "plot", ao_missing)
+    g_ao = b / med["torchao"] / 1e9
+    sub_path = kernel_for(xs)
+    return _row(f"throughput {n}x{n}", g_mx, "GB/s", f"torchao to_mx RCEIL {g_ao:.3f} GB/s",
+                g_mx / g_ao, "plot", f"{sub_path}; ratio = speed-up over torchao")

@@ -1,15 +1,16 @@
 """The export pipeline: source reader -> precision policy -> quantize -> streaming writer, into a temporary
 directory renamed into place.
 
-Source kinds: a Hugging Face directory of ``*.safetensors`` (streamed one tensor at a time), a ``.gguf`` file or a
-directory holding one (loaded through :func:`mxport.models.load_causal_lm`), ``None`` (the embedded default model,
-see :mod:`mxport.models`), an ``nn.Module`` or a state dict.
+Source kinds: a Hugging Face directory of ``*.safetensors`` (streamed one tensor at a time), a ``.gguf`` file
+or a directory holding one (loaded through :func:`mxport.models.load_causal_lm`), ``None`` (the embedded
+default model, see :mod:`mxport.models`), an ``nn.Module`` or a state dict.
 
-Output (design.md §4): quantized tensors as ``<m>.weight`` FP8 values (rowwise, the source shape) plus the scale
-tensor named by :func:`~mxport.checkpoint.naming.scale_name` (uint8 E8M0, compact ``(*shape[:-1], ceil(K/32))``),
-written next to each other; kept tensors in their dtype, or cast to ``dtype`` when given (floating ones only);
-``config.json`` with ``quantization_config`` (+ ``hf_quant_config.json`` for modelopt); every other small file of
-the source directory (tokenizer, generation config, chat template, ...) copied.
+Output (docs/format.md, "What each consumer expects"): quantized tensors as ``<m>.weight`` FP8 values
+(rowwise, the source shape) plus the scale tensor named by :func:`~mxport.checkpoint.naming.scale_name` (uint8
+E8M0, compact ``(*shape[:-1], ceil(K/32))``), written next to each other; kept tensors in their dtype, or cast
+to ``dtype`` when given (floating ones only); ``config.json`` with ``quantization_config``
+(+ ``hf_quant_config.json`` for modelopt); every other small file of the source directory (tokenizer,
+generation config, chat template, ...) copied.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @dataclass
 class ExportResult:
-    """What :func:`export_checkpoint` wrote: the output directory, decisions, files, byte counts (``input_bytes``
-    read from the source, ``output_bytes`` of tensor data written), the exclude list written to the config."""
+    """What :func:`export_checkpoint` wrote: the output directory, decisions, files, byte counts
+    (``input_bytes`` read from the source, ``output_bytes`` of tensor data written), the exclude list written
+    to the config."""
 
     out: Path
     format: str
@@ -57,8 +59,9 @@ class ExportResult:
     exclude_modules: list[str]
 
     def to_dict(self) -> dict:
-        return {"out": str(self.out), "format": self.format, "files": self.files, "input_bytes": self.input_bytes,
-                "output_bytes": self.output_bytes, "quantized": sum(d.quantize for d in self.decisions),
+        return {"out": str(self.out), "format": self.format, "files": self.files,
+                "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+                "quantized": sum(d.quantize for d in self.decisions),
                 "kept": sum(not d.quantize for d in self.decisions), "exclude_modules": self.exclude_modules,
                 "decisions": [d.to_dict() for d in self.decisions]}
 
@@ -66,13 +69,14 @@ class ExportResult:
 def open_source(source) -> SafetensorsDir | StateDictSource:
     """A reader for ``source`` (see the module docstring).
 
-    Raises FileNotFoundError / ValueError (from :func:`mxport.models.resolve_source`) for a missing path or a path
-    with no model; TypeError for any other object.
+    Raises FileNotFoundError / ValueError (from :func:`mxport.models.resolve_source`) for a missing path or a
+    path with no model; TypeError for any other object.
     """
     if isinstance(source, (torch.nn.Module, dict)):
         return StateDictSource(source)
     if source is not None and not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be a path, None, an nn.Module or a state dict; got {type(source).__name__}")
+        raise TypeError("source must be a path, None, an nn.Module or a state dict; "
+                        f"got {type(source).__name__}")
     from ..models import load_causal_lm, resolve_source
 
     src = resolve_source(source)
@@ -121,19 +125,22 @@ def _copy_small_files(src_dir: Path | None, dst: Path) -> list[str]:
 def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None) -> Path:
     """Check the output path before any work and recover from a killed run into it; returns it as a Path.
 
-    ``source_dir`` is the source (a folder or a file, e.g. a GGUF) or None. Refused (ValueError): an output that
-    is, contains or lies inside the source, or is / contains the current, home or root directory (compared on real
-    paths, :func:`mxport._fs.check_output_place`); an existing file. FileExistsError when ``out`` exists without
-    ``overwrite``. Before that, temporaries of ``out`` left by killed runs are removed, and an output that an
-    interrupted overwrite left renamed aside is put back (:func:`mxport._fs.clean_stale_temps`).
+    ``source_dir`` is the source (a folder or a file, e.g. a GGUF) or None. Refused (ValueError): an output
+    that is, contains or lies inside the source, or is / contains the current, home or root directory
+    (compared on real paths, :func:`mxport._fs.check_output_place`); an existing file. FileExistsError when
+    ``out`` exists without ``overwrite``. Before that, temporaries of ``out`` left by killed runs are removed,
+    and an output that an interrupted overwrite left renamed aside is put back
+    (:func:`mxport._fs.clean_stale_temps`).
     """
     out = Path(out).expanduser()
     check_output_place(out, source_dir)
     with output_errors(out):
         clean_stale_temps(out)
-    exists = os.path.lexists(out)  # a symlink (even a dangling or looping one) is there: never replaced silently
+    # a symlink (even a dangling or looping one) is there: never replaced silently
+    exists = os.path.lexists(out)
     if exists and not overwrite:
-        raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"output {str(out)!r} already exists; "
+                              "pass overwrite=True (--overwrite) to replace it")
     if exists and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a directory")
     return out
@@ -141,7 +148,8 @@ def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None
 
 def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORMAT,
                       fp8_dtype: torch.dtype = torch.float8_e4m3fn, policy: PrecisionPolicy | None = None,
-                      dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False,
+                      dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
+                      overwrite: bool = False,
                       progress: Callable[[str, int], None] | None = None) -> ExportResult:
     """Export ``source`` as an MXFP8 checkpoint in format ``fmt`` at ``out``.
 
@@ -149,7 +157,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         source: path (HF dir, GGUF), None (the embedded default model), an ``nn.Module`` or a state dict; or a
             reader from :func:`open_source`.
         out: output directory; written under a temporary name in the same folder and renamed into place.
-        fmt: "modelopt" (default), "compressed-tensors" or "sglang" (:data:`~mxport.checkpoint.naming.FORMATS`).
+        fmt: "modelopt" (default), "compressed-tensors" or "sglang"
+            (:data:`~mxport.checkpoint.naming.FORMATS`).
         fp8_dtype: element type of the values; E5M2 only where the format allows it (sglang).
         policy: which tensors are quantized (default :class:`~mxport.policy.PrecisionPolicy()`).
         dtype: cast kept floating tensors to this dtype (bf16 / fp16 / fp32); None keeps each tensor's dtype.
@@ -158,13 +167,14 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         progress: called as ``progress(tensor_name, input_bytes_done)`` after each source tensor.
 
     Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
-    dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so peak
-    memory is a few chunks plus one tensor's scales, whatever the tensor or shard size; in-memory sources hold
-    their tensors anyway.
+    dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so
+    peak memory is a few chunks plus one tensor's scales, whatever the tensor or shard size; in-memory sources
+    hold their tensors anyway.
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
-        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; nothing is left behind.
+        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; nothing is left
+            behind.
     """
     check_fp8_dtype(fmt, fp8_dtype)
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -206,8 +216,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
 def _write_configs(tmp: Path, reader, config: dict, fmt: str, excl: list[str], fp8_dtype: torch.dtype,
                    dtype: torch.dtype | None) -> None:
-    """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and, for
-    modelopt, ``hf_quant_config.json``."""
+    """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and,
+    for modelopt, ``hf_quant_config.json``."""
     for extra in getattr(reader, "extras", ()):
         extra.save_pretrained(str(tmp))
     config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)
@@ -216,7 +226,8 @@ def _write_configs(tmp: Path, reader, config: dict, fmt: str, excl: list[str], f
             config[key] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     if fmt == "modelopt":
-        (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
+        (tmp / "hf_quant_config.json").write_text(
+            json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
 
 
 #: elements per chunk: tensors are read, quantized / cast and written in whole-row chunks of about this size
@@ -239,9 +250,9 @@ def _stream(reader, decisions, writer: ShardedSafetensorsWriter, fmt: str, fp8_d
     """Read -> quantize / cast -> write, chunk by chunk, with the next chunk's read and the previous chunks'
     writes running on two helper threads (file I/O releases the GIL), so I/O overlaps with quantize.
 
-    Rowwise MX blocks never cross rows, so quantizing whole-row chunks gives the bytes of one ``quantize`` of the
-    whole tensor. A quantized tensor's values are streamed; its scales (32x smaller) are written after them.
-    Memory in flight: a few chunks. Returns the source bytes read.
+    Rowwise MX blocks never cross rows, so quantizing whole-row chunks gives the bytes of one ``quantize`` of
+    the whole tensor. A quantized tensor's values are streamed; its scales (32x smaller) are written after
+    them. Memory in flight: a few chunks. Returns the source bytes read.
     """
     in_bytes = 0
     pending: deque = deque()

@@ -1,24 +1,26 @@
-"""Readers: tensors of a model one at a time, with their names, shapes and dtypes known before any data is read.
+"""Readers: a model's tensors one at a time, their names, shapes and dtypes known before any data is read.
 
 * :class:`SafetensorsDir` — a Hugging Face model directory (``*.safetensors``, sharded with
   ``model.safetensors.index.json``) or a single ``.safetensors`` file. Every header is checked by the
-  ``safetensors`` library (``safe_open``: offsets contiguous and covering the file, each shape matching its byte
-  range, bounded JSON), so entries come in file order without reading data; :meth:`SafetensorsDir.get` reads one
-  tensor (plain reads at the checked offsets, no memory map).
+  ``safetensors`` library (``safe_open``: offsets contiguous and covering the file, each shape matching its
+  byte range, bounded JSON), so entries come in file order without reading data; :meth:`SafetensorsDir.get`
+  reads one tensor (plain reads at the checked offsets, no memory map).
 * :class:`StateDictSource` — an ``nn.Module`` or a state dict in memory (GGUF files come in this way, through
   :func:`mxport.models.load_causal_lm`).
 * :func:`open_checkpoint` — an MXFP8 (or plain) checkpoint read back as ``(name, MXFP8Components | Tensor)``:
   values and scales paired under the values' name.
 
-Trust nothing on disk: only regular files inside the checkpoint folder are opened (a FIFO, a device, a directory
-named ``*.safetensors`` or a symlink leading out of the folder is refused before it is opened, so nothing blocks),
-an index must name plain files of the folder and agree with the shards' headers, JSON files must be objects of
-bounded size and depth. Every problem is a :class:`CheckpointError` (a ValueError) naming the file.
+Trust nothing on disk: only regular files inside the checkpoint folder are opened (a FIFO, a device, a
+directory named ``*.safetensors`` or a symlink leading out of the folder is refused before it is opened, so
+nothing blocks), an index must name plain files of the folder and agree with the shards' headers, JSON files
+must be objects of bounded size and depth. Every problem is a :class:`CheckpointError` (a ValueError) naming
+the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -53,7 +55,7 @@ def st_dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported dtype {dtype} (safetensors dtypes: {sorted(ST_TO_TORCH)})") from None
 
 
-# -- files: regular, inside the folder ------------------------------------------------------------------------
+# -- files: regular, inside the folder -----------------------------------------------------------------------
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
@@ -70,8 +72,8 @@ def _roots(folder: Path) -> list[Path]:
 
 
 def check_regular_file(path: Path, roots: list[Path] | None = None) -> Path:
-    """``path`` itself when it is a regular file (following symlinks) that, with ``roots``, resolves inside one of
-    them; CheckpointError otherwise (FIFOs and devices are refused without being opened)."""
+    """``path`` itself when it is a regular file (following symlinks) that, with ``roots``, resolves inside
+    one of them; CheckpointError otherwise (FIFOs and devices are refused without being opened)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -108,14 +110,15 @@ def read_json(path: Path, roots: list[Path] | None = None) -> dict:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: not valid JSON ({reason})") from None
+        raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: "
+                              f"not valid JSON ({reason})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"corrupt {path.name} in {str(path.parent)!r}: expected a JSON object, got "
                               f"{type(data).__name__}")
     return data
 
 
-# -- safetensors headers ---------------------------------------------------------------------------------------
+# -- safetensors headers -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a safetensors file as its (checked) header describes it."""
@@ -145,9 +148,9 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
     ``{name: {"dtype", "shape", "data_offsets"}}`` (file order) plus ``__metadata__``.
 
     Raises CheckpointError naming the file when it is not a regular file (inside ``roots``), when
-    ``safetensors`` refuses it (truncated, header too large, not JSON or nested too deeply, offsets overlapping,
-    out of range or not covering the data, a shape whose bytes differ from its offsets, negative sizes), or for a
-    dtype mxport does not read.
+    ``safetensors`` refuses it (truncated, header too large, not JSON or nested too deeply, offsets
+    overlapping, out of range or not covering the data, a shape whose bytes differ from its offsets, negative
+    sizes), or for a dtype mxport does not read.
     """
     file = check_regular_file(Path(file), roots)
     try:
@@ -162,12 +165,11 @@ def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dic
     offset = 0
     for name, dtype, shape in specs:
         if dtype not in ST_TO_TORCH:
-            raise CheckpointError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; mxport reads "
-                                  f"{sorted(ST_TO_TORCH)}")
-        n = torch.empty((), dtype=ST_TO_TORCH[dtype]).element_size()
-        for s in shape:
-            n *= s
-        header[name] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [offset, offset + n]}
+            raise CheckpointError(f"unsupported dtype {dtype!r} of tensor {name!r} in {str(file)!r}; "
+                                  f"mxport reads {sorted(ST_TO_TORCH)}")
+        n = ST_TO_TORCH[dtype].itemsize * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": [int(s) for s in shape],
+                        "data_offsets": [offset, offset + n]}
         offset += n  # safetensors checked that the offsets are contiguous and each range fits its shape
     return header
 
@@ -180,8 +182,9 @@ def _no_duplicates(pairs: list[tuple]) -> dict:
 
 
 def _check_unique_keys(file: Path) -> None:
-    """Refuse a header naming one key twice (JSON leaves it to the reader which one wins): ``safetensors`` keeps
-    one silently. Reads the header again, already checked by ``safetensors`` (bounded size and depth)."""
+    """Refuse a header naming one key twice (JSON leaves it to the reader which one wins): ``safetensors``
+    keeps one silently. Reads the header again, already checked by ``safetensors`` (bounded size and
+    depth)."""
     with _open_regular(file) as f:
         raw = f.read(_data_start(f) - 8)  # the file is at byte 8 now
     try:
@@ -202,17 +205,18 @@ def _plain_shard_name(name) -> bool:
 
 
 def _index_shards(p: Path, roots: list[Path]) -> tuple[list[Path], dict[str, str]]:
-    """The shard files ``model.safetensors.index.json`` names, in order, and its weight map; CheckpointError for
-    a malformed index, a shard outside the folder or missing, a ``*.safetensors`` file of the folder it omits."""
+    """The shard files ``model.safetensors.index.json`` names, in order, and its weight map; CheckpointError
+    for a malformed index, a shard outside the folder or missing, a ``*.safetensors`` file of the folder it
+    omits."""
     index = read_json(p / INDEX_NAME, roots)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"corrupt {INDEX_NAME} in {str(p)!r}: 'weight_map' must be a non-empty object of "
-                              f"tensor name -> shard file, got {type(weight_map).__name__}")
+        raise CheckpointError(f"corrupt {INDEX_NAME} in {str(p)!r}: 'weight_map' must be a non-empty "
+                              f"object of tensor name -> shard file, got {type(weight_map).__name__}")
     bad = [v for v in weight_map.values() if not _plain_shard_name(v)]
     if bad:
-        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} names {bad[0]!r}: shards must be *.safetensors files "
-                              "of the checkpoint folder itself")
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} names {bad[0]!r}: shards must be "
+                              "*.safetensors files of the checkpoint folder itself")
     names = list(dict.fromkeys(weight_map.values()))
     missing = [n for n in names if not os.path.lexists(p / n)]
     if missing:
@@ -221,8 +225,8 @@ def _index_shards(p: Path, roots: list[Path]) -> tuple[list[Path], dict[str, str
     omitted = sorted(f.name for f in p.glob("*.safetensors") if f.name not in weight_map.values()
                      and not f.name.startswith("consolidated"))
     if omitted:
-        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} omits shard(s) {omitted} of the folder: their tensors "
-                              "would be dropped")
+        raise CheckpointError(f"{INDEX_NAME} in {str(p)!r} omits shard(s) {omitted} of the folder: "
+                              "their tensors would be dropped")
     return [p / n for n in names], weight_map
 
 
@@ -249,9 +253,10 @@ class SafetensorsDir:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError (a ValueError): no ``*.safetensors`` in the directory; a shard, index or config that is
-            not a regular file inside the folder; an index naming a missing shard, a file outside the folder,
-            omitting a shard or a tensor; a corrupt header; an unsupported dtype; a tensor name in two shards.
+        CheckpointError (a ValueError): no ``*.safetensors`` in the directory; a shard, index or config that
+            is not a regular file inside the folder; an index naming a missing shard, a file outside the
+            folder, omitting a shard or a tensor; a corrupt header; an unsupported dtype; a tensor name in two
+            shards.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -293,8 +298,8 @@ class SafetensorsDir:
                 if name == "__metadata__":
                     continue
                 if name in self._info:
-                    raise CheckpointError(f"tensor {name!r} appears in two shards ({self._info[name].file.name}, "
-                                          f"{f.name})")
+                    raise CheckpointError(f"tensor {name!r} appears in two shards "
+                                          f"({self._info[name].file.name}, {f.name})")
                 ti = TensorInfo(f, info["dtype"], tuple(info["shape"]), *info["data_offsets"])
                 self._info[name] = ti
                 self.st_dtypes[name] = ti.dtype
@@ -359,8 +364,8 @@ class SafetensorsDir:
             while got < len(view):
                 n = self._handle.readinto(view[got:])
                 if not n:
-                    raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} data ends early "
-                                          "(the file changed after it was opened?)")
+                    raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} data ends "
+                                          "early (the file changed after it was opened?)")
                 got += n
         return buf
 
@@ -370,13 +375,11 @@ class SafetensorsDir:
         info = self._info_of(name)
         dtype, shape = info.torch_dtype, info.shape
         k = shape[-1] if shape else 1
-        m = 1
-        for s in shape[:-1]:
-            m *= s
+        m = math.prod(shape[:-1])
         if len(shape) < 2 or k == 0 or m == 0:  # 0-d, 1-D, empty: one piece as it is
             yield self.get(name)
             return
-        row_bytes = k * torch.empty((), dtype=dtype).element_size()
+        row_bytes = k * dtype.itemsize
         step = max(1, chunk_numel // k)
         for r0 in range(0, m, step):
             r1 = min(m, r0 + step)
@@ -403,12 +406,14 @@ class StateDictSource:
     """An in-memory state dict (or ``nn.Module``) with the same interface as :class:`SafetensorsDir`.
 
     Args:
-        obj: ``nn.Module`` (its ``state_dict()``; ``model.config`` is used when present) or a ``dict`` of tensors.
+        obj: ``nn.Module`` (its ``state_dict()``; ``model.config`` is used when present) or a ``dict`` of
+            tensors.
         config: config dict (defaults to ``obj.config.to_dict()`` for a transformers model, else {}).
-        extras: objects with ``save_pretrained(dir)`` (tokenizer, generation config) written next to the weights.
+        extras: objects with ``save_pretrained(dir)`` (tokenizer, generation config) written next to the
+            weights.
 
-    With ``tie_word_embeddings`` in the config, ``lm_head.weight`` is dropped (written once, as the embedding),
-    as ``save_pretrained`` does.
+    With ``tie_word_embeddings`` in the config, ``lm_head.weight`` is dropped (written once, as the
+    embedding), as ``save_pretrained`` does.
     """
 
     def __init__(self, obj, *, config: dict | None = None, extras=(), label: str = "state dict"):
@@ -422,7 +427,8 @@ class StateDictSource:
             raise TypeError(f"source must be an nn.Module, a state dict, or a path; got {type(obj).__name__}")
         for k, v in state.items():
             if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-                raise TypeError(f"state dict entries must be str -> torch.Tensor, got {k!r}: {type(v).__name__}")
+                raise TypeError("state dict entries must be str -> torch.Tensor, "
+                                f"got {k!r}: {type(v).__name__}")
         self.config = dict(config or {})
         self.path = None
         self.extras = tuple(extras)
@@ -460,7 +466,8 @@ class StateDictSource:
 
 
 def _pair_names(names: list[str], dtypes: dict[str, torch.dtype], fmt: str | None) -> dict[str, str]:
-    """values name -> scale name for every FP8 tensor whose scale (``<values>_scale`` / ``_scale_inv``) exists."""
+    """values name -> scale name for every FP8 tensor that has a scale (``<values>_scale`` /
+    ``<values>_scale_inv``)."""
     suffixes = [SCALE_SUFFIX[fmt]] if fmt else list(dict.fromkeys(SCALE_SUFFIX.values()))
     present = set(names)
     pairs = {}
@@ -475,8 +482,9 @@ def _pair_names(names: list[str], dtypes: dict[str, torch.dtype], fmt: str | Non
 
 
 def format_by_names(names: list[str], dtypes: dict[str, torch.dtype]) -> str | None:
-    """Guess the format from tensor names when the config says nothing: FP8 values with ``_scale_inv`` scales ->
-    "sglang"; with ``_scale`` scales -> "modelopt" (compressed-tensors uses the same names); no pairs -> None."""
+    """Guess the format from tensor names when the config says nothing: FP8 values with ``_scale_inv`` scales
+    -> "sglang"; with ``_scale`` scales -> "modelopt" (compressed-tensors uses the same names); no pairs ->
+    None."""
     pairs = _pair_names(names, dtypes, None)
     if not pairs:
         return None
@@ -491,16 +499,17 @@ def read_quant_config(d: SafetensorsDir) -> dict | None:
     qc = d.config.get("quantization_config")
     if qc is not None:
         if not isinstance(qc, dict):
-            raise CheckpointError(f"corrupt config.json in {d.label!r}: quantization_config must be an object, got "
-                                  f"{type(qc).__name__}")
+            raise CheckpointError(f"corrupt config.json in {d.label!r}: quantization_config must be an "
+                                  f"object, got {type(qc).__name__}")
         return qc
     return d.read_json("hf_quant_config.json")
 
 
 @dataclass(frozen=True)
 class QuantDescription:
-    """What the files say about quantization: the config (or None), the format (one of FORMATS or None), where the
-    format came from ("config" | "names" | None) and the FP8 element the config declares (None: not declared)."""
+    """What the files say about quantization: the config (or None), the format (one of FORMATS or None), where
+    the format came from ("config" | "names" | None) and the FP8 element the config declares (None: not
+    declared)."""
 
     config: dict | None
     format: str | None
@@ -509,14 +518,15 @@ class QuantDescription:
 
 
 def describe_quantization(d: SafetensorsDir) -> QuantDescription:
-    """:class:`QuantDescription` of ``d``: from ``quantization_config`` / ``hf_quant_config.json``, else the format
-    guessed from the scale names. CheckpointError for a malformed quantization config."""
+    """:class:`QuantDescription` of ``d``: from ``quantization_config`` / ``hf_quant_config.json``, else the
+    format guessed from the scale names. CheckpointError for a malformed quantization config."""
     qc = read_quant_config(d)
     try:
         fmt = detect_format(qc)
         declared = declared_fp8(fmt, qc)
     except ValueError as exc:
-        where = "config.json quantization_config" if "quantization_config" in d.config else "hf_quant_config.json"
+        where = ("config.json quantization_config" if "quantization_config" in d.config
+                 else "hf_quant_config.json")
         raise CheckpointError(f"corrupt {where} in {d.label!r}: {exc}") from None
     if fmt is not None:
         return QuantDescription(qc, fmt, "config", declared)
@@ -525,7 +535,7 @@ def describe_quantization(d: SafetensorsDir) -> QuantDescription:
     return QuantDescription(qc, guess, "names" if guess else None, None)
 
 
-# -- pairing values and scales, and what can be wrong with them --------------------------------------------------
+# -- pairing values and scales, and what can be wrong with them ----------------------------------------------
 _ALL_SUFFIXES = ("_scale_inv", "_scale")
 
 
@@ -534,8 +544,8 @@ def dtype_str(d: torch.dtype) -> str:
 
 
 def _scale_owner(name: str, present: set[str]) -> tuple[str, str] | None:
-    """(values name, suffix) when ``name`` is named like a scale: ``X_scale_inv`` / ``X_scale`` with ``X`` present,
-    or ``*.weight_scale(_inv)`` regardless of ``X``."""
+    """(values name, suffix) when ``name`` is named like a scale: ``X_scale_inv`` / ``X_scale`` with ``X``
+    present, or ``*.weight_scale(_inv)`` regardless of ``X``."""
     for suf in _ALL_SUFFIXES:
         if name.endswith(suf):
             base = name[: -len(suf)]
@@ -579,7 +589,8 @@ def _find_scales(names, dtypes, fmt, problems) -> tuple[dict[str, str], dict[str
         if not is_fp8_dtype(dtypes[base]):
             if dtypes[n] == torch.uint8:
                 roles[n] = "scales"
-                problems.append(f"{n}: scale for {base!r}, which is {dtype_str(dtypes[base])}, not FP8 values")
+                problems.append(f"{n}: scale for {base!r}, which is {dtype_str(dtypes[base])}, "
+                                "not FP8 values")
             continue
         roles[n] = "scales"
         if base in pair_of:
@@ -587,7 +598,8 @@ def _find_scales(names, dtypes, fmt, problems) -> tuple[dict[str, str], dict[str
             continue
         pair_of[base] = n
         if fmt in FORMATS and suf != SCALE_SUFFIX[fmt]:
-            problems.append(f"{n}: scale name does not follow format {fmt!r} (expected {base + SCALE_SUFFIX[fmt]!r})")
+            problems.append(f"{n}: scale name does not follow format {fmt!r} "
+                            f"(expected {base + SCALE_SUFFIX[fmt]!r})")
     return roles, pair_of
 
 
@@ -595,8 +607,8 @@ def _scale_header_problems(base, sname, shape, sshape, sdt, problems, warnings) 
     """Check one pair's scale dtype and shape against its values; True when it can be decoded."""
     ok = True
     if sdt not in (torch.uint8, _E8M0 or torch.uint8):
-        problems.append(f"{sname}: scale stored as {dtype_str(sdt)}; expected uint8 E8M0 bytes (bit patterns, "
-                        "not values)")
+        problems.append(f"{sname}: scale stored as {dtype_str(sdt)}; "
+                        "expected uint8 E8M0 bytes (bit patterns, not values)")
         ok = False
     elif sdt != torch.uint8:
         warnings.append(f"{sname}: float8_e8m0fnu scale (same bytes as uint8; engines expect U8)")
@@ -614,10 +626,10 @@ def _scale_header_problems(base, sname, shape, sshape, sdt, problems, warnings) 
 
 def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: str | None,
                   declared: torch.dtype | None = None) -> PairAnalysis:
-    """Pair FP8 values with their scales by name and check everything the headers tell: values without a scale,
-    a scale without values or for non-FP8 values, two scales for one tensor, a scale name that does not follow
-    ``fmt``, values of another FP8 element than ``declared`` (the quantization config's), a scale that is not
-    uint8 E8M0 or not compact."""
+    """Pair FP8 values with their scales by name and check everything the headers tell: values without a
+    scale, a scale without values or for non-FP8 values, two scales for one tensor, a scale name that does not
+    follow ``fmt``, values of another FP8 element than ``declared`` (the quantization config's), a scale that
+    is not uint8 E8M0 or not compact."""
     names = [n for n, _, _ in entries]
     shapes = {n: s for n, s, _ in entries}
     dtypes = {n: t for n, _, t in entries}
@@ -635,15 +647,16 @@ def analyse_pairs(entries: list[tuple[str, tuple[int, ...], torch.dtype]], fmt: 
                                 f"{fmt!r} declares {dtype_str(declared)}")
     bad = set()
     for base, sname in pair_of.items():
-        if not _scale_header_problems(base, sname, shapes[base], shapes[sname], dtypes[sname], problems, warnings):
+        if not _scale_header_problems(base, sname, shapes[base], shapes[sname], dtypes[sname],
+                                      problems, warnings):
             bad.add(base)
     return PairAnalysis(roles, pair_of, frozenset(bad), tuple(problems), tuple(warnings))
 
 
 def data_problems(c: MXFP8Components, scale_name: str, values_name: str) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values; every
-    scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight is only a
-    warning."""
+    """(problems, warnings) of one decoded pair's bytes: NaN scale bytes (E = 255); NaN / Inf FP8 values;
+    every scale byte 0 (2**-127) while the values are not all zero (scales never written); an all-zero weight
+    is only a warning."""
     problems, warnings = [], []
     e = c.scale_inv
     nan = int((e == 255).sum())
@@ -671,17 +684,18 @@ def _first(problems, path) -> str:
 
 
 class CheckpointReader:
-    """An exported MXFP8 checkpoint (any of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF directory.
+    """An exported MXFP8 checkpoint (one of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF folder.
 
-    Opening checks the files (see :class:`SafetensorsDir`) and every values/scale pair's names, dtypes and shapes
-    (:func:`analyse_pairs`): FP8 values without a scale, values of another element type than the quantization
-    config declares (E4M3 bytes stored as ``F8_E5M2``), a padded or non-uint8 scale, a config that declares MXFP8
-    over files without one pair are each a :class:`CheckpointError`. Reading a pair checks its bytes
-    (:func:`data_problems`: NaN scales, scales never written).
+    Opening checks the files (see :class:`SafetensorsDir`) and every values/scale pair's names, dtypes and
+    shapes (:func:`analyse_pairs`): FP8 values without a scale, values of another element type than the
+    quantization config declares (E4M3 bytes stored as ``F8_E5M2``), a padded or non-uint8 scale, a config
+    that declares MXFP8 over files without one pair are each a :class:`CheckpointError`. Reading a pair checks
+    its bytes (:func:`data_problems`: NaN scales, scales never written).
 
     Attributes:
         format: "modelopt" | "compressed-tensors" | "sglang" (from the config's quantization_config or
-            hf_quant_config.json, else guessed from scale tensor names), or None for an unquantized checkpoint.
+            hf_quant_config.json, else guessed from scale tensor names), or None for an unquantized
+            checkpoint.
         config: ``config.json`` as a dict.
     """
 
@@ -726,8 +740,9 @@ class CheckpointReader:
         return c
 
     def iter_tensors(self) -> Iterator[tuple[str, MXFP8Components | torch.Tensor]]:
-        """Yield ``(name, value)`` in file order: ``MXFP8Components`` (rowwise, compact uint8 scales; 3-D expert
-        values give scales ``[E, N, ceil(K/32)]``) for each values/scale pair, plain tensors for the rest."""
+        """Yield ``(name, value)`` in file order: ``MXFP8Components`` (rowwise, compact uint8 scales; 3-D
+        expert values give scales ``[E, N, ceil(K/32)]``) for each values/scale pair, plain tensors for the
+        rest."""
         for name in self.names():
             yield name, self.get(name)
 
@@ -747,7 +762,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError (a ValueError): unsafe or corrupt files, index or config; values/scale pairs that do not
-            match (see :class:`CheckpointReader`).
+        CheckpointError (a ValueError): unsafe or corrupt files, index or config; values/scale pairs that do
+            not match (see :class:`CheckpointReader`).
     """
     return CheckpointReader(path)

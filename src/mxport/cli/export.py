@@ -1,4 +1,6 @@
-"""``mxport export``: a model (HF directory, GGUF, or the embedded default) -> an MXFP8 checkpoint for vLLM / SGLang."""
+"""``mxport export``: a model (HF directory, GGUF, or the embedded default) -> an MXFP8 checkpoint.
+
+The checkpoint is for vLLM / SGLang."""
 
 from __future__ import annotations
 
@@ -17,33 +19,44 @@ from .app import app
 
 @app.command("export")
 def export_cmd(
-    source: str = typer.Argument(None, metavar="SOURCE", help="HF model directory (*.safetensors), a .gguf file, or omit for the "
-                                            "embedded default model (SmolLM2-135M-Instruct)."),
-    out: str = typer.Option(None, "-o", "--out", metavar="OUT", help="Output directory (required unless --dry-run)."),
+    source: str = typer.Argument(None, metavar="SOURCE",
+                                 help="HF model directory (*.safetensors), a .gguf file, or omit for the "
+                                      "embedded default model (SmolLM2-135M-Instruct)."),
+    out: str = typer.Option(None, "-o", "--out", metavar="OUT",
+                            help="Output directory (required unless --dry-run)."),
     fmt: Format = typer.Option(DEFAULT_FORMAT, "--format", help="Checkpoint format."),
-    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="FP8 element type. Every format's consumers read E4M3 values (vLLM's "
-                                      "loaders; SGLang 0.5.23 registers E4M3 whatever the config says), so e5m2 "
-                                      "is refused."),
-    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN", help="Keep tensors matching this fnmatch pattern in high "
-                                                              "precision (tensor or module name; repeatable)."),
-    include: list[str] = typer.Option(None, "--include", metavar="PATTERN", help="Quantize only linear/expert weights matching this "
-                                                              "fnmatch pattern (repeatable)."),
-    keep_first: int = typer.Option(0, "--keep-first", min=0, help="Keep the first N decoder layers in high precision."),
-    keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep the last N decoder layers in high precision."),
-    dtype: Dtype = typer.Option(None, "--dtype", help="Cast kept floating tensors to this dtype (default: keep each "
-                                                      "tensor's dtype)."),
+    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype",
+                                       help="FP8 element type. Every format's consumers read E4M3 values "
+                                            "(vLLM's loaders; SGLang 0.5.23 registers E4M3 whatever the "
+                                            "config says), so e5m2 is refused."),
+    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN",
+                                      help="Keep tensors matching this fnmatch pattern in high "
+                                           "precision (tensor or module name; repeatable)."),
+    include: list[str] = typer.Option(None, "--include", metavar="PATTERN",
+                                      help="Quantize only linear/expert weights matching this "
+                                           "fnmatch pattern (repeatable)."),
+    keep_first: int = typer.Option(0, "--keep-first", min=0,
+                                   help="Keep the first N decoder layers in high precision."),
+    keep_last: int = typer.Option(0, "--keep-last", min=0,
+                                  help="Keep the last N decoder layers in high precision."),
+    dtype: Dtype = typer.Option(None, "--dtype",
+                                help="Cast kept floating tensors to this dtype (default: keep each "
+                                     "tensor's dtype)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print each tensor's decision and why; write nothing."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the result (or the dry-run plan) as JSON to FILE "
-                                                      "('-': stdout)."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="Print each tensor's decision and why; write nothing."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
+                                 help="Write the result (or the dry-run plan) as JSON to FILE "
+                                      "('-': stdout)."),
 ):
-    """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang) loads.
+    """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang)
+    loads.
 
     Linear-layer weights and fused expert weights become FP8 values + uint8 E8M0 scales (compact, one per 32
-    values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are fnmatch-style
-    ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output goes to a
-    temporary directory renamed into place. Exit 0 ok, 2 bad input.
+    values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are
+    fnmatch-style ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output
+    goes to a temporary directory renamed into place. Exit 0 ok, 2 bad input.
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -52,8 +65,8 @@ def export_cmd(
         check_fp8_dtype(fmt, fp8)
         cast = DTYPES[Dtype(dtype).value] if dtype is not None else None
         parse_size(max_shard_size)
-        policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()), keep_first=keep_first,
-                                 keep_last=keep_last)
+        policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()),
+                                 keep_first=keep_first, keep_last=keep_last)
         if out is None and not dry_run:
             raise ValueError("-o/--out OUT is required (or use --dry-run)")
         if dry_run:
@@ -67,7 +80,8 @@ def export_cmd(
             return
         result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite)
     n_q = sum(d.quantize for d in result.decisions)
-    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors MXFP8, {len(result.decisions) - n_q} kept, "
+    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors MXFP8, "
+                  f"{len(result.decisions) - n_q} kept, "
                   f"{result.input_bytes / 1e6:.1f} MB in -> {result.output_bytes / 1e6:.1f} MB out, "
                   f"{len(result.files)} files", highlight=False)
     if json_out:

@@ -14,23 +14,25 @@ from .app import app
 @app.command("inspect")
 def inspect_cmd(
     path: str = typer.Argument(..., metavar="PATH", help="Checkpoint directory (or one .safetensors file)."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the report as JSON to FILE ('-': "
-                                                                        "stdout)."),
-    no_stats: bool = typer.Option(False, "--no-stats", help="Skip decoding the values (faster on big models)."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
+                                 help="Write the report as JSON to FILE ('-': stdout)."),
+    no_stats: bool = typer.Option(False, "--no-stats",
+                                  help="Skip decoding the values (faster on big models)."),
 ):
     """Look inside an MXFP8 checkpoint (modelopt, compressed-tensors, sglang) and check it.
 
-    Per tensor: name, shape, dtype, role (values / scales / kept); per MXFP8 pair: scale exponent range (E-127) and
-    decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a compact uint8
-    scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
+    Per tensor: name, shape, dtype, role (values / scales / kept); per MXFP8 pair: scale exponent range
+    (E-127) and decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a
+    compact uint8 scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
     """
     json_to_stdout(json_out)
     columns = (TextColumn("inspect"), BarColumn(), MofNCompleteColumn(), TextColumn("MXFP8 pairs"),
                TimeElapsedColumn())
     with user_errors(), Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("", total=None)
-        report = inspect_checkpoint(path, stats=not no_stats,
-                                    on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+        report = inspect_checkpoint(
+            path, stats=not no_stats,
+            on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     if json_out:
         emit_json(report, json_out)
     if json_out != "-":
@@ -41,8 +43,8 @@ def inspect_cmd(
 
 def _print(r: dict) -> None:
     fmt = r["format"] or "not MXFP8 (no values/scale pairs)"
-    console.print(f"[bold]{r['path']}[/]: format {fmt}" + (f" (from {r['format_source']})" if r["format"] else ""),
-                  highlight=False)
+    console.print(f"[bold]{r['path']}[/]: format {fmt}"
+                  + (f" (from {r['format_source']})" if r["format"] else ""), highlight=False)
     t = Table(title="tensors")
     for col in ("name", "shape", "dtype", "role"):
         t.add_column(col, overflow="fold", min_width=30 if col == "name" else None)

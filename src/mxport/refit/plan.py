@@ -144,7 +144,8 @@ class RefitPlan:
                 raise TypeError(f"dtype of {name!r} must be a torch.dtype, got {type(dtype).__name__}")
             shape = tuple(int(s) for s in shape)
             nbytes = math.prod(shape) * dtype.itemsize
-            entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset, offset // bucket_bytes))
+            entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset,
+                                     offset // bucket_bytes))
             offset = _align(offset + nbytes)
         if not entries:
             raise ValueError("a refit plan needs at least one tensor")
@@ -213,7 +214,8 @@ class RefitPlan:
 
     def summary(self) -> dict:
         return {"tensors": len(self), "bytes": self.total_bytes, "buckets": self.num_buckets,
-                "bucket_bytes": self.bucket_bytes, "digest": self.digest, "bytes_by_role": self.nbytes_by_role}
+                "bucket_bytes": self.bucket_bytes, "digest": self.digest,
+                "bytes_by_role": self.nbytes_by_role}
 
     def check_tensor(self, i: int, t: torch.Tensor) -> None:
         """Per-refit check of tensor ``i`` against the plan: a ``torch.Tensor`` with data (not on the meta
@@ -229,8 +231,8 @@ class RefitPlan:
         if t.is_meta:
             raise ValueError(f"tensor {e.name!r} is on the meta device (it has no data to send)")
         if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
-            raise ValueError(f"tensor {e.name!r} is {dtype_name(t.dtype)} {tuple(t.shape)} but the refit plan "
-                             f"says {e.dtype} {e.shape}")
+            raise ValueError(f"tensor {e.name!r} is {dtype_name(t.dtype)} {tuple(t.shape)} "
+                             f"but the refit plan says {e.dtype} {e.shape}")
         if not t.is_contiguous():
             raise ValueError(f"tensor {e.name!r} must be contiguous to be moved as bytes")
 
