@@ -1,8 +1,9 @@
-"""mxport.integrations.sglang against a stand-in engine that honours SGLang 0.5.23's weight-update signatures and
-return values (SGLang itself needs CUDA and does not run on these machines): ``begin_weight_update`` /
-``update_weights_from_tensor`` / ``end_weight_update`` return ``(success, message)``; updates outside a
-session
-and a second ``begin`` return ``(False, ...)`` (sglang/srt/managers/scheduler_components/weight_updater.py)."""
+"""mxport.integrations.sglang against a stand-in engine honouring SGLang 0.5.23's weight-update API.
+
+The stand-in keeps SGLang's signatures and return values (SGLang itself needs CUDA and does not run on these
+machines): ``begin_weight_update`` / ``update_weights_from_tensor`` / ``end_weight_update`` return
+``(success, message)``; updates outside a session and a second ``begin`` return ``(False, ...)``
+(sglang/srt/managers/scheduler_components/weight_updater.py)."""
 
 import pytest
 import torch

@@ -28,8 +28,9 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # -- pieces without an engine
 # ---------------------------------------------------------------------------------------
 def test_transport_over_a_group_of_its_own():
-    """open_group + TorchDistTransport.from_group: a group apart from torch.distributed's default one (which the
-    engine owns): tensors gathered and broadcast over it."""
+    """open_group + TorchDistTransport.from_group: a group apart from torch.distributed's default one.
+
+    The default one is owned by the engine; tensors are gathered and broadcast over the group apart."""
     port, out = free_port(), {}
 
     def peer(rank):
@@ -57,8 +58,10 @@ def _tiny_trainer(tmp_path):
 
 
 def test_weight_source_feeds_vllm_trainer_api(tmp_path):
-    """MxportWeightSource through vLLM's own trainer-side checks (NCCL engine's metadata/iteration check and the
-    WeightSource group iteration), yielding exactly mxport.quantize's bytes under HF names."""
+    """MxportWeightSource through vLLM's own trainer-side checks, yielding mxport.quantize's bytes.
+
+    The checks are the NCCL engine's metadata/iteration check and the WeightSource group iteration; the bytes
+    are exactly mxport.quantize's, under HF names."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     _, model = _tiny_trainer(tmp_path)
@@ -115,7 +118,8 @@ def test_check_plan_against_model_names_the_misfits():
     class Lin(torch.nn.Module):
         def __init__(self, k):
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(64, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.weight = torch.nn.Parameter(torch.zeros(64, k, dtype=torch.float8_e4m3fn),
+                                             requires_grad=False)
             self.weight_scale = torch.nn.Parameter(torch.zeros(64, k // 32, dtype=torch.uint8),
                                                    requires_grad=False)
 
@@ -136,8 +140,8 @@ def test_check_plan_against_model_names_the_misfits():
     bad = RefitPlan([("x_proj.weight", "values", torch.float8_e4m3fn, (64, 64)),
                      ("o_proj.weight", "values", torch.float8_e4m3fn, (64, 48)),
                      ("down_proj.weight", "values", torch.float8_e4m3fn, (64, 96))], 4096)
-    with pytest.raises(ValueError, match=r"x_proj.weight: no parameter.*o_proj.weight: K=48.*down_proj.weight: K "
-                                         r"per tensor-parallel shard is 48"):
+    with pytest.raises(ValueError, match=r"x_proj.weight: no parameter.*o_proj.weight: K=48.*"
+                                         r"down_proj.weight: K per tensor-parallel shard is 48"):
         mxv.check_plan_against_model(bad, M())
 
 
@@ -165,7 +169,8 @@ def test_register_and_cpu_emulation_never_displaces_a_native_kernel(monkeypatch)
     monkeypatch.setattr(kernels, "_POSSIBLE_MXFP8_KERNELS", {**table, PlatformEnum.CPU: [Native]})
     assert mxv.enable_cpu_emulation() is False
     assert kernels._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] == [Native]
-    monkeypatch.setattr(kernels, "_POSSIBLE_MXFP8_KERNELS", {k: v for k, v in table.items() if k != PlatformEnum.CPU})
+    monkeypatch.setattr(kernels, "_POSSIBLE_MXFP8_KERNELS",
+                        {k: v for k, v in table.items() if k != PlatformEnum.CPU})
     assert mxv.enable_cpu_emulation() is True
     assert kernels._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] == [EmulationMxfp8LinearKernel]
 
@@ -281,10 +286,12 @@ def test_trainer_killed_mid_transfer_keeps_previous_weights(session):
 
 @pytest.mark.slow
 def test_trainer_weights_are_the_same_bytes_whatever_the_thread_count():
-    """Every process (the trainer child with 1 thread, the checking parent with more) rebuilds the same weights.
-    On SmolLM2's embedding a float32 RMS summed with 1 vs 2 threads differed in the last bit, which made some
-    perturbed bf16 bytes differ (the demo then reported bit_exact false); random synthetic tensors of the same
-    size did not show it, hence the embedded model."""
+    """Every process rebuilds the same weights, whatever its thread count.
+
+    The trainer child runs with 1 thread, the checking parent with more. On SmolLM2's embedding a float32 RMS
+    summed with 1 vs 2 threads differed in the last bit, which made some perturbed bf16 bytes differ (the demo
+    then reported bit_exact false); random synthetic tensors of the same size did not show it, hence the
+    embedded model."""
     from mxport._env import default_model_file
     from mxport.models import default_model_dir
 
@@ -314,30 +321,35 @@ print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 
 @pytest.mark.slow
 def test_entry_point_reaches_vllm_worker_processes(session):
-    """With vLLM's engine core and worker in their own processes, the vllm.general_plugins entry point registers
-    the "mxport" backend there (and, with MXPORT_VLLM_CPU_EMULATION=1, the CPU emulation kernel)."""
+    """With vLLM's engine core and worker in their own processes, the entry point reaches them.
+
+    The vllm.general_plugins entry point registers the "mxport" backend there (and, with
+    MXPORT_VLLM_CPU_EMULATION=1, the CPU emulation kernel)."""
     import os
     import subprocess
     import sys
     from importlib.metadata import entry_points
 
-    if not any(e.value == "mxport.integrations.vllm:register" for e in entry_points(group="vllm.general_plugins")):
+    if not any(e.value == "mxport.integrations.vllm:register"
+               for e in entry_points(group="vllm.general_plugins")):
         pytest.skip("mxport is not installed with its vllm.general_plugins entry point (pip install -e .)")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "MXPORT_VLLM_CPU_EMULATION": "1"}
-    proc = subprocess.run([sys.executable, "-c", _MP_ENGINE, session.mx_dir], env=env, capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run([sys.executable, "-c", _MP_ENGINE, session.mx_dir], env=env, capture_output=True,
+                          text=True, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "GENERATED" in out
-    worker = [line for line in out.splitlines() if "Creating weight transfer engine: MxportWeightTransferEngine"
-              in line]
+    worker = [line for line in out.splitlines()
+              if "Creating weight transfer engine: MxportWeightTransferEngine" in line]
     assert worker and "Worker" in worker[0]
 
 
 @pytest.mark.slow
 def test_mxport_refit_engine_vllm_cli(tmp_path):
-    """`mxport refit SRC --engine vllm --json -` as a user runs it (a subprocess): exit 0, the per-step keys the
-    issue names plus engine "vllm", every step bit-exact with stable pointers, and the CPU emulation announced."""
+    """`mxport refit SRC --engine vllm --json -` as a user runs it (a subprocess).
+
+    Exit 0, the per-step keys the issue names plus engine "vllm", every step bit-exact with stable pointers,
+    and the CPU emulation announced."""
     import json
     import os
     import subprocess
@@ -347,13 +359,15 @@ def test_mxport_refit_engine_vllm_cli(tmp_path):
 
     src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mxport.cli", "refit", str(src), "--engine", "vllm", "--steps", "2",
-                           "--timeout", "60", "--json", "-"], capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run([sys.executable, "-m", "mxport.cli", "refit", str(src), "--engine", "vllm",
+                           "--steps", "2", "--timeout", "60", "--json", "-"],
+                          capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["engine"] == "vllm" and out["ok"] is True and len(out["steps"]) == 2
     for row in out["steps"]:
-        assert {"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact", "pointers_stable"} <= set(row)
+        assert {"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
+                "pointers_stable"} <= set(row)
         assert row["engine"] == "vllm" and row["bit_exact"] is True and row["pointers_stable"] is True
         assert row["bytes"] == out["plan"]["bytes"] and row["gen_kl_error"] >= 0
     assert out["bf16_bytes"] > out["plan"]["bytes"] and out["raw_broadcast_s"] > 0

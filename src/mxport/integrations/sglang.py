@@ -33,7 +33,10 @@ SCALE_SUFFIX = "_scale_inv"  # SGLang mxfp8: <m>.weight + <m>.weight_scale_inv
 
 
 class SGLangUpdateError(RuntimeError):
-    """An SGLang weight-update call returned ``success=False`` (``step`` names the call, ``message`` is SGLang's)."""
+    """An SGLang weight-update call returned ``success=False``.
+
+    ``step`` names the call, ``message`` is SGLang's.
+    """
 
     def __init__(self, step: str, message: str):
         self.step, self.message = step, message
@@ -50,8 +53,10 @@ def _check(step: str, result) -> str:
 
 
 def to_sglang_names(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Checkpoint pairs with modelopt / compressed-tensors scale names (``<m>.weight_scale``) renamed to SGLang's
-    ``<m>.weight_scale_inv``; names already in SGLang form pass unchanged."""
+    """Checkpoint pairs with scale names renamed to SGLang's ``<m>.weight_scale_inv``.
+
+    modelopt / compressed-tensors scale names (``<m>.weight_scale``) are renamed; names already in SGLang form
+    pass unchanged."""
     out = []
     for name, t in pairs:
         if name.endswith(".weight_scale"):

@@ -1,4 +1,4 @@
-"""mxport as vLLM's weight-transfer backend ``"mxport"``, and an mxport ``WeightSource`` for vLLM's own engines.
+"""mxport as vLLM's weight-transfer backend ``"mxport"``, and an mxport ``WeightSource`` for vLLM's engines.
 
 Inference side (:class:`MxportWeightTransferEngine`, registered with vLLM's
 ``WeightTransferEngineFactory.register_engine("mxport", ...)`` by :func:`register`, the
@@ -25,9 +25,9 @@ pairs (FP8 values + uint8 E8M0 ``weight_scale`` under HF names) that also feed v
 engines unchanged.
 
 CPU: vLLM has no native MXFP8 linear kernel for the CPU platform. :func:`enable_cpu_emulation` adds vLLM's own
-``EmulationMxfp8LinearKernel`` to the CPU entry of vLLM's kernel table (``register_linear_kernel``) in the calling
-process -- a harness for CPU machines, not a change to vLLM, and never done where the platform already has an
-MXFP8 kernel. Set ``MXPORT_VLLM_CPU_EMULATION=1`` to have the plugin do it in every vLLM process.
+``EmulationMxfp8LinearKernel`` to the CPU entry of vLLM's kernel table (``register_linear_kernel``) in the
+calling process -- a harness for CPU machines, not a change to vLLM, and never done where the platform already
+has an MXFP8 kernel. Set ``MXPORT_VLLM_CPU_EMULATION=1`` to have the plugin do it in every vLLM process.
 """
 
 from __future__ import annotations
@@ -73,10 +73,12 @@ ENV_CPU_EMULATION = "MXPORT_VLLM_CPU_EMULATION"
 # -- plug-in
 # --------------------------------------------------------------------------------------------------------
 def enable_cpu_emulation() -> bool:
-    """On vLLM's CPU platform only, add vLLM's ``EmulationMxfp8LinearKernel`` to the CPU row of its MXFP8 kernel
-    table (``vllm/model_executor/kernels/linear/__init__.py``: ``_POSSIBLE_MXFP8_KERNELS``, via
-    ``register_linear_kernel``). Returns True when it is (now) there; False on other platforms or where the
-    platform already lists an MXFP8 kernel (a native one is never displaced)."""
+    """On vLLM's CPU platform only, add vLLM's ``EmulationMxfp8LinearKernel`` to its MXFP8 kernel table.
+
+    The kernel goes into the CPU row of the table (``vllm/model_executor/kernels/linear/__init__.py``:
+    ``_POSSIBLE_MXFP8_KERNELS``, via ``register_linear_kernel``). Returns True when it is (now) there; False
+    on other platforms or where the platform already lists an MXFP8 kernel (a native one is never
+    displaced)."""
     from vllm.model_executor.kernels import linear as kernels
     from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
     from vllm.platforms import PlatformEnum, current_platform
@@ -93,8 +95,10 @@ def enable_cpu_emulation() -> bool:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the ``"mxport"`` worker and trainer engines (lazily, by
-    module path; idempotent), and the CPU emulation kernel when ``MXPORT_VLLM_CPU_EMULATION=1``."""
+    """The ``vllm.general_plugins`` entry point: register the ``"mxport"`` worker and trainer engines.
+
+    The engines are registered lazily, by module path (idempotent); the CPU emulation kernel is added when
+    ``MXPORT_VLLM_CPU_EMULATION=1``."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -134,15 +138,18 @@ def _param_name(name: str, model: torch.nn.Module) -> str:
 
 
 def check_plan_against_model(plan: RefitPlan, model: torch.nn.Module) -> None:
-    """Every plan tensor must load into a parameter of ``model`` (FP8 values into an FP8 parameter, scales into a
-    uint8 one, with K a multiple of 32 where vLLM's MXFP8 loader requires it). Checked before any byte moves.
+    """Every plan tensor must load into a parameter of ``model``; checked before any byte moves.
+
+    FP8 values load into an FP8 parameter, scales into a uint8 one, with K a multiple of 32 where vLLM's MXFP8
+    loader requires it.
 
     Raises ValueError naming the first tensors that do not fit."""
     params = dict(model.named_parameters())
     bad = []
     for e in plan.entries:
         p = params.get(_param_name(e.name, model))
-        if p is None and e.name.startswith("lm_head.") and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        if (p is None and e.name.startswith("lm_head.")
+                and getattr(getattr(model, "config", None), "tie_word_embeddings", False)):
             continue
         if p is None:
             bad.append(f"{e.name}: no parameter {_param_name(e.name, model)!r} in the engine's model")
@@ -197,7 +204,9 @@ class MxportInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class MxportUpdateInfo(WeightTransferUpdateInfo):
-    """Per-refit update info: the digest of the plan the trainer sends with (must be the one agreed at init)."""
+    """Per-refit update info: the digest of the plan the trainer sends with.
+
+    It must be the one agreed at init."""
 
     plan_digest: str
 
@@ -231,8 +240,8 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         self._transport = TorchDistTransport.from_group(pg, src=0)
         dev = self.device if init_info.transport == "nccl" else torch.device("cpu")
         self.targets = allocate_targets(plan, dev)
-        self.receiver = RefitReceiver(self._transport, plan, self.targets, use_checksum=init_info.use_checksum,
-                                      direct=False)
+        self.receiver = RefitReceiver(self._transport, plan, self.targets,
+                                      use_checksum=init_info.use_checksum, direct=False)
         self.receiver.handshake()
         self.plan = plan
 
@@ -242,10 +251,11 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
 
     def receive_weights(self, update_info: MxportUpdateInfo) -> None:
         if self.receiver is None or self.plan is None:
-            raise RuntimeError("mxport weight transfer not initialized: call init_weight_transfer_engine first")
+            raise RuntimeError("mxport weight transfer not initialized: "
+                               "call init_weight_transfer_engine first")
         if update_info.plan_digest != self.plan.digest:
-            raise ValueError(f"update plan digest {update_info.plan_digest[:12]} is not the plan agreed at init "
-                             f"({self.plan.digest[:12]}); re-run init_weight_transfer_engine")
+            raise ValueError(f"update plan digest {update_info.plan_digest[:12]} is not the plan agreed "
+                             f"at init ({self.plan.digest[:12]}); re-run init_weight_transfer_engine")
         self._validated = False
         self.last_stats = self.receiver.receive()  # RefitError: nothing applied, previous weights stay live
         self._validated = True
@@ -281,8 +291,9 @@ class MxportWeightSource(WeightSource):
             reject 0; NeMo-RL does the same). Off by default: the bytes then equal ``mxport.quantize``.
     """
 
-    def __init__(self, model: torch.nn.Module, policy=None, *, kept_dtype: torch.dtype | None = torch.bfloat16,
-                 nonzero_scales: bool = False, bucket_bytes: int = 64 << 20):
+    def __init__(self, model: torch.nn.Module, policy=None, *,
+                 kept_dtype: torch.dtype | None = torch.bfloat16, nonzero_scales: bool = False,
+                 bucket_bytes: int = 64 << 20):
         self.trainer = TrainerSource(model, policy, bucket_bytes=bucket_bytes, kept_dtype=kept_dtype)
         self.plan = self.trainer.plan
         self.nonzero_scales = bool(nonzero_scales)
@@ -315,8 +326,10 @@ def nonzero_zero_block_scales(values: torch.Tensor, scales: torch.Tensor) -> tor
 
 @dataclass
 class MxportTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info of the ``"mxport"`` backend (``WeightTransferTrainerFactory`` dispatches on
-    ``backend``). ``world_size``: 1 trainer + every engine worker; rank 0 (the sender) serves the TCP store."""
+    """Trainer-side init info of the ``"mxport"`` backend.
+
+    ``WeightTransferTrainerFactory`` dispatches on ``backend``. ``world_size``: 1 trainer + every engine
+    worker; rank 0 (the sender) serves the TCP store."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -331,11 +344,12 @@ class MxportTrainerInitInfo(TrainerInitInfo):
 
 
 class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTrainerInitInfo]):
-    """Trainer-side engine of the ``"mxport"`` backend: plan from the source's metadata, plan handshake at init,
-    then per :meth:`send_weights` the ``start_weight_update`` -> ``update_weights`` (concurrent with the
-    bucketed, checksummed broadcast) -> ``finish_weight_update`` round trip. ``last_stats``: the sender's
-    stats of the last
-    refit (bytes, seconds, gbps, ...)."""
+    """Trainer-side engine of the ``"mxport"`` backend.
+
+    The plan comes from the source's metadata, with a plan handshake at init; then per :meth:`send_weights`
+    the ``start_weight_update`` -> ``update_weights`` (concurrent with the bucketed, checksummed broadcast) ->
+    ``finish_weight_update`` round trip. ``last_stats``: the sender's stats of the last refit (bytes, seconds,
+    gbps, ...)."""
 
     init_info_cls = MxportTrainerInitInfo
 
@@ -348,22 +362,24 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
     @classmethod
     def trainer_init(cls, init_info: MxportTrainerInitInfo, *, client, source: WeightSource | None = None):
         if source is None:
-            raise ValueError("the mxport trainer engine needs a WeightSource (e.g. MxportWeightSource(model))")
+            raise ValueError("the mxport trainer engine needs a WeightSource "
+                             "(e.g. MxportWeightSource(model))")
         plan = getattr(source, "plan", None) or plan_from_metadata(source.metadata(), init_info.bucket_bytes)
         engine = cls(client=client, source=source, plan=plan, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
         worker_info = {"master_address": init_info.master_address, "master_port": init_info.master_port,
-                       "world_size": init_info.world_size, "plan": plan.canonical(), "plan_digest": plan.digest,
-                       "transport": init_info.transport, "timeout_s": init_info.timeout_s,
-                       "use_checksum": init_info.use_checksum, **init_info.worker_init_extra}
+                       "world_size": init_info.world_size, "plan": plan.canonical(),
+                       "plan_digest": plan.digest, "transport": init_info.transport,
+                       "timeout_s": init_info.timeout_s, "use_checksum": init_info.use_checksum,
+                       **init_info.worker_init_extra}
 
         def connect() -> RefitSender:
             pg = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
                             backend=init_info.transport, timeout_s=init_info.timeout_s)
             dev = "cuda" if init_info.transport == "nccl" else "cpu"
-            sender = RefitSender(TorchDistTransport.from_group(pg, src=0), plan, use_checksum=init_info.use_checksum,
-                                 device=dev)
+            sender = RefitSender(TorchDistTransport.from_group(pg, src=0), plan,
+                                 use_checksum=init_info.use_checksum, device=dev)
             sender.handshake()
             return sender
 
@@ -397,10 +413,10 @@ def _in_plan_order(source: Iterable[tuple[str, torch.Tensor]], plan: RefitPlan) 
 
 
 def _together(local, remote) -> tuple[Any, Any]:
-    """Run ``remote`` (an RPC into the engine) on a thread while ``local`` (this side of the same collective) runs
-    here; return both results. If ``remote`` fails first, its error is raised at once -- not after ``local``
-    has
-    waited out the group's timeout for a peer that is gone."""
+    """Run ``remote`` (an RPC into the engine) on a thread while ``local`` runs here; return both results.
+
+    ``local`` is this side of the same collective. If ``remote`` fails first, its error is raised at once --
+    not after ``local`` has waited out the group's timeout for a peer that is gone."""
     exe = cf.ThreadPoolExecutor(max_workers=2)
     try:
         fr, fl = exe.submit(remote), exe.submit(local)
@@ -413,7 +429,9 @@ def _together(local, remote) -> tuple[Any, Any]:
 
 
 def run_vllm_refit_demo(source: str, **kwargs) -> dict:
-    """``mxport refit SOURCE --engine vllm``: see :func:`mxport.integrations.vllm_refit.run_vllm_refit_demo`."""
+    """``mxport refit SOURCE --engine vllm``.
+
+    See :func:`mxport.integrations.vllm_refit.run_vllm_refit_demo`."""
     from .vllm_refit import run_vllm_refit_demo as run
 
     return run(source, **kwargs)

@@ -1,6 +1,7 @@
-"""A trainer process refitting a real vLLM engine through the ``"mxport"`` backend: the engine (``vllm.LLM``) in
-this process, the trainer in a spawned child that drives vLLM's weight-sync calls through a pipe
-(:class:`PipeClient`, a ``VLLMWeightSyncClient``) while it broadcasts over gloo. Used by
+"""A trainer process refitting a real vLLM engine through the ``"mxport"`` backend.
+
+The engine (``vllm.LLM``) runs in this process, the trainer in a spawned child that drives vLLM's weight-sync
+calls through a pipe (:class:`PipeClient`, a ``VLLMWeightSyncClient``) while it broadcasts over gloo. Used by
 :func:`run_vllm_refit_demo` (``mxport refit --engine vllm``) and the tests.
 
 The trainer's weights at step ``k`` are :func:`trainer_weights` (the source checkpoint plus a seeded
@@ -93,8 +94,9 @@ def _engine_call(llm, name: str, arg) -> None:
 
 
 def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
-    """Send ``request`` (if any) to the trainer, serve its engine calls on ``llm`` until it answers; return the
-    answer (``{"error": ...}`` when the trainer died or failed)."""
+    """Send ``request`` (if any) to the trainer, serve its engine calls on ``llm`` until it answers.
+
+    Returns the answer (``{"error": ...}`` when the trainer died or failed)."""
     if request is not None:
         _send(conn, request)
     calls: dict[str, float] = {}
@@ -220,12 +222,14 @@ def trainer_main(conn, cfg_dict: dict) -> None:
 
 
 def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float) -> float:
-    """Best of ``reps`` plain gloo broadcasts of ``nbytes`` bytes (no plan, no checksums, no engine): the floor a
-    refit of the same bytes is compared with."""
+    """Best of ``reps`` plain gloo broadcasts of ``nbytes`` bytes (no plan, no checksums, no engine).
+
+    The floor a refit of the same bytes is compared with."""
     from ..refit import TorchDistTransport
     from ..refit.transport import open_group
 
-    t = TorchDistTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=timeout_s, prefix="mxport-raw"))
+    t = TorchDistTransport.from_group(open_group("127.0.0.1", port, rank, 2, timeout_s=timeout_s,
+                                                 prefix="mxport-raw"))
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     best = float("inf")
     for _ in range(reps):
@@ -255,9 +259,11 @@ def engine_env() -> dict[str, str]:
 
 
 def start_engine(mx_dir: str, *, max_model_len: int = 256, full_logprobs: bool = True):
-    """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with ``weight_transfer_config={"backend": "mxport"}``.
-    On CPU, vLLM's emulation kernel is enabled for this process (:func:`~mxport.integrations.vllm.
-    enable_cpu_emulation`); returns ``(llm, emulated)``."""
+    """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with the ``"mxport"`` weight-transfer backend.
+
+    The engine gets ``weight_transfer_config={"backend": "mxport"}``. On CPU, vLLM's emulation kernel is
+    enabled for this process (:func:`~mxport.integrations.vllm.enable_cpu_emulation`); returns
+    ``(llm, emulated)``."""
     for k, v in engine_env().items():
         os.environ.setdefault(k, v)
     from vllm import LLM
@@ -273,8 +279,9 @@ def start_engine(mx_dir: str, *, max_model_len: int = 256, full_logprobs: bool =
 
 
 def generate(llm, prompt_ids: list[list[int]], max_tokens: int = 8, full: bool = True) -> list[dict]:
-    """Greedy generation: per prompt ``tokens`` and ``logprobs`` (each generated token's), and with ``full`` the
-    whole log-prob row per position (``logp``, a [T, V] tensor)."""
+    """Greedy generation: per prompt ``tokens`` and ``logprobs`` (each generated token's).
+
+    With ``full``, also the whole log-prob row per position (``logp``, a [T, V] tensor)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1 if full else 0, ignore_eos=True)
@@ -331,7 +338,8 @@ class VllmRefitSession:
         """One refit of the trainer's step-``step`` weights (``fault``: "corrupt" a bucket, "kill" the trainer
         mid-transfer). Returns the trainer's answer plus ``wall_s``."""
         t0 = time.perf_counter()
-        ans = serve_step(self.llm, self.conn, {"cmd": "step", "step": step, "fault": fault}, self.timeout_s + 60)
+        ans = serve_step(self.llm, self.conn, {"cmd": "step", "step": step, "fault": fault},
+                         self.timeout_s + 60)
         ans["wall_s"] = time.perf_counter() - t0
         return ans
 
@@ -356,7 +364,9 @@ class VllmRefitSession:
         self.proc = self.conn = None
 
     def raw_broadcast_s(self, nbytes: int, reps: int = 3) -> float:
-        """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process (best of ``reps``)."""
+        """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process.
+
+        The best of ``reps`` broadcasts."""
         import threading
 
         port = self._free_port()
@@ -379,7 +389,8 @@ def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tenso
     tensors without a trainer counterpart (a tied lm_head) are left out."""
     from .. import quantize
 
-    w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in trainer_weights(src_dir, step).items()}
+    w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
+         for n, t in trainer_weights(src_dir, step).items()}
     out = {}
     for name, t in engine.items():
         comps = name.split(".")
@@ -400,12 +411,15 @@ def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tenso
 
 
 def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
-    """Engine tensors whose bytes differ from :func:`expected_engine_bytes` (quantized weights with no trainer
-    counterpart count as differing); empty when the engine holds exactly the trainer's step-``step`` weights."""
+    """Engine tensors whose bytes differ from :func:`expected_engine_bytes`.
+
+    Quantized weights with no trainer counterpart count as differing; empty when the engine holds exactly the
+    trainer's step-``step`` weights."""
     eng = engine_tensors(session.llm)
     packed = session.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
     want = expected_engine_bytes(session.src_dir, step, eng, packed)
-    bad = [f"{n} (no trainer weight)" for n, t in eng.items() if t.dtype == torch.float8_e4m3fn and n not in want]
+    bad = [f"{n} (no trainer weight)" for n, t in eng.items()
+           if t.dtype == torch.float8_e4m3fn and n not in want]
     for name, w in want.items():
         t = eng[name]
         if t.dtype != w.dtype or t.shape != w.shape:
@@ -435,13 +449,16 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int]
     seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. finish_weight_update
     return {"step": step, "bytes": int(st["bytes"]), "seconds": seconds,
             "gbps": st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-            "transfer_s": st["seconds"], "apply_s": ans["engine_calls_s"].get("finish_weight_update", 0.0), "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
-            "bit_exact": not bad, "mismatches": bad[:8], "pointers_stable": engine_pointers(session.llm) == ptr0,
+            "transfer_s": st["seconds"], "apply_s": ans["engine_calls_s"].get("finish_weight_update", 0.0),
+            "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
+            "bit_exact": not bad, "mismatches": bad[:8],
+            "pointers_stable": engine_pointers(session.llm) == ptr0,
             "tokens": gen["tokens"], "engine": "vllm"}
 
 
-def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20, max_new_tokens: int = 16,
-                        timeout_s: float = 120.0, workdir: str | None = None, on_row=None) -> dict:
+def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
+                        max_new_tokens: int = 16, timeout_s: float = 120.0, workdir: str | None = None,
+                        on_row=None) -> dict:
     """``mxport refit SOURCE --engine vllm``: export ``source`` (an HF model directory) as MXFP8, start a real
     vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel
     added for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 TEXT = ("Mixed precision training keeps master weights in high precision while the inference engine runs in "
-        "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values with "
-        "one shared power-of-two scale for every block of thirty-two elements, and sent to the engine.")
+        "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values "
+        "with one shared power-of-two scale for every block of thirty-two elements, and sent to the engine.")
 PROMPT = "Explain in one sentence why the sky is blue."
 
 
@@ -73,9 +73,11 @@ def _logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
 
 
 def _kernel(steps: int) -> str | None:
-    """The trainer's quantize kernel. Where the native CPU kernel is unavailable, compiling the fast kernel costs
-    6-30 s of CPU and saves ~0.8 s per step on the embedded model: runs under :data:`COMPILE_MIN_STEPS` steps
-    stay eager, longer ones let quantize choose (the bytes are identical)."""
+    """The trainer's quantize kernel.
+
+    Where the native CPU kernel is unavailable, compiling the fast kernel costs 6-30 s of CPU and saves ~0.8 s
+    per step on the embedded model: runs under :data:`COMPILE_MIN_STEPS` steps stay eager, longer ones let
+    quantize choose (the bytes are identical)."""
     from ..quantize import NATIVE_PATH
 
     return None if steps >= COMPILE_MIN_STEPS or NATIVE_PATH.available else "eager"
@@ -262,11 +264,13 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
         bit_exact = receiver.verify_live()  # per-bucket checksums of the re-packed live bytes
         live_crc = receiver.live_crc32()  # the trainer compares it with the CRC-32 of what it sent
         # the model's own tensors (looked up again, not the receiver's references) still sit where they were
-        stable = receiver.pointers_stable() and [t.data_ptr() for t in receiver_plan(model, cfg.bucket_bytes)[1]] == ptrs0
+        stable = (receiver.pointers_stable()
+                  and [t.data_ptr() for t in receiver_plan(model, cfg.bucket_bytes)[1]] == ptrs0)
         t0 = time.perf_counter()
         with torch.no_grad():
-            seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=cfg.max_new_tokens,
-                                 do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos)
+            seq = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=cfg.max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=eos)
         logits = _logits_on(model, seq, prompt.shape[1])
         gen_s = time.perf_counter() - t0
         shape = _ReplyShape(int(prompt.shape[1]), cfg.max_new_tokens, _vocab(model))
@@ -284,7 +288,8 @@ def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
     quiet_third_party_logs()
     cfg = DemoConfig(**cfg_dict)
     if cfg.log_dir:  # keep the parent's terminal for the progress display: library chatter goes to a log file
-        fd = os.open(os.path.join(cfg.log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(os.path.join(cfg.log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                     0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -325,7 +330,8 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
     q = ctx.Queue()
     world = cfg.receivers + 1
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), q), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     result: dict = {"plan": None, "steps": []}
@@ -340,10 +346,12 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
                 if dead:
-                    raise DemoFailed(f"process {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                    raise DemoFailed(f"process {dead[0]} exited with code "
+                                     f"{procs[dead[0]].exitcode}") from None
                 continue
             if kind == "error":
-                raise DemoFailed(f"{'trainer' if rank == 0 else f'inference process {rank}'} failed: {payload}")
+                raise DemoFailed(f"{'trainer' if rank == 0 else f'inference process {rank}'} failed: "
+                                 f"{payload}")
             if kind == "plan":
                 result["plan"] = payload
             elif kind == "step":
