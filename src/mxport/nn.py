@@ -246,22 +246,22 @@ def _check_linear_components(components) -> None:
         raise ValueError(f"MXFP8Linear needs 2-D [N, K] components, got shape {tuple(components.shape)}")
 
 
-# -- fused 3-D experts ----------------------------------------------------------------------------------------
+# -- fused 3-D experts ---------------------------------------------------------------------------------------
 class MXFP8Experts(nn.Module):
     """Mixin of the quantized form of a fused-experts module (transformers' ``MixtralExperts``,
     ``Qwen3MoeExperts``, ``DeepseekV3Experts``, ...: 3-D parameters ``gate_up_proj`` ``[E, 2I, H]`` and
     ``down_proj`` ``[E, H, I]``, read as ``self.gate_up_proj[expert]`` by the family's own forward).
 
     :func:`quantize_experts` swaps the module's class, in place, for a generated subclass of (this mixin, the
-    original class) named ``MXFP8<Original>``: each quantized weight ``X`` [E, N, K] leaves ``_parameters`` and
-    becomes two buffers, ``X`` (FP8 values, ``[E, N, K]``) and ``X_scale`` (uint8 E8M0, ``[E, N, ceil(K/32)]``,
-    rowwise along K, per expert), the modelopt checkpoint names, so ``state_dict()``, refit plans and checkpoints
-    name them alike. Reading ``module.X`` (a class property) returns the weight decoded
-    (:meth:`MXFP8Components.dequantize`) to the original parameter's dtype, which ``module.to(dtype)`` /
-    ``.half()`` update; FP8 values are restored after such a cast (exact). The decoded weight is cached, keyed on
-    the buffers' ``_version`` and ``data_ptr`` as in :class:`MXFP8Linear`, so in-place writes (a refit,
-    :meth:`load_weight`) invalidate it; :meth:`refresh` drops it explicitly. The module's own forward runs
-    unchanged. Deep copies work; pickling the module itself does not (the class is generated).
+    original class) named ``MXFP8<Original>``: each quantized weight ``X`` [E, N, K] leaves ``_parameters``
+    and becomes two buffers, ``X`` (FP8 values, ``[E, N, K]``) and ``X_scale`` (uint8 E8M0,
+    ``[E, N, ceil(K/32)]``, rowwise along K, per expert), the modelopt checkpoint names, so ``state_dict()``,
+    refit plans and checkpoints name them alike. Reading ``module.X`` (a class property) returns the weight
+    decoded (:meth:`MXFP8Components.dequantize`) to the original parameter's dtype, which ``module.to(dtype)``
+    / ``.half()`` update; FP8 values are restored after such a cast (exact). The decoded weight is cached,
+    keyed on the buffers' ``_version`` and ``data_ptr`` as in :class:`MXFP8Linear`, so in-place writes (a
+    refit, :meth:`load_weight`) invalidate it; :meth:`refresh` drops it explicitly. The module's own forward
+    runs unchanged. Deep copies work; pickling the module itself does not (the class is generated).
     """
 
     _mx_weights: tuple[str, ...] = ()
@@ -270,7 +270,8 @@ class MXFP8Experts(nn.Module):
     def mx_components(self, name: str) -> MXFP8Components:
         """Weight ``name`` as rowwise :class:`MXFP8Components` viewing the module's buffers."""
         if name not in self._mx_weights:
-            raise KeyError(f"{type(self).__name__} has no MXFP8 weight {name!r} (has {list(self._mx_weights)})")
+            raise KeyError(f"{type(self).__name__} has no MXFP8 weight {name!r} "
+                           f"(has {list(self._mx_weights)})")
         return MXFP8Components(self._buffers[name], self._buffers[_expert_scale_name(name)], "rowwise")
 
     def decoded_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -292,7 +293,8 @@ class MXFP8Experts(nn.Module):
         """Copy ``components`` into weight ``name``'s buffers in place (pointers kept; the cache goes stale).
 
         Raises:
-            TypeError: not MXFP8Components, or another FP8 element dtype. ValueError: not rowwise, another shape.
+            TypeError: not MXFP8Components, or another FP8 element dtype.
+            ValueError: not rowwise, or another shape.
         """
         own = self.mx_components(name)
         _check_expert_components(components, name)
@@ -300,7 +302,8 @@ class MXFP8Experts(nn.Module):
             raise ValueError(f"{name}: components of shape {tuple(components.shape)} do not fit "
                              f"{tuple(own.shape)}")
         if components.fp8_dtype != own.fp8_dtype:
-            raise TypeError(f"{name}: components hold {components.fp8_dtype} values, the module {own.fp8_dtype}")
+            raise TypeError(f"{name}: components hold {components.fp8_dtype} values, the module "
+                            f"{own.fp8_dtype}")
         own.data.copy_(components.data)
         own.scale_inv.copy_(components.scale_inv)
 
@@ -309,8 +312,8 @@ class MXFP8Experts(nn.Module):
         self._mx_cache.clear()
 
     def _apply(self, fn, recurse=True):
-        # nn.Module.to(dtype) casts FP8 buffers too: the cast's dtype becomes the compute dtype, the FP8 values
-        # are put back (FP8 -> any wider float -> FP8 is exact)
+        # nn.Module.to(dtype) casts FP8 buffers too: the cast's dtype becomes the compute dtype, the FP8
+        # values are put back (FP8 -> any wider float -> FP8 is exact)
         fp8 = {n: self._buffers[n].dtype for n in self._mx_weights}
         super()._apply(fn, recurse)
         for n, dt in fp8.items():
@@ -365,8 +368,8 @@ def expert_weight_names(module: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def quantize_experts(module: nn.Module, weights: dict[str, MXFP8Components]) -> MXFP8Experts:
-    """Turn the fused 3-D parameters ``weights`` names of ``module`` into MXFP8 buffers, in place (the module's
-    class becomes the generated ``MXFP8<Original>``, see :class:`MXFP8Experts`); names already MXFP8 are
+    """Turn the fused 3-D parameters ``weights`` names of ``module`` into MXFP8 buffers, in place (the
+    module's class becomes the generated ``MXFP8<Original>``, see :class:`MXFP8Experts`); names already MXFP8 are
     loaded in place (:meth:`MXFP8Experts.load_weight`). Components are copied. Returns ``module``.
 
     Raises:
@@ -538,8 +541,10 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
 
     For each ``<m>.weight`` held as 2-D MXFP8 components: an :class:`MXFP8Linear` ``<m>`` is filled in place
     (:meth:`MXFP8Linear.load_components`); a plain ``nn.Linear`` ``<m>`` is replaced by a new
-    :class:`MXFP8Linear` (with ``activation`` or "none"). 3-D expert components are decoded into the model's
-    high-precision fused parameter. Plain tensors (embeddings, norms, biases, kept layers) are copied into the
+    :class:`MXFP8Linear` (with ``activation`` or "none"). For each 3-D expert weight ``<m>.<w>``
+    (``mlp.experts.gate_up_proj``): an :class:`MXFP8Experts` ``<m>`` is filled in place, a high-precision fused
+    parameter becomes MXFP8 (:func:`quantize_experts`; reported under ``replaced``); both names ``<m>.<w>`` and
+    ``<m>.<w>_scale`` count as filled. Plain tensors (embeddings, norms, biases, kept layers) are copied into the
     parameter or buffer of the same name (looked up when copied, so a bias after its replaced weight lands in the
     new module).
 

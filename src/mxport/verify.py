@@ -1,9 +1,9 @@
 """The ``mxport verify`` pipeline: how far an MXFP8 twin of a model drifts from the model itself.
 
 1. Load the source model (float32; default: the embedded SmolLM2-135M-Instruct) and build its MXFP8 twin: a deep
-   copy whose policy linears become :class:`mxport.nn.MXFP8Linear` and whose fused 3-D expert weights (MoE) become
-   MXFP8 (:class:`mxport.nn.MXFP8Experts`) (:func:`mxport.nn.quantize_model`), or a deep copy filled from an
-   exported checkpoint (:func:`mxport.nn.load_checkpoint`).
+   copy whose policy linears become :class:`mxport.nn.MXFP8Linear` and whose fused 3-D expert weights (MoE)
+   become MXFP8 (:class:`mxport.nn.MXFP8Experts`) (:func:`mxport.nn.quantize_model`), or a deep copy filled
+   from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
 2. Generate greedily from chat prompts (the tokenizer's chat template; left-padded batches through
    ``model.generate``) with the MXFP8 twin — the rollout engine.
 3. Score prompt + generated tokens with both models (teacher forcing, full next-token distributions) and compare
@@ -11,8 +11,8 @@
    :func:`~mxport.metrics.token_mult_prob_error`, :func:`~mxport.metrics.greedy_agreement`; plus the weight SQNR of
    every quantized tensor.
 4. Optional per-layer sweep: the twin with only decoder layer *i* quantized (every other layer's linears and
-   experts modules swapped back to the source modules) gives layer *i*'s KL and its share of the sum; then layers are kept in high
-   precision greedily by share, re-measuring after each, until the KL is at most ``target_kl``. The sweep scores
+   experts modules swapped back to the source modules) gives layer *i*'s KL and its share of the sum; then
+   layers are kept in high precision greedily by share, re-measuring after each, until the KL is at most ``target_kl``. The sweep scores
    the tokens generated in step 2 (teacher forcing; no regeneration per configuration).
 """
 
@@ -84,9 +84,9 @@ def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None,
 
 
 def weight_sqnr(source: nn.Module, twin: nn.Module) -> dict[str, float]:
-    """``{name: SQNR dB}`` of each MXFP8Linear weight of ``twin`` (keyed by module name) and of each MXFP8 fused
-    expert weight (keyed by tensor name, ``...mlp.experts.gate_up_proj``) against the same weight in ``source``
-    (:func:`mxport.metrics.sqnr_db`)."""
+    """``{name: SQNR dB}`` of each MXFP8Linear weight of ``twin`` (keyed by module name) and of each MXFP8
+    fused expert weight (keyed by tensor name, ``...mlp.experts.gate_up_proj``) against the same weight in
+    ``source`` (:func:`mxport.metrics.sqnr_db`)."""
     out = {}
     for name, mod in mxfp8_modules(twin).items():
         ref = source.get_submodule(name).weight.detach().float()
@@ -223,7 +223,7 @@ def per_layer_sweep(source: nn.Module, twin: nn.Module, rollouts: Rollouts, ref:
     ``exclude`` holds :class:`mxport.policy.PrecisionPolicy` patterns (``model.layers.3.*``) for ``mxport export
     --exclude``. The twin is restored (all MXFP8) before returning.
     """
-    mx = quantized_modules(twin)  # linears and experts modules: each MoE layer's experts toggle with their layer
+    mx = quantized_modules(twin)  # linears and experts modules: a MoE layer's experts toggle with their layer
     hp = {name: source.get_submodule(name) for name in mx}
     by_layer: dict[int, list[str]] = {}
     for name in mx:
