@@ -276,3 +276,44 @@ def test_cli_refit_tiny_moe_bit_exact(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     steps = json.loads(out.read_text())["steps"]
     assert len(steps) == 2 and all(s["bit_exact"] for s in steps)
+
+
+def _tiny_deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                           kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
+                           topk_group=1, max_position_embeddings=128)
+    return DeepseekV3ForCausalLM(cfg).eval()
+
+
+def test_deepseek_v3_style_experts_and_shared_experts():
+    model = _tiny_deepseek_v3()  # layer 0 dense, layer 1 MoE with routed (3-D) and shared (Linear) experts
+    q = quantize_model(copy.deepcopy(model))
+    assert list(mxfp8_experts(q)) == ["model.layers.1.mlp.experts"]
+    assert type(q.model.layers[1].mlp.shared_experts.gate_proj).__name__ == "MXFP8Linear"
+    assert not isinstance(q.model.layers[1].mlp.gate, MXFP8Experts)  # the router stays high precision
+    mod, qm = model.model.layers[1].mlp.experts, q.model.layers[1].mlp.experts
+    for w in WEIGHTS:
+        ref = mxport.quantize(getattr(mod, w).detach())
+        assert torch.equal(qm._buffers[w].view(torch.uint8), ref.data.view(torch.uint8))
+    assert TrainerSource(model, bucket_bytes=1 << 16).plan.digest == receiver_plan(q, 1 << 16)[0].digest
+
+
+def test_quantized_experts_survive_torch_save_and_load():
+    import io
+
+    q = quantize_model(_tiny_deepseek_v3())
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    mod = back.model.layers[1].mlp.experts
+    assert type(mod) is type(q.model.layers[1].mlp.experts)  # the generated class, rebuilt
+    assert torch.equal(mod.gate_up_proj, q.model.layers[1].mlp.experts.gate_up_proj)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, q(ids).logits)

@@ -261,7 +261,7 @@ class MXFP8Experts(nn.Module):
     / ``.half()`` update; FP8 values are restored after such a cast (exact). The decoded weight is cached,
     keyed on the buffers' ``_version`` and ``data_ptr`` as in :class:`MXFP8Linear`, so in-place writes (a
     refit, :meth:`load_weight`) invalidate it; :meth:`refresh` drops it explicitly. The module's own forward
-    runs unchanged. Deep copies work; pickling the module itself does not (the class is generated).
+    runs unchanged. Deep copies and pickling (``torch.save(module)``) rebuild the generated class.
     """
 
     _mx_weights: tuple[str, ...] = ()
@@ -311,6 +311,10 @@ class MXFP8Experts(nn.Module):
         """Drop the decoded weights (needed only after writes that bypass PyTorch's version counters)."""
         self._mx_cache.clear()
 
+    def __reduce_ex__(self, protocol):
+        # the generated class is not importable by name: pickle (torch.save of a module) rebuilds it
+        return _new_experts, (self._mx_base, self._mx_weights), self.__dict__
+
     def _apply(self, fn, recurse=True):
         # nn.Module.to(dtype) casts FP8 buffers too: the cast's dtype becomes the compute dtype, the FP8
         # values are put back (FP8 -> any wider float -> FP8 is exact)
@@ -356,6 +360,11 @@ def _experts_class(base: type, names: tuple[str, ...]) -> type:
         attrs.update(_mx_weights=names, _mx_base=base, __module__=__name__, __doc__=MXFP8Experts.__doc__)
         _EXPERT_CLASSES[key] = type(f"MXFP8{base.__name__}", (MXFP8Experts, base), attrs)
     return _EXPERT_CLASSES[key]
+
+
+def _new_experts(base: type, names: tuple[str, ...]) -> MXFP8Experts:
+    cls = _experts_class(base, names)
+    return cls.__new__(cls)
 
 
 def expert_weight_names(module: nn.Module) -> list[str]:
