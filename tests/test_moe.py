@@ -238,13 +238,22 @@ def test_verify_quantizes_experts_and_sweeps_them_with_their_layer(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Name a color.\n\nCount to three.\n")
     model, tok = _load(path), AutoTokenizer.from_pretrained(str(path))
-    r = verify((model, tok), prompts=str(prompts), max_new_tokens=4, per_layer=True)
+    r = verify((model, tok), prompts=str(prompts), max_new_tokens=4, per_layer=True, target_kl=0.0)
     experts = [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in WEIGHTS]
     assert all(k in r["weight_sqnr_db"] and math.isfinite(r["weight_sqnr_db"][k]) for k in experts)
     assert r["mxfp8_experts"] == 2 and r["mxfp8_layers"] == 2 * 4 + 2 and r["mxfp8_tensors"] == 2 * 4 + 4
     assert math.isfinite(r["gen_kl_error_mean"]) and r["gen_kl_error_mean"] > 0
     assert [row["layer"] for row in r["per_layer"]["layers"]] == [0, 1]
+    # keeping both layers swaps their experts back too: exactly the source model
+    assert r["per_layer"]["suggestion"]["keep_layers"] == [0, 1]
+    assert r["per_layer"]["suggestion"]["gen_kl_error_mean"] == 0.0
     assert all(isinstance(m, torch.nn.Parameter) for n, m in model.named_parameters() if "experts" in n)
+
+    from mxport.checkpoint.export import export_checkpoint
+
+    export_checkpoint(model, tmp_path / "ck")
+    c = verify((model, tok), checkpoint=str(tmp_path / "ck"), prompts=str(prompts), max_new_tokens=4)
+    assert c["weight_sqnr_db"] == r["weight_sqnr_db"] and c["gen_kl_error_mean"] == r["gen_kl_error_mean"]
 
 
 def test_verify_twin_experts_match_quantize_model(tmp_path):

@@ -39,6 +39,8 @@ from .quantize import quantize
 ACTIVATIONS = ("none", "mxfp8")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
+#: dtypes a fused expert weight decodes to (the original parameter's; float32 for anything else)
+_DECODE_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 
 
 def _version_key(t: torch.Tensor):
@@ -323,8 +325,8 @@ class MXFP8Experts(nn.Module):
         for n, dt in fp8.items():
             now = self._buffers[n]
             if now.dtype != dt:
-                if now.dtype in (*_FLOAT_DTYPES, torch.float64):
-                    self._mx_dtypes[n] = now.dtype if now.dtype != torch.float64 else torch.float32
+                if now.dtype in _DECODE_DTYPES:
+                    self._mx_dtypes[n] = now.dtype
                 self._buffers[n] = now.to(dt)
         self._mx_cache.clear()
         return self
@@ -399,7 +401,7 @@ def quantize_experts(module: nn.Module, weights: dict[str, MXFP8Components]) -> 
         if tuple(param.shape) != tuple(comps.shape):
             raise ValueError(f"{name}: components of shape {tuple(comps.shape)} do not fit the parameter "
                              f"{tuple(param.shape)}")
-        dtypes[name] = param.dtype if param.dtype in _FLOAT_DTYPES else torch.float32
+        dtypes[name] = param.dtype if param.dtype in _DECODE_DTYPES else torch.float32
         del module._parameters[name]
         module._buffers[name] = comps.data.detach().clone().to(param.device)
         module._buffers[_expert_scale_name(name)] = comps.scale_inv.detach().clone().to(param.device)
