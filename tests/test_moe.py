@@ -110,7 +110,8 @@ def test_to_dtype_keeps_fp8_bytes_and_moves_the_compute_dtype(moe_dir):
     before = {k: v.clone() for k, v in q.state_dict().items() if k.startswith(name)}
     q.to(torch.bfloat16)
     mod = q.get_submodule(name)
-    assert mod.gate_up_proj.dtype == torch.bfloat16 and mod._buffers["gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert mod.gate_up_proj.dtype == torch.bfloat16
+    assert mod._buffers["gate_up_proj"].dtype == torch.float8_e4m3fn
     for k, v in before.items():
         assert torch.equal(q.state_dict()[k].view(torch.uint8), v.view(torch.uint8)), k
     with torch.no_grad():
@@ -132,7 +133,26 @@ def test_decoded_cache_follows_in_place_writes(tmp_path):
     assert torch.equal(second[1], 2 * first[1]) and torch.equal(second[0], first[0])
 
 
-# -- (b) the trainer's refit plan equals the receiver's (the RefitPlanMismatch of issue 14) -------------------
+def test_policy_keeps_a_whole_moe_layer_and_explicit_modules_convert_whole_experts(tmp_path):
+    from mxport.testing import make_tiny_qwen3_moe
+
+    model = _load(make_tiny_qwen3_moe(tmp_path / "q", with_tokenizer=False))
+    policy = PrecisionPolicy(exclude=("model.layers.1.mlp.experts.down_proj",))  # one weight of layer 1
+    q = quantize_model(copy.deepcopy(model), policy)
+    assert list(mxfp8_experts(q)) == ["model.layers.0.mlp.experts"]  # layer 1's experts all kept (one precision)
+    assert isinstance(q.model.layers[1].mlp.experts.gate_up_proj, torch.nn.Parameter)
+    source = TrainerSource(model, policy, bucket_bytes=1 << 16)
+    assert receiver_plan(q, 1 << 16)[0].digest == source.plan.digest
+    assert quantize_model(q, policy) is q and list(mxfp8_experts(q)) == ["model.layers.0.mlp.experts"]
+
+    e = quantize_model(copy.deepcopy(model), modules=["model.layers.1.mlp.experts"])
+    assert list(mxfp8_experts(e)) == ["model.layers.1.mlp.experts"]
+    assert e.model.layers[1].mlp.experts._mx_weights == ("down_proj", "gate_up_proj")
+    with pytest.raises(TypeError, match="neither an nn.Linear nor a fused-experts"):
+        quantize_model(copy.deepcopy(model), modules=["model.layers.0.mlp"])
+
+
+# -- (b) the trainer's refit plan equals the receiver's (the RefitPlanMismatch of issue 14) ------------------
 def test_trainer_plan_digest_equals_receiver_plan_of_quantized_model(moe_dir):
     model = _load(moe_dir)
     source = TrainerSource(model, bucket_bytes=1 << 16)
@@ -190,7 +210,7 @@ def test_in_process_refit_lands_quantize_bytes_and_forward_follows(moe_dir):
     assert torch.equal(after, want) and not torch.equal(after, before)
 
 
-# -- (d) export + load_checkpoint ------------------------------------------------------------------------------
+# -- (d) export + load_checkpoint ----------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["modelopt", "sglang"])
 def test_export_and_load_checkpoint_round_trip_expert_bytes(moe_dir, tmp_path, fmt):
     from mxport.checkpoint.export import export_checkpoint
@@ -227,7 +247,7 @@ def test_load_checkpoint_refuses_experts_of_another_shape(tmp_path):
         load_checkpoint(_load(big), tmp_path / "ck")
 
 
-# -- (e) verify --------------------------------------------------------------------------------------------------
+# -- (e) verify ----------------------------------------------------------------------------------------------
 def test_verify_quantizes_experts_and_sweeps_them_with_their_layer(tmp_path):
     from transformers import AutoTokenizer
 
@@ -271,7 +291,7 @@ def test_verify_twin_experts_match_quantize_model(tmp_path):
         assert v.dtype == want[k].dtype and torch.equal(v.view(torch.uint8), want[k].view(torch.uint8)), k
 
 
-# -- the CLI as a user runs it ---------------------------------------------------------------------------------
+# -- the CLI as a user runs it -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cli_refit_tiny_moe_bit_exact(tmp_path):
     from mxport.testing import make_tiny_qwen3_moe
@@ -292,10 +312,11 @@ def _tiny_deepseek_v3():
 
     torch.manual_seed(0)
     cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
-                           kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
-                           topk_group=1, max_position_embeddings=128)
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                           first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                           qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+                           max_position_embeddings=128)
     return DeepseekV3ForCausalLM(cfg).eval()
 
 

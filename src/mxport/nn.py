@@ -380,34 +380,35 @@ def expert_weight_names(module: nn.Module) -> list[str]:
 @torch.no_grad()
 def quantize_experts(module: nn.Module, weights: dict[str, MXFP8Components]) -> MXFP8Experts:
     """Turn the fused 3-D parameters ``weights`` names of ``module`` into MXFP8 buffers, in place (the
-    module's class becomes the generated ``MXFP8<Original>``, see :class:`MXFP8Experts`); names already MXFP8 are
-    loaded in place (:meth:`MXFP8Experts.load_weight`). Components are copied. Returns ``module``.
+    module's class becomes the generated ``MXFP8<Original>``, see :class:`MXFP8Experts`); names already MXFP8
+    are loaded in place (:meth:`MXFP8Experts.load_weight`). Components are copied. Everything is checked
+    before anything changes. Returns ``module``.
 
     Raises:
         KeyError: a name that is neither a parameter nor an MXFP8 weight of ``module``.
         ValueError / TypeError: components of another shape than the parameter, not rowwise, not MXFP8.
     """
-    base = getattr(module, "_mx_base", type(module))
     names = list(getattr(module, "_mx_weights", ()))
-    dtypes = dict(getattr(module, "_mx_dtypes", {}))
     for name, comps in weights.items():
         _check_expert_components(comps, name)
+        param = module._parameters.get(name)
+        if name not in names and param is None:
+            raise KeyError(f"{type(module).__name__} has no parameter {name!r} to quantize")
+        if name not in names and tuple(param.shape) != tuple(comps.shape):
+            raise ValueError(f"{name}: components of shape {tuple(comps.shape)} do not fit the parameter "
+                             f"{tuple(param.shape)}")
+    dtypes = dict(getattr(module, "_mx_dtypes", {}))
+    for name, comps in weights.items():
         if name in names:
             module.load_weight(name, comps)
             continue
-        param = module._parameters.get(name)
-        if param is None:
-            raise KeyError(f"{type(module).__name__} has no parameter {name!r} to quantize")
-        if tuple(param.shape) != tuple(comps.shape):
-            raise ValueError(f"{name}: components of shape {tuple(comps.shape)} do not fit the parameter "
-                             f"{tuple(param.shape)}")
+        param = module._parameters.pop(name)
         dtypes[name] = param.dtype if param.dtype in _DECODE_DTYPES else torch.float32
-        del module._parameters[name]
         module._buffers[name] = comps.data.detach().clone().to(param.device)
         module._buffers[_expert_scale_name(name)] = comps.scale_inv.detach().clone().to(param.device)
         module._non_persistent_buffers_set.difference_update((name, _expert_scale_name(name)))
         names.append(name)
-    module.__class__ = _experts_class(base, tuple(sorted(names)))
+    module.__class__ = _experts_class(getattr(module, "_mx_base", type(module)), tuple(sorted(names)))
     module._mx_dtypes = dtypes
     module._mx_cache = {}
     return module
@@ -553,11 +554,11 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
     For each ``<m>.weight`` held as 2-D MXFP8 components: an :class:`MXFP8Linear` ``<m>`` is filled in place
     (:meth:`MXFP8Linear.load_components`); a plain ``nn.Linear`` ``<m>`` is replaced by a new
     :class:`MXFP8Linear` (with ``activation`` or "none"). For each 3-D expert weight ``<m>.<w>``
-    (``mlp.experts.gate_up_proj``): an :class:`MXFP8Experts` ``<m>`` is filled in place, a high-precision fused
-    parameter becomes MXFP8 (:func:`quantize_experts`; reported under ``replaced``); both names ``<m>.<w>`` and
-    ``<m>.<w>_scale`` count as filled. Plain tensors (embeddings, norms, biases, kept layers) are copied into the
-    parameter or buffer of the same name (looked up when copied, so a bias after its replaced weight lands in the
-    new module).
+    (``mlp.experts.gate_up_proj``): an :class:`MXFP8Experts` ``<m>`` is filled in place, a high-precision
+    fused parameter becomes MXFP8 (:func:`quantize_experts`; reported under ``replaced``); both names
+    ``<m>.<w>`` and ``<m>.<w>_scale`` count as filled. Plain tensors (embeddings, norms, biases, kept layers)
+    are copied into the parameter or buffer of the same name (looked up when copied, so a bias after its
+    replaced weight lands in the new module).
 
     Returns ``{"mxfp8": [...], "replaced": [...], "tensors": [...], "unexpected": [...], "missing": [...]}``
     (``missing``: ``state_dict`` entries of the model the checkpoint did not fill; tied aliases count as one).

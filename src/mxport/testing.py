@@ -110,7 +110,8 @@ def make_tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0, hidden: int =
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=experts,
+                         num_experts_per_tok=2,
                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          tie_word_embeddings=False)
     _save(Qwen3MoeForCausalLM(cfg), path, dtype, None)

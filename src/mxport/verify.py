@@ -12,8 +12,9 @@
    every quantized tensor.
 4. Optional per-layer sweep: the twin with only decoder layer *i* quantized (every other layer's linears and
    experts modules swapped back to the source modules) gives layer *i*'s KL and its share of the sum; then
-   layers are kept in high precision greedily by share, re-measuring after each, until the KL is at most ``target_kl``. The sweep scores
-   the tokens generated in step 2 (teacher forcing; no regeneration per configuration).
+   layers are kept in high precision greedily by share, re-measuring after each, until the KL is at most
+   ``target_kl``. The sweep scores the tokens generated in step 2 (teacher forcing; no regeneration per
+   configuration).
 """
 
 from __future__ import annotations
