@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mxport
-from mxport.nn import MXFP8Linear, mxfp8_modules, quantize_model
+from mxport.nn import MXFP8Experts, MXFP8Linear, mxfp8_modules, quantize_model
 
 
 def _components(n, k, seed=0, fp8=torch.float8_e4m3fn):
@@ -296,7 +296,7 @@ def test_load_checkpoint_from_mxport_export_sharded_tied(tmp_path, fmt):
     assert b.lm_head.weight is b.model.embed_tokens.weight  # still tied
 
 
-def test_load_checkpoint_fused_experts_decoded_into_high_precision(tmp_path):
+def test_load_checkpoint_fused_experts_become_mxfp8_experts(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from mxport.checkpoint.export import export_checkpoint
@@ -309,9 +309,13 @@ def test_load_checkpoint_fused_experts_decoded_into_high_precision(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     ref = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
     report = load_checkpoint(model, out)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in report["tensors"]
-    got = model.model.layers[0].mlp.experts.gate_up_proj
-    assert torch.equal(got, mxport.quantize(ref).dequantize())  # the 3-D MXFP8 values, decoded per expert row
+    assert "model.layers.0.mlp.experts.gate_up_proj" in report["replaced"] and report["missing"] == []
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, MXFP8Experts)  # the 3-D MXFP8 values stay MXFP8 (issue 14), not decoded
+    want = mxport.quantize(ref)
+    assert torch.equal(experts._buffers["gate_up_proj"].view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(experts._buffers["gate_up_proj_scale"], want.scale_inv)
+    assert torch.equal(experts.gate_up_proj, want.dequantize())  # what the forward reads, per expert row
     assert not isinstance(model.model.layers[0].mlp.gate, MXFP8Linear)  # the router stays high precision
 
 

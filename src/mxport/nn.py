@@ -39,6 +39,8 @@ from .quantize import quantize
 ACTIVATIONS = ("none", "mxfp8")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
+#: dtypes a fused expert weight decodes to (the original parameter's; float32 for anything else)
+_DECODE_DTYPES = (*_FLOAT_DTYPES, torch.float64)
 
 
 def _version_key(t: torch.Tensor):
@@ -246,6 +248,177 @@ def _check_linear_components(components) -> None:
         raise ValueError(f"MXFP8Linear needs 2-D [N, K] components, got shape {tuple(components.shape)}")
 
 
+# -- fused 3-D experts ---------------------------------------------------------------------------------------
+class MXFP8Experts(nn.Module):
+    """Mixin of the quantized form of a fused-experts module (transformers' ``MixtralExperts``,
+    ``Qwen3MoeExperts``, ``DeepseekV3Experts``, ...: 3-D parameters ``gate_up_proj`` ``[E, 2I, H]`` and
+    ``down_proj`` ``[E, H, I]``, read as ``self.gate_up_proj[expert]`` by the family's own forward).
+
+    :func:`quantize_experts` swaps the module's class, in place, for a generated subclass of (this mixin, the
+    original class) named ``MXFP8<Original>``: each quantized weight ``X`` [E, N, K] leaves ``_parameters``
+    and becomes two buffers, ``X`` (FP8 values, ``[E, N, K]``) and ``X_scale`` (uint8 E8M0,
+    ``[E, N, ceil(K/32)]``, rowwise along K, per expert), the modelopt checkpoint names, so ``state_dict()``,
+    refit plans and checkpoints name them alike. Reading ``module.X`` (a class property) returns the weight
+    decoded (:meth:`MXFP8Components.dequantize`) to the original parameter's dtype, which ``module.to(dtype)``
+    / ``.half()`` update; FP8 values are restored after such a cast (exact). The decoded weight is cached,
+    keyed on the buffers' ``_version`` and ``data_ptr`` as in :class:`MXFP8Linear`, so in-place writes (a
+    refit, :meth:`load_weight`) invalidate it; :meth:`refresh` drops it explicitly. The module's own forward
+    runs unchanged. Deep copies and pickling (``torch.save(module)``) rebuild the generated class.
+    """
+
+    _mx_weights: tuple[str, ...] = ()
+    _mx_base: type = nn.Module
+
+    def mx_components(self, name: str) -> MXFP8Components:
+        """Weight ``name`` as rowwise :class:`MXFP8Components` viewing the module's buffers."""
+        if name not in self._mx_weights:
+            raise KeyError(f"{type(self).__name__} has no MXFP8 weight {name!r} "
+                           f"(has {list(self._mx_weights)})")
+        return MXFP8Components(self._buffers[name], self._buffers[_expert_scale_name(name)], "rowwise")
+
+    def decoded_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Weight ``name`` decoded to ``dtype`` (default: the compute dtype), cached (see the class doc)."""
+        dtype = self._mx_dtypes[name] if dtype is None else dtype
+        values, scales = self._buffers[name], self._buffers[_expert_scale_name(name)]
+        kv, ks = _version_key(values), _version_key(scales)
+        key = None if kv is None or ks is None else (kv, ks)
+        hit = self._mx_cache.get((name, dtype))
+        if key is not None and hit is not None and hit[0] == key:
+            return hit[1]
+        value = MXFP8Components(values, scales, "rowwise").dequantize(dtype)
+        if key is not None:
+            self._mx_cache[(name, dtype)] = (key, value)
+        return value
+
+    @torch.no_grad()
+    def load_weight(self, name: str, components: MXFP8Components) -> None:
+        """Copy ``components`` into weight ``name``'s buffers in place (pointers kept; the cache goes stale).
+
+        Raises:
+            TypeError: not MXFP8Components, or another FP8 element dtype.
+            ValueError: not rowwise, or another shape.
+        """
+        own = self.mx_components(name)
+        _check_expert_components(components, name)
+        if tuple(components.shape) != tuple(own.shape):
+            raise ValueError(f"{name}: components of shape {tuple(components.shape)} do not fit "
+                             f"{tuple(own.shape)}")
+        if components.fp8_dtype != own.fp8_dtype:
+            raise TypeError(f"{name}: components hold {components.fp8_dtype} values, the module "
+                            f"{own.fp8_dtype}")
+        own.data.copy_(components.data)
+        own.scale_inv.copy_(components.scale_inv)
+
+    def refresh(self) -> None:
+        """Drop the decoded weights (needed only after writes that bypass PyTorch's version counters)."""
+        self._mx_cache.clear()
+
+    def __reduce_ex__(self, protocol):
+        # the generated class is not importable by name: pickle (torch.save of a module) rebuilds it
+        return _new_experts, (self._mx_base, self._mx_weights), self.__dict__
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to(dtype) casts FP8 buffers too: the cast's dtype becomes the compute dtype, the FP8
+        # values are put back (FP8 -> any wider float -> FP8 is exact)
+        fp8 = {n: self._buffers[n].dtype for n in self._mx_weights}
+        super()._apply(fn, recurse)
+        for n, dt in fp8.items():
+            now = self._buffers[n]
+            if now.dtype != dt:
+                if now.dtype in _DECODE_DTYPES:
+                    self._mx_dtypes[n] = now.dtype
+                self._buffers[n] = now.to(dt)
+        self._mx_cache.clear()
+        return self
+
+
+def _expert_scale_name(name: str) -> str:
+    from .checkpoint.naming import scale_name
+
+    return scale_name(name, "modelopt")
+
+
+def _check_expert_components(components, name: str) -> None:
+    if not isinstance(components, MXFP8Components):
+        raise TypeError(f"{name}: components must be an MXFP8Components, got {type(components).__name__}")
+    if components.direction != "rowwise":
+        raise ValueError(f"{name}: expert weights need rowwise components (blocks along K), got "
+                         f"{components.direction}")
+
+
+def _decoded_property(name: str) -> property:
+    return property(lambda self: self.decoded_weight(name),
+                    doc=f"``{name}`` decoded from its MXFP8 buffers (cached; see MXFP8Experts).")
+
+
+_EXPERT_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _experts_class(base: type, names: tuple[str, ...]) -> type:
+    """The generated ``MXFP8<base>`` class whose ``names`` are MXFP8 weights (one class per (base, names))."""
+    key = (base, names)
+    if key not in _EXPERT_CLASSES:
+        attrs = {n: _decoded_property(n) for n in names}
+        attrs.update(_mx_weights=names, _mx_base=base, __module__=__name__, __doc__=MXFP8Experts.__doc__)
+        _EXPERT_CLASSES[key] = type(f"MXFP8{base.__name__}", (MXFP8Experts, base), attrs)
+    return _EXPERT_CLASSES[key]
+
+
+def _new_experts(base: type, names: tuple[str, ...]) -> MXFP8Experts:
+    cls = _experts_class(base, names)
+    return cls.__new__(cls)
+
+
+def expert_weight_names(module: nn.Module) -> list[str]:
+    """The fused expert weights of ``module`` a quantization converts: its own 3-D floating parameters (not
+    biases), plus its weights that already are MXFP8 (:class:`MXFP8Experts`)."""
+    done = list(getattr(module, "_mx_weights", ()))
+    return done + [n for n, p in module._parameters.items()
+                   if p is not None and p.dim() == 3 and p.is_floating_point() and not n.endswith("bias")]
+
+
+@torch.no_grad()
+def quantize_experts(module: nn.Module, weights: dict[str, MXFP8Components]) -> MXFP8Experts:
+    """Turn the fused 3-D parameters ``weights`` names of ``module`` into MXFP8 buffers, in place (the
+    module's class becomes the generated ``MXFP8<Original>``, see :class:`MXFP8Experts`); names already MXFP8
+    are loaded in place (:meth:`MXFP8Experts.load_weight`). Components are copied. Everything is checked
+    before anything changes. Returns ``module``.
+
+    Raises:
+        KeyError: a name that is neither a parameter nor an MXFP8 weight of ``module``.
+        ValueError / TypeError: components of another shape than the parameter, not rowwise, not MXFP8.
+    """
+    names = list(getattr(module, "_mx_weights", ()))
+    for name, comps in weights.items():
+        _check_expert_components(comps, name)
+        param = module._parameters.get(name)
+        if name not in names and param is None:
+            raise KeyError(f"{type(module).__name__} has no parameter {name!r} to quantize")
+        if name not in names and tuple(param.shape) != tuple(comps.shape):
+            raise ValueError(f"{name}: components of shape {tuple(comps.shape)} do not fit the parameter "
+                             f"{tuple(param.shape)}")
+    dtypes = dict(getattr(module, "_mx_dtypes", {}))
+    for name, comps in weights.items():
+        if name in names:
+            module.load_weight(name, comps)
+            continue
+        param = module._parameters.pop(name)
+        dtypes[name] = param.dtype if param.dtype in _DECODE_DTYPES else torch.float32
+        module._buffers[name] = comps.data.detach().clone().to(param.device)
+        module._buffers[_expert_scale_name(name)] = comps.scale_inv.detach().clone().to(param.device)
+        module._non_persistent_buffers_set.difference_update((name, _expert_scale_name(name)))
+        names.append(name)
+    module.__class__ = _experts_class(getattr(module, "_mx_base", type(module)), tuple(sorted(names)))
+    module._mx_dtypes = dtypes
+    module._mx_cache = {}
+    return module
+
+
+def mxfp8_experts(model: nn.Module) -> dict[str, MXFP8Experts]:
+    """``{name: module}`` for every quantized fused-experts module (:class:`MXFP8Experts`), in model order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, MXFP8Experts)}
+
+
 # -- model conversion -----------------------------------------------------------------------------------------
 def _plain_float(w: torch.Tensor) -> bool:
     raw = w.data if isinstance(w, nn.Parameter) else w
@@ -265,6 +438,21 @@ def weight_components(weight: torch.Tensor, fp8_dtype: torch.dtype = torch.float
     return export_components(raw, direction="rowwise")
 
 
+def planned_experts(model: nn.Module, policy=None) -> dict[str, list[str]]:
+    """``{module name: [local names]}`` of the fused 3-D expert parameters of ``model`` (``mlp.experts`` ->
+    ``["gate_up_proj", "down_proj"]``) that ``policy`` (default policy when None) quantizes, in model order.
+    The policy gives every expert weight of one MoE layer one precision (its rule 5)."""
+    from .policy import PrecisionPolicy
+
+    policy = PrecisionPolicy() if policy is None else policy
+    out: dict[str, list[str]] = {}
+    for d in policy.decide_model(model).values():
+        mod_name, _, attr = d.name.rpartition(".")
+        if d.quantize and len(d.shape) == 3 and attr in model.get_submodule(mod_name)._parameters:
+            out.setdefault(mod_name, []).append(attr)
+    return out
+
+
 def planned_linears(model: nn.Module, policy=None) -> list[str]:
     """Names of the ``nn.Linear`` modules of ``model`` that ``policy`` (a :class:`mxport.policy.PrecisionPolicy`;
     default policy when None) quantizes, in model order."""
@@ -276,42 +464,76 @@ def planned_linears(model: nn.Module, policy=None) -> list[str]:
             if isinstance(mod, nn.Linear) and name in decisions and decisions[name].quantize]
 
 
+def planned_modules(model: nn.Module, policy=None) -> list[str]:
+    """The modules :func:`quantize_model` converts under ``policy``: :func:`planned_linears` and the
+    fused-experts modules of :func:`planned_experts`, in model order."""
+    wanted = set(planned_linears(model, policy)) | set(planned_experts(model, policy))
+    return [name for name, _ in model.named_modules() if name in wanted]
+
+
+def _experts_to_convert(model: nn.Module, names: list[str], policy, explicit: bool) -> dict[str, list[str]]:
+    """Per experts module among ``names``: the weights to quantize (all of its expert weights when the names
+    are explicit, else the policy's)."""
+    if not explicit:
+        return planned_experts(model, policy)
+    out = {}
+    for name in names:
+        mod = model.get_submodule(name)
+        if not isinstance(mod, (nn.Linear, MXFP8Linear)):
+            weights = [w for w in expert_weight_names(mod) if w in mod._parameters]
+            if not weights and not isinstance(mod, MXFP8Experts):
+                raise TypeError(f"module {name!r} is a {type(mod).__name__}, neither an nn.Linear nor a "
+                                f"fused-experts module with 3-D weights")
+            out[name] = weights
+    return out
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, policy=None, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                    activation: str = "none", rounding: str = "rceil", modules: Iterable[str] | None = None,
                    progress=None) -> nn.Module:
-    """Replace, in place, the ``nn.Linear`` layers that ``policy`` quantizes with :class:`MXFP8Linear`.
+    """Quantize, in place, what ``policy`` quantizes: ``nn.Linear`` layers become :class:`MXFP8Linear`; fused
+    3-D expert weights (``mlp.experts.gate_up_proj`` ``[E, N, K]``) become MXFP8 buffers of their experts
+    module (:func:`quantize_experts`, the module turns into an :class:`MXFP8Experts`).
 
     Args:
         model: any ``nn.Module`` (e.g. a ``transformers`` causal LM).
-        policy: a :class:`mxport.policy.PrecisionPolicy`; ``None`` = the default policy (linear weights quantized;
-            embeddings, lm_head, norms, routers kept).
+        policy: a :class:`mxport.policy.PrecisionPolicy`; ``None`` = the default policy (linear and expert
+            weights quantized; embeddings, lm_head, norms, routers kept).
         fp8_dtype: element format for weights that are quantized here (native MXFP8 weights keep theirs).
-        activation: ``"none"`` or ``"mxfp8"`` for the new modules (see :class:`MXFP8Linear`).
+        activation: ``"none"`` or ``"mxfp8"`` for the new linear modules (see :class:`MXFP8Linear`); expert
+            weights are weight-only.
         rounding: ``"rceil"`` or ``"floor"`` (see :func:`mxport.quantize`).
-        modules: explicit module names to convert instead of asking the policy.
+        modules: explicit module names to convert instead of asking the policy (an experts module is converted
+            whole: every 3-D expert weight of it).
         progress: optional callable ``progress(name)`` called after each module.
 
     Weights are quantized with :func:`weight_components` (native export when the weight already is MXFP8
-    storage). Compute dtype of each new module: the input's. Fused 3-D expert parameters (``[E, N, K]``, not
-    ``nn.Linear``) are left in high precision. Tied weights: only ``nn.Linear`` modules the policy quantizes are
-    replaced, so a tied ``lm_head`` (kept by the policy) stays tied.
+    storage): rowwise along K, per expert for 3-D weights, the bytes of :func:`mxport.quantize` of the tensor.
+    Compute dtype of a new linear: the input's; of expert weights: the parameter's dtype. Tied weights: only
+    modules the policy quantizes are converted, so a tied ``lm_head`` (kept by the policy) stays tied.
 
     Returns ``model``.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be 'none' or 'mxfp8', got {activation!r}")
     element_format(fp8_dtype)
-    names = list(modules) if modules is not None else planned_linears(model, policy)
+    names = list(modules) if modules is not None else planned_modules(model, policy)
+    experts = _experts_to_convert(model, names, policy, modules is not None)
     for name in names:
         mod = model.get_submodule(name)
-        if isinstance(mod, MXFP8Linear):
+        if name in experts:
+            if not experts[name]:
+                continue
+            quantize_experts(mod, {w: weight_components(mod._parameters[w], fp8_dtype, rounding)
+                                   for w in experts[name]})
+        elif isinstance(mod, MXFP8Linear):
             continue
-        if not isinstance(mod, nn.Linear):
+        elif not isinstance(mod, nn.Linear):
             raise TypeError(f"module {name!r} is a {type(mod).__name__}, not an nn.Linear")
-        comps = weight_components(mod.weight, fp8_dtype, rounding)
-        new = MXFP8Linear.from_components(comps, mod.bias, activation=activation)
-        model.set_submodule(name, new)
+        else:
+            comps = weight_components(mod.weight, fp8_dtype, rounding)
+            model.set_submodule(name, MXFP8Linear.from_components(comps, mod.bias, activation=activation))
         if progress is not None:
             progress(name)
     return model
@@ -331,10 +553,12 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
 
     For each ``<m>.weight`` held as 2-D MXFP8 components: an :class:`MXFP8Linear` ``<m>`` is filled in place
     (:meth:`MXFP8Linear.load_components`); a plain ``nn.Linear`` ``<m>`` is replaced by a new
-    :class:`MXFP8Linear` (with ``activation`` or "none"). 3-D expert components are decoded into the model's
-    high-precision fused parameter. Plain tensors (embeddings, norms, biases, kept layers) are copied into the
-    parameter or buffer of the same name (looked up when copied, so a bias after its replaced weight lands in the
-    new module).
+    :class:`MXFP8Linear` (with ``activation`` or "none"). For each 3-D expert weight ``<m>.<w>``
+    (``mlp.experts.gate_up_proj``): an :class:`MXFP8Experts` ``<m>`` is filled in place, a high-precision
+    fused parameter becomes MXFP8 (:func:`quantize_experts`; reported under ``replaced``); both names
+    ``<m>.<w>`` and ``<m>.<w>_scale`` count as filled. Plain tensors (embeddings, norms, biases, kept layers)
+    are copied into the parameter or buffer of the same name (looked up when copied, so a bias after its
+    replaced weight lands in the new module).
 
     Returns ``{"mxfp8": [...], "replaced": [...], "tensors": [...], "unexpected": [...], "missing": [...]}``
     (``missing``: ``state_dict`` entries of the model the checkpoint did not fill; tied aliases count as one).
@@ -366,6 +590,8 @@ def _tensor_at(model: nn.Module, name: str) -> torch.Tensor | None:
 def _load_mx(model: nn.Module, name: str, value: MXFP8Components, activation: str | None,
              filled: set[str]) -> str:
     """Load one MXFP8 pair; returns the report key it belongs under."""
+    if value.data.dim() == 3:
+        return _load_mx_experts(model, name, value, filled)
     mod_name = name[: -len(".weight")] if name.endswith(".weight") else name
     try:
         mod = model.get_submodule(mod_name) if value.data.dim() == 2 else None
@@ -389,6 +615,29 @@ def _load_mx(model: nn.Module, name: str, value: MXFP8Components, activation: st
         filled.add(name)
         return "tensors"
     return "unexpected"
+
+
+def _load_mx_experts(model: nn.Module, name: str, value: MXFP8Components, filled: set[str]) -> str:
+    """A 3-D expert weight ``<m>.<attr>``: loaded in place into an :class:`MXFP8Experts` ``<m>`` that holds it
+    as MXFP8, or the high-precision parameter ``<m>.<attr>`` becomes MXFP8 (:func:`quantize_experts`)."""
+    mod_name, _, attr = name.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name)
+    except AttributeError:
+        return "unexpected"
+    if isinstance(mod, MXFP8Experts) and attr in mod._mx_weights:
+        mod.load_weight(attr, value)
+        kind = "mxfp8"
+    elif isinstance(mod._parameters.get(attr), torch.Tensor) and mod._parameters[attr].dim() == 3:
+        if tuple(mod._parameters[attr].shape) != tuple(value.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
+                             f"{tuple(mod._parameters[attr].shape)}")
+        quantize_experts(mod, {attr: value})
+        kind = "replaced"
+    else:
+        return "unexpected"
+    filled.update((name, f"{mod_name}.{_expert_scale_name(attr)}"))
+    return kind
 
 
 def _load_plain(model: nn.Module, name: str, value: torch.Tensor, filled: set[str]) -> str:

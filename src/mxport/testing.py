@@ -132,3 +132,29 @@ class FaultyTransport(Transport):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def make_tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64, layers: int = 2,
+                        moe_intermediate: int = 48, experts: int = 4, vocab: int = 256,
+                        dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True) -> Path:
+    """Write a random Qwen3-MoE causal LM (``Qwen3MoeForCausalLM``) to ``path`` with ``save_pretrained``.
+
+    In memory (transformers 5.x) each layer's ``mlp.experts`` holds fused 3-D ``gate_up_proj``
+    [E, 2*moe_intermediate, hidden] and ``down_proj`` [E, hidden, moe_intermediate]; router
+    ``mlp.gate.weight``.
+    The default ``moe_intermediate`` 48 makes the down projection's K a partial block (48 = 32 + 16).
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=experts,
+                         num_experts_per_tok=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=False)
+    _save(Qwen3MoeForCausalLM(cfg), path, dtype, None)
+    if with_tokenizer:
+        save_byte_tokenizer(path, vocab)
+    return path

@@ -1,18 +1,20 @@
 """The ``mxport verify`` pipeline: how far an MXFP8 twin of a model drifts from the model itself.
 
 1. Load the source model (float32; default: the embedded SmolLM2-135M-Instruct) and build its MXFP8 twin: a deep
-   copy whose policy linears become :class:`mxport.nn.MXFP8Linear` (:func:`mxport.nn.quantize_model`), or a deep
-   copy filled from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
+   copy whose policy linears become :class:`mxport.nn.MXFP8Linear` and whose fused 3-D expert weights (MoE)
+   become MXFP8 (:class:`mxport.nn.MXFP8Experts`) (:func:`mxport.nn.quantize_model`), or a deep copy filled
+   from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
 2. Generate greedily from chat prompts (the tokenizer's chat template; left-padded batches through
    ``model.generate``) with the MXFP8 twin — the rollout engine.
 3. Score prompt + generated tokens with both models (teacher forcing, full next-token distributions) and compare
    them at the generated positions: :func:`mxport.metrics.gen_kl_error` KL(P_mxfp8 || P_source),
    :func:`~mxport.metrics.token_mult_prob_error`, :func:`~mxport.metrics.greedy_agreement`; plus the weight SQNR of
    every quantized tensor.
-4. Optional per-layer sweep: the twin with only decoder layer *i* quantized (every other layer's linears swapped
-   back to the source modules) gives layer *i*'s KL and its share of the sum; then layers are kept in high
-   precision greedily by share, re-measuring after each, until the KL is at most ``target_kl``. The sweep scores
-   the tokens generated in step 2 (teacher forcing; no regeneration per configuration).
+4. Optional per-layer sweep: the twin with only decoder layer *i* quantized (every other layer's linears and
+   experts modules swapped back to the source modules) gives layer *i*'s KL and its share of the sum; then
+   layers are kept in high precision greedily by share, re-measuring after each, until the KL is at most
+   ``target_kl``. The sweep scores the tokens generated in step 2 (teacher forcing; no regeneration per
+   configuration).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from .formats import element_format
 from .metrics import gen_kl_error, greedy_agreement, sqnr_db, token_logprobs, token_mult_prob_error
-from .nn import MXFP8Linear, load_checkpoint, mxfp8_modules, planned_linears, quantize_model
+from .nn import MXFP8Experts, load_checkpoint, mxfp8_experts, mxfp8_modules, planned_modules, quantize_model
 from .policy import layer_index
 from .prompts import load_prompts
 
@@ -63,8 +65,9 @@ class Scores:
 def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None, policy=None,
                fp8_dtype: torch.dtype = torch.float8_e4m3fn, activation: str = "none",
                progress: Progress = _noop) -> nn.Module:
-    """A deep copy of ``model`` with MXFP8 linears: quantized per ``policy`` (default policy when None), or
-    loaded from ``checkpoint`` (an ``mxport export`` directory; its element format wins over ``fp8_dtype``).
+    """A deep copy of ``model`` with MXFP8 linears and fused experts: quantized per ``policy`` (default policy
+    when None), or loaded from ``checkpoint`` (an ``mxport export`` directory; its element format wins over
+    ``fp8_dtype``).
 
     Raises ValueError when the result has no MXFP8 layer (nothing to verify) or the checkpoint does not match.
     """
@@ -72,23 +75,35 @@ def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None,
     if checkpoint is not None:
         load_checkpoint(twin, checkpoint, activation=activation)
     else:
-        names = planned_linears(twin, policy)
+        names = planned_modules(twin, policy)
         done = iter(range(1, len(names) + 1))
         quantize_model(twin, fp8_dtype=fp8_dtype, activation=activation, modules=names,
                        progress=lambda _name: progress("quantize", next(done), len(names)))
-    if not mxfp8_modules(twin):
+    if not quantized_modules(twin):
         raise ValueError("the MXFP8 twin has no MXFP8 layer (the policy kept every linear layer)")
     return twin
 
 
 def weight_sqnr(source: nn.Module, twin: nn.Module) -> dict[str, float]:
-    """``{module name: SQNR dB}`` of each MXFP8Linear weight of ``twin`` against the same module's weight in
+    """``{name: SQNR dB}`` of each MXFP8Linear weight of ``twin`` (keyed by module name) and of each MXFP8
+    fused expert weight (keyed by tensor name, ``...mlp.experts.gate_up_proj``) against the same weight in
     ``source`` (:func:`mxport.metrics.sqnr_db`)."""
     out = {}
     for name, mod in mxfp8_modules(twin).items():
         ref = source.get_submodule(name).weight.detach().float()
         out[name] = sqnr_db(ref, mod.decoded_weight(torch.float32).to(ref.device))
+    for name, mod in mxfp8_experts(twin).items():
+        for w in mod._mx_weights:
+            ref = getattr(source.get_submodule(name), w).detach().float()
+            out[f"{name}.{w}"] = sqnr_db(ref, mod.decoded_weight(w, torch.float32).to(ref.device))
     return out
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the MXFP8 modules of ``model``: :class:`~mxport.nn.MXFP8Linear` and
+    :class:`~mxport.nn.MXFP8Experts`, in model order."""
+    mx = {**mxfp8_modules(model), **mxfp8_experts(model)}
+    return {n: mx[n] for n, _ in model.named_modules() if n in mx}
 
 
 def encode_prompts(tokenizer, conversations: list[list[dict]]) -> list[torch.Tensor]:
@@ -188,7 +203,7 @@ def compare(gen: Scores, train: Scores) -> dict:
     }
 
 
-def _set_quantized(twin: nn.Module, mx: dict[str, MXFP8Linear], hp: dict[str, nn.Module], quantized) -> None:
+def _set_quantized(twin: nn.Module, mx: dict[str, nn.Module], hp: dict[str, nn.Module], quantized) -> None:
     """Put the MXFP8 module in place for names where ``quantized(name)`` is true, the source module elsewhere."""
     for name in mx:
         twin.set_submodule(name, mx[name] if quantized(name) else hp[name])
@@ -209,7 +224,7 @@ def per_layer_sweep(source: nn.Module, twin: nn.Module, rollouts: Rollouts, ref:
     ``exclude`` holds :class:`mxport.policy.PrecisionPolicy` patterns (``model.layers.3.*``) for ``mxport export
     --exclude``. The twin is restored (all MXFP8) before returning.
     """
-    mx = mxfp8_modules(twin)
+    mx = quantized_modules(twin)  # linears and experts modules: a MoE layer's experts toggle with their layer
     hp = {name: source.get_submodule(name) for name in mx}
     by_layer: dict[int, list[str]] = {}
     for name in mx:
@@ -296,7 +311,9 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
 
     Returns a dict with ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``,
     ``greedy_agreement``, ``tokens``, ``weight_sqnr_db_min``, ``weight_sqnr_db_mean``, ``weight_sqnr_db`` (per
-    tensor), ``passed``, ``failures``, ``per_layer`` (when asked), ``samples`` (first decoded generations) and the settings.
+    tensor), ``mxfp8_layers`` (MXFP8 modules: linears and MoE experts modules), ``mxfp8_experts`` (experts
+    modules), ``mxfp8_tensors`` (quantized weight tensors), ``passed``, ``failures``, ``per_layer`` (when
+    asked), ``samples`` (first decoded generations) and the settings.
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
@@ -324,7 +341,7 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     progress("load", 1, 1)
     twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
                       progress=progress)
-    mx = mxfp8_modules(twin)
+    mx = quantized_modules(twin)
     sqnr = weight_sqnr(model, twin)
     finite = [v for v in sqnr.values() if math.isfinite(v)]
 
@@ -338,7 +355,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     gen = score(twin, rollouts, batch_size)
     progress("score", 2, 2)
     figures = compare(gen, ref)
-    elements = sorted({m.weight.dtype for m in mx.values()}, key=str)
+    elements = sorted({t.dtype for m in mx.values() for t in m.buffers(recurse=False) if t.dtype.itemsize == 1
+                       and t.is_floating_point()}, key=str)
     failures = failed_checks(figures, max_kl)
     report = {
         **figures,
@@ -351,6 +369,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         "prompts": len(conversations),
         "max_new_tokens": max_new_tokens,
         "mxfp8_layers": len(mx),
+        "mxfp8_experts": sum(isinstance(m, MXFP8Experts) for m in mx.values()),
+        "mxfp8_tensors": len(sqnr),
         "max_kl": max_kl,
         "passed": not failures,
         "failures": failures,
