@@ -1,4 +1,4 @@
-"""MXFP8Components: FP8 element values + compact E8M0 shared scales, the export contract (design.md §5)."""
+"""MXFP8Components: FP8 element values + compact E8M0 shared scales, the export contract (docs/format.md)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def check_block_size(block_size: int, *, argname: str = "block_size") -> int:
 
 
 def compact_scale_shape(shape: tuple[int, ...] | torch.Size, direction: str = "rowwise") -> tuple[int, ...]:
-    """The compact E8M0 scale shape for a tensor of logical ``shape`` (design.md §2, §3).
+    """The compact E8M0 scale shape for a tensor of logical ``shape`` (docs/format.md, "Scale layouts").
 
     rowwise: ``(*shape[:-1], ceil(K/32))``; columnwise: ``(ceil(M/32), K)`` with ``M = prod(shape[:-1])``.
     """
@@ -69,9 +69,9 @@ class MXFP8Components:
 
     Attributes:
         data: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, the tensor's logical shape ``(*lead, K)``.
-        scale_inv: ``torch.uint8`` E8M0 bytes (value 2**(E-127); 255 is NaN), compact (no padding, no swizzle):
-            rowwise ``(*lead, ceil(K/32))``; columnwise ``(ceil(M/32), K)`` with ``M = prod(lead)``. A
-            ``float8_e8m0fnu`` tensor is accepted and bit-viewed as uint8.
+        scale_inv: ``torch.uint8`` E8M0 bytes (value 2**(E-127); 255 is NaN), compact (no padding, no
+            swizzle): rowwise ``(*lead, ceil(K/32))``; columnwise ``(ceil(M/32), K)`` with ``M = prod(lead)``.
+            A ``float8_e8m0fnu`` tensor is accepted and bit-viewed as uint8.
         direction: ``"rowwise"`` (blocks of 32 along K) or ``"columnwise"`` (blocks of 32 along M).
         block_size: 32.
 
@@ -113,7 +113,7 @@ class MXFP8Components:
         return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, direction={self.direction!r}, "
                 f"scale_shape={tuple(self.scale_inv.shape)}, device={str(self.device)!r})")
 
-    # -- descriptive properties -------------------------------------------------------------------------------
+    # -- descriptive properties ------------------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
         """The tensor's logical shape."""

@@ -1,5 +1,5 @@
-"""MXFP8 checkpoints for inference engines: readers, the streaming sharded writer, naming per format, export and
-inspection (issue 4; design.md §4).
+"""MXFP8 checkpoints for inference engines: readers, the streaming sharded writer, naming per format, export
+and inspection (formats: docs/format.md, "What each consumer expects").
 
 Public: :func:`open_checkpoint` / :class:`CheckpointReader` (read an exported checkpoint back as
 ``(name, MXFP8Components | Tensor)``), :data:`FORMATS`, :func:`scale_name`, :func:`quantization_config`,

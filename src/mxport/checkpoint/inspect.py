@@ -6,16 +6,16 @@ Roles: ``values`` (an FP8 tensor), ``scales`` (``<values>_scale`` / ``<values>_s
 ``quantization_config`` or ``hf_quant_config.json``, else from the scale names (see
 :func:`~mxport.checkpoint.readers.format_by_names`).
 
-Problems (each makes ``mxport inspect`` exit 1): values without a scale; a scale without values, or for values that
-are not FP8; a scale that is not ``uint8`` E8M0 bytes (e.g. stored as float: ``F32`` / ``BF16``); a scale shape
-that is not compact ``(*shape[:-1], ceil(K/32))`` (e.g. TE's padded ``[128, 4]`` for a ``[3, 64]`` weight); a scale
-name that does not follow the detected format; E5M2 values in a format that declares E4M3; NaN scale bytes (255);
-a config that declares MXFP8 with no MXFP8 tensor in the files; no MXFP8 values/scale pair at all (nothing to
-serve as MXFP8); E5M2 values in an sglang checkpoint (SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the
-config says: they load there as garbage). A ``float8_e8m0fnu`` (``F8_E8M0``) scale is the same bytes: a warning,
-not a problem. Files that cannot be read safely (see :class:`~mxport.checkpoint.readers.SafetensorsDir`) raise
-:class:`~mxport.checkpoint.readers.CheckpointError` (a ValueError) instead.
-
+Problems (each makes ``mxport inspect`` exit 1): values without a scale; a scale without values, or for values
+that are not FP8; a scale that is not ``uint8`` E8M0 bytes (e.g. stored as float: ``F32`` / ``BF16``); a scale
+shape that is not compact ``(*shape[:-1], ceil(K/32))`` (e.g. TE's padded ``[128, 4]`` for a ``[3, 64]``
+weight); a scale name that does not follow the detected format; E5M2 values in a format that declares E4M3;
+NaN scale bytes (255); a config that declares MXFP8 with no MXFP8 tensor in the files; no MXFP8 values/scale
+pair at all (nothing to serve as MXFP8); E5M2 values in an sglang checkpoint (SGLang 0.5.23 registers MXFP8
+values as E4M3 whatever the config says: they load there as garbage). A ``float8_e8m0fnu`` (``F8_E8M0``) scale
+is the same bytes: a warning, not a problem. Files that cannot be read safely (see
+:class:`~mxport.checkpoint.readers.SafetensorsDir`) raise :class:`~mxport.checkpoint.readers.CheckpointError`
+(a ValueError) instead.
 The result is an :class:`InspectReport` (typed); :func:`inspect_checkpoint` returns its ``to_dict()``.
 """
 
@@ -67,8 +67,9 @@ class InspectReport:
 
     Attributes:
         path: as given. format: one of FORMATS or None. format_source: "config" | "names" | None.
-        tensors: per tensor {name, shape, dtype, role, pair}. pairs: per MXFP8 pair {values, scale, shape, element,
-            scale_shape, scale_dtype, ok, and the :func:`pair_stats` / :func:`scale_stats` figures when decoded}.
+        tensors: per tensor {name, shape, dtype, role, pair}. pairs: per MXFP8 pair {values, scale, shape,
+            element, scale_shape, scale_dtype, ok, and the :func:`pair_stats` / :func:`scale_stats` figures
+            when decoded}.
         totals: {tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}.
         problems / warnings: one-line strings; any problem makes ``mxport inspect`` exit 1.
     """

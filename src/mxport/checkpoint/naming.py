@@ -1,10 +1,11 @@
 """Checkpoint formats: tensor names of the scales and the ``quantization_config`` each consumer reads.
 
-Sources (design.md §4): vLLM ``modelopt.py`` (``ModelOptMxFp8Config``: ``hf_quant_config.json`` ``quantization``
-must hold ``quant_algo``, ``kv_cache_quant_algo`` and ``exclude_modules``; the flat ``config.json`` form reads
-``quant_algo``, ``group_size``, ``ignore``, ``kv_cache_scheme``; exclude entries are fnmatch patterns over module
-prefixes), vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8
-bits; ``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_method`` containing ``mxfp8``,
+Sources (summed up in docs/format.md, "What each consumer expects"): vLLM ``modelopt.py``
+(``ModelOptMxFp8Config``: ``hf_quant_config.json`` ``quantization`` must hold ``quant_algo``,
+``kv_cache_quant_algo`` and ``exclude_modules``; the flat ``config.json`` form reads ``quant_algo``,
+``group_size``, ``ignore``, ``kv_cache_scheme``; exclude entries are fnmatch patterns over module prefixes),
+vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8 bits;
+``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_method`` containing ``mxfp8``,
 ``activation_scheme`` required, ``ignored_layers``, ``weight_block_size [1, 32]``).
 
 | format | values | scales | E5M2 |
@@ -108,7 +109,8 @@ def _element(fp8_dtype: torch.dtype) -> str:
 
 
 def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
-    """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (design.md §4).
+    """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (see docs/format.md,
+    "What each consumer expects").
 
     Args:
         fmt: one of :data:`FORMATS`.
@@ -122,8 +124,8 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
     check_fp8_dtype(fmt, fp8_dtype)
     excl = [str(m) for m in exclude_modules]
     if fmt == "modelopt":
-        # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore (fnmatch
-        # patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
+        # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore
+        # (fnmatch patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "producer": {"name": PRODUCER},
                 "group_size": 32, "kv_cache_scheme": None, "ignore": excl}
     if fmt == "compressed-tensors":

@@ -1,11 +1,11 @@
 """Streaming sharded safetensors writer: the layout is planned from names, dtypes and shapes before any data
-exists, so each shard's header is written first and tensors are then streamed in one at a time (peak memory is one
-tensor, not one shard).
+exists, so each shard's header is written first and tensors are then streamed in one at a time (peak memory is
+one tensor, not one shard).
 
-File layout follows the safetensors format (8-byte little-endian header length, JSON header padded with spaces to
-8 bytes, tensor bytes back to back in header order) and ``transformers``' sharding convention:
-``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``).
+File layout follows the safetensors format (8-byte little-endian header length, JSON header padded with spaces
+to 8 bytes, tensor bytes back to back in header order) and ``transformers``' sharding convention:
+``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``).
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def shard_file_names(n: int) -> list[str]:
 class ShardedSafetensorsWriter:
     """Write planned tensors into ``out_dir`` in order, streaming.
 
-    Call :meth:`write` once per planned tensor, in the planned order, then :meth:`close` (writes the index when
-    there are several shards). ``out_dir`` should be a temporary directory that the caller renames into place.
+    Call :meth:`write` once per planned tensor, in the planned order, then :meth:`close` (writes the
+    index when there are several shards). ``out_dir`` should be a temporary directory that the
+    caller renames into place.
 
     Raises ValueError when a written tensor is not the next planned one (name, dtype or shape differ) or when
     :meth:`close` is called before every planned tensor was written.

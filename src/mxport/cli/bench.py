@@ -27,8 +27,9 @@ def bench(
     """Run mxport's benchmarks (quantize vs torchao and the memory bound, export, checkpoint, refit).
 
     Every value is a median after warm-up; each ratio is the value relative to a baseline measured in the same
-    run; "met" says whether a "ratio >= X" / "ratio <= X" goal is reached (JSON: true / false / null). A missed goal
-    is a finding, not a failure: exit 0 on success, 1 when a benchmark failed (an 'error' row), 2 on bad flags.
+    run; "met" says whether a "ratio >= X" / "ratio <= X" goal is reached (JSON: true / false / null). A
+    missed goal is a finding, not a failure: exit 0 on success, 1 when a benchmark failed (an 'error'
+    row), 2 on bad flags.
     """
     json_to_stdout(json_out)
     with user_errors():

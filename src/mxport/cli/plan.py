@@ -28,8 +28,9 @@ def plan_cmd(
                                    help="Bytes per element of kept tensors on the wire (BF16 engines: 2)."),
     json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
 ):
-    """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send, quantize on the
-    engine), for a model config and trainer / engine layouts. See docs/guide-refit.md for the model's formulas.
+    """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send,
+    quantize on the engine), for a model config and trainer / engine layouts. See docs/guide-refit.md
+    for the model's formulas.
 
     Exit 0; 1 when an MXFP8 consumer cannot take an engine rank's slice (K per rank not a multiple of 32);
     2 on bad input.

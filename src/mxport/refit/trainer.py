@@ -23,8 +23,8 @@ def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
 
 def _native_components(tensors: list[tuple[str, object]]) -> dict:
     """Components (views) of the entries that are native MXFP8 producers (TE, torchao, Megatron storage), by
-    name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``; a
-    TE tensor reports its nominal bf16)."""
+    name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``;
+    a TE tensor reports its nominal bf16)."""
     from ..export import export_components
     from ..sources.discover import is_mxfp8_producer
 

@@ -59,12 +59,13 @@ class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
     Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does not
-    know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are called on
-    the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors (call
-    ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have no GPU).
-    A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
-    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then :meth:`init`).
+    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does
+    not know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are
+    called on the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors
+    (call ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have
+    no GPU). A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
+    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then
+    :meth:`init`).
     """
 
     def __init__(self, group=None, src: int = 0):
