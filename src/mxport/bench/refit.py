@@ -194,9 +194,10 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
 
 def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 << 20, runs: int = 5,
                   warmup: int = 1, timeout_s: float = 900.0) -> dict:
-    """Run the two benchmark processes and return rank 0's raw timings (see module doc). ``model``: True for the
-    embedded SmolLM2-135M, ``"shaped"`` for a model of its shapes with random weights (:data:`SMOLLM2_135M`:
-    the same bytes, for machines without the embedded model), False for ``layers`` synthetic layers."""
+    """Run the two benchmark processes and return rank 0's raw timings (see module doc). ``model``: True for
+    the embedded SmolLM2-135M, ``"shaped"`` for a model of its shapes with random weights
+    (:data:`SMOLLM2_135M`: the same bytes, for machines without the embedded model), False for ``layers``
+    synthetic layers."""
     import queue as queue_mod
 
     import torch.multiprocessing as mp

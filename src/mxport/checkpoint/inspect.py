@@ -44,8 +44,8 @@ def scale_stats(scale: torch.Tensor) -> dict:
 
 
 def pair_stats(c: MXFP8Components) -> dict:
-    """Statistics of one rowwise MXFP8 pair: :func:`scale_stats`, decoded absmax and mean |x| (FP32, NaN values
-    skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
+    """Statistics of one rowwise MXFP8 pair: :func:`scale_stats`, decoded absmax and mean |x| (FP32, NaN
+    values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
     out = scale_stats(c.scale_inv)
     a = c.dequantize(torch.float32).abs()
     a = a[~torch.isnan(a)]  # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
@@ -62,8 +62,8 @@ def pair_stats(c: MXFP8Components) -> dict:
 
 @dataclass(frozen=True)
 class InspectReport:
-    """What :func:`inspect` found. ``to_dict()`` is the JSON report (``mxport inspect --json``); ``report[key]``
-    reads the same keys.
+    """What :func:`inspect` found. ``to_dict()`` is the JSON report (``mxport inspect --json``);
+    ``report[key]`` reads the same keys.
 
     Attributes:
         path: as given. format: one of FORMATS or None. format_source: "config" | "names" | None.
@@ -170,8 +170,8 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
 
 def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True,
                        on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """:func:`inspect` as a JSON-able dict (``InspectReport.to_dict()``): ``path``, ``format``, ``format_source``,
-    ``tensors``, ``pairs``, ``totals``, ``problems``, ``warnings``.
+    """:func:`inspect` as a JSON-able dict (``InspectReport.to_dict()``): ``path``, ``format``,
+    ``format_source``, ``tensors``, ``pairs``, ``totals``, ``problems``, ``warnings``.
 
     Raises FileNotFoundError / CheckpointError (a ValueError) as :func:`inspect`.
     """

@@ -81,8 +81,8 @@ def scale_name(weight_name: str, fmt: str) -> str:
 
 
 def values_name(scale_tensor_name: str, fmt: str) -> str | None:
-    """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a scale
-    name of ``fmt``."""
+    """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a
+    scale name of ``fmt``."""
     suffix = SCALE_SUFFIX[check_format(fmt)]
     if scale_tensor_name.endswith(suffix) and len(scale_tensor_name) > len(suffix):
         return scale_tensor_name[: -len(suffix)]
@@ -150,8 +150,8 @@ def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3f
 
 
 def detect_format(quant_config: dict | None) -> str | None:
-    """The format a ``config.json`` ``quantization_config`` (or ``hf_quant_config.json``) describes, or None when
-    it is absent or not MXFP8. ValueError when ``quantization`` or ``config_groups`` is not an object."""
+    """The format a ``config.json`` ``quantization_config`` (or ``hf_quant_config.json``) describes, or None
+    when it is absent or not MXFP8. ValueError when ``quantization`` or ``config_groups`` is not an object."""
     if not isinstance(quant_config, dict):
         return None
     method = str(quant_config.get("quant_method", "")).lower()

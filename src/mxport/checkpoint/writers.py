@@ -129,8 +129,8 @@ class ShardedSafetensorsWriter:
         self.write_part(name, tensor)
 
     def write_part(self, name: str, part: torch.Tensor) -> None:
-        """Append consecutive rows of the next planned tensor: ``part`` holds whole rows of its ``(M, K)`` view
-        (same dtype, same last dimension). The tensor is complete once all its bytes arrived."""
+        """Append consecutive rows of the next planned tensor: ``part`` holds whole rows of its ``(M, K)``
+        view (same dtype, same last dimension). The tensor is complete once all its bytes arrived."""
         spec = self._next(name)
         k = spec.shape[-1] if spec.shape else 1
         if part.dtype != spec.dtype or (spec.shape and (part.dim() == 0 or part.shape[-1] != k)):

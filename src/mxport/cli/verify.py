@@ -25,8 +25,8 @@ def _fmt(v) -> str:
 
 
 def export_command(source: str | None, exclude: list[str], fp8_dtype: str) -> str:
-    """The ``mxport export`` command line that keeps ``exclude`` in high precision, complete (source, ``-o``) and
-    quoted for a POSIX shell."""
+    """The ``mxport export`` command line that keeps ``exclude`` in high precision, complete (source, ``-o``)
+    and quoted for a POSIX shell."""
     name = Path(source).name.removesuffix(".gguf") if source else "SmolLM2-135M-Instruct"
     args = ["mxport", "export"] + ([source] if source else []) + ["-o", f"{name}-mxfp8"]
     if fp8_dtype == "e5m2":

@@ -130,8 +130,8 @@ class TorchDistTransport(Transport):
         return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given; a group ``torch.distributed``
-        does not know is shut down)."""
+        """Destroy this transport's group (the default group when none was given; a group
+        ``torch.distributed`` does not know is shut down)."""
         if self.group is None:
             if self._dist.is_initialized():
                 self._dist.destroy_process_group()
@@ -146,9 +146,9 @@ class TorchDistTransport(Transport):
 
 def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
                timeout_s: float = 60.0, prefix: str = "mxport-refit"):
-    """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP store),
-    apart from torch.distributed's default group — which inference engines already own (vLLM's workers,
-    SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
+    """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP
+    store), apart from torch.distributed's default group — which inference engines already own (vLLM's
+    workers, SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
 
     Args:
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors, on the current CUDA device).

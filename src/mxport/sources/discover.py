@@ -35,8 +35,8 @@ _SCALE_DTYPES = (torch.uint8, FLOAT8_E8M0FNU)
 
 
 def _e8m0_scales(*scales) -> bool:
-    """At least one scale tensor present, and every present one holds E8M0 bytes (uint8 / float8_e8m0fnu): TE's
-    Float8Blockwise / delayed-scaling storages share the attribute names but carry float32 scales."""
+    """At least one scale tensor present, and every present one holds E8M0 bytes (uint8 / float8_e8m0fnu):
+    TE's Float8Blockwise / delayed-scaling storages share the attribute names but carry float32 scales."""
     present = [s for s in scales if s is not None]
     return bool(present) and all(isinstance(s, torch.Tensor) and s.dtype in _SCALE_DTYPES for s in present)
 
