@@ -2,8 +2,8 @@
 totals, and the problems an engine would trip on.
 
 Roles: ``values`` (an FP8 tensor), ``scales`` (``<values>_scale`` / ``<values>_scale_inv``, or any
-``*.weight_scale`` / ``*.weight_scale_inv``), ``kept`` (everything else). The format comes from ``config.json``
-``quantization_config`` or ``hf_quant_config.json``, else from the scale names (see
+``*.weight_scale`` / ``*.weight_scale_inv``), ``kept`` (everything else). The format comes from
+``config.json`` ``quantization_config`` or ``hf_quant_config.json``, else from the scale names (see
 :func:`~mxport.checkpoint.readers.format_by_names`).
 
 Problems (each makes ``mxport inspect`` exit 1): values without a scale; a scale without values, or for values

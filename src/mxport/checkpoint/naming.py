@@ -11,7 +11,7 @@ vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_s
 | format | values | scales | E5M2 |
 |---|---|---|---|
 | ``modelopt`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (quant_algo MXFP8 means E4M3) |
-| ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args mean E4M3) |
+| ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args: E4M3) |
 | ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | no (see below) |
 
 SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's ``fmt`` says, so E5M2 values in an sglang
