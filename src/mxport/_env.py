@@ -1,4 +1,7 @@
-"""Facts about the running environment: the cache folder, the embedded default model file, GPU capabilities."""
+"""Facts about the running environment.
+
+The cache folder, the embedded default model file, GPU capabilities.
+"""
 
 from __future__ import annotations
 

@@ -109,7 +109,10 @@ class MXFP8Components:
             raise ValueError(f"scale_inv is on {self.scale_inv.device} but data is on {self.data.device}")
 
     def __repr__(self) -> str:
-        """Shape, element, direction and device (never the values: a huge or meta tensor cannot be printed)."""
+        """Shape, element, direction and device.
+
+        Never the values: a huge or meta tensor cannot be printed.
+        """
         return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, direction={self.direction!r}, "
                 f"scale_shape={tuple(self.scale_inv.shape)}, device={str(self.device)!r})")
 

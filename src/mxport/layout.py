@@ -136,7 +136,10 @@ def _split(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
 
 def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads: int | None = None,
                  quantized: bool = False) -> Shard:
-    """The slice of tensor ``name`` (full ``shape``) that one rank of an ``engine`` layout holds (module doc)."""
+    """The slice of tensor ``name`` (full ``shape``) that one rank of an ``engine`` layout holds.
+
+    See the module doc.
+    """
     shape = tuple(int(s) for s in shape)
     tp, ep = engine.tp, engine.ep
     if ep > 1 and len(shape) == 3 and (_EXPERTS_COLUMN.search(name) or _EXPERTS_ROW.search(name)):

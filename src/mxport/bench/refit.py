@@ -78,7 +78,10 @@ SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 15
 
 
 def _shaped_model() -> torch.nn.Module:
-    """A float32 LlamaForCausalLM with SmolLM2-135M's shapes and random weights (seed 0); needs transformers."""
+    """A float32 LlamaForCausalLM with SmolLM2-135M's shapes and random weights (seed 0).
+
+    Needs transformers.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -245,14 +248,15 @@ def rows_from(res: dict, label: str) -> list[dict]:
             f"checksums on, {runs} runs")
     base_raw = "raw dist.broadcast of one flat buffer, same bytes, same run (gloo loopback)"
     rows = [
-        {"benchmark": BENCHMARK, "metric": "refit throughput", "value": nbytes / refit / 1e9, "baseline": base_raw,
-         "ratio": raw / refit, "unit": "GB/s", "goal": "ratio >= 0.8", "note": note},
+        {"benchmark": BENCHMARK, "metric": "refit throughput", "value": nbytes / refit / 1e9,
+         "baseline": base_raw, "ratio": raw / refit, "unit": "GB/s", "goal": "ratio >= 0.8", "note": note},
         {"benchmark": BENCHMARK, "metric": "refit throughput before commit", "value": nbytes / wire / 1e9,
          "baseline": base_raw, "ratio": raw / wire, "unit": "GB/s", "goal": "informational",
          "note": "the same refits up to validated data, without the commit (direct mode: no commit copy)"},
         {"benchmark": BENCHMARK, "metric": "refit throughput, checksums off", "value": nbytes / nosum / 1e9,
          "baseline": base_raw, "ratio": raw / nosum, "unit": "GB/s", "goal": "informational",
-         "note": "the same refits with use_checksum=False on both sides (one pass over the bytes less on each)"},
+         "note": "the same refits with use_checksum=False on both sides "
+                 "(one pass over the bytes less on each)"},
         {"benchmark": BENCHMARK, "metric": "raw broadcast throughput", "value": nbytes / raw / 1e9,
          "baseline": "itself", "ratio": 1.0, "unit": "GB/s", "goal": "reference", "note": note},
         {"benchmark": BENCHMARK, "metric": "end-to-end refit step", "value": e2e, "baseline": base_raw,
@@ -262,16 +266,19 @@ def rows_from(res: dict, label: str) -> list[dict]:
     if res.get("backup_s"):
         backup = statistics.median(res["backup_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "receiver rollback copy", "value": backup,
-                     "baseline": "refit (same run)", "ratio": backup / refit, "unit": "s", "goal": "informational",
-                     "note": "direct mode: background copy_ of each new version into the rollback buffer after "
-                             "receive() returns; waited for outside the timed region"})
+                     "baseline": "refit (same run)", "ratio": backup / refit, "unit": "s",
+                     "goal": "informational",
+                     "note": "direct mode: background copy_ of each new version into the rollback buffer "
+                             "after receive() returns; waited for outside the timed region"})
     kernel = res.get("kernel", "eager")
     for key, what in (("quantize_s", f"trainer weights -> MXFP8 ({kernel} kernel, 1 thread)"),
-                      ("pack_s", "copy into buckets + checksums"), ("transfer_s", "wire time not hidden by packing"),
+                      ("pack_s", "copy into buckets + checksums"),
+                      ("transfer_s", "wire time not hidden by packing"),
                       ("unpack_s", "receiver commit (direct mode: version bumps, no copy)")):
         rows.append({"benchmark": BENCHMARK, "metric": f"e2e split: {key[:-2]}", "value": parts[key],
-                     "baseline": "end-to-end refit step (same run)", "ratio": parts[key] / e2e if e2e else 0.0,
-                     "unit": "s", "goal": "informational", "note": what})
+                     "baseline": "end-to-end refit step (same run)",
+                     "ratio": parts[key] / e2e if e2e else 0.0, "unit": "s", "goal": "informational",
+                     "note": what})
     return rows
 
 

@@ -64,8 +64,9 @@ class _Shard:
 
 
 def plan_shards(groups: list[list[TensorSpec]], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Split ``groups`` (tensors that stay in one shard together, e.g. values + scale) into shards of at most
-    ``max_shard_bytes`` data bytes; a group larger than that gets a shard of its own (as ``transformers`` does)."""
+    """Split ``groups`` (tensors that stay in one shard together, e.g. values + scale) into shards of at
+    most ``max_shard_bytes`` data bytes; a group larger than that gets a shard of its own (as
+    ``transformers`` does)."""
     shards: list[_Shard] = [_Shard()]
     for group in groups:
         size = sum(s.nbytes for s in group)
@@ -162,7 +163,10 @@ class ShardedSafetensorsWriter:
         return spec
 
     def close(self) -> dict[str, str]:
-        """Finish the last shard and write ``model.safetensors.index.json`` when sharded; return the weight map."""
+        """Finish the last shard and write ``model.safetensors.index.json`` when sharded.
+
+        Returns the weight map.
+        """
         if self._pos != len(self._order):
             raise ValueError(f"close: {len(self._order) - self._pos} planned tensor(s) were not written")
         for i in range(len(self.shards)):  # shards whose tensors were all empty still need their file

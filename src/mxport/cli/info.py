@@ -47,8 +47,8 @@ def collect_info() -> dict:
 @app.command()
 def info(json_out: str = typer.Option(None, "--json", metavar="FILE|-",
                                      help="Write the report as JSON to FILE ('-' for stdout).")):
-    """Versions, optional packages and which fast paths (native CPU kernel, torch.compile, MX
-    GEMM) this machine has.
+    """Versions, optional packages and which fast paths (native CPU kernel, torch.compile, MX GEMM)
+    this machine has.
 
     Exit 0; 2 on bad input.
     """
