@@ -48,7 +48,8 @@ def pair_stats(c: MXFP8Components) -> dict:
     values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
     out = scale_stats(c.scale_inv)
     a = c.dequantize(torch.float32).abs()
-    a = a[~torch.isnan(a)]  # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
+    # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
+    a = a[~torch.isnan(a)]
     out["absmax"] = float(a.max()) if a.numel() else 0.0
     out["mean_abs"] = float(a.mean()) if a.numel() else 0.0
     k = c.shape[-1]
@@ -157,8 +158,8 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
         pairs = _decode_pairs(d, a, q.format, stats, problems, warnings, on_progress)
     if not a.pair_of:
         if q.source == "config":
-            problems.append(f"config declares {q.format!r} MXFP8 quantization but no FP8 values/scale pair is in "
-                            "the files")
+            problems.append(f"config declares {q.format!r} MXFP8 quantization but no FP8 values/scale pair "
+                            "is in the files")
         else:
             problems.append("nothing MXFP8 in this checkpoint: no FP8 values/scale pair (not quantized?)")
     values_of = {s: b for b, s in a.pair_of.items()}  # scale name -> values name

@@ -43,8 +43,8 @@ ALLOWED_FP8 = {
 _E4M3_ONLY_WHY = {
     "modelopt": "quant_algo MXFP8 means E4M3",
     "compressed-tensors": "8-bit float arguments mean E4M3",
-    "sglang": "SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says, so E5M2 values would "
-              "load there as garbage",
+    "sglang": "SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says, so E5M2 values "
+              "would load there as garbage",
 }
 
 PRODUCER = "mxport"
@@ -63,8 +63,8 @@ def check_fp8_dtype(fmt: str, fp8_dtype: torch.dtype) -> torch.dtype:
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
     if fp8_dtype not in ALLOWED_FP8[fmt]:
-        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only ({_E4M3_ONLY_WHY[fmt]}); export E4M3 "
-                         "(--fp8-dtype e4m3)")
+        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only ({_E4M3_ONLY_WHY[fmt]}); "
+                         "export E4M3 (--fp8-dtype e4m3)")
     return fp8_dtype
 
 
@@ -134,8 +134,9 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
         acts = dict(args, dynamic=True)
         return {"quant_method": "compressed-tensors", "format": "mxfp8-quantized",
                 "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": args, "input_activations": acts,
-                                              "output_activations": None, "format": "mxfp8-quantized"}},
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": args,
+                                              "input_activations": acts, "output_activations": None,
+                                              "format": "mxfp8-quantized"}},
                 "ignore": excl, "kv_cache_scheme": None}
     return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": _element(fp8_dtype),
             "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "ignored_layers": excl}

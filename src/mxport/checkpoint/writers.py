@@ -22,7 +22,8 @@ from .readers import INDEX_NAME, st_dtype_name
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
 def parse_size(size: str | int) -> int:
@@ -35,7 +36,8 @@ def parse_size(size: str | int) -> int:
     elif isinstance(size, str) and (m := _SIZE_RE.match(size)) and m.group(2).upper() in _UNITS:
         n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     else:
-        raise ValueError(f"max_shard_size must be a size like '5GB', '500MB' or an int of bytes, got {size!r}")
+        raise ValueError(f"max_shard_size must be a size like '5GB', '500MB' or an int of bytes, "
+                         f"got {size!r}")
     if n < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, got {size!r}")
     return n
@@ -78,7 +80,8 @@ def plan_shards(groups: list[list[TensorSpec]], max_shard_bytes: int) -> list[li
 
 
 def shard_file_names(n: int) -> list[str]:
-    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return (["model.safetensors"] if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
 
 
 class ShardedSafetensorsWriter:
@@ -135,8 +138,8 @@ class ShardedSafetensorsWriter:
         spec = self._next(name)
         k = spec.shape[-1] if spec.shape else 1
         if part.dtype != spec.dtype or (spec.shape and (part.dim() == 0 or part.shape[-1] != k)):
-            raise ValueError(f"write: expected rows of {spec.name!r} {spec.dtype} {list(spec.shape)}, got {name!r} "
-                             f"{part.dtype} {list(part.shape)}")
+            raise ValueError(f"write: expected rows of {spec.name!r} {spec.dtype} {list(spec.shape)}, "
+                             f"got {name!r} {part.dtype} {list(part.shape)}")
         t = part.detach().to("cpu").contiguous().reshape(-1)
         nbytes = t.numel() * t.element_size()
         if self._done + nbytes > spec.nbytes:
@@ -159,7 +162,8 @@ class ShardedSafetensorsWriter:
             raise ValueError(f"write({name!r}): every planned tensor was already written")
         spec = self._order[self._pos][1]
         if name != spec.name:
-            raise ValueError(f"write: expected {spec.name!r} {spec.dtype} {list(spec.shape)} next, got {name!r}")
+            raise ValueError(f"write: expected {spec.name!r} {spec.dtype} {list(spec.shape)} next, "
+                             f"got {name!r}")
         return spec
 
     def close(self) -> dict[str, str]:
