@@ -102,8 +102,8 @@ class MXFP8Components:
         expected = compact_scale_shape(self.data.shape, self.direction)
         if tuple(self.scale_inv.shape) != expected:
             raise ValueError(
-                f"scale_inv shape {tuple(self.scale_inv.shape)} does not match {self.direction} data of shape "
-                f"{tuple(self.data.shape)}: expected compact {expected}"
+                f"scale_inv shape {tuple(self.scale_inv.shape)} does not match {self.direction} data "
+                f"of shape {tuple(self.data.shape)}: expected compact {expected}"
             )
         if self.scale_inv.device != self.data.device:
             raise ValueError(f"scale_inv is on {self.scale_inv.device} but data is on {self.data.device}")
@@ -113,8 +113,9 @@ class MXFP8Components:
 
         Never the values: a huge or meta tensor cannot be printed.
         """
-        return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, direction={self.direction!r}, "
-                f"scale_shape={tuple(self.scale_inv.shape)}, device={str(self.device)!r})")
+        return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, "
+                f"direction={self.direction!r}, scale_shape={tuple(self.scale_inv.shape)}, "
+                f"device={str(self.device)!r})")
 
     # -- descriptive properties ------------------------------------------------------------------------------
     @property

@@ -123,8 +123,8 @@ def parse_engine(text: str) -> tuple[str, Layout]:
     names = [t.strip().lower() for t in text.split(",") if t.strip() and "=" not in t]
     terms = ",".join(t for t in text.split(",") if "=" in t)
     if len(names) > 1 or (names and names[0] not in ENGINES):
-        raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), a layout (tp=N) "
-                         "or both, comma-separated")
+        raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), "
+                         "a layout (tp=N) or both, comma-separated")
     return (names[0] if names else "mxport"), Layout.parse(terms)
 
 

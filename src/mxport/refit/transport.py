@@ -81,7 +81,8 @@ class TorchDistTransport(Transport):
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
         self._device = torch.device("cpu")
-        if str(self._pg.name()).lower() == "nccl" or (dist.is_initialized() and _backend(dist, group) == "nccl"):
+        if (str(self._pg.name()).lower() == "nccl"
+                or (dist.is_initialized() and _backend(dist, group) == "nccl")):
             self._device = torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
@@ -216,7 +217,8 @@ class _InProcessRecv:
             try:
                 data = ch._queues[self.ep.rank].get(timeout=ch.timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"in-process refit: no bucket from the sender within {ch.timeout_s} s") from None
+                raise TimeoutError(
+                    f"in-process refit: no bucket from the sender within {ch.timeout_s} s") from None
             if data.numel() != self.buf.numel():
                 raise RuntimeError(f"in-process refit: got {data.numel()} bytes, expected {self.buf.numel()}")
             self.buf.copy_(data)
