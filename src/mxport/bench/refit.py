@@ -69,9 +69,9 @@ def _synthetic_model(layers: int) -> torch.nn.Module:
     return root
 
 
-#: SmolLM2-135M's architecture (the embedded model's config): a model of these shapes with random weights
-#: moves exactly the embedded model's refit stream (272 tensors, 222.9 MB) on machines where its weights
-#: are not installed
+#: SmolLM2-135M's architecture (the embedded model's config): a model of these shapes with random
+#: weights moves exactly the embedded model's refit stream (272 tensors, 222.9 MB) on machines
+#: where its weights are not installed
 SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
                 "max_position_embeddings": 2048}
