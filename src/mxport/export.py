@@ -27,9 +27,9 @@ from .sources.te import export_te, is_te_mxfp8
 from .sources.torchao import export_torchao, is_torchao_mx
 
 ACCEPTED = (
-    "a Transformer Engine MXFP8Tensor / MXFP8TensorStorage / GroupedTensor, a torchao MXTensor, a Megatron-LM "
-    "inference MXFP8Tensor, an MXFP8Components, or a float32/bfloat16/float16 tensor or nn.Parameter "
-    "(quantized)"
+    "a Transformer Engine MXFP8Tensor / MXFP8TensorStorage / GroupedTensor, a torchao MXTensor, a "
+    "Megatron-LM inference MXFP8Tensor, an MXFP8Components, or a float32/bfloat16/float16 tensor or "
+    "nn.Parameter (quantized)"
 )
 
 

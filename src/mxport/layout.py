@@ -1,16 +1,16 @@
 """Parallel layouts of trainers and engines, and which slice of each tensor an engine rank holds.
 
 A layout is written as comma-separated ``dim=N`` terms: ``tp=2``, ``fsdp=4``, ``tp=2,pp=2``, ``ep=8``
-(:meth:`Layout.parse`). Dimensions: ``fsdp`` (FSDP2 / data-parallel sharding), ``tp`` (tensor parallel), ``pp``
-(pipeline stages), ``ep`` (expert parallel). A layout's ranks are the product of its dimensions.
+(:meth:`Layout.parse`). Dimensions: ``fsdp`` (FSDP2 / data-parallel sharding), ``tp`` (tensor parallel),
+``pp`` (pipeline stages), ``ep`` (expert parallel). A layout's ranks are the product of its dimensions.
 
 Engine tensor parallelism follows vLLM's parallel layers (``vllm/model_executor/layers/linear.py``,
 ``vocab_parallel_embedding.py``, ``fused_moe/layer.py``), for Hugging Face tensor names:
 
 * column parallel, rows (dim ``-2``) split: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``,
   ``q_b_proj``, ``kv_b_proj``, fused ``experts.gate_up_proj``; the vocabulary of ``embed_tokens`` and
-  ``lm_head``; ``k_proj`` / ``v_proj`` rows are split over ``min(tp, kv_heads)`` ranks (vLLM replicates KV heads
-  when tp exceeds their count);
+  ``lm_head``; ``k_proj`` / ``v_proj`` rows are split over ``min(tp, kv_heads)`` ranks (vLLM replicates KV
+  heads when tp exceeds their count);
 * row parallel, the input dimension K (dim ``-1``) split: ``o_proj``, ``down_proj``, fused
   ``experts.down_proj``; an MXFP8 consumer needs each rank's K to be a multiple of 32 (vLLM ``modelopt.py``
   rejects others), which :func:`engine_shard` reports;
@@ -96,8 +96,8 @@ class Shard:
 
     Attributes:
         dim: the split dimension (negative index), or None when every rank holds the whole tensor.
-        parts: how many distinct slices the tensor is cut into along ``dim`` (1 when replicated; fewer than the
-            ranks when slices are replicated, e.g. KV heads).
+        parts: how many distinct slices the tensor is cut into along ``dim`` (1 when replicated; fewer than
+            the ranks when slices are replicated, e.g. KV heads).
         shape: the shape one rank holds.
         problem: why an MXFP8 consumer cannot take this slice (K per rank not a multiple of 32), or "".
     """
@@ -123,8 +123,8 @@ def parse_engine(text: str) -> tuple[str, Layout]:
     names = [t.strip().lower() for t in text.split(",") if t.strip() and "=" not in t]
     terms = ",".join(t for t in text.split(",") if "=" in t)
     if len(names) > 1 or (names and names[0] not in ENGINES):
-        raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), a layout (tp=N) "
-                         "or both, comma-separated")
+        raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), "
+                         "a layout (tp=N) or both, comma-separated")
     return (names[0] if names else "mxport"), Layout.parse(terms)
 
 
@@ -136,7 +136,10 @@ def _split(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
 
 def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads: int | None = None,
                  quantized: bool = False) -> Shard:
-    """The slice of tensor ``name`` (full ``shape``) that one rank of an ``engine`` layout holds (module doc)."""
+    """The slice of tensor ``name`` (full ``shape``) that one rank of an ``engine`` layout holds.
+
+    See the module doc.
+    """
     shape = tuple(int(s) for s in shape)
     tp, ep = engine.tp, engine.ep
     if ep > 1 and len(shape) == 3 and (_EXPERTS_COLUMN.search(name) or _EXPERTS_ROW.search(name)):

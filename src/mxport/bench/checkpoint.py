@@ -13,9 +13,9 @@ Each side runs in its own child process (``python -m mxport.bench.checkpoint``) 
   MB; ratio = RSS / limit (goal <= 1). The note gives the plain copy's peak RSS (it holds a whole shard).
 
 Full: 4 tensors of 16384 x 16384 BF16 (2 GiB, one shard each) on the default quantize kernel (native where the
-CPU has AVX-512 or AVX2, else compiled when ``torch.compile`` works — its compile time is in the warm-up), 5 runs
-after 1 warm-up. Quick: 4 tensors of 1024 x 2048 (16 MiB) with ``torch.compile`` off (native kernel where
-available, else eager; no warm-up run: the copy child has already warmed the page cache), 2 runs, no
+CPU has AVX-512 or AVX2, else compiled when ``torch.compile`` works — its compile time is in the warm-up),
+5 runs after 1 warm-up. Quick: 4 tensors of 1024 x 2048 (16 MiB) with ``torch.compile`` off (native kernel
+where available, else eager; no warm-up run: the copy child has already warmed the page cache), 2 runs, no
 ``quantize alone`` row.
 """
 

@@ -1,38 +1,39 @@
-"""Issue 6's benchmark: refit throughput against a raw ``dist.broadcast`` of the same bytes, and the end-to-end
-refit step split into quantize, pack, transfer and unpack.
+"""The refit benchmark: refit throughput against a raw ``dist.broadcast`` of the same bytes, and the
+end-to-end refit step split into quantize, pack, transfer and unpack.
 
-Two spawned processes on loopback gloo (rank 0 the trainer/sender, rank 1 the receiver), everything measured in the
-same run and the same process group, interleaved (refit, raw broadcast, end-to-end refit; repeat), medians over
-``runs`` after one warm-up:
+Two spawned processes on loopback gloo (rank 0 the trainer/sender, rank 1 the receiver), everything measured
+in the same run and the same process group, interleaved (refit, raw broadcast, end-to-end refit; repeat),
+medians over ``runs`` after one warm-up:
 
 * ``refit throughput`` — bytes / seconds of a refit of already-quantized tensors (sender: the tensors of
-  ``TrainerSource(arena=True)``, every bucket sent straight from that stream-ordered buffer, which also holds the
-  adopted kept tensors, checksum, async broadcast; receiver: direct mode — buckets land straight in the live arena that
-  ``allocate_targets`` makes, every bucket checksummed, then the version goes live), timed from the sender's start
-  to ``receive()`` returning with the new version live (both read ``CLOCK_MONOTONIC``, shared by the processes);
+  ``TrainerSource(arena=True)``, every bucket sent straight from that stream-ordered buffer, which also holds
+  the adopted kept tensors, checksum, async broadcast; receiver: direct mode — buckets land straight in the
+  live arena that ``allocate_targets`` makes, every bucket checksummed, then the version goes live), timed
+  from the sender's start to ``receive()`` returning with the new version live (both read
+  ``CLOCK_MONOTONIC``, shared by the processes);
   baseline: one ``dist.broadcast`` of a flat uint8 buffer of the same byte count, timed the same way; ratio =
   refit / raw throughput (goal >= 0.8). Checksums are on (the default).
-* ``receiver rollback copy`` — the price of all-or-nothing in direct mode: after each refit a background thread
-  copies the new version into the rollback buffer. It runs after ``receive()`` returns, so it is not inside the
-  refit time; the benchmark waits for it outside the timed region, before the next barrier, so it never overlaps
-  (and slows) the baseline or the next refit, and reports its seconds here.
+* ``receiver rollback copy`` — the price of all-or-nothing in direct mode: after each refit a background
+  thread copies the new version into the rollback buffer. It runs after ``receive()`` returns, so it is not
+  inside the refit time; the benchmark waits for it outside the timed region, before the next barrier, so it
+  never overlaps (and slows) the baseline or the next refit, and reports its seconds here.
 * ``refit throughput before commit`` — the same refits up to validated data (staging mode used to add a
   staging -> live ``copy_`` here; in direct mode the two rows agree).
 * ``refit throughput, checksums off`` — the same refits with ``use_checksum=False`` on both sides, interleaved
   with the others: what the two checksum passes cost.
-* ``end-to-end refit step`` — the same with quantizing the weights inside the refit (the trainer's master weights
-  -> MXFP8, lazily, bucket by bucket, straight into the sender's stream-ordered buffer:
-  ``TrainerSource(arena=True)``, so buckets go out without packing); split rows give each phase's share: quantize
-  (sender), pack (sender: packing, none here, + checksums), unpack (receiver commit: version bumps only in direct mode), transfer (the rest: wire time not
-  hidden behind packing).
+* ``end-to-end refit step`` — the same with quantizing the weights inside the refit (the trainer's master
+  weights -> MXFP8, lazily, bucket by bucket, straight into the sender's stream-ordered buffer:
+  ``TrainerSource(arena=True)``, so buckets go out without packing); split rows give each phase's share:
+  quantize (sender), pack (sender: packing, none here, + checksums), unpack (receiver commit: version bumps
+  only in direct mode), transfer (the rest: wire time not hidden behind packing).
 
-On CPU loopback gloo the "wire" is two kernel copies that keep both of the machine's 2 cores busy, so every extra
-pass over the bytes (the sender's packing copy, one checksum pass on each side) lengthens the refit almost one for
-one; see docs/benchmarks.md for the figures.
+On CPU loopback gloo the "wire" is two kernel copies that keep both of the machine's 2 cores busy, so every
+extra pass over the bytes (the sender's packing copy, one checksum pass on each side) lengthens the refit
+almost one for one; see docs/benchmarks.md for the figures.
 
-Payload: the embedded SmolLM2-135M (222.9 MB: MXFP8 linears + float32 embedding and norms), or a model of its shapes
-with random weights (:func:`run_shaped`, the same bytes, where the embedded model is not installed); ``quick`` uses random
-float32 linears with the model's shapes for 4 decoder layers (no model load).
+Payload: the embedded SmolLM2-135M (222.9 MB: MXFP8 linears + float32 embedding and norms), or a model of its
+shapes with random weights (:func:`run_shaped`, the same bytes, where the embedded model is not installed);
+``quick`` uses random float32 linears with the model's shapes for 4 decoder layers (no model load).
 """
 
 from __future__ import annotations
@@ -68,15 +69,19 @@ def _synthetic_model(layers: int) -> torch.nn.Module:
     return root
 
 
-#: SmolLM2-135M's architecture (the embedded model's config): a model of these shapes with random weights moves
-#: exactly the embedded model's refit stream (272 tensors, 222.9 MB) on machines where its weights are not installed
+#: SmolLM2-135M's architecture (the embedded model's config): a model of these shapes with random
+#: weights moves exactly the embedded model's refit stream (272 tensors, 222.9 MB) on machines
+#: where its weights are not installed
 SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
                 "max_position_embeddings": 2048}
 
 
 def _shaped_model() -> torch.nn.Module:
-    """A float32 LlamaForCausalLM with SmolLM2-135M's shapes and random weights (seed 0); needs transformers."""
+    """A float32 LlamaForCausalLM with SmolLM2-135M's shapes and random weights (seed 0).
+
+    Needs transformers.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -149,8 +154,9 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
             t1 = _now()
             stats = stats.to_dict() if stats is not None else None
             if rank != 0 and stats is not None:
-                # direct mode: the background rollback copy finishes here, outside the timed region and before the
-                # next barrier, so it never overlaps (and slows) the raw-broadcast baseline; its cost is reported
+                # direct mode: the background rollback copy finishes here, outside the timed region and
+                # before the next barrier, so it never overlaps (and slows) the raw-broadcast baseline;
+                # its cost is reported
                 stats["backup_after_s"] = end.wait_backup()
             return t0, t1, stats
 
@@ -191,9 +197,10 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
 
 def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 << 20, runs: int = 5,
                   warmup: int = 1, timeout_s: float = 900.0) -> dict:
-    """Run the two benchmark processes and return rank 0's raw timings (see module doc). ``model``: True for the
-    embedded SmolLM2-135M, ``"shaped"`` for a model of its shapes with random weights (:data:`SMOLLM2_135M`: the same
-    bytes, for machines without the embedded model), False for ``layers`` synthetic layers."""
+    """Run the two benchmark processes and return rank 0's raw timings (see module doc). ``model``: True for
+    the embedded SmolLM2-135M, ``"shaped"`` for a model of its shapes with random weights
+    (:data:`SMOLLM2_135M`: the same bytes, for machines without the embedded model), False for ``layers``
+    synthetic layers."""
     import queue as queue_mod
 
     import torch.multiprocessing as mp
@@ -241,14 +248,15 @@ def rows_from(res: dict, label: str) -> list[dict]:
             f"checksums on, {runs} runs")
     base_raw = "raw dist.broadcast of one flat buffer, same bytes, same run (gloo loopback)"
     rows = [
-        {"benchmark": BENCHMARK, "metric": "refit throughput", "value": nbytes / refit / 1e9, "baseline": base_raw,
-         "ratio": raw / refit, "unit": "GB/s", "goal": "ratio >= 0.8", "note": note},
+        {"benchmark": BENCHMARK, "metric": "refit throughput", "value": nbytes / refit / 1e9,
+         "baseline": base_raw, "ratio": raw / refit, "unit": "GB/s", "goal": "ratio >= 0.8", "note": note},
         {"benchmark": BENCHMARK, "metric": "refit throughput before commit", "value": nbytes / wire / 1e9,
          "baseline": base_raw, "ratio": raw / wire, "unit": "GB/s", "goal": "informational",
          "note": "the same refits up to validated data, without the commit (direct mode: no commit copy)"},
         {"benchmark": BENCHMARK, "metric": "refit throughput, checksums off", "value": nbytes / nosum / 1e9,
          "baseline": base_raw, "ratio": raw / nosum, "unit": "GB/s", "goal": "informational",
-         "note": "the same refits with use_checksum=False on both sides (one pass over the bytes less on each)"},
+         "note": "the same refits with use_checksum=False on both sides "
+                 "(one pass over the bytes less on each)"},
         {"benchmark": BENCHMARK, "metric": "raw broadcast throughput", "value": nbytes / raw / 1e9,
          "baseline": "itself", "ratio": 1.0, "unit": "GB/s", "goal": "reference", "note": note},
         {"benchmark": BENCHMARK, "metric": "end-to-end refit step", "value": e2e, "baseline": base_raw,
@@ -258,16 +266,19 @@ def rows_from(res: dict, label: str) -> list[dict]:
     if res.get("backup_s"):
         backup = statistics.median(res["backup_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "receiver rollback copy", "value": backup,
-                     "baseline": "refit (same run)", "ratio": backup / refit, "unit": "s", "goal": "informational",
-                     "note": "direct mode: background copy_ of each new version into the rollback buffer after "
-                             "receive() returns; waited for outside the timed region"})
+                     "baseline": "refit (same run)", "ratio": backup / refit, "unit": "s",
+                     "goal": "informational",
+                     "note": "direct mode: background copy_ of each new version into the rollback buffer "
+                             "after receive() returns; waited for outside the timed region"})
     kernel = res.get("kernel", "eager")
     for key, what in (("quantize_s", f"trainer weights -> MXFP8 ({kernel} kernel, 1 thread)"),
-                      ("pack_s", "copy into buckets + checksums"), ("transfer_s", "wire time not hidden by packing"),
+                      ("pack_s", "copy into buckets + checksums"),
+                      ("transfer_s", "wire time not hidden by packing"),
                       ("unpack_s", "receiver commit (direct mode: version bumps, no copy)")):
         rows.append({"benchmark": BENCHMARK, "metric": f"e2e split: {key[:-2]}", "value": parts[key],
-                     "baseline": "end-to-end refit step (same run)", "ratio": parts[key] / e2e if e2e else 0.0,
-                     "unit": "s", "goal": "informational", "note": what})
+                     "baseline": "end-to-end refit step (same run)",
+                     "ratio": parts[key] / e2e if e2e else 0.0, "unit": "s", "goal": "informational",
+                     "note": what})
     return rows
 
 

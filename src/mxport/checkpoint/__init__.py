@@ -1,10 +1,10 @@
-"""MXFP8 checkpoints for inference engines: readers, the streaming sharded writer, naming per format, export and
-inspection (issue 4; design.md §4).
+"""MXFP8 checkpoints for inference engines: readers, the streaming sharded writer, naming per format, export
+and inspection (formats: docs/format.md, "What each consumer expects").
 
 Public: :func:`open_checkpoint` / :class:`CheckpointReader` (read an exported checkpoint back as
 ``(name, MXFP8Components | Tensor)``), :data:`FORMATS`, :func:`scale_name`, :func:`quantization_config`,
-:func:`export_checkpoint`, :func:`inspect_checkpoint`; :class:`CheckpointError` (a ValueError naming the file) for
-files that cannot be read safely or correctly.
+:func:`export_checkpoint`, :func:`inspect_checkpoint`; :class:`CheckpointError` (a ValueError naming the file)
+for files that cannot be read safely or correctly.
 """
 
 from .export import ExportResult, export_checkpoint

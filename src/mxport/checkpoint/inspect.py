@@ -2,20 +2,20 @@
 totals, and the problems an engine would trip on.
 
 Roles: ``values`` (an FP8 tensor), ``scales`` (``<values>_scale`` / ``<values>_scale_inv``, or any
-``*.weight_scale`` / ``*.weight_scale_inv``), ``kept`` (everything else). The format comes from ``config.json``
-``quantization_config`` or ``hf_quant_config.json``, else from the scale names (see
+``*.weight_scale`` / ``*.weight_scale_inv``), ``kept`` (everything else). The format comes from
+``config.json`` ``quantization_config`` or ``hf_quant_config.json``, else from the scale names (see
 :func:`~mxport.checkpoint.readers.format_by_names`).
 
-Problems (each makes ``mxport inspect`` exit 1): values without a scale; a scale without values, or for values that
-are not FP8; a scale that is not ``uint8`` E8M0 bytes (e.g. stored as float: ``F32`` / ``BF16``); a scale shape
-that is not compact ``(*shape[:-1], ceil(K/32))`` (e.g. TE's padded ``[128, 4]`` for a ``[3, 64]`` weight); a scale
-name that does not follow the detected format; E5M2 values in a format that declares E4M3; NaN scale bytes (255);
-a config that declares MXFP8 with no MXFP8 tensor in the files; no MXFP8 values/scale pair at all (nothing to
-serve as MXFP8); E5M2 values in an sglang checkpoint (SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the
-config says: they load there as garbage). A ``float8_e8m0fnu`` (``F8_E8M0``) scale is the same bytes: a warning,
-not a problem. Files that cannot be read safely (see :class:`~mxport.checkpoint.readers.SafetensorsDir`) raise
-:class:`~mxport.checkpoint.readers.CheckpointError` (a ValueError) instead.
-
+Problems (each makes ``mxport inspect`` exit 1): values without a scale; a scale without values, or for values
+that are not FP8; a scale that is not ``uint8`` E8M0 bytes (e.g. stored as float: ``F32`` / ``BF16``); a scale
+shape that is not compact ``(*shape[:-1], ceil(K/32))`` (e.g. TE's padded ``[128, 4]`` for a ``[3, 64]``
+weight); a scale name that does not follow the detected format; E5M2 values in a format that declares E4M3;
+NaN scale bytes (255); a config that declares MXFP8 with no MXFP8 tensor in the files; no MXFP8 values/scale
+pair at all (nothing to serve as MXFP8); E5M2 values in an sglang checkpoint (SGLang 0.5.23 registers MXFP8
+values as E4M3 whatever the config says: they load there as garbage). A ``float8_e8m0fnu`` (``F8_E8M0``) scale
+is the same bytes: a warning, not a problem. Files that cannot be read safely (see
+:class:`~mxport.checkpoint.readers.SafetensorsDir`) raise :class:`~mxport.checkpoint.readers.CheckpointError`
+(a ValueError) instead.
 The result is an :class:`InspectReport` (typed); :func:`inspect_checkpoint` returns its ``to_dict()``.
 """
 
@@ -44,11 +44,12 @@ def scale_stats(scale: torch.Tensor) -> dict:
 
 
 def pair_stats(c: MXFP8Components) -> dict:
-    """Statistics of one rowwise MXFP8 pair: :func:`scale_stats`, decoded absmax and mean |x| (FP32, NaN values
-    skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
+    """Statistics of one rowwise MXFP8 pair: :func:`scale_stats`, decoded absmax and mean |x| (FP32, NaN
+    values skipped), the fraction of blocks whose 32 (or fewer, at a row's end) values are all zero."""
     out = scale_stats(c.scale_inv)
     a = c.dequantize(torch.float32).abs()
-    a = a[~torch.isnan(a)]  # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
+    # values under a NaN scale (E = 255) decode to NaN: counted in nan_scales, skipped here
+    a = a[~torch.isnan(a)]
     out["absmax"] = float(a.max()) if a.numel() else 0.0
     out["mean_abs"] = float(a.mean()) if a.numel() else 0.0
     k = c.shape[-1]
@@ -62,13 +63,14 @@ def pair_stats(c: MXFP8Components) -> dict:
 
 @dataclass(frozen=True)
 class InspectReport:
-    """What :func:`inspect` found. ``to_dict()`` is the JSON report (``mxport inspect --json``); ``report[key]``
-    reads the same keys.
+    """What :func:`inspect` found. ``to_dict()`` is the JSON report (``mxport inspect --json``);
+    ``report[key]`` reads the same keys.
 
     Attributes:
         path: as given. format: one of FORMATS or None. format_source: "config" | "names" | None.
-        tensors: per tensor {name, shape, dtype, role, pair}. pairs: per MXFP8 pair {values, scale, shape, element,
-            scale_shape, scale_dtype, ok, and the :func:`pair_stats` / :func:`scale_stats` figures when decoded}.
+        tensors: per tensor {name, shape, dtype, role, pair}. pairs: per MXFP8 pair {values, scale, shape,
+            element, scale_shape, scale_dtype, ok, and the :func:`pair_stats` / :func:`scale_stats` figures
+            when decoded}.
         totals: {tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}.
         problems / warnings: one-line strings; any problem makes ``mxport inspect`` exit 1.
     """
@@ -156,8 +158,8 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
         pairs = _decode_pairs(d, a, q.format, stats, problems, warnings, on_progress)
     if not a.pair_of:
         if q.source == "config":
-            problems.append(f"config declares {q.format!r} MXFP8 quantization but no FP8 values/scale pair is in "
-                            "the files")
+            problems.append(f"config declares {q.format!r} MXFP8 quantization but no FP8 values/scale pair "
+                            "is in the files")
         else:
             problems.append("nothing MXFP8 in this checkpoint: no FP8 values/scale pair (not quantized?)")
     values_of = {s: b for b, s in a.pair_of.items()}  # scale name -> values name
@@ -169,8 +171,8 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
 
 def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True,
                        on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """:func:`inspect` as a JSON-able dict (``InspectReport.to_dict()``): ``path``, ``format``, ``format_source``,
-    ``tensors``, ``pairs``, ``totals``, ``problems``, ``warnings``.
+    """:func:`inspect` as a JSON-able dict (``InspectReport.to_dict()``): ``path``, ``format``,
+    ``format_source``, ``tensors``, ``pairs``, ``totals``, ``problems``, ``warnings``.
 
     Raises FileNotFoundError / CheckpointError (a ValueError) as :func:`inspect`.
     """

@@ -1,16 +1,17 @@
 """Checkpoint formats: tensor names of the scales and the ``quantization_config`` each consumer reads.
 
-Sources (design.md §4): vLLM ``modelopt.py`` (``ModelOptMxFp8Config``: ``hf_quant_config.json`` ``quantization``
-must hold ``quant_algo``, ``kv_cache_quant_algo`` and ``exclude_modules``; the flat ``config.json`` form reads
-``quant_algo``, ``group_size``, ``ignore``, ``kv_cache_scheme``; exclude entries are fnmatch patterns over module
-prefixes), vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8
-bits; ``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_method`` containing ``mxfp8``,
+Sources (summed up in docs/format.md, "What each consumer expects"): vLLM ``modelopt.py``
+(``ModelOptMxFp8Config``: ``hf_quant_config.json`` ``quantization`` must hold ``quant_algo``,
+``kv_cache_quant_algo`` and ``exclude_modules``; the flat ``config.json`` form reads ``quant_algo``,
+``group_size``, ``ignore``, ``kv_cache_scheme``; exclude entries are fnmatch patterns over module prefixes),
+vLLM compressed-tensors (``CompressedTensorsW8A8Mxfp8``: group strategy, group_size 32, float 8 bits;
+``ignore`` lists module names), SGLang ``fp8.py`` ``Fp8Config`` (``quant_method`` containing ``mxfp8``,
 ``activation_scheme`` required, ``ignored_layers``, ``weight_block_size [1, 32]``).
 
 | format | values | scales | E5M2 |
 |---|---|---|---|
 | ``modelopt`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (quant_algo MXFP8 means E4M3) |
-| ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args mean E4M3) |
+| ``compressed-tensors`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale`` U8 | no (8-bit float args: E4M3) |
 | ``sglang`` | ``<m>.weight`` F8_E4M3 | ``<m>.weight_scale_inv`` U8 | no (see below) |
 
 SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's ``fmt`` says, so E5M2 values in an sglang
@@ -42,8 +43,8 @@ ALLOWED_FP8 = {
 _E4M3_ONLY_WHY = {
     "modelopt": "quant_algo MXFP8 means E4M3",
     "compressed-tensors": "8-bit float arguments mean E4M3",
-    "sglang": "SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says, so E5M2 values would "
-              "load there as garbage",
+    "sglang": "SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says, so E5M2 values "
+              "would load there as garbage",
 }
 
 PRODUCER = "mxport"
@@ -62,8 +63,8 @@ def check_fp8_dtype(fmt: str, fp8_dtype: torch.dtype) -> torch.dtype:
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
     if fp8_dtype not in ALLOWED_FP8[fmt]:
-        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only ({_E4M3_ONLY_WHY[fmt]}); export E4M3 "
-                         "(--fp8-dtype e4m3)")
+        raise ValueError(f"format {fmt!r} stores MXFP8 values as E4M3 only ({_E4M3_ONLY_WHY[fmt]}); "
+                         "export E4M3 (--fp8-dtype e4m3)")
     return fp8_dtype
 
 
@@ -80,8 +81,8 @@ def scale_name(weight_name: str, fmt: str) -> str:
 
 
 def values_name(scale_tensor_name: str, fmt: str) -> str | None:
-    """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a scale
-    name of ``fmt``."""
+    """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a
+    scale name of ``fmt``."""
     suffix = SCALE_SUFFIX[check_format(fmt)]
     if scale_tensor_name.endswith(suffix) and len(scale_tensor_name) > len(suffix):
         return scale_tensor_name[: -len(suffix)]
@@ -108,7 +109,8 @@ def _element(fp8_dtype: torch.dtype) -> str:
 
 
 def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
-    """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (design.md §4).
+    """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (see docs/format.md,
+    "What each consumer expects").
 
     Args:
         fmt: one of :data:`FORMATS`.
@@ -122,8 +124,8 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
     check_fp8_dtype(fmt, fp8_dtype)
     excl = [str(m) for m in exclude_modules]
     if fmt == "modelopt":
-        # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore (fnmatch
-        # patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
+        # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore
+        # (fnmatch patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "producer": {"name": PRODUCER},
                 "group_size": 32, "kv_cache_scheme": None, "ignore": excl}
     if fmt == "compressed-tensors":
@@ -132,8 +134,9 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
         acts = dict(args, dynamic=True)
         return {"quant_method": "compressed-tensors", "format": "mxfp8-quantized",
                 "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": args, "input_activations": acts,
-                                              "output_activations": None, "format": "mxfp8-quantized"}},
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": args,
+                                              "input_activations": acts, "output_activations": None,
+                                              "format": "mxfp8-quantized"}},
                 "ignore": excl, "kv_cache_scheme": None}
     return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": _element(fp8_dtype),
             "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "ignored_layers": excl}
@@ -148,8 +151,8 @@ def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3f
 
 
 def detect_format(quant_config: dict | None) -> str | None:
-    """The format a ``config.json`` ``quantization_config`` (or ``hf_quant_config.json``) describes, or None when
-    it is absent or not MXFP8. ValueError when ``quantization`` or ``config_groups`` is not an object."""
+    """The format a ``config.json`` ``quantization_config`` (or ``hf_quant_config.json``) describes, or None
+    when it is absent or not MXFP8. ValueError when ``quantization`` or ``config_groups`` is not an object."""
     if not isinstance(quant_config, dict):
         return None
     method = str(quant_config.get("quant_method", "")).lower()

@@ -1,11 +1,11 @@
 """Streaming sharded safetensors writer: the layout is planned from names, dtypes and shapes before any data
-exists, so each shard's header is written first and tensors are then streamed in one at a time (peak memory is one
-tensor, not one shard).
+exists, so each shard's header is written first and tensors are then streamed in one at a time (peak memory is
+one tensor, not one shard).
 
-File layout follows the safetensors format (8-byte little-endian header length, JSON header padded with spaces to
-8 bytes, tensor bytes back to back in header order) and ``transformers``' sharding convention:
-``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``).
+File layout follows the safetensors format (8-byte little-endian header length, JSON header padded with spaces
+to 8 bytes, tensor bytes back to back in header order) and ``transformers``' sharding convention:
+``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .readers import INDEX_NAME, st_dtype_name
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
 def parse_size(size: str | int) -> int:
@@ -35,7 +36,8 @@ def parse_size(size: str | int) -> int:
     elif isinstance(size, str) and (m := _SIZE_RE.match(size)) and m.group(2).upper() in _UNITS:
         n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     else:
-        raise ValueError(f"max_shard_size must be a size like '5GB', '500MB' or an int of bytes, got {size!r}")
+        raise ValueError(f"max_shard_size must be a size like '5GB', '500MB' or an int of bytes, "
+                         f"got {size!r}")
     if n < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, got {size!r}")
     return n
@@ -64,8 +66,9 @@ class _Shard:
 
 
 def plan_shards(groups: list[list[TensorSpec]], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Split ``groups`` (tensors that stay in one shard together, e.g. values + scale) into shards of at most
-    ``max_shard_bytes`` data bytes; a group larger than that gets a shard of its own (as ``transformers`` does)."""
+    """Split ``groups`` (tensors that stay in one shard together, e.g. values + scale) into shards of at
+    most ``max_shard_bytes`` data bytes; a group larger than that gets a shard of its own (as
+    ``transformers`` does)."""
     shards: list[_Shard] = [_Shard()]
     for group in groups:
         size = sum(s.nbytes for s in group)
@@ -77,14 +80,16 @@ def plan_shards(groups: list[list[TensorSpec]], max_shard_bytes: int) -> list[li
 
 
 def shard_file_names(n: int) -> list[str]:
-    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return (["model.safetensors"] if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
 
 
 class ShardedSafetensorsWriter:
     """Write planned tensors into ``out_dir`` in order, streaming.
 
-    Call :meth:`write` once per planned tensor, in the planned order, then :meth:`close` (writes the index when
-    there are several shards). ``out_dir`` should be a temporary directory that the caller renames into place.
+    Call :meth:`write` once per planned tensor, in the planned order, then :meth:`close` (writes the
+    index when there are several shards). ``out_dir`` should be a temporary directory that the
+    caller renames into place.
 
     Raises ValueError when a written tensor is not the next planned one (name, dtype or shape differ) or when
     :meth:`close` is called before every planned tensor was written.
@@ -128,13 +133,13 @@ class ShardedSafetensorsWriter:
         self.write_part(name, tensor)
 
     def write_part(self, name: str, part: torch.Tensor) -> None:
-        """Append consecutive rows of the next planned tensor: ``part`` holds whole rows of its ``(M, K)`` view
-        (same dtype, same last dimension). The tensor is complete once all its bytes arrived."""
+        """Append consecutive rows of the next planned tensor: ``part`` holds whole rows of its ``(M, K)``
+        view (same dtype, same last dimension). The tensor is complete once all its bytes arrived."""
         spec = self._next(name)
         k = spec.shape[-1] if spec.shape else 1
         if part.dtype != spec.dtype or (spec.shape and (part.dim() == 0 or part.shape[-1] != k)):
-            raise ValueError(f"write: expected rows of {spec.name!r} {spec.dtype} {list(spec.shape)}, got {name!r} "
-                             f"{part.dtype} {list(part.shape)}")
+            raise ValueError(f"write: expected rows of {spec.name!r} {spec.dtype} {list(spec.shape)}, "
+                             f"got {name!r} {part.dtype} {list(part.shape)}")
         t = part.detach().to("cpu").contiguous().reshape(-1)
         nbytes = t.numel() * t.element_size()
         if self._done + nbytes > spec.nbytes:
@@ -157,11 +162,15 @@ class ShardedSafetensorsWriter:
             raise ValueError(f"write({name!r}): every planned tensor was already written")
         spec = self._order[self._pos][1]
         if name != spec.name:
-            raise ValueError(f"write: expected {spec.name!r} {spec.dtype} {list(spec.shape)} next, got {name!r}")
+            raise ValueError(f"write: expected {spec.name!r} {spec.dtype} {list(spec.shape)} next, "
+                             f"got {name!r}")
         return spec
 
     def close(self) -> dict[str, str]:
-        """Finish the last shard and write ``model.safetensors.index.json`` when sharded; return the weight map."""
+        """Finish the last shard and write ``model.safetensors.index.json`` when sharded.
+
+        Returns the weight map.
+        """
         if self._pos != len(self._order):
             raise ValueError(f"close: {len(self._order) - self._pos} planned tensor(s) were not written")
         for i in range(len(self.shards)):  # shards whose tensors were all empty still need their file

@@ -7,8 +7,8 @@ from .app import app
 
 
 def main() -> None:
-    """Console-script entry point. A missing optional package that escaped a command's own checks still ends in
-    one line naming the extra to install, exit 2 (not a traceback)."""
+    """Console-script entry point. A missing optional package that escaped a command's own checks still ends
+    in one line naming the extra to install, exit 2 (not a traceback)."""
     import sys
 
     from ._common import EXIT_USAGE, fail, missing_extra

@@ -1,4 +1,7 @@
-"""The fixed sets of values the command line takes, as Enums: Typer checks them and lists them in ``--help``."""
+"""The fixed sets of values the command line takes, as Enums.
+
+Typer checks them and lists them in ``--help``.
+"""
 
 from __future__ import annotations
 

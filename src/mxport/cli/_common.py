@@ -25,20 +25,20 @@ _REPORTS_TO_STDERR = [False]
 
 
 def real_stream(stream):
-    """``stream`` without rich's redirect proxies: inside a ``Live`` display (progress bars, status spinners) on a
-    terminal, rich replaces ``sys.stdout`` / ``sys.stderr`` with proxies that print into the live console; a
-    console that wrote to such a proxy would write into itself, forever."""
+    """``stream`` without rich's redirect proxies: inside a ``Live`` display (progress bars, status spinners)
+    on a terminal, rich replaces ``sys.stdout`` / ``sys.stderr`` with proxies that print into the live
+    console; a console that wrote to such a proxy would write into itself, forever."""
     while isinstance(stream, FileProxy):
         stream = stream.rich_proxied_file
     return stream
 
 
 class _StreamConsole(Console):
-    """A console whose stream is looked up at each write (test runners swap ``sys.stdout`` / ``sys.stderr``), never
-    one of rich's own redirect proxies (see :func:`real_stream`). What rich otherwise decides once, from the stream
-    it had when built, follows the stream in use: whether it is interactive (a live display draws only on an
-    interactive console) and its width (the terminal's; 160 columns when not a terminal -- CI logs, pipes -- so that
-    tables keep their columns)."""
+    """A console whose stream is looked up at each write (test runners swap ``sys.stdout`` / ``sys.stderr``),
+    never one of rich's own redirect proxies (see :func:`real_stream`). What rich otherwise decides once, from
+    the stream it had when built, follows the stream in use: whether it is interactive (a live display draws
+    only on an interactive console) and its width (the terminal's; 160 columns when not a terminal -- CI logs,
+    pipes -- so that tables keep their columns)."""
 
     def __init__(self, pick, **kwargs) -> None:
         self._pick = pick
@@ -71,8 +71,8 @@ class _StreamConsole(Console):
 
 
 def _report_stream():
-    """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout (``--json -``):
-    then to stderr, so stdout holds JSON only."""
+    """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout
+    (``--json -``): then to stderr, so stdout holds JSON only."""
     return sys.stderr if _REPORTS_TO_STDERR[0] else sys.stdout
 
 
@@ -82,8 +82,8 @@ err_console = _StreamConsole(lambda: sys.stderr)
 
 def json_to_stdout(json_out: str | None) -> None:
     """Call first in a command: when its JSON goes to stdout (``json_out == "-"``), reports go to stderr; a
-    ``--json FILE`` that cannot be written (its folder missing or not a folder, FILE a folder) fails now, exit 2,
-    before the command's work."""
+    ``--json FILE`` that cannot be written (its folder missing or not a folder, FILE a folder) fails now,
+    exit 2, before the command's work."""
     _REPORTS_TO_STDERR[0] = json_out == "-"
     if json_out in (None, "-"):
         return
@@ -125,7 +125,8 @@ def emit_json(obj: Any, path: str | None) -> None:
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``error: message`` to stderr and return the Exit to raise."""
-    # one line, never wrapped; the message is text, not markup ("pip install 'mxport[models]'" keeps its brackets)
+    # one line, never wrapped; the message is text, not markup
+    # ("pip install 'mxport[models]'" keeps its brackets)
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
@@ -150,8 +151,9 @@ def missing_extra(exc: ImportError) -> str | None:
 
 
 def require(*modules: str) -> None:
-    """Raise ModuleNotFoundError for the first of ``modules`` that cannot be imported (checked without importing
-    it), so that a command stops before its work, or before starting worker processes that would need it."""
+    """Raise ModuleNotFoundError for the first of ``modules`` that cannot be imported (checked without
+    importing it), so that a command stops before its work, or before starting worker processes that would
+    need it."""
     for name in modules:
         try:
             found = importlib.util.find_spec(name) is not None
@@ -163,9 +165,9 @@ def require(*modules: str) -> None:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn bad-input exceptions (ValueError, TypeError, FileNotFoundError, FileExistsError, ...) and a missing
-    optional package (:func:`missing_extra`) into a one-line message and exit code 2; other exceptions keep their
-    traceback."""
+    """Turn bad-input exceptions (ValueError, TypeError, FileNotFoundError, FileExistsError, ...) and a
+    missing optional package (:func:`missing_extra`) into a one-line message and exit code 2; other exceptions
+    keep their traceback."""
     try:
         yield
     except ImportError as exc:

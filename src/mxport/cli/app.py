@@ -15,8 +15,8 @@ from .. import __version__
 
 
 def unwrap_paragraphs(text: str | None) -> str | None:
-    """Join the source's line breaks inside each paragraph (paragraphs are separated by blank lines), so that the
-    help renderer wraps the text once, at the terminal's width."""
+    """Join the source's line breaks inside each paragraph (paragraphs are separated by blank lines), so that
+    the help renderer wraps the text once, at the terminal's width."""
     if not text:
         return text
     paragraphs = re.split(r"\n\s*\n", text.strip())
@@ -32,8 +32,8 @@ def _flags_without_type(params) -> None:
 
 @contextlib.contextmanager
 def _one_line_usage_errors() -> Iterator[None]:
-    """Typer's (click's) usage errors -- a bad flag value, an unknown option or command, a missing argument -- as
-    one ``error:`` line on stderr and their exit code (2), like the commands' own bad-input errors."""
+    """Typer's (click's) usage errors -- a bad flag value, an unknown option or command, a missing argument --
+    as one ``error:`` line on stderr and their exit code (2), like the commands' own bad-input errors."""
     try:
         yield
     except typer.TyperException as exc:  # click's ClickException (Typer vendors click) derives from it

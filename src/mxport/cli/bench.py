@@ -17,18 +17,20 @@ from .app import app
 
 @app.command()
 def bench(
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write {'rows': [...], 'machine', 'quick', "
-                                                                        "'seconds'} to FILE ('-': stdout)."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
+                                 help="Write {'rows': [...], 'machine', 'quick', 'seconds'} to FILE "
+                                      "('-': stdout)."),
     quick: bool = typer.Option(False, "--quick", help="Small tensors and few runs (under a minute here)."),
     only: list[Benchmark] = typer.Option(None, "--only", help="Run only this benchmark (repeatable)."),
-    plot: str = typer.Option(None, "--plot", metavar="FILE", help="Write a PNG of quantize throughput vs tensor "
-                                                                  "size to FILE."),
+    plot: str = typer.Option(None, "--plot", metavar="FILE",
+                             help="Write a PNG of quantize throughput vs tensor size to FILE."),
 ):
     """Run mxport's benchmarks (quantize vs torchao and the memory bound, export, checkpoint, refit).
 
     Every value is a median after warm-up; each ratio is the value relative to a baseline measured in the same
-    run; "met" says whether a "ratio >= X" / "ratio <= X" goal is reached (JSON: true / false / null). A missed goal
-    is a finding, not a failure: exit 0 on success, 1 when a benchmark failed (an 'error' row), 2 on bad flags.
+    run; "met" says whether a "ratio >= X" / "ratio <= X" goal is reached (JSON: true / false / null). A
+    missed goal is a finding, not a failure: exit 0 on success, 1 when a benchmark failed (an 'error'
+    row), 2 on bad flags.
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -42,8 +44,8 @@ def bench(
             raise NotADirectoryError(f"--plot: {parent} is not a directory")
     rows: list[dict] = []
     t_start = time.perf_counter()
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("benchmarks", total=len(names))
         for name in names:
@@ -57,10 +59,12 @@ def bench(
         r["met"] = goal_met(r)
     if json_out:
         emit_json({"rows": rows, "machine": machine(), "quick": quick, "seconds": elapsed}, json_out)
-    console.print(rows_table(rows, title=f"mxport bench{' --quick' if quick else ''} (medians, {elapsed:.0f} s)"))
+    console.print(rows_table(rows, title=f"mxport bench{' --quick' if quick else ''} "
+                                         f"(medians, {elapsed:.0f} s)"))
     if plot is not None:
         if not any(r["benchmark"] == "quantize" and r["metric"].startswith("throughput") for r in rows):
-            raise fail("--plot: the quantize benchmark gave no throughput rows (see its row)", EXIT_CHECK_FAILED)
+            raise fail("--plot: the quantize benchmark gave no throughput rows (see its row)",
+                       EXIT_CHECK_FAILED)
         with user_errors():
             console.print(f"plot: {write_plot(rows, plot)}", highlight=False)
     if any(r["metric"] == ERROR for r in rows):

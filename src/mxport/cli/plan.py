@@ -13,7 +13,8 @@ from .app import app
 def plan_cmd(
     source: str = typer.Argument(None, help="config.json, or a model directory holding one (default: the "
                                             "embedded SmolLM2-135M's)."),
-    trainer: str = typer.Option("1", "--trainer", help="Trainer layout, e.g. fsdp=8, tp=2,pp=2 ('1': one rank)."),
+    trainer: str = typer.Option("1", "--trainer",
+                                help="Trainer layout, e.g. fsdp=8, tp=2,pp=2 ('1': one rank)."),
     engine: str = typer.Option("tp=1", "--engine", help="Engine layout, e.g. tp=8, tp=8,ep=16."),
     replicas: int = typer.Option(1, "--engine-replicas", min=1, help="Engines (each a full copy) refitted."),
     link_gbps: float = typer.Option(50.0, "--link-gbps", min=1e-6,
@@ -28,8 +29,9 @@ def plan_cmd(
                                    help="Bytes per element of kept tensors on the wire (BF16 engines: 2)."),
     json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
 ):
-    """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send, quantize on the
-    engine), for a model config and trainer / engine layouts. See docs/guide-refit.md for the model's formulas.
+    """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send,
+    quantize on the engine), for a model config and trainer / engine layouts. See docs/guide-refit.md
+    for the model's formulas.
 
     Exit 0; 1 when an MXFP8 consumer cannot take an engine rank's slice (K per rank not a multiple of 32);
     2 on bad input.
@@ -63,13 +65,13 @@ def _print(r) -> None:
     t = Table(title=f"refit of {r.model} ({r.parameters / 1e9:.3g} B parameters, "
                     f"{r.quantized_parameters / 1e9:.3g} B quantized): trainer {r.trainer} -> "
                     f"{r.engine_replicas} x engine {r.engine}, {r.hardware.link_gbps:g} GB/s links")
-    for col in ("path", "wire GB", "GB / trainer rank", "GB / engine rank", "gather s", "quantize s", "wire s",
-                "refit s"):
+    for col in ("path", "wire GB", "GB / trainer rank", "GB / engine rank", "gather s", "quantize s",
+                "wire s", "refit s"):
         t.add_column(col, justify="right", no_wrap=True)
     for label, p in (("MXFP8", r.mxfp8), ("BF16", r.bf16)):
         t.add_row(label, f"{p.wire_bytes / 1e9:.3f}", f"{p.bytes_per_trainer_rank / 1e9:.3f}",
-                  f"{p.bytes_per_engine_rank / 1e9:.3f}", f"{p.gather_seconds:.3f}", f"{p.quantize_seconds:.3f}",
-                  f"{p.wire_seconds:.3f}", f"{p.seconds:.3f}")
+                  f"{p.bytes_per_engine_rank / 1e9:.3f}", f"{p.gather_seconds:.3f}",
+                  f"{p.quantize_seconds:.3f}", f"{p.wire_seconds:.3f}", f"{p.seconds:.3f}")
     console.print(t)
     console.print(f"predicted refit time, BF16 / MXFP8: {r.speedup:.2f}x", highlight=False)
     for problem in r.problems[:5]:

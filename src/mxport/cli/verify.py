@@ -25,8 +25,8 @@ def _fmt(v) -> str:
 
 
 def export_command(source: str | None, exclude: list[str], fp8_dtype: str) -> str:
-    """The ``mxport export`` command line that keeps ``exclude`` in high precision, complete (source, ``-o``) and
-    quoted for a POSIX shell."""
+    """The ``mxport export`` command line that keeps ``exclude`` in high precision, complete (source, ``-o``)
+    and quoted for a POSIX shell."""
     name = Path(source).name.removesuffix(".gguf") if source else "SmolLM2-135M-Instruct"
     args = ["mxport", "export"] + ([source] if source else []) + ["-o", f"{name}-mxfp8"]
     if fp8_dtype == "e5m2":
@@ -40,8 +40,8 @@ def _print_report(r: dict, source: str | None, exclude: list[str], fp8_dtype: st
     t = Table(title=f"mxport verify: {r['model']} ({r['fp8_dtype']}, activation {r['activation']})")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for key in ("gen_kl_error_mean", "gen_kl_error_max", "token_mult_prob_error", "greedy_agreement", "tokens",
-                "weight_sqnr_db_min", "weight_sqnr_db_mean", "mxfp8_layers", "prompts"):
+    for key in ("gen_kl_error_mean", "gen_kl_error_max", "token_mult_prob_error", "greedy_agreement",
+                "tokens", "weight_sqnr_db_min", "weight_sqnr_db_mean", "mxfp8_layers", "prompts"):
         t.add_row(key, _fmt(r[key]))
     if r.get("max_kl") is not None:
         t.add_row("max_kl", _fmt(r["max_kl"]))
@@ -59,8 +59,9 @@ def _print_report(r: dict, source: str | None, exclude: list[str], fp8_dtype: st
         s = pl.get("suggestion")
         if s:
             status = "[green]met[/]" if s["met"] else "[red]not met[/]"
-            console.print(f"target_kl {_fmt(s['target_kl'])}: keep layers {s['keep_layers']} in high precision "
-                          f"-> gen_kl_error_mean {_fmt(s['gen_kl_error_mean'])} ({status})", highlight=False)
+            console.print(f"target_kl {_fmt(s['target_kl'])}: keep layers {s['keep_layers']} "
+                          f"in high precision -> gen_kl_error_mean {_fmt(s['gen_kl_error_mean'])} ({status})",
+                          highlight=False)
             if s["exclude"]:  # one unwrapped line, so that it can be copied and run as printed
                 patterns = list(dict.fromkeys([*exclude, *s["exclude"]]))  # the user's --exclude kept too
                 console.print("  " + export_command(source, patterns, fp8_dtype), highlight=False,
@@ -73,21 +74,26 @@ def verify(
                                                                 "embedded SmolLM2-135M)."),
     checkpoint: str = typer.Option(None, "--checkpoint", metavar="DIR", help="Build the MXFP8 twin from this "
                                    "`mxport export` directory instead of quantizing SOURCE here."),
-    prompts: str = typer.Option(None, "--prompts", metavar="FILE", help="Prompts file: one per line, or a JSON "
-                                "list of strings / chat message lists (default: the built-in set of 18)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Greedy generation budget per prompt."),
+    prompts: str = typer.Option(None, "--prompts", metavar="FILE",
+                                help="Prompts file: one per line, or a JSON list of strings / chat message "
+                                     "lists (default: the built-in set of 18)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1,
+                                       help="Greedy generation budget per prompt."),
     activation: Activation = typer.Option("none", "--activation", help="none (weight-only) or mxfp8 (W8A8 "
                                                                         "emulation)."),
     fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="Element format of the weights."),
     max_kl: float = typer.Option(None, "--max-kl", min=0, help="Exit 1 when gen_kl_error_mean exceeds this."),
-    per_layer: bool = typer.Option(False, "--per-layer", help="Measure each decoder layer's share of the error."),
-    target_kl: float = typer.Option(None, "--target-kl", min=0, help="With --per-layer: suggest the fewest layers "
-                                    "to keep in high precision to reach this gen_kl_error_mean."),
-    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN", help="Keep matching layers in high "
-                                      "precision (PrecisionPolicy pattern, repeatable, e.g. 'model.layers.3.*')."),
+    per_layer: bool = typer.Option(False, "--per-layer",
+                                   help="Measure each decoder layer's share of the error."),
+    target_kl: float = typer.Option(None, "--target-kl", min=0,
+                                    help="With --per-layer: suggest the fewest layers to keep in high "
+                                         "precision to reach this gen_kl_error_mean."),
+    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN",
+                                      help="Keep matching layers in high precision (PrecisionPolicy pattern, "
+                                           "repeatable, e.g. 'model.layers.3.*')."),
     device: str = typer.Option("cpu", "--device", help="Device for both models (cpu, cuda, cuda:1, ...)."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write the report as JSON to FILE ('-' "
-                                                                        "for stdout)."),
+    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
+                                 help="Write the report as JSON to FILE ('-' for stdout)."),
 ):
     """Generate greedily with the MXFP8 twin of a model and score the tokens with both models.
 
@@ -117,10 +123,12 @@ def verify(
 
             policy = PrecisionPolicy(exclude=tuple(exclude)) if exclude else None
             if policy is not None and checkpoint is not None:
-                raise fail("--exclude applies when quantizing here, not with --checkpoint (export with --exclude)")
-            report = run_verify(source, checkpoint=checkpoint, policy=policy, prompts=prompts, max_new_tokens=max_new_tokens,
-                                activation=activation, fp8_dtype=fp8_dtype, max_kl=max_kl,
-                                per_layer=per_layer, target_kl=target_kl, device=device, progress=progress)
+                raise fail("--exclude applies when quantizing here, not with --checkpoint "
+                           "(export with --exclude)")
+            report = run_verify(source, checkpoint=checkpoint, policy=policy, prompts=prompts,
+                                max_new_tokens=max_new_tokens, activation=activation, fp8_dtype=fp8_dtype,
+                                max_kl=max_kl, per_layer=per_layer, target_kl=target_kl, device=device,
+                                progress=progress)
     if json_out:
         emit_json(report, json_out)
     if json_out != "-":

@@ -46,8 +46,8 @@ def byte_view(t: torch.Tensor, *, argname: str = "tensor") -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-#: checksum chunk: the payload's int64 words are summed per 1 MiB (fits the L2 cache, so the sender can sum each chunk
-#: right after packing it, while it is still hot)
+#: checksum chunk: the payload's int64 words are summed per 1 MiB (fits the L2 cache, so the sender can sum
+#: each chunk right after packing it, while it is still hot)
 CHUNK_BYTES = 1 << 20
 _CHUNK_WORDS = CHUNK_BYTES // 8
 _MASK = (1 << 64) - 1
@@ -107,7 +107,8 @@ class BucketLayout:
                 take = min(end, (b + 1) * B) - pos
                 self.segments[b].append(Segment(i, pos - e.offset, pos - b * B, take))
                 pos += take
-        # alignment padding between tensors: zeroed on packing so a bucket's bytes (and checksum) are deterministic
+        # alignment padding between tensors: zeroed on packing so a bucket's bytes (and
+        # checksum) are deterministic
         self.gaps: list[list[tuple[int, int]]] = []
         for b, segs in enumerate(self.segments):
             gaps, pos = [], 0

@@ -63,9 +63,9 @@ def receiver_plan(model: nn.Module, bucket_bytes: int, *, arena: bool = False
         users = storage_users(model)
         for e, t, slot in zip(plan.entries, live, slots, strict=True):
             if e.nbytes and not adoptable(t, slot, users):
-                raise ValueError(f"receiver_plan(arena=True): {e.name!r} cannot move into the refit arena (it must "
-                                 f"be a plain contiguous tensor on {slot.device} that owns its storage alone); "
-                                 f"nothing was moved, use arena=False")
+                raise ValueError(f"receiver_plan(arena=True): {e.name!r} cannot move into the refit arena "
+                                 f"(it must be a plain contiguous tensor on {slot.device} that owns its "
+                                 f"storage alone); nothing was moved, use arena=False")
         for e, t, slot in zip(plan.entries, live, slots, strict=True):
             if e.nbytes:
                 adopt(t, slot)

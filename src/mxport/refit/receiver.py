@@ -104,8 +104,8 @@ class RefitReceiver:
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
-                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (), inflight: int = 4,
-                 direct: bool | None = None):
+                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (),
+                 inflight: int = 4, direct: bool | None = None):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if transport.is_sender:
@@ -126,8 +126,8 @@ class RefitReceiver:
         self._pointers = self.pointers()
         arena = stream_arena(plan, targets) if direct is not False else None
         if direct and arena is None:
-            raise ValueError("direct=True needs targets that are views of one arena laid out as the plan's byte "
-                             "stream (see allocate_targets)")
+            raise ValueError("direct=True needs targets that are views of one arena laid out as the plan's "
+                             "byte stream (see allocate_targets)")
         self.direct = arena is not None
         self._arena = arena
         device = targets[0].device

@@ -23,8 +23,8 @@ def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
 
 def _native_components(tensors: list[tuple[str, object]]) -> dict:
     """Components (views) of the entries that are native MXFP8 producers (TE, torchao, Megatron storage), by
-    name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``; a
-    TE tensor reports its nominal bf16)."""
+    name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``;
+    a TE tensor reports its nominal bf16)."""
     from ..export import export_components
     from ..sources.discover import is_mxfp8_producer
 
@@ -133,8 +133,8 @@ class TrainerSource:
         import zlib
 
         if not self.arena or not self._complete:
-            raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran to its "
-                             "end (a complete refit) before it")
+            raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran "
+                             "to its end (a complete refit) before it")
         stream = stream_arena(self.plan, self._slots)
         return 0 if stream is None else zlib.crc32(stream.cpu().numpy())
 
@@ -160,7 +160,8 @@ class TrainerSource:
                     c = (quantize(t.detach(), self.fp8_dtype, kernel=self.kernel) if _plain_float(t)
                          else export_components(t.data if isinstance(t, nn.Parameter) else t))
                     for j, part in ((i, c.data), (i + 1, c.scale_inv)):
-                        if slots is not None and part.dtype == slots[j].dtype and part.shape == slots[j].shape:
+                        if (slots is not None and part.dtype == slots[j].dtype
+                                and part.shape == slots[j].shape):
                             part = slots[j].copy_(part)  # native storage: into the send buffer too (one copy)
                         yield part.contiguous()
                 i += 2
@@ -169,10 +170,13 @@ class TrainerSource:
                 want = _kept_dtype(x, self.kept_dtype)
                 if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
                     slot = slots[i]
-                    if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:  # not adopted: copy (and cast) in
+                    # not adopted: copy (and cast) in
+                    if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:
                         slot.copy_(x)
                     yield slot
-                else:  # (a tensor whose dtype or shape drifted from the plan goes out as is: the sender refuses it)
+                else:
+                    # (a tensor whose dtype or shape drifted from the plan goes out as is:
+                    # the sender refuses it)
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
         self._complete = True

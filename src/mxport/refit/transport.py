@@ -59,12 +59,13 @@ class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
     Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does not
-    know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are called on
-    the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors (call
-    ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have no GPU).
-    A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
-    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then :meth:`init`).
+    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does
+    not know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are
+    called on the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors
+    (call ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have
+    no GPU). A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
+    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then
+    :meth:`init`).
     """
 
     def __init__(self, group=None, src: int = 0):
@@ -80,7 +81,8 @@ class TorchDistTransport(Transport):
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
         self._device = torch.device("cpu")
-        if str(self._pg.name()).lower() == "nccl" or (dist.is_initialized() and _backend(dist, group) == "nccl"):
+        if (str(self._pg.name()).lower() == "nccl"
+                or (dist.is_initialized() and _backend(dist, group) == "nccl")):
             self._device = torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
@@ -129,8 +131,8 @@ class TorchDistTransport(Transport):
         return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given; a group ``torch.distributed``
-        does not know is shut down)."""
+        """Destroy this transport's group (the default group when none was given; a group
+        ``torch.distributed`` does not know is shut down)."""
         if self.group is None:
             if self._dist.is_initialized():
                 self._dist.destroy_process_group()
@@ -145,9 +147,9 @@ class TorchDistTransport(Transport):
 
 def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
                timeout_s: float = 60.0, prefix: str = "mxport-refit"):
-    """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP store),
-    apart from torch.distributed's default group — which inference engines already own (vLLM's workers,
-    SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
+    """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP
+    store), apart from torch.distributed's default group — which inference engines already own (vLLM's
+    workers, SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
 
     Args:
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors, on the current CUDA device).
@@ -215,7 +217,8 @@ class _InProcessRecv:
             try:
                 data = ch._queues[self.ep.rank].get(timeout=ch.timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"in-process refit: no bucket from the sender within {ch.timeout_s} s") from None
+                raise TimeoutError(
+                    f"in-process refit: no bucket from the sender within {ch.timeout_s} s") from None
             if data.numel() != self.buf.numel():
                 raise RuntimeError(f"in-process refit: got {data.numel()} bytes, expected {self.buf.numel()}")
             self.buf.copy_(data)

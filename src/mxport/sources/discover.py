@@ -2,17 +2,17 @@
 
 A trainer's MXFP8 weights are not always parameters:
 
-- Transformer Engine ``fp8_param`` (``quantized_model_init`` / ``fp8_model_init``): each weight parameter IS an
-  ``MXFP8Tensor`` (``transformer_engine/pytorch/tensor/mxfp8_tensor.py``); with
+- Transformer Engine ``fp8_param`` (``quantized_model_init`` / ``fp8_model_init``): each weight parameter IS
+  an ``MXFP8Tensor`` (``transformer_engine/pytorch/tensor/mxfp8_tensor.py``); with
   ``GroupedLinear(single_grouped_weight=True)`` the experts' weights are ONE parameter ``weight``, a
   ``GroupedTensor`` (``transformer_engine/pytorch/module/grouped_linear.py``, ``make_grouped_weights``).
 - Megatron-LM ``quantize_params_to_mxfp8`` / ``quantize_model_to_mxfp8``
   (``megatron/core/inference/quantization/utils.py``) walk the modules, and for every parameter with MXFP8
-  storage do ``del module._parameters[key]; setattr(module, key, MXFP8Tensor(...))``: the weight becomes a plain
-  attribute (an ``MXFP8Tensor`` dataclass of ``megatron/core/inference/quantization/mxfp8_tensor.py``, not a
-  tensor), invisible to ``named_parameters()`` / ``state_dict()``, under the same local name (``weight``; TE's
-  per-expert ``weight0`` ... ``weight{n-1}``). Megatron keys its ``persistent_buffers`` dict by the same fully
-  qualified name (``f"{prefix}{key}"`` over ``named_children``).
+  storage do ``del module._parameters[key]; setattr(module, key, MXFP8Tensor(...))``: the weight becomes a
+  plain attribute (an ``MXFP8Tensor`` dataclass of ``megatron/core/inference/quantization/mxfp8_tensor.py``,
+  not a tensor), invisible to ``named_parameters()`` / ``state_dict()``, under the same local name
+  (``weight``; TE's per-expert ``weight0`` ... ``weight{n-1}``). Megatron keys its ``persistent_buffers`` dict
+  by the same fully qualified name (``f"{prefix}{key}"`` over ``named_children``).
 
 :func:`native_tensors` finds all of them; :func:`native_attributes` only the plain attributes (what
 ``named_parameters()`` misses).
@@ -35,8 +35,8 @@ _SCALE_DTYPES = (torch.uint8, FLOAT8_E8M0FNU)
 
 
 def _e8m0_scales(*scales) -> bool:
-    """At least one scale tensor present, and every present one holds E8M0 bytes (uint8 / float8_e8m0fnu): TE's
-    Float8Blockwise / delayed-scaling storages share the attribute names but carry float32 scales."""
+    """At least one scale tensor present, and every present one holds E8M0 bytes (uint8 / float8_e8m0fnu):
+    TE's Float8Blockwise / delayed-scaling storages share the attribute names but carry float32 scales."""
     present = [s for s in scales if s is not None]
     return bool(present) and all(isinstance(s, torch.Tensor) and s.dtype in _SCALE_DTYPES for s in present)
 
@@ -64,8 +64,8 @@ def is_mxfp8_producer(obj) -> bool:
     That is (duck-typed, no framework imported): an :class:`~mxport.MXFP8Components`; a TE ``MXFP8Tensor`` /
     ``MXFP8TensorStorage`` whose FP8 type is E4M3/E5M2 and whose scales are E8M0 bytes; a TE ``GroupedTensor``
     / ``GroupedTensorStorage`` quantized the same way; a torchao ``MXTensor`` with FP8 elements; a Megatron-LM
-    inference ``MXFP8Tensor`` (FP8 / uint8 ``data``, E8M0 ``scale``). Float tensors, TE Float8 / Float8Blockwise
-    / NVFP4 storages, FP4 ``MXTensor`` and high-precision grouped weights are not producers.
+    inference ``MXFP8Tensor`` (FP8 / uint8 ``data``, E8M0 ``scale``). Float tensors, TE Float8 /
+    Float8Blockwise / NVFP4 storages, FP4 ``MXTensor`` and high-precision grouped weights are not producers.
     """
     if isinstance(obj, MXFP8Components):
         return True
@@ -94,7 +94,8 @@ def native_attributes(module: nn.Module) -> dict[str, object]:
 def native_tensors(model: nn.Module) -> list[tuple[str, object]]:
     """Every native MXFP8 producer reachable in ``model``, as ``(name, obj)`` pairs.
 
-    Contract (what the refit plan relies on; the same canonical order as ``mxport.refit``'s ``model_tensors``):
+    Contract (what the refit plan relies on; the same canonical order as ``mxport.refit``'s
+    ``model_tensors``):
 
     - **What counts**: :func:`is_mxfp8_producer` objects that are a module's own parameter, persistent buffer
       (``state_dict`` entries; non-persistent buffers are caches, skipped), or public plain attribute
@@ -108,8 +109,8 @@ def native_tensors(model: nn.Module) -> list[tuple[str, object]]:
       ``named_parameters()`` / ``state_dict()`` key the tensor has or, for a plain attribute, had before
       Megatron replaced the parameter (also Megatron's ``persistent_buffers`` key). These are the trainer's
       names; mapping them to a checkpoint's (HF) names is the caller's naming step.
-    - **Sharing**: an object reachable under several names (tied weights, a shared module) appears once, at its
-      first name in the order above.
+    - **Sharing**: an object reachable under several names (tied weights, a shared module) appears once, at
+      its first name in the order above.
     - A TE ``GroupedTensor`` (one parameter for all experts) is ONE entry: :func:`mxport.export_components`
       gives its ``[E, N, K]`` components, :func:`mxport.export_grouped_components` one per expert.
 

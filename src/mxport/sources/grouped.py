@@ -18,13 +18,14 @@ Transformer Engine's grouped storage (``transformer_engine/pytorch/tensor/storag
   ``GroupedLinear(single_grouped_weight=True)`` keeps it without an FP8 recipe.
 
 ``GroupedTensor`` (``transformer_engine/pytorch/tensor/grouped_tensor.py``) is ``class GroupedTensor(
-GroupedTensorStorage, torch.Tensor)``, a ``torch.Tensor._make_wrapper_subclass`` wrapper whose own ``dtype`` is
-the nominal high-precision dtype (``fake_dtype``) and whose shape is ``(num_tensors, rows, cols)`` when every
-member has the same shape (else ``logical_shape``). TE's ``GroupedLinear(single_grouped_weight=True)``
+GroupedTensorStorage, torch.Tensor)``, a ``torch.Tensor._make_wrapper_subclass`` wrapper whose own ``dtype``
+is the nominal high-precision dtype (``fake_dtype``) and whose shape is ``(num_tensors, rows, cols)`` when
+every member has the same shape (else ``logical_shape``). TE's ``GroupedLinear(single_grouped_weight=True)``
 (``transformer_engine/pytorch/module/grouped_linear.py``, ``make_grouped_weights``) registers it as the ONE
-parameter ``weight`` (``weight0`` ... ``weight{n-1}`` become None) via ``torch.nn.Parameter(grouped)``, which for
-a wrapper subclass returns a ``GroupedTensor`` again (``detach()`` copies the storage fields, ``_is_param`` set).
-Both are read here by their attributes only, never through tensor ops (TE bans most of them on the wrapper).
+parameter ``weight`` (``weight0`` ... ``weight{n-1}`` become None) via ``torch.nn.Parameter(grouped)``, which
+for a wrapper subclass returns a ``GroupedTensor`` again (``detach()`` copies the storage fields,
+``_is_param`` set). Both are read here by their attributes only, never through tensor ops (TE bans most of
+them on the wrapper).
 """
 
 from __future__ import annotations
