@@ -139,7 +139,8 @@ def test_policy_keeps_a_whole_moe_layer_and_explicit_modules_convert_whole_exper
     model = _load(make_tiny_qwen3_moe(tmp_path / "q", with_tokenizer=False))
     policy = PrecisionPolicy(exclude=("model.layers.1.mlp.experts.down_proj",))  # one weight of layer 1
     q = quantize_model(copy.deepcopy(model), policy)
-    assert list(mxfp8_experts(q)) == ["model.layers.0.mlp.experts"]  # layer 1's experts all kept (one precision)
+    # layer 1's experts all kept (one precision)
+    assert list(mxfp8_experts(q)) == ["model.layers.0.mlp.experts"]
     assert isinstance(q.model.layers[1].mlp.experts.gate_up_proj, torch.nn.Parameter)
     source = TrainerSource(model, policy, bucket_bytes=1 << 16)
     assert receiver_plan(q, 1 << 16)[0].digest == source.plan.digest

@@ -47,11 +47,13 @@ def test_buffers_are_modelopt_names_and_components_are_views():
     assert torch.equal(sd["weight"].view(torch.uint8), comps.data.view(torch.uint8))
     assert torch.equal(sd["weight_scale"], comps.scale_inv)
     c = lin.components()
-    assert c.data.data_ptr() == lin.weight.data_ptr() and c.scale_inv.data_ptr() == lin.weight_scale.data_ptr()
+    assert c.data.data_ptr() == lin.weight.data_ptr()
+    assert c.scale_inv.data_ptr() == lin.weight_scale.data_ptr()
 
 
 def test_cache_invalidated_by_in_place_scale_write():
-    # all scales 127 (x1), then one byte 127 -> 128 doubles the block's contribution: output of a 1-block row doubles
+    # all scales 127 (x1), then one byte 127 -> 128 doubles the block's contribution: output of a 1-block row
+    # doubles
     data = (torch.arange(32 * 4, dtype=torch.float32).reshape(4, 32) / 16 - 4).to(torch.float8_e4m3fn)
     comps = mxport.MXFP8Components(data, torch.full((4, 1), 127, dtype=torch.uint8))
     lin = MXFP8Linear.from_components(comps)
@@ -151,7 +153,8 @@ class _Tiny(nn.Module):
         torch.manual_seed(0)
         self.embed_tokens = nn.Embedding(10, 64)
         self.layers = nn.ModuleList(
-            nn.ModuleDict({"up_proj": nn.Linear(64, 96, bias=True), "down_proj": nn.Linear(96, 64)}) for _ in range(2))
+            nn.ModuleDict({"up_proj": nn.Linear(64, 96, bias=True), "down_proj": nn.Linear(96, 64)})
+            for _ in range(2))
         self.norm = nn.LayerNorm(64)
         self.lm_head = nn.Linear(64, 10, bias=False)
 
@@ -184,7 +187,8 @@ def test_quantize_model_policy_exclude_and_native_components():
         weight_components(torch.zeros(4, 32, dtype=torch.int32))
 
 
-# -- load_checkpoint ---------------------------------------------------------------------------------------------
+# -- load_checkpoint
+# ---------------------------------------------------------------------------------------------
 def _write_checkpoint(src_dir, out, fmt, fp8=torch.float8_e4m3fn):
     """An MXFP8 checkpoint in ``fmt`` written by hand from the naming contract (values + scales by name)."""
     import json
@@ -319,7 +323,8 @@ def test_load_checkpoint_fused_experts_become_mxfp8_experts(tmp_path):
     assert not isinstance(model.model.layers[0].mlp.gate, MXFP8Linear)  # the router stays high precision
 
 
-# -- load_checkpoint never loads wrong weights (issue 12 item 6) ---------------------------------------------------
+# -- load_checkpoint never loads wrong weights (issue 12 item 6)
+# ---------------------------------------------------
 def _resave(path, fn):
     from safetensors.torch import load_file, save_file
 
@@ -387,5 +392,7 @@ def test_load_checkpoint_bias_after_its_replaced_weight(tmp_path):
     model = torch.nn.Sequential()
     model.add_module("lin", torch.nn.Linear(64, 8))
     report = load_checkpoint(model, tmp_path / "ck")
-    assert report["replaced"] == ["lin.weight"] and report["tensors"] == ["lin.bias"] and not report["missing"]
-    assert isinstance(model.lin, MXFP8Linear) and torch.equal(model.lin.bias, bias)  # not the old module's bias
+    assert report["replaced"] == ["lin.weight"] and report["tensors"] == ["lin.bias"]
+    assert not report["missing"]
+    # the bias lands in the new module, not in the old module's
+    assert isinstance(model.lin, MXFP8Linear) and torch.equal(model.lin.bias, bias)

@@ -1,4 +1,5 @@
-"""mxport verify: the pipeline on a tiny random Llama end to end, the CLI, prompts files, the embedded model (slow)."""
+"""mxport verify: the pipeline on a tiny random Llama end to end, the CLI, prompts files, the embedded model
+(slow)."""
 
 import json
 import math
@@ -32,13 +33,15 @@ def two_prompts(tmp_path_factory):
 def test_builtin_prompts_are_varied():
     assert len(BUILTIN_PROMPTS) >= 16 and len(set(BUILTIN_PROMPTS)) == len(BUILTIN_PROMPTS)
     convs = load_prompts()
-    assert len(convs) == len(BUILTIN_PROMPTS) and convs[0] == [{"role": "user", "content": BUILTIN_PROMPTS[0]}]
+    assert len(convs) == len(BUILTIN_PROMPTS)
+    assert convs[0] == [{"role": "user", "content": BUILTIN_PROMPTS[0]}]
 
 
 def test_prompts_file_formats(tmp_path, two_prompts):
     assert [c[0]["content"] for c in load_prompts(two_prompts)] == ["Name a color.", "Count to three."]
     j = tmp_path / "p.json"
-    j.write_text(json.dumps(["hi", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}]]))
+    j.write_text(json.dumps(["hi", [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "yo"}]]))
     convs = load_prompts(j)
     assert convs[0] == [{"role": "user", "content": "hi"}] and convs[1][0]["role"] == "system"
     j.write_text(json.dumps([3]))
@@ -58,12 +61,14 @@ def test_cli_verify_tiny_model_json(tiny, tmp_path):
     r = json.loads(out.read_text())
     for k in KEYS:
         assert k in r and isinstance(r[k], (int, float)) and math.isfinite(r[k]), k
-    assert r["tokens"] == sum(1 for _ in range(18)) * 4  # the tiny model's byte tokenizer never emits EOS early
+    # the tiny model's byte tokenizer never emits EOS early
+    assert r["tokens"] == sum(1 for _ in range(18)) * 4
     assert 0 < r["gen_kl_error_mean"] <= r["gen_kl_error_max"]
     assert r["token_mult_prob_error"] >= 1.0 and 0.0 <= r["greedy_agreement"] <= 1.0
     assert r["mxfp8_layers"] == 3 * 7 and len(r["weight_sqnr_db"]) == 21
     assert r["weight_sqnr_db_min"] <= r["weight_sqnr_db_mean"]
-    assert 25 < r["weight_sqnr_db_mean"] < 40  # E4M3 on Gaussian weights: ~31 dB (3 mantissa bits + block scale)
+    # E4M3 on Gaussian weights: ~31 dB (3 mantissa bits + block scale)
+    assert 25 < r["weight_sqnr_db_mean"] < 40
     assert r["passed"] is True
 
 
@@ -153,14 +158,16 @@ def test_cli_exclude_keeps_layers_in_high_precision(tiny, two_prompts, tmp_path)
     res = CliRunner().invoke(app, [*args, "--exclude", "model.layers.0.*", "--exclude", "*.mlp.*"])
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
-    assert sorted(r["weight_sqnr_db"]) == [f"model.layers.{i}.self_attn.{p}_proj" for i in (1, 2) for p in "koqv"]
+    assert sorted(r["weight_sqnr_db"]) == [f"model.layers.{i}.self_attn.{p}_proj"
+                                           for i in (1, 2) for p in "koqv"]
     assert CliRunner().invoke(app, [*args, "--exclude", "*"]).exit_code == 2  # nothing left to verify
 
 
 def test_failed_checks_gate_on_finite_figures():
     from mxport.verify import failed_checks
 
-    ok = {"gen_kl_error_mean": 0.01, "gen_kl_error_max": 0.1, "token_mult_prob_error": 1.02, "greedy_agreement": 0.9}
+    ok = {"gen_kl_error_mean": 0.01, "gen_kl_error_max": 0.1, "token_mult_prob_error": 1.02,
+          "greedy_agreement": 0.9}
     assert failed_checks(ok, None) == [] and failed_checks(ok, 0.01) == []
     assert failed_checks(ok, 0.005) == ["gen_kl_error_mean 0.01 exceeds max_kl 0.005"]
     nan = dict(ok, gen_kl_error_mean=math.nan, gen_kl_error_max=math.nan)
@@ -173,9 +180,10 @@ def test_failed_checks_gate_on_finite_figures():
         "greedy_agreement is nan (not a finite number)"]
 
 
-def test_cli_verify_nan_scales_checkpoint_fails(tiny, two_prompts, tmp_path):
-    """A checkpoint whose scales are all E8M0 NaN (255) decodes to NaN weights: verify must fail (exit 1) even
-    with a huge --max-kl; it used to pass because NaN KL terms summed to 0."""
+def test_cli_verify_nan_scales_checkpoint_is_refused(tiny, two_prompts, tmp_path):
+    """A checkpoint whose scales are all E8M0 NaN (255) decodes to NaN weights. It used to pass verify (NaN KL
+    terms summed to 0); now the reader refuses it before any figure is computed: one line naming the tensor,
+    exit 2 (bad input), even with a huge --max-kl."""
     from safetensors.torch import load_file, save_file
     from test_nn import _write_checkpoint
 
@@ -187,9 +195,29 @@ def test_cli_verify_nan_scales_checkpoint_fails(tiny, two_prompts, tmp_path):
     for n in scales:
         state[n] = torch.full_like(state[n], 255)
     save_file(state, str(path), metadata={"format": "pt"})
+    res = CliRunner().invoke(app, ["verify", str(tiny), "--checkpoint", str(ckpt), "--prompts",
+                                   str(two_prompts), "--max-new-tokens", "2", "--max-kl", "1e6"])
+    assert res.exit_code == 2, res.output
+    assert "NaN scale byte(s) (E = 255)" in res.output and "Traceback" not in res.output
+
+
+def test_cli_verify_nan_figures_fail_the_check(tiny, two_prompts, tmp_path):
+    """Non-finite figures are a failed check (exit 1) with or without --max-kl: a model with a NaN weight gives
+    NaN log-probs, whose KL used to sum to 0.0 and pass."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan-model"
+    shutil.copytree(tiny, bad)
+    path = bad / "model.safetensors"
+    state = load_file(str(path))
+    norm = next(n for n in state if n.endswith("norm.weight"))
+    state[norm] = torch.full_like(state[norm], float("nan"))
+    save_file(state, str(path), metadata={"format": "pt"})
     out = tmp_path / "v.json"
-    res = CliRunner().invoke(app, ["verify", str(tiny), "--checkpoint", str(ckpt), "--prompts", str(two_prompts),
-                                   "--max-new-tokens", "2", "--max-kl", "1e6", "--json", str(out)])
+    res = CliRunner().invoke(app, ["verify", str(bad), "--prompts", str(two_prompts), "--max-new-tokens", "2",
+                                   "--max-kl", "1e6", "--json", str(out)])
     assert res.exit_code == 1, res.output
     r = json.loads(out.read_text())
     assert r["passed"] is False

@@ -1,23 +1,25 @@
-"""Inference-side MXFP8: :class:`MXFP8Linear`, model conversion (:func:`quantize_model`) and checkpoint loading
-(:func:`load_checkpoint`).
+"""Inference-side MXFP8: :class:`MXFP8Linear`, model conversion (:func:`quantize_model`) and checkpoint
+loading (:func:`load_checkpoint`).
 
 ``MXFP8Linear`` keeps its weight as MXFP8 components in two buffers, ``weight`` (FP8 values ``[N, K]``) and
-``weight_scale`` (uint8 E8M0 bytes ``[N, ceil(K/32)]``, compact rowwise), so its ``state_dict()`` names are the
-ModelOpt checkpoint names (design.md §4). Forward paths:
+``weight_scale`` (uint8 E8M0 bytes ``[N, ceil(K/32)]``, compact rowwise), so its ``state_dict()`` names are
+the ModelOpt checkpoint names (docs/format.md, "What each consumer expects"). Forward paths:
 
-- weight-only (``activation="none"``): the weight is decoded (``float(q) * 2**(E-127)`` in float32, cast to the
-  compute dtype) and multiplied with ``F.linear``. The decoded weight is cached; the cache key holds the buffers'
-  ``_version`` counters and ``data_ptr``, so any in-place write (``copy_`` during a refit, ``load_components``)
-  or a move invalidates it without a call; :meth:`MXFP8Linear.refresh` drops it explicitly.
-- W8A8 emulation (``activation="mxfp8"``): the input is quantized rowwise along K (blocks of 32, ``rceil``, the
-  weight's FP8 element format) with :func:`mxport.quantize`, decoded, then multiplied as above — what an MXFP8
-  GEMM computes, up to accumulation order.
-- hardware (``activation="mxfp8"`` on a CUDA GPU with MX GEMM, SM100+, see :func:`mxport._env.mx_gemm_available`):
-  ``torch._scaled_mm`` with both operands FP8 and swizzled ``float8_e8m0fnu`` scales (:func:`mxport.layouts.swizzle`,
-  the cuBLAS ``VEC32_UE8M0`` layout), as torchao's MX linear calls it (``mx_formats/mx_ops.py``). Chosen
-  automatically for E4M3 weights when K is a multiple of 32 and N, M are multiples of 16; any failure falls back
-  to emulation for good (with a warning). ``MXPORT_DISABLE_MX_GEMM=1`` or ``module.use_mx_gemm = False`` forces
-  emulation. **Untested here**: the development machines have no SM100 GPU.
+- weight-only (``activation="none"``): the weight is decoded (``float(q) * 2**(E-127)`` in float32, cast to
+  the compute dtype) and multiplied with ``F.linear``. The decoded weight is cached; the cache key holds the
+  buffers' ``_version`` counters and ``data_ptr``, so any in-place write (``copy_`` during a refit,
+  ``load_components``) or a move invalidates it without a call; :meth:`MXFP8Linear.refresh` drops it
+  explicitly.
+- W8A8 emulation (``activation="mxfp8"``): the input is quantized rowwise along K (blocks of 32, ``rceil``,
+  the weight's FP8 element format) with :func:`mxport.quantize`, decoded, then multiplied as above — what an
+  MXFP8 GEMM computes, up to accumulation order.
+- hardware (``activation="mxfp8"`` on a CUDA GPU with MX GEMM, SM100+, see
+  :func:`mxport._env.mx_gemm_available`): ``torch._scaled_mm`` with both operands FP8 and swizzled
+  ``float8_e8m0fnu`` scales (:func:`mxport.layouts.swizzle`, the cuBLAS ``VEC32_UE8M0`` layout), as torchao's
+  MX linear calls it (``mx_formats/mx_ops.py``). Chosen automatically for E4M3 weights when K is a multiple of
+  32 and N, M are multiples of 16; any failure falls back to emulation for good (with a warning).
+  ``MXPORT_DISABLE_MX_GEMM=1`` or ``module.use_mx_gemm = False`` forces emulation. **Untested here**: the
+  development machines have no SM100 GPU.
 """
 
 from __future__ import annotations
@@ -52,19 +54,21 @@ def _version_key(t: torch.Tensor):
 
 
 class MXFP8Linear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held as MXFP8 (FP8 values + one E8M0 shared scale per block of 32 along K).
+    """``y = x @ W.T + b`` with ``W`` held as MXFP8 (FP8 values + one E8M0 shared scale per block of 32 along
+    K).
 
     Args:
         in_features: K.
         out_features: N.
         bias: add a ``bias`` parameter ``[N]`` (dtype ``compute_dtype`` or float32).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, the element format of ``weight``.
-        activation: ``"none"`` (weight-only: activations stay in the compute dtype) or ``"mxfp8"`` (activations
-            quantized rowwise along K on the fly, W8A8; the hardware path where available).
+        activation: ``"none"`` (weight-only: activations stay in the compute dtype) or ``"mxfp8"``
+            (activations quantized rowwise along K on the fly, W8A8; the hardware path where available).
         device: where the buffers live.
         compute_dtype: dtype of the matmul; ``None`` = the input's dtype.
 
-    Buffers: ``weight`` (``fp8_dtype``, ``[N, K]``), ``weight_scale`` (uint8 E8M0, ``[N, ceil(K/32)]``). A fresh
+    Buffers: ``weight`` (``fp8_dtype``, ``[N, K]``), ``weight_scale`` (uint8 E8M0, ``[N, ceil(K/32)]``). A
+        fresh
     module holds zeros with scale byte 127 (1.0). ``module.to(dtype)`` casts the bias only; FP8 values are
     restored to ``fp8_dtype`` (the round trip through any wider float dtype is exact).
 
@@ -78,18 +82,21 @@ class MXFP8Linear(nn.Module):
                  device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if int(in_features) <= 0 or int(out_features) <= 0:
-            raise ValueError(f"in_features and out_features must be positive, got ({in_features}, {out_features})")
+            raise ValueError(f"in_features and out_features must be positive, got "
+                             f"({in_features}, {out_features})")
         fmt = element_format(fp8_dtype)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be 'none' or 'mxfp8', got {activation!r}")
         if compute_dtype is not None and compute_dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, got {compute_dtype!r}")
+            raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, "
+                            f"got {compute_dtype!r}")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.fp8_dtype = fmt.dtype
         self.activation = activation
         self.compute_dtype = compute_dtype
-        #: None = choose the hardware path automatically; False = never; True = require it (error if unavailable)
+        # : None = choose the hardware path automatically; False = never; True = require it (error if
+        # unavailable)
         self.use_mx_gemm: bool | None = None
         self._mx_gemm_failed: str | None = None
         k_blocks = ceil_div(self.in_features, BLOCK_SIZE)
@@ -104,11 +111,13 @@ class MXFP8Linear(nn.Module):
             self.register_parameter("bias", None)
         self._cache: dict = {}
 
-    # -- construction and in-place updates --------------------------------------------------------------------
+    # -- construction and in-place updates
+    # --------------------------------------------------------------------
     @classmethod
     def from_components(cls, components: MXFP8Components, bias: torch.Tensor | None = None, *,
                         activation: str = "none", compute_dtype: torch.dtype | None = None) -> MXFP8Linear:
-        """A module holding (copies of) rowwise 2-D ``components`` ``[N, K]`` and an optional ``bias`` ``[N]``.
+        """A module holding (copies of) rowwise 2-D ``components`` ``[N, K]`` and an optional ``bias``
+        ``[N]``.
 
         Raises:
             TypeError: ``components`` is not an :class:`MXFP8Components`.
@@ -122,19 +131,20 @@ class MXFP8Linear(nn.Module):
         if bias is not None:
             if tuple(bias.shape) != (n,):
                 raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-            mod.bias = nn.Parameter(bias.detach().clone().to(compute_dtype or bias.dtype), requires_grad=False)
+            mod.bias = nn.Parameter(bias.detach().clone().to(compute_dtype or bias.dtype),
+                                    requires_grad=False)
         return mod
 
     def components(self) -> MXFP8Components:
-        """The weight as rowwise :class:`MXFP8Components` whose ``data`` / ``scale_inv`` are the buffers themselves
-        (views: writing them writes the module)."""
+        """The weight as rowwise :class:`MXFP8Components` whose ``data`` / ``scale_inv`` are the buffers
+        themselves (views: writing them writes the module)."""
         return MXFP8Components(self.weight, self.weight_scale, "rowwise")
 
     @torch.no_grad()
     def load_components(self, components: MXFP8Components) -> None:
         """Copy ``components`` into the buffers in place (``copy_``: the buffers keep their storage and
-        ``data_ptr``, so CUDA graphs and refit receivers holding them stay valid); the decoded cache goes stale
-        through the buffers' version counters.
+        ``data_ptr``, so CUDA graphs and refit receivers holding them stay valid); the decoded cache goes
+        stale through the buffers' version counters.
 
         Raises:
             TypeError: not an :class:`MXFP8Components`, or its FP8 element dtype differs from ``weight``'s.
@@ -155,7 +165,8 @@ class MXFP8Linear(nn.Module):
         version counters, e.g. from another process through shared memory or ``inference_mode`` tensors)."""
         self._cache.clear()
 
-    # -- forward ------------------------------------------------------------------------------------------------
+    # -- forward
+    # ------------------------------------------------------------------------------------------------
     def _key(self, tag: str, dtype: torch.dtype | None):
         kw, ks = _version_key(self.weight), _version_key(self.weight_scale)
         if kw is None or ks is None:
@@ -164,7 +175,8 @@ class MXFP8Linear(nn.Module):
 
     def _cached(self, tag: str, dtype: torch.dtype | None, build):
         key = self._key(tag, dtype)
-        hit = self._cache.get((tag, dtype))  # one entry per dtype: fp32 SQNR decodes don't evict bf16 forwards
+        # one entry per dtype: fp32 SQNR decodes don't evict bf16 forwards
+        hit = self._cache.get((tag, dtype))
         if key is not None and hit is not None and hit[0] == key:
             return hit[1]
         value = build()
@@ -173,7 +185,8 @@ class MXFP8Linear(nn.Module):
         return value
 
     def decoded_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight decoded to ``dtype`` (``[N, K]``), ``mxport.dequantize(self.components(), dtype)``, cached."""
+        """The weight decoded to ``dtype`` (``[N, K]``), ``mxport.dequantize(self.components(), dtype)``,
+        cached."""
         return self._cached("dequant", dtype, lambda: self.components().dequantize(dtype))
 
     def _hardware_ok(self, x2: torch.Tensor) -> bool:
@@ -187,8 +200,8 @@ class MXFP8Linear(nn.Module):
               and self.out_features % 16 == 0 and x2.shape[0] % 16 == 0
               and os.environ.get("MXPORT_DISABLE_MX_GEMM", "") in ("", "0"))
         if self.use_mx_gemm is True and not ok:
-            raise RuntimeError("use_mx_gemm=True but torch._scaled_mm MX GEMM cannot run here (needs a CUDA SM100+ "
-                               "GPU, E4M3 weights, K a multiple of 32, M and N multiples of 16)")
+            raise RuntimeError("use_mx_gemm=True but torch._scaled_mm MX GEMM cannot run here (needs a CUDA "
+                               "SM100+ GPU, E4M3 weights, K a multiple of 32, M and N multiples of 16)")
         return ok
 
     def _forward_mx_gemm(self, x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -198,11 +211,12 @@ class MXFP8Linear(nn.Module):
         a_scale = swizzle(a.scale_inv).flatten().view(_E8M0)
         b_scale = self._cached("swizzled", None, lambda: swizzle(self.weight_scale).flatten().view(_E8M0))
         # bf16 output, as torchao's MX linear asks for (mx_ops.py); cast to the compute dtype after
-        return torch._scaled_mm(a.data, self.weight.t(), a_scale, b_scale, out_dtype=torch.bfloat16).to(out_dtype)
+        return torch._scaled_mm(a.data, self.weight.t(), a_scale, b_scale,
+                                out_dtype=torch.bfloat16).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., K]`` float32/bfloat16/float16 -> ``[..., N]`` in the compute dtype (``x.dtype`` unless
-        ``compute_dtype`` is set). Raises ValueError when ``x.shape[-1] != in_features``."""
+        """``x`` ``[..., K]`` float32/bfloat16/float16 -> ``[..., N]`` in the compute dtype (``x.dtype``
+        unless ``compute_dtype`` is set). Raises ValueError when ``x.shape[-1] != in_features``."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, MXFP8Linear expects {self.in_features}")
         dtype = self.compute_dtype or x.dtype
@@ -235,8 +249,9 @@ class MXFP8Linear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fp8={element_format(self.fp8_dtype).name}, activation={self.activation}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fp8={element_format(self.fp8_dtype).name}, "
+                f"activation={self.activation}")
 
 
 def _check_linear_components(components) -> None:
@@ -419,7 +434,8 @@ def mxfp8_experts(model: nn.Module) -> dict[str, MXFP8Experts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, MXFP8Experts)}
 
 
-# -- model conversion -----------------------------------------------------------------------------------------
+# -- model conversion
+# -----------------------------------------------------------------------------------------
 def _plain_float(w: torch.Tensor) -> bool:
     raw = w.data if isinstance(w, nn.Parameter) else w
     return type(raw) is torch.Tensor and raw.dtype in (*_FLOAT_DTYPES, torch.float64)
@@ -427,9 +443,10 @@ def _plain_float(w: torch.Tensor) -> bool:
 
 def weight_components(weight: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                       rounding: str = "rceil") -> MXFP8Components:
-    """Rowwise MXFP8 components of a linear weight ``[N, K]``: quantized with :func:`mxport.quantize` when it is a
-    plain float tensor, exported as is (:func:`mxport.export_components`, native reuse: no dequantize /
-    requantize, the producer's element format kept) when it already is MXFP8 storage (TE, torchao, Megatron)."""
+    """Rowwise MXFP8 components of a linear weight ``[N, K]``: quantized with :func:`mxport.quantize` when it
+    is a plain float tensor, exported as is (:func:`mxport.export_components`, native reuse: no dequantize
+    / requantize, the producer's element format kept) when it already is MXFP8 storage (TE, torchao,
+    Megatron)."""
     if _plain_float(weight):
         return quantize(weight.detach(), fp8_dtype, rounding=rounding)
     from .export import export_components
@@ -454,8 +471,8 @@ def planned_experts(model: nn.Module, policy=None) -> dict[str, list[str]]:
 
 
 def planned_linears(model: nn.Module, policy=None) -> list[str]:
-    """Names of the ``nn.Linear`` modules of ``model`` that ``policy`` (a :class:`mxport.policy.PrecisionPolicy`;
-    default policy when None) quantizes, in model order."""
+    """Names of the ``nn.Linear`` modules of ``model`` that ``policy`` (a
+    :class:`mxport.policy.PrecisionPolicy`; default policy when None) quantizes, in model order."""
     from .policy import PrecisionPolicy
 
     policy = PrecisionPolicy() if policy is None else policy
@@ -546,7 +563,8 @@ def mxfp8_modules(model: nn.Module) -> dict[str, MXFP8Linear]:
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: str | None = None) -> dict:
-    """Fill ``model`` from an MXFP8 checkpoint written by ``mxport export`` (modelopt, compressed-tensors or sglang
+    """Fill ``model`` from an MXFP8 checkpoint written by ``mxport export`` (modelopt, compressed-tensors or
+    sglang
     naming), read with :func:`mxport.checkpoint.open_checkpoint`, which pairs values and scales by name and
     refuses unsafe or inconsistent files (FP8 values without a scale, values of another element type than the
     quantization config declares, an index that omits shards or tensors, NaN scales, ...).
@@ -564,9 +582,10 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
     (``missing``: ``state_dict`` entries of the model the checkpoint did not fill; tied aliases count as one).
 
     Raises:
-        ValueError: a checkpoint that cannot be read or is inconsistent (:class:`mxport.checkpoint.CheckpointError`);
-            a shape mismatch; with ``strict``, a checkpoint tensor with no counterpart in the model or a model
-            tensor the checkpoint does not fill; a checkpoint that is not MXFP8 (``format`` None).
+        ValueError: a checkpoint that cannot be read or is inconsistent
+            (:class:`mxport.checkpoint.CheckpointError`); a shape mismatch; with ``strict``, a checkpoint
+            tensor with no counterpart in the model or a model tensor the checkpoint does not fill; a
+            checkpoint that is not MXFP8 (``format`` None).
         TypeError: an FP8 element dtype different from the module's.
     """
     from .checkpoint import open_checkpoint
@@ -603,7 +622,8 @@ def _load_mx(model: nn.Module, name: str, value: MXFP8Components, activation: st
             kind = "mxfp8"
         else:
             if tuple(mod.weight.shape) != tuple(value.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(mod.weight.shape)}")
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
+                                 f"{tuple(mod.weight.shape)}")
             model.set_submodule(mod_name, MXFP8Linear.from_components(value, mod.bias,
                                                                       activation=activation or "none"))
             kind = "replaced"
@@ -679,6 +699,7 @@ def _load_from_reader(model: nn.Module, reader, path, *, strict: bool, activatio
         raise ValueError(f"checkpoint {path}: {exc}") from None
     report["missing"] = _not_filled(model, filled)
     if strict and (report["unexpected"] or report["missing"]):
-        raise ValueError(f"checkpoint {path} does not match the model: unexpected {report['unexpected'][:5]}, "
-                         f"model tensors not in the checkpoint {report['missing'][:5]}")
+        raise ValueError(f"checkpoint {path} does not match the model: unexpected "
+                         f"{report['unexpected'][:5]}, model tensors not in the checkpoint "
+                         f"{report['missing'][:5]}")
     return report

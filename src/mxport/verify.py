@@ -1,15 +1,15 @@
 """The ``mxport verify`` pipeline: how far an MXFP8 twin of a model drifts from the model itself.
 
-1. Load the source model (float32; default: the embedded SmolLM2-135M-Instruct) and build its MXFP8 twin: a deep
-   copy whose policy linears become :class:`mxport.nn.MXFP8Linear` and whose fused 3-D expert weights (MoE)
-   become MXFP8 (:class:`mxport.nn.MXFP8Experts`) (:func:`mxport.nn.quantize_model`), or a deep copy filled
-   from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
+1. Load the source model (float32; default: the embedded SmolLM2-135M-Instruct) and build its MXFP8 twin: a
+   deep copy whose policy linears become :class:`mxport.nn.MXFP8Linear` and whose fused 3-D expert weights
+   (MoE) become MXFP8 (:class:`mxport.nn.MXFP8Experts`) (:func:`mxport.nn.quantize_model`), or a deep copy
+   filled from an exported checkpoint (:func:`mxport.nn.load_checkpoint`).
 2. Generate greedily from chat prompts (the tokenizer's chat template; left-padded batches through
    ``model.generate``) with the MXFP8 twin — the rollout engine.
-3. Score prompt + generated tokens with both models (teacher forcing, full next-token distributions) and compare
-   them at the generated positions: :func:`mxport.metrics.gen_kl_error` KL(P_mxfp8 || P_source),
-   :func:`~mxport.metrics.token_mult_prob_error`, :func:`~mxport.metrics.greedy_agreement`; plus the weight SQNR of
-   every quantized tensor.
+3. Score prompt + generated tokens with both models (teacher forcing, full next-token distributions) and
+   compare them at the generated positions: :func:`mxport.metrics.gen_kl_error` KL(P_mxfp8 || P_source),
+   :func:`~mxport.metrics.token_mult_prob_error`, :func:`~mxport.metrics.greedy_agreement`; plus the weight
+   SQNR of every quantized tensor.
 4. Optional per-layer sweep: the twin with only decoder layer *i* quantized (every other layer's linears and
    experts modules swapped back to the source modules) gives layer *i*'s KL and its share of the sum; then
    layers are kept in high precision greedily by share, re-measuring after each, until the KL is at most
@@ -55,8 +55,8 @@ class Rollouts:
 
 @dataclass
 class Scores:
-    """Per generated position, concatenated over prompts: the source model's log-probs (float32 ``[T, V]``), kept
-    so that other configurations can be compared with it, and the generated token ids ``[T]``."""
+    """Per generated position, concatenated over prompts: the source model's log-probs (float32 ``[T, V]``),
+    kept so that other configurations can be compared with it, and the generated token ids ``[T]``."""
 
     logp: torch.Tensor
     tokens: torch.Tensor
@@ -112,7 +112,8 @@ def encode_prompts(tokenizer, conversations: list[list[dict]]) -> list[torch.Ten
     out = []
     for conv in conversations:
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         else:
@@ -137,8 +138,10 @@ def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
 
 @torch.no_grad()
 def generate_greedy(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: set[int],
-                    progress: Progress = _noop, *, pad_id: int = 0, batch_size: int = 8) -> list[torch.Tensor]:
-    """Greedy decoding (argmax, KV cache) with ``model.generate``, ``batch_size`` left-padded prompts at a time,
+                    progress: Progress = _noop, *, pad_id: int = 0,
+                    batch_size: int = 8) -> list[torch.Tensor]:
+    """Greedy decoding (argmax, KV cache) with ``model.generate``, ``batch_size`` left-padded prompts at a
+    time,
     up to ``max_new_tokens`` tokens or an EOS token (included). Returns the generated ids of each prompt (1-D
     long, at least one token)."""
     if max_new_tokens < 1:
@@ -155,8 +158,9 @@ def generate_greedy(model: nn.Module, prompts: list[torch.Tensor], max_new_token
             ids[row, width - p.numel():] = p
             mask[row, width - p.numel():] = 1
         seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                              num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=1, pad_token_id=pad_id,
-                              eos_token_id=eos or None, temperature=None, top_p=None, top_k=None)
+                              num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=1,
+                              pad_token_id=pad_id, eos_token_id=eos or None, temperature=None, top_p=None,
+                              top_k=None)
         for row in range(len(chunk)):
             gen = seqs[row, width:].cpu()
             hits = [i for i, t in enumerate(gen.tolist()) if t in eos_ids]
@@ -191,7 +195,8 @@ def score(model: nn.Module, rollouts: Rollouts, batch_size: int = 8) -> Scores:
 
 def compare(gen: Scores, train: Scores) -> dict:
     """The fidelity figures of the generation model's ``gen`` scores against the training model's ``train``:
-    ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``, ``greedy_agreement``, ``tokens``."""
+    ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``, ``greedy_agreement``,
+    ``tokens``."""
     kl = gen_kl_error(gen.logp, train.logp)
     return {
         "gen_kl_error_mean": kl["mean"],
@@ -204,7 +209,8 @@ def compare(gen: Scores, train: Scores) -> dict:
 
 
 def _set_quantized(twin: nn.Module, mx: dict[str, nn.Module], hp: dict[str, nn.Module], quantized) -> None:
-    """Put the MXFP8 module in place for names where ``quantized(name)`` is true, the source module elsewhere."""
+    """Put the MXFP8 module in place for names where ``quantized(name)`` is true, the source module
+    elsewhere."""
     for name in mx:
         twin.set_submodule(name, mx[name] if quantized(name) else hp[name])
 
@@ -217,12 +223,13 @@ def _layer_prefix(name: str, idx: int) -> str:
 
 def per_layer_sweep(source: nn.Module, twin: nn.Module, rollouts: Rollouts, ref: Scores, full_kl: float,
                     target_kl: float | None, batch_size: int = 8, progress: Progress = _noop) -> dict:
-    """Each decoder layer's share of the error and the smallest greedy set of layers to keep for ``target_kl``.
+    """Each decoder layer's share of the error and the smallest greedy set of layers to keep for
+    ``target_kl``.
 
-    Returns ``{"layers": [{"layer", "prefix", "gen_kl_error_mean", "share"}...] (layer order),
-    "suggestion": {"target_kl", "keep_layers", "exclude", "gen_kl_error_mean", "met", "steps"} or None}``;
-    ``exclude`` holds :class:`mxport.policy.PrecisionPolicy` patterns (``model.layers.3.*``) for ``mxport export
-    --exclude``. The twin is restored (all MXFP8) before returning.
+    Returns ``{"layers": [{"layer", "prefix", "gen_kl_error_mean", "share"}...] (layer order), "suggestion":
+    {"target_kl", "keep_layers", "exclude", "gen_kl_error_mean", "met", "steps"} or None}``; ``exclude`` holds
+    :class:`mxport.policy.PrecisionPolicy` patterns (``model.layers.3.*``) for ``mxport export --exclude``.
+    The twin is restored (all MXFP8) before returning.
     """
     mx = quantized_modules(twin)  # linears and experts modules: a MoE layer's experts toggle with their layer
     hp = {name: source.get_submodule(name) for name in mx}
@@ -295,8 +302,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     """Run the verify pipeline (module docstring) and return a JSON-able report.
 
     Args:
-        source: model directory / GGUF / None (embedded default model), as :func:`mxport.models.resolve_source`;
-            or an already loaded ``(model, tokenizer)`` pair.
+        source: model directory / GGUF / None (embedded default model), as
+            :func:`mxport.models.resolve_source`; or an already loaded ``(model, tokenizer)`` pair.
         checkpoint: an ``mxport export`` directory to build the twin from (else the twin is quantized here).
         prompts: a prompts file (:func:`mxport.prompts.load_prompts`) or None for the built-in set.
         max_new_tokens: generation budget per prompt (>= 1).
@@ -318,17 +325,49 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
     """
-    from .models import load_causal_lm, resolve_source
+    _check_verify_args(activation, max_new_tokens, max_kl, target_kl)
+    fp8 = _fp8(fp8_dtype)
+    conversations = load_prompts(prompts)
+    model, tok, label = _load_source(source, device)
+    progress("load", 1, 1)
+    twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
+                      progress=progress)
+    prompt_ids = encode_prompts(tok, conversations)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress,
+                                pad_id=pad_id, batch_size=batch_size)
+    rollouts = Rollouts(prompt_ids, generated)
+    ref = score(model, rollouts, batch_size)
+    progress("score", 1, 2)
+    figures = compare(score(twin, rollouts, batch_size), ref)
+    progress("score", 2, 2)
+    report = {**figures, **_weight_report(model, twin), "model": label,
+              "checkpoint": None if checkpoint is None else str(checkpoint), "activation": activation,
+              "prompts": len(conversations), "max_new_tokens": max_new_tokens, "max_kl": max_kl}
+    failures = failed_checks(figures, max_kl)
+    pairs = list(zip(conversations, generated, strict=True))[:samples]
+    report.update(passed=not failures, failures=failures,
+                  samples=[{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
+                           for c, g in pairs])
+    if per_layer:
+        report["per_layer"] = per_layer_sweep(model, twin, rollouts, ref, figures["gen_kl_error_mean"],
+                                              target_kl, batch_size, progress)
+    return report
 
+
+def _check_verify_args(activation: str, max_new_tokens: int, max_kl, target_kl) -> None:
     if activation not in ("none", "mxfp8"):
         raise ValueError(f"activation must be 'none' or 'mxfp8', got {activation!r}")
-    fp8 = _fp8(fp8_dtype)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for name, v in (("max_kl", max_kl), ("target_kl", target_kl)):
         if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    conversations = load_prompts(prompts)
+
+
+def _load_source(source, device) -> tuple[nn.Module, object, str]:
+    """``(model, tokenizer, label)`` for a model source, or an already loaded ``(model, tokenizer)`` pair."""
+    from .models import load_causal_lm, resolve_source
 
     if isinstance(source, tuple):
         model, tok = source
@@ -338,48 +377,20 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         label = src.label
         model, tok = load_causal_lm(src, dtype=torch.float32, device=device)
     model.eval()
-    progress("load", 1, 1)
-    twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
-                      progress=progress)
+    return model, tok, label
+
+
+def _weight_report(model: nn.Module, twin: nn.Module) -> dict:
+    """The twin's weight figures: per-tensor SQNR and its summary, the element formats, what is quantized."""
     mx = quantized_modules(twin)
     sqnr = weight_sqnr(model, twin)
     finite = [v for v in sqnr.values() if math.isfinite(v)]
-
-    prompt_ids = encode_prompts(tok, conversations)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress, pad_id=pad_id,
-                                batch_size=batch_size)
-    rollouts = Rollouts(prompt_ids, generated)
-    ref = score(model, rollouts, batch_size)
-    progress("score", 1, 2)
-    gen = score(twin, rollouts, batch_size)
-    progress("score", 2, 2)
-    figures = compare(gen, ref)
-    elements = sorted({t.dtype for m in mx.values() for t in m.buffers(recurse=False) if t.dtype.itemsize == 1
-                       and t.is_floating_point()}, key=str)
-    failures = failed_checks(figures, max_kl)
-    report = {
-        **figures,
-        "weight_sqnr_db_min": min(sqnr.values()) if sqnr else math.nan,
-        "weight_sqnr_db_mean": sum(finite) / len(finite) if finite else (math.inf if sqnr else math.nan),
-        "model": label,
-        "checkpoint": None if checkpoint is None else str(checkpoint),
-        "fp8_dtype": ",".join(element_format(d).name for d in elements),
-        "activation": activation,
-        "prompts": len(conversations),
-        "max_new_tokens": max_new_tokens,
-        "mxfp8_layers": len(mx),
-        "mxfp8_experts": sum(isinstance(m, MXFP8Experts) for m in mx.values()),
-        "mxfp8_tensors": len(sqnr),
-        "max_kl": max_kl,
-        "passed": not failures,
-        "failures": failures,
-        "weight_sqnr_db": sqnr,
-        "samples": [{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
-                    for c, g in list(zip(conversations, generated, strict=True))[:samples]],
-    }
-    del gen
-    if per_layer:
-        report["per_layer"] = per_layer_sweep(model, twin, rollouts, ref, figures["gen_kl_error_mean"], target_kl,
-                                              batch_size, progress)
-    return report
+    elements = sorted({t.dtype for m in mx.values() for t in m.buffers(recurse=False)
+                       if t.dtype.itemsize == 1 and t.is_floating_point()}, key=str)
+    return {"weight_sqnr_db_min": min(sqnr.values()) if sqnr else math.nan,
+            "weight_sqnr_db_mean": sum(finite) / len(finite) if finite else (math.inf if sqnr else math.nan),
+            "fp8_dtype": ",".join(element_format(d).name for d in elements),
+            "mxfp8_layers": len(mx),
+            "mxfp8_experts": sum(isinstance(m, MXFP8Experts) for m in mx.values()),
+            "mxfp8_tensors": len(sqnr),
+            "weight_sqnr_db": sqnr}
