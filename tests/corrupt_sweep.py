@@ -1,19 +1,20 @@
 """Corrupt-checkpoint sweep (issue 12): many corrupt variants of one small exported checkpoint, each run through
-``inspect_checkpoint``, ``load_checkpoint`` and ``mxport verify --checkpoint`` (the CLI in-process), every call in a
-worker process watched by a timeout, so a hang or a crash is seen, not waited on.
+``inspect_checkpoint``, ``load_checkpoint`` and ``mxport verify --checkpoint`` (the CLI in-process), every
+call in a worker process watched by a timeout, so a hang or a crash is seen, not waited on.
 
 The variant generator (:data:`VARIANTS`, :func:`make_variant`) is the one place both users take it from:
-``tests/test_corrupt_sweep.py`` runs a subset; ``python tests/corrupt_sweep.py`` runs them all and prints the counts
-(``--json FILE`` writes every result). Run it with ``PYTHONPATH`` naming the mxport to test.
+``tests/test_corrupt_sweep.py`` runs a subset; ``python tests/corrupt_sweep.py`` runs them all and prints the
+counts (``--json FILE`` writes every result). Run it with ``PYTHONPATH`` naming the mxport to test.
 
 Each variant says what each call must do: ``error`` (refuse it: a ValueError-family error with a message, an
-``inspect`` report with problems, ``verify`` exit 1 or 2) or ``ok`` (accept it: the variant is a valid checkpoint
-written differently). ``model``: the files are a valid MXFP8 checkpoint that does not match the model (a kept tensor
-missing or renamed, an extra tensor): ``inspect`` knows no model, so it must accept it; the two others must refuse.
+``inspect`` report with problems, ``verify`` exit 1 or 2) or ``ok`` (accept it: the variant is a valid
+checkpoint written differently). ``model``: the files are a valid MXFP8 checkpoint that does not match the
+model (a kept tensor missing or renamed, an extra tensor): ``inspect`` knows no model, so it must accept it;
+the two others must refuse.
 
 Outcome categories: correct (accepted as expected, or problems reported), clear error, and the bad ones: raw
-exception (another exception type), traceback (the CLI printed one), silent success (a corrupt file accepted as
-fine), false alarm (a valid variant refused), hang, crash.
+exception (another exception type), traceback (the CLI printed one), silent success (a corrupt file accepted
+as fine), false alarm (a valid variant refused), hang, crash.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ K = "model.norm.weight"
 E = "model.embed_tokens.weight"
 
 
-# -- the base checkpoint -----------------------------------------------------------------------------------------
+# -- the base checkpoint -------------------------------------------------------------------------------------
 def build_base(root: Path) -> tuple[Path, Path]:
     """A tiny Llama (``src``, with tokenizer) and its modelopt export in several shards with an index (``base``)."""
     from mxport.checkpoint import export_checkpoint
@@ -56,7 +57,7 @@ def build_base(root: Path) -> tuple[Path, Path]:
     return src, root / "base"
 
 
-# -- byte-level helpers ------------------------------------------------------------------------------------------
+# -- byte-level helpers --------------------------------------------------------------------------------------
 def read_st(f: Path) -> tuple[dict, bytes]:
     raw = f.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -267,7 +268,7 @@ def _set(d, k, v):
     d[k] = v
 
 
-# -- the variants ------------------------------------------------------------------------------------------------
+# -- the variants --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -532,7 +533,7 @@ def make_variant(base: Path, out_root: Path, v: Variant, i: int) -> Path:
     return ck
 
 
-# -- the worker: one process running the calls, answering one JSON line per call ---------------------------------
+# -- the worker: one process running the calls, answering one JSON line per call -----------------------------
 def _call(op: str, path: str, model, src: str, prompts: str) -> dict:
     from mxport.checkpoint import inspect_checkpoint
     from mxport.nn import load_checkpoint

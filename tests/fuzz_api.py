@@ -1,7 +1,8 @@
 """A seeded fuzzer of mxport's public API (design.md §5): quantize, dequantize, export_components,
-MXFP8Components(...), layouts.swizzle / unswizzle / pad / unpad, fed wrong dtypes (every FP8 variant,
-float8_e8m0fnu, ints, bool, complex), 0-d / empty / huge (declared by expand(), never allocated) / non-contiguous /
-flipped / overlapping (as_strided) tensors, meta tensors, mismatched scales and bogus objects.
+MXFP8Components(...), layouts.swizzle / unswizzle / pad / unpad, fed wrong dtypes (every FP8
+variant, float8_e8m0fnu, ints, bool, complex), 0-d / empty / huge (declared by expand(), never
+allocated) / non-contiguous / flipped / overlapping (as_strided) tensors, meta tensors, mismatched
+scales and bogus objects.
 
 Each call's outcome is classified:
 
@@ -12,7 +13,8 @@ Each call's outcome is classified:
 - ``unclear``: a TypeError / ValueError that names no argument;
 - ``raw``: any other exception (RuntimeError, IndexError, AttributeError, ...).
 
-Used by ``tests/test_fuzz_api.py`` (a bounded budget) and ``scripts/fuzz_api.py`` (a bigger one, prints counts).
+Used by ``tests/test_fuzz_api.py`` (a bounded budget) and ``scripts/fuzz_api.py`` (a
+bigger one, prints counts).
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ ENTRIES = [("m.embed_tokens.weight", (100, 64), BF16), ("m.layers.0.self_attn.q_
 def test_predict_counts_bytes_exactly():
     hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=2.0, overlap=False)
     r = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw, engine_replicas=3)
-    # one engine rank: q [32, 64] and o [64, 32] as MXFP8 (values + 1 scale byte per 32), embed [50, 64] and the
-    # norm [64] in BF16
+    # one engine rank: q [32, 64] and o [64, 32] as MXFP8 (values + 1 scale byte per 32), embed [50, 64] and
+    # the norm [64] in BF16
     rank = (32 * 64 + 32 * 2) + (64 * 32 + 64 * 1) + 50 * 64 * 2 + 64 * 2
     assert r.mxfp8.bytes_per_engine_rank == rank
     assert r.mxfp8.wire_bytes == rank * 2 * 3                 # 2 ranks per engine, 3 engines

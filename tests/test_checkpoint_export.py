@@ -153,7 +153,8 @@ def test_dtype_cast_and_e5m2_refused(tmp_path):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" and cfg["quantization_config"]["fmt"] == "e4m3"
     assert all(cfg[k] == "bfloat16" for k in ("torch_dtype", "dtype") if k in cfg)
-    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever fmt says: an E5M2 sglang export would load as garbage
+    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever fmt says: an E5M2 sglang export
+    # would load as garbage
     for fmt, why in (("sglang", "SGLang 0.5.23 registers"), ("modelopt", "quant_algo MXFP8 means E4M3")):
         with pytest.raises(ValueError, match=f"E4M3 only .*{why}"):
             export_checkpoint(src_dir, tmp_path / "o2", fmt=fmt, fp8_dtype=torch.float8_e5m2)

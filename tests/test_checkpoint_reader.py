@@ -56,7 +56,8 @@ def test_quantization_configs_per_format():
 
 
 def test_e5m2_refused_by_every_format():
-    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says: E5M2 would load as garbage there
+    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says: E5M2 would
+    # load as garbage there
     with pytest.raises(ValueError, match="E4M3 only .*SGLang 0.5.23 registers MXFP8 values as E4M3"):
         check_fp8_dtype("sglang", torch.float8_e5m2)
     for fmt in FORMATS:
@@ -216,7 +217,7 @@ def test_iter_rows_reads_whole_rows(tmp_path):
             assert p.shape == tensors[n].shape and torch.equal(p, tensors[n])
 
 
-# -- reading safely (issue 12 item 5) -------------------------------------------------------------------------------
+# -- reading safely (issue 12 item 5) ------------------------------------------------------------------------
 def _header_and_data(f):
     raw = f.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -411,7 +412,7 @@ def test_pairs_checked_when_opened_and_read(tmp_path):
         dict(r.iter_tensors())
 
 
-# -- inspect: typed report and the problems it must report (issue 12 item 10, issue 15) ----------------------------
+# -- inspect: typed report and the problems it must report (issue 12 item 10, issue 15) ----------------------
 def test_inspect_report_typed_and_dict_keys(tmp_path):
     import dataclasses
 

@@ -97,9 +97,9 @@ def test_export_command_is_complete_and_quoted():
 
 @pytest.mark.slow
 def test_verify_target_kl_prints_a_command_that_runs(tmp_path, llama, monkeypatch):
-    """``verify --per-layer --target-kl`` prints, on one line however narrow the terminal, an ``mxport export``
-    command that runs as printed: it writes the checkpoint with the suggested layers (and the user's --exclude)
-    kept in high precision."""
+    """``verify --per-layer --target-kl`` prints, on one line however narrow the terminal, an ``mxport
+    export`` command that runs as printed: it writes the checkpoint with the suggested layers (and the user's
+    --exclude) kept in high precision."""
     r = runner.invoke(app, ["verify", str(llama), "--max-new-tokens", "2", "--per-layer", "--target-kl", "1e-12",
                             "--exclude", "model.layers.0.mlp.*"], env={"COLUMNS": "40"})
     assert r.exit_code == 0, r.output

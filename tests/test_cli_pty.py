@@ -1,8 +1,8 @@
 """Every command that shows progress finishes in a real terminal (a pseudo-terminal), within a time limit.
 
-Rich's ``Live`` display (progress bars, status spinners) on a terminal swaps ``sys.stdout`` / ``sys.stderr`` for
-proxies that print into its console: a console that looked up ``sys.stdout`` at each write wrote into itself and
-every such command hung (piped, as under CliRunner, no proxy is installed and nothing showed it).
+Rich's ``Live`` display (progress bars, status spinners) on a terminal swaps ``sys.stdout`` / ``sys.stderr``
+for proxies that print into its console: a console that looked up ``sys.stdout`` at each write wrote into
+itself and every such command hung (piped, as under CliRunner, no proxy is installed and nothing showed it).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def test_atomic_write_text_uses_the_umask_mode(tmp_path):
         os.umask(old)
 
 
-# -- output folders: place checks, temporaries, overwrite swap, "cannot write here" errors ---------------------
+# -- output folders: place checks, temporaries, overwrite swap, "cannot write here" errors -------------------
 
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory):

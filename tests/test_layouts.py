@@ -105,7 +105,7 @@ def test_word_and_byte_paths_agree(shape):
     assert torch.equal(layouts.unswizzle(want, r, c), x)
 
 
-# -- argument checks and empty grids (found by the API fuzz, tests/fuzz_api.py) -------------------------------
+# -- argument checks and empty grids (found by the API fuzz, tests/fuzz_api.py) ------------------------------
 
 
 @pytest.mark.parametrize(("shape", "want"), [((0, 3), (0, 4)), ((5, 0), (128, 0)), ((0, 0), (0, 0)),

@@ -29,8 +29,8 @@ def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, directio
     assert c.data.shape == x.shape
     assert s.shape == s_ref.shape
     np.testing.assert_array_equal(s, s_ref)
-    # NaN payloads are not part of the format (torch and ml_dtypes pick different E5M2 NaN bytes): NaN positions
-    # must agree, every other byte must be identical
+    # NaN payloads are not part of the format (torch and ml_dtypes pick different E5M2 NaN bytes): NaN
+    # positions must agree, every other byte must be identical
     nan, nan_ref = np.isnan(c.data.float().cpu().numpy()), np.isnan(ref_values(q_ref, elem))
     np.testing.assert_array_equal(nan, nan_ref)
     np.testing.assert_array_equal(np.where(nan, 0, q), np.where(nan_ref, 0, q_ref))
@@ -98,7 +98,7 @@ def test_empty_tensors(shape):
     assert c.dequantize().shape == torch.Size(shape)
 
 
-# -- design.md §2 edge rows -------------------------------------------------------------------------------------
+# -- design.md §2 edge rows ----------------------------------------------------------------------------------
 
 def _block(first: float, rest: float = 1.0, n: int = 32) -> torch.Tensor:
     x = torch.full((1, n), rest)
@@ -116,7 +116,8 @@ def test_amax_480_rceil_and_floor():
 
 
 def test_amax_just_above_power_of_two_rounds_scale_up():
-    # amax/448 = 2 * (1 + 2**-23): rceil needs 2**2, i.e. E = 129; the 2**1 a float log2 might give is too small
+    # amax/448 = 2 * (1 + 2**-23): rceil needs 2**2, i.e. E = 129; the 2**1 a float log2 might
+    # give is too small
     amax = float(np.nextafter(np.float32(896.0), np.float32(1e9)))
     v = np.float32(amax) * (np.float32(1) / np.float32(448))
     assert v > 2.0  # the premise: v lies just above a power of two
@@ -219,7 +220,7 @@ def test_dequantize_dtype_and_round_trip_error_bound():
     assert (err <= torch.maximum(x.abs() * 2**-4, scale * 2**-9)).all()
 
 
-# -- property tests ----------------------------------------------------------------------------------------------
+# -- property tests ------------------------------------------------------------------------------------------
 
 SPECIAL = st.sampled_from([0.0, -0.0, 1.0, 480.0, 448.0, 2.0**-140, 2.0**-149, 1e-30, 3.4e38, -3.4e38,
                            float("nan"), float("inf"), float("-inf"), 57344.0, 65504.0])
@@ -261,7 +262,7 @@ def test_property_decode_is_within_half_ulp_of_fp8(x):
     assert (err[in_range] <= bound[in_range]).all()
 
 
-# -- bad input --------------------------------------------------------------------------------------------------
+# -- bad input -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, exc, words", [
     (torch.ones(4, 32, dtype=torch.int32), TypeError, "x must be"),
@@ -336,8 +337,8 @@ def test_rounding_and_direction_must_be_their_names(kw, msg):
 
 def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatch):
     """quantize of an expand()ed (2**40, 64) view cannot allocate its outputs: TooLargeError naming x (not the
-    allocator's RuntimeError); and an allocation failure inside the compiled kernel no longer disables the fast
-    path for the rest of the process (it is the input's size, not the compiler)."""
+    allocator's RuntimeError); and an allocation failure inside the compiled kernel no longer disables the
+    fast path for the rest of the process (it is the input's size, not the compiler)."""
     import importlib
 
     from mxport.formats import TooLargeError
@@ -379,13 +380,14 @@ def test_export_components_0d_names_obj():
         mxport.export_components(torch.tensor(1.0))
 
 
-# -- kernel=: the kernel as an argument, not a global switch ---------------------------------------------------
+# -- kernel=: the kernel as an argument, not a global switch -------------------------------------------------
 
 
 def test_kernel_argument_picks_the_kernel_and_overrides_the_env_switch(monkeypatch):
-    """``kernel="compiled"`` runs the compiled kernel even under MXPORT_DISABLE_COMPILE (set for this test run by
-    conftest), which now steers only the automatic choice; the bytes equal the eager kernel's. (torch.compile is
-    replaced by a pass-through that records its calls: the real compile costs tens of seconds here.)"""
+    """``kernel="compiled"`` runs the compiled kernel even under MXPORT_DISABLE_COMPILE (set for this
+    test run by conftest), which now steers only the automatic choice; the bytes equal the eager
+    kernel's. (torch.compile is replaced by a pass-through that records its calls: the real compile costs
+    tens of seconds here.)"""
     import importlib
 
     q = importlib.import_module("mxport.quantize")

@@ -24,7 +24,7 @@ PG_TIMEOUT_S = 30.0
 WAIT_S = 150.0
 
 
-# ---- the planned tensors: both processes derive them from the same code ---------------------------------------
+# ---- the planned tensors: both processes derive them from the same code ------------------------------------
 def items():
     """(name, role, dtype, shape): exactly one bucket first, an MXFP8 linear (spans buckets), a 3.5-bucket
     tensor, then 2000 tiny tensors."""
@@ -91,7 +91,7 @@ class _Counting:
         return self.inner.broadcast(buf, async_op)
 
 
-# ---- process bodies ----------------------------------------------------------------------------------------------
+# ---- process bodies ----------------------------------------------------------------------------------------
 def _main_sender(init):
     from mxport.refit import RefitError, RefitSender
     from mxport.testing import FaultyTransport

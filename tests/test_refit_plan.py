@@ -76,7 +76,7 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, f
     return sent, recv_out, receiver
 
 
-# ---- plan ----------------------------------------------------------------------------------------------------
+# ---- plan --------------------------------------------------------------------------------------------------
 def test_plan_offsets_buckets_and_digest():
     plan = RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32), ((100,), torch.bfloat16)]), 64)
     e = plan.entries
@@ -123,7 +123,7 @@ def test_diff_lists_missing_extra_reordered_shape_dtype():
     assert diff_canonical(a, c) == ["dtype: 'x' local float32 vs remote bfloat16"]
 
 
-# ---- buckets -------------------------------------------------------------------------------------------------
+# ---- buckets -----------------------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=40),
        bucket=st.sampled_from([16, 32, 48, 64, 256, 4096]))
@@ -231,7 +231,7 @@ def test_receiver_rejects_bad_targets():
         RefitReceiver(InProcessChannel(1).endpoint(0), plan, [torch.zeros(4)])
 
 
-# ---- consumers: a tiny Llama trainer -> an MXFP8Linear inference model --------------------------------------------
+# ---- consumers: a tiny Llama trainer -> an MXFP8Linear inference model -------------------------------------
 @pytest.mark.parametrize("arena", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied, arena):
