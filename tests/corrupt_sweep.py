@@ -1,6 +1,6 @@
-"""Corrupt-checkpoint sweep (issue 12): many corrupt variants of one small exported checkpoint, each run through
-``inspect_checkpoint``, ``load_checkpoint`` and ``mxport verify --checkpoint`` (the CLI in-process), every
-call in a worker process watched by a timeout, so a hang or a crash is seen, not waited on.
+"""Corrupt-checkpoint sweep (issue 12): many corrupt variants of one small exported checkpoint, each run
+through ``inspect_checkpoint``, ``load_checkpoint`` and ``mxport verify --checkpoint`` (the CLI in-process),
+every call in a worker process watched by a timeout, so a hang or a crash is seen, not waited on.
 
 The variant generator (:data:`VARIANTS`, :func:`make_variant`) is the one place both users take it from:
 ``tests/test_corrupt_sweep.py`` runs a subset; ``python tests/corrupt_sweep.py`` runs them all and prints the
@@ -47,7 +47,8 @@ E = "model.embed_tokens.weight"
 
 # -- the base checkpoint -------------------------------------------------------------------------------------
 def build_base(root: Path) -> tuple[Path, Path]:
-    """A tiny Llama (``src``, with tokenizer) and its modelopt export in several shards with an index (``base``)."""
+    """A tiny Llama (``src``, with tokenizer) and its modelopt export in several shards
+    with an index (``base``)."""
     from mxport.checkpoint import export_checkpoint
     from mxport.testing import make_tiny_llama
 
@@ -108,7 +109,8 @@ def raw_header(name: str, header: bytes, length: int | None = None) -> Callable[
 
 
 def tensors(fn: Callable[[dict], None], shard_name: str = V) -> Callable[[Path], None]:
-    """Rewrite the shard holding ``shard_name`` with ``fn(state dict)`` (a valid file), the index kept in step."""
+    """Rewrite the shard holding ``shard_name`` with ``fn(state dict)`` (a valid file), the
+    index kept in step."""
     def mutate(ck: Path) -> None:
         from safetensors.torch import load_file, save_file
 
@@ -139,7 +141,8 @@ def data_bytes(name: str, fn: Callable[[bytearray], None]) -> Callable[[Path], N
 
 
 def edit_json(fname: str, fn: Callable[[dict], object]) -> Callable[[Path], None]:
-    """Rewrite JSON file ``fname`` of the checkpoint with ``fn(obj)`` (its return value, when not None, is written)."""
+    """Rewrite JSON file ``fname`` of the checkpoint with ``fn(obj)`` (its return value, when
+    not None, is written)."""
     def mutate(ck: Path) -> None:
         obj = json.loads((ck / fname).read_text())
         out = fn(obj)
@@ -580,8 +583,8 @@ def worker(src: str, prompts: str) -> None:
 
 
 class Runner:
-    """Runs calls in a worker process; a call that does not answer within ``timeout`` s is a hang (the worker is
-    killed and a new one started), a worker that dies is a crash."""
+    """Runs calls in a worker process; a call that does not answer within ``timeout`` s is a hang (the worker
+    is killed and a new one started), a worker that dies is a crash."""
 
     def __init__(self, src: Path, prompts: Path, timeout: float = 60.0, log=None):
         self.args = [sys.executable, os.path.abspath(__file__), "--worker", str(src), str(prompts)]

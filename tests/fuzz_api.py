@@ -85,7 +85,8 @@ def _shape(rng: random.Random) -> tuple[int, ...]:
 
 
 def _layout(rng: random.Random, x: torch.Tensor) -> torch.Tensor:
-    """The same logical values in another memory layout: transposed copy, flipped, strided slice, as_strided."""
+    """The same logical values in another memory layout: transposed copy,
+    flipped, strided slice, as_strided."""
     kind = rng.choice(["plain", "plain", "t", "flip", "slice", "as_strided"])
     if x.dim() < 1 or x.numel() == 0:
         return x
@@ -162,7 +163,8 @@ def _canonical_nan(q: np.ndarray, elem: str) -> np.ndarray:
 
 
 def ref_dequantize(q: np.ndarray, e: np.ndarray, elem: str, direction: str) -> np.ndarray:
-    """float32 decode of values ``q`` (uint8 bytes, logical shape) with compact scales ``e`` (mx_reference)."""
+    """float32 decode of values ``q`` (uint8 bytes, logical shape) with compact
+    scales ``e`` (mx_reference)."""
     if q.size == 0:
         return np.zeros(q.shape, np.float32)
     k = q.shape[-1]

@@ -1,5 +1,5 @@
-"""export_checkpoint on tiny save_pretrained models: values/scales are byte-exact quantize() of the source tensors,
-config per format, shards + index consistent, tied embeddings written once, atomic output."""
+"""export_checkpoint on tiny save_pretrained models: values/scales are byte-exact quantize() of the source
+tensors, config per format, shards + index consistent, tied embeddings written once, atomic output."""
 
 import json
 from pathlib import Path
@@ -44,7 +44,8 @@ MODELS = {
 
 
 def check_exact(src: dict, out: dict, fmt: str, fp8=torch.float8_e4m3fn, cast=None) -> list[str]:
-    """Every source tensor is in ``out``: quantized ones as quantize()'s bytes, kept ones unchanged (or cast)."""
+    """Every source tensor is in ``out``: quantized ones as quantize()'s bytes, kept
+    ones unchanged (or cast)."""
     quantized = []
     expected_names = set()
     for name, x in src.items():
@@ -210,7 +211,8 @@ def test_atomic_failure_leaves_nothing_and_overwrite(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_gguf_embedded_model(tmp_path):
-    """The embedded SmolLM2 GGUF through transformers: one layer quantized, exact against the loaded weights."""
+    """The embedded SmolLM2 GGUF through transformers: one layer quantized, exact
+    against the loaded weights."""
     from mxport._env import default_model_file
 
     gguf = default_model_file()

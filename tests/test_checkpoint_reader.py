@@ -1,4 +1,5 @@
-"""Naming per format, the safetensors header parser, the streaming writer and open_checkpoint on hand-made files."""
+"""Naming per format, the safetensors header parser, the streaming writer and
+open_checkpoint on hand-made files."""
 
 import json
 import struct

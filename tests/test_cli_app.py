@@ -1,5 +1,6 @@
-"""What every ``mxport`` command shares: ``--version``, plain ``mxport``, ``--help`` of every command (flags shown as
-flags, paragraphs wrapped once), usage errors as one ``error:`` line with exit 2, ``--json FILE|-`` everywhere."""
+"""What every ``mxport`` command shares: ``--version``, plain ``mxport``, ``--help`` of every command
+(flags shown as flags, paragraphs wrapped once), usage errors as one ``error:`` line with exit 2,
+``--json FILE|-`` everywhere."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def test_verify_target_kl_prints_a_command_that_runs(tmp_path, llama, monkeypatc
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_unwritable_json_fails_first_exit_2(tmp_path, command):
-    """A --json FILE that cannot be written fails at once, one line, exit 2: not a traceback after the work."""
+    """A --json FILE that cannot be written fails at once, one line, exit 2: not a
+    traceback after the work."""
     args = [command] + (["x"] if command == "inspect" else [])
     r = runner.invoke(app, [*args, "--json", str(tmp_path / "missing" / "out.json")])
     assert r.exit_code == 2 and r.stderr.strip() == f"error: --json: {tmp_path / 'missing'} does not exist"

@@ -1,5 +1,6 @@
-"""The command line in the environments people have: a plain ``pip install mxport`` (no ``models`` extra) gets one
-line naming the extra to install, exit 2; optional packages stay quiet (no warnings, no progress bars of theirs)."""
+"""The command line in the environments people have: a plain ``pip install mxport`` (no ``models``
+extra) gets one line naming the extra to install, exit 2; optional packages stay quiet (no warnings, no
+progress bars of theirs)."""
 
 from __future__ import annotations
 
@@ -94,8 +95,9 @@ def test_verify_is_quiet(llama):
 
 
 def test_quiet_env_silences_save_pretrained(tmp_path):
-    """What the command line (and its worker processes) set up silences torchao's missing-library warning, torch's
-    pytree deprecation warnings and transformers' shard-writing bar, printed on every ``save_pretrained``."""
+    """What the command line (and its worker processes) set up silences torchao's
+    missing-library warning, torch's pytree deprecation warnings and transformers' shard-writing
+    bar, printed on every ``save_pretrained``."""
     code = ("import sys; from mxport._env import quiet_third_party_logs; quiet = sys.argv[2] == '1'\n"
             "quiet and quiet_third_party_logs()\n"
             "from mxport.testing import make_tiny_llama; make_tiny_llama(sys.argv[1], layers=1)")

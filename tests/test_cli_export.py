@@ -1,4 +1,5 @@
-"""``mxport export``: flags, --dry-run, --json, and bad inputs (exit 2, one-line error, nothing left behind)."""
+"""``mxport export``: flags, --dry-run, --json, and bad inputs (exit 2, one-line
+error, nothing left behind)."""
 
 import json
 import struct

@@ -1,5 +1,5 @@
-"""``mxport inspect``: recognizes all three formats (ours and hand-made), reports exact statistics, and flags a
-missing scale, a padded scale, a float-stored scale, orphan scales (exit 1); bad paths exit 2."""
+"""``mxport inspect``: recognizes all three formats (ours and hand-made), reports exact statistics, and flags
+a missing scale, a padded scale, a float-stored scale, orphan scales (exit 1); bad paths exit 2."""
 
 import json
 import struct

@@ -33,8 +33,9 @@ def llama(tmp_path_factory):
 
 
 def run_in_terminal(args, timeout: float, *, stdout_pipe: bool = False):
-    """Run ``mxport ARGS`` with a pseudo-terminal as stderr (and stdout, unless ``stdout_pipe``); return
-    (exit code or None on timeout, terminal text, stdout text when piped). The process group is killed on timeout."""
+    """Run ``mxport ARGS`` with a pseudo-terminal as stderr (and stdout, unless ``stdout_pipe``);
+    return (exit code or None on timeout, terminal text, stdout text when piped). The process group
+    is killed on timeout."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # 200 columns: no wrapping
     env = dict(os.environ, MXPORT_DISABLE_COMPILE="1", TERM="xterm-256color")

@@ -1,5 +1,5 @@
-"""Atomic writes give files the mode a plain open() gives (not mkstemp's 0o600), so reports and cached models are
-readable by other users (found by a fresh-clone trial: `mxport refit --json FILE` wrote a 0o600 file)."""
+"""Atomic writes give files the mode a plain open() gives (not mkstemp's 0o600), so reports and cached models
+are readable by other users (found by a fresh-clone trial: `mxport refit --json FILE` wrote a 0o600 file)."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ def _siblings(path: Path) -> list[str]:
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.ELOOP])
 @pytest.mark.parametrize("where", ["write", "rename", "mkdtemp"])
 def test_cannot_write_errors_are_one_line_and_leave_nothing(tiny_src, tmp_path, monkeypatch, err, where):
-    """ENOSPC / EFBIG / EROFS / ELOOP raised while writing, renaming into place or creating the temporary folder:
-    one-line OutputError (a ValueError: CLI exit 2) naming the output and the reason; no temporary left; an
-    existing output (overwrite) untouched."""
+    """ENOSPC / EFBIG / EROFS / ELOOP raised while writing, renaming into place or creating the temporary
+    folder: one-line OutputError (a ValueError: CLI exit 2) naming the output and the reason; no temporary
+    left; an existing output (overwrite) untouched."""
     from mxport.checkpoint import export as ex
     from mxport.checkpoint.writers import ShardedSafetensorsWriter
     from mxport.cli import app
@@ -149,8 +149,8 @@ export_checkpoint(sys.argv[1], sys.argv[2], overwrite=True, progress=progress)
 
 
 def test_killed_export_leaves_a_findable_temp_that_the_next_run_removes(tiny_src, tmp_path):
-    """SIGKILL mid-write leaves `.out.mxport-tmp-<pid>-*` (nothing can run then): the next export into the same
-    output removes it (ours: exact pattern, this user, dead pid); temporaries not matching stay."""
+    """SIGKILL mid-write leaves `.out.mxport-tmp-<pid>-*` (nothing can run then): the next export into the
+    same output removes it (ours: exact pattern, this user, dead pid); temporaries not matching stay."""
     from mxport.checkpoint.export import export_checkpoint
 
     out = tmp_path / "out"
@@ -183,8 +183,9 @@ def test_stale_temps_of_live_processes_are_kept(tmp_path):
 
 
 def test_interrupted_overwrite_is_recovered(tiny_src, tmp_path):
-    """An overwrite killed between its two renames left no output, only `.out.mxport-old-<pid>-*` (the previous
-    export) and the finished temp: the next run puts the previous export back before anything else."""
+    """An overwrite killed between its two renames left no output, only
+    `.out.mxport-old-<pid>-*` (the previous export) and the finished temp: the next run puts the
+    previous export back before anything else."""
     from mxport.checkpoint.export import export_checkpoint
 
     out = tmp_path / "out"
@@ -300,8 +301,8 @@ def test_an_output_under_a_file_or_a_link_loop_is_one_clear_line(tiny_src, tmp_p
 
 
 def test_output_containing_a_gguf_source_given_as_a_reader_is_refused(tiny_src, tmp_path, monkeypatch):
-    """The CLI opens the source itself and hands export_checkpoint a reader: for a GGUF source the reader had no
-    path, so `mxport export d/model.gguf -o d --overwrite` deleted the GGUF. The reader now carries it."""
+    """The CLI opens the source itself and hands export_checkpoint a reader: for a GGUF source the reader had
+    no path, so `mxport export d/model.gguf -o d --overwrite` deleted the GGUF. The reader now carries it."""
     from transformers import AutoModelForCausalLM
 
     import mxport.models

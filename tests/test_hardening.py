@@ -1,4 +1,5 @@
-"""Regression tests for bugs found by adversarial review: each asserts the documented error or the right value."""
+"""Regression tests for bugs found by adversarial review: each asserts the documented error
+or the right value."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""mxport.layouts: the swizzle equals design.md §3's byte formula for every shape; pad/unpad/unswizzle invert."""
+"""mxport.layouts: the swizzle equals design.md §3's byte formula for every shape;
+pad/unpad/unswizzle invert."""
 
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def test_word_and_byte_paths_agree(shape):
 @pytest.mark.parametrize(("shape", "want"), [((0, 3), (0, 4)), ((5, 0), (128, 0)), ((0, 0), (0, 0)),
                                              ((0, 4), (0, 4)), ((130, 0), (256, 0))])
 def test_swizzle_of_an_empty_grid_is_the_empty_swizzled_shape(shape, want):
-    """swizzle of a 0-row grid raised a view RuntimeError (stride(0) of an empty tensor is not divisible by 4)."""
+    """swizzle of a 0-row grid raised a view RuntimeError (stride(0) of an empty tensor is
+    not divisible by 4)."""
     out = layouts.swizzle(torch.empty(shape, dtype=torch.uint8))
     assert out.dtype == torch.uint8 and tuple(out.shape) == want
     back = layouts.unswizzle(out, *shape)

@@ -304,8 +304,8 @@ def test_dequantize_matches_reference_decode(elem, direction):
 
 @pytest.mark.parametrize("bad", [2, "no", None, 0, 1, 1.0, torch.tensor(True)])
 def test_block_2d_must_be_a_bool(bad):
-    """block_2d=2 reached the native kernel ("rejected", RuntimeError) and block_2d="no" meant True on the eager
-    path: anything but a bool is a TypeError."""
+    """block_2d=2 reached the native kernel ("rejected", RuntimeError) and block_2d="no" meant True on the
+    eager path: anything but a bool is a TypeError."""
     with pytest.raises(TypeError, match="^block_2d must be a bool \\(True or False\\), got "):
         quantize(torch.randn(4, 64), block_2d=bad)
 
@@ -361,8 +361,8 @@ def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatc
 
 
 def test_components_repr_never_prints_the_values():
-    """The dataclass repr printed both tensors: unreadable for a real weight, and a huge (expanded) or meta tensor
-    cannot be printed at all (the fuzz died in repr)."""
+    """The dataclass repr printed both tensors: unreadable for a real weight, and a huge (expanded) or meta
+    tensor cannot be printed at all (the fuzz died in repr)."""
     c = MXFP8Components(torch.zeros(1, 64, dtype=torch.float8_e4m3fn).expand(1 << 52, 64),
                         torch.full((1, 2), 127, dtype=torch.uint8).expand(1 << 52, 2))
     assert repr(c) == ("MXFP8Components(shape=(4503599627370496, 64), element='e4m3', direction='rowwise', "

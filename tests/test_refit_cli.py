@@ -1,4 +1,5 @@
-"""``mxport refit``: end to end on a tiny model and on the embedded one (real processes), exit codes, bad input."""
+"""``mxport refit``: end to end on a tiny model and on the embedded one (real processes),
+exit codes, bad input."""
 
 from __future__ import annotations
 

@@ -890,9 +890,9 @@ def test_a_bad_item_aborts_in_process_and_the_sender_reports_every_receiver(bad)
 
 
 def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused():
-    """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near 2**32
-    included), the sequence and log-probs cut back to their length; a reply with a token id outside the vocab
-    is refused."""
+    """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near
+    2**32 included), the sequence and log-probs cut back to their length; a reply with a token id outside
+    the vocab is refused."""
     from mxport.refit.demo import _gather_replies, _Reply, _ReplyShape
 
     shape = _ReplyShape(prompt_len=3, max_new=4, vocab=10)
@@ -911,8 +911,9 @@ def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused()
 
 
 def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
-    """``TorchDistTransport.from_group`` on a ``ProcessGroupGloo`` built on its own store (as engines make them,
-    outside torch.distributed's registry): handshake, a refit, and the receivers' reports all go through it."""
+    """``TorchDistTransport.from_group`` on a ``ProcessGroupGloo`` built on its own store (as engines
+    make them, outside torch.distributed's registry): handshake, a refit, and the receivers' reports
+    all go through it."""
     import datetime
 
     import torch.distributed as dist
@@ -946,9 +947,9 @@ def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
 
 
 def test_trainer_sends_megatron_mxfp8_attributes_as_they_are():
-    """After Megatron-LM's quantize_params_to_mxfp8 a weight is a plain module attribute (an MXFP8Tensor, not a
-    parameter): the trainer's plan still holds it (values + scales in its own element format, exported as is),
-    and a refit lands its bytes; before, it was invisible and left out of the refit."""
+    """After Megatron-LM's quantize_params_to_mxfp8 a weight is a plain module attribute (an MXFP8Tensor, not
+    a parameter): the trainer's plan still holds it (values + scales in its own element format, exported as
+    is), and a refit lands its bytes; before, it was invisible and left out of the refit."""
     from test_sources_megatron import megatron_tensor
 
     import mxport

@@ -28,7 +28,8 @@ TE_FIELDS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_column
 
 
 class TEMXFP8Tensor(torch.Tensor):
-    """Stand-in for TE's ``MXFP8Tensor`` (a wrapper subclass, nominal dtype bf16) as ``fp8_param`` makes it."""
+    """Stand-in for TE's ``MXFP8Tensor`` (a wrapper subclass, nominal dtype bf16)
+    as ``fp8_param`` makes it."""
 
     @staticmethod
     def __new__(cls, fields: dict, shape):
