@@ -18,7 +18,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("MXPORT_DISABLE_COMPILE", "1")  # as the tests: compiling costs tens of seconds per graph
+# as the tests: compiling costs tens of seconds per graph
+os.environ.setdefault("MXPORT_DISABLE_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fuzz_api  # noqa: E402

@@ -297,16 +297,19 @@ def _header_variants() -> list[Variant]:
             Variant(f"{tag}: shape huge", _shape(name, lambda s: [2**62, *s[1:]]), "error"),
             Variant(f"{tag}: offsets overlap the previous tensor", _offsets(name, lambda o: [o[0] - 2, o[1]]),
                     "error"),
-            Variant(f"{tag}: offsets beyond the file", _offsets(name, lambda o: [o[0], o[1] + 10**6]), "error"),
+            Variant(f"{tag}: offsets beyond the file", _offsets(name, lambda o: [o[0], o[1] + 10**6]),
+                    "error"),
             Variant(f"{tag}: offsets reversed", _offsets(name, lambda o: [o[1], o[0]]), "error"),
             Variant(f"{tag}: offsets negative", _offsets(name, lambda o: [-8, o[1]]), "error"),
             Variant(f"{tag}: offsets leave a gap", _offsets(name, lambda o: [o[0] + 1, o[1]]), "error"),
-            Variant(f"{tag}: offsets missing", edit_header(name, lambda h, n=name: h[n].pop("data_offsets")), "error"),
+            Variant(f"{tag}: offsets missing", edit_header(name, lambda h, n=name: h[n].pop("data_offsets")),
+                    "error"),
             Variant(f"{tag}: dtype missing", edit_header(name, lambda h, n=name: h[n].pop("dtype")), "error"),
             Variant(f"{tag}: dtype unknown", set_entry(name, "dtype", "XYZ"), "error"),
             Variant(f"{tag}: dtype C64", set_entry(name, "dtype", "C64"), "error"),
             Variant(f"{tag}: dtype lowercase", set_entry(name, "dtype", "u8"), "error"),
-            Variant(f"{tag}: entry is a list", edit_header(name, lambda h, n=name: h.__setitem__(n, [1, 2])), "error"),
+            Variant(f"{tag}: entry is a list", edit_header(name, lambda h, n=name: h.__setitem__(n, [1, 2])),
+                    "error"),
         ]
     out += [
         Variant("values: dtype F8_E5M2 (config says E4M3)", set_entry(V, "dtype", "F8_E5M2"), "error"),
@@ -324,9 +327,10 @@ def _header_variants() -> list[Variant]:
         Variant("kept: shape transposed (same bytes)", _shape(E, lambda s: s[::-1]), "model"),
         Variant("header: tensor entry with an unknown key (harmless)", edit_header(
             V, lambda h: h[V].__setitem__("x", 1)), "ok"),
-        Variant("header: __metadata__ with a number", edit_header(V, lambda h: h.__setitem__("__metadata__",
-                                                                                               {"a": 1})), "error"),
-        Variant("header: __metadata__ a list", edit_header(V, lambda h: h.__setitem__("__metadata__", [1])), "error"),
+        Variant("header: __metadata__ with a number", edit_header(
+            V, lambda h: h.__setitem__("__metadata__", {"a": 1})), "error"),
+        Variant("header: __metadata__ a list", edit_header(V, lambda h: h.__setitem__("__metadata__", [1])),
+                "error"),
         Variant("header: not JSON", raw_header(V, b"{not json}      "), "error"),
         Variant("header: JSON array", raw_header(V, b"[1, 2, 3]       "), "error"),
         Variant("header: JSON string", raw_header(V, b'"abc"   '), "error"),
@@ -337,8 +341,8 @@ def _header_variants() -> list[Variant]:
         Variant("header: length 0", raw_shard(V, lambda b: struct.pack("<Q", 0) + b[8:]), "error"),
         Variant("header: length beyond the file", raw_shard(V, lambda b: struct.pack("<Q", len(b)) + b[8:]),
                 "error"),
-        Variant("header: length one short", raw_shard(V, lambda b: struct.pack("<Q", struct.unpack("<Q", b[:8])[0]
-                                                                                    - 1) + b[8:]), "error"),
+        Variant("header: length one short", raw_shard(
+            V, lambda b: struct.pack("<Q", struct.unpack("<Q", b[:8])[0] - 1) + b[8:]), "error"),
         Variant("header: duplicate tensor key", raw_shard(V, _dup_key), "error"),
     ]
     return out
@@ -371,7 +375,8 @@ def _file_variants() -> list[Variant]:
         Variant("file: shard is /dev/null", replace_by(V, "/dev/null"), "error"),
         Variant("file: shard is /dev/zero", replace_by(V, "/dev/zero"), "error"),
         Variant("file: a FIFO named extra.safetensors", _fifo_extra, "error"),
-        Variant("file: a directory named extra.safetensors", lambda ck: (ck / "extra.safetensors").mkdir(), "error"),
+        Variant("file: a directory named extra.safetensors", lambda ck: (ck / "extra.safetensors").mkdir(),
+                "error"),
         Variant("file: a stray shard the index omits", _extra_shard, "error"),
         Variant("file: shard deleted", lambda ck: shard_of(ck, V).unlink(), "error"),
         Variant("file: no index, a FIFO named extra.safetensors", _both(_fifo_extra, _no_index), "error"),
@@ -379,7 +384,8 @@ def _file_variants() -> list[Variant]:
             lambda ck: (ck / "extra.safetensors").mkdir(), _no_index), "error"),
         Variant("file: no index, a shard a symlink out of the folder", _both(replace_by(V, "symlink_out"),
                                                                             _no_index), "error"),
-        Variant("file: no index, a shard is /dev/zero", _both(replace_by(V, "/dev/zero"), _no_index), "error"),
+        Variant("file: no index, a shard is /dev/zero", _both(replace_by(V, "/dev/zero"), _no_index),
+                "error"),
     ]
 
 
@@ -394,9 +400,10 @@ def _index_variants() -> list[Variant]:
         Variant("index: weight_map empty", index_map(lambda m: {}), "error"),
         Variant("index: weight_map missing", edit_json(INDEX, lambda i: i.pop("weight_map")), "error"),
         Variant("index: a shard name is a number", index_map(lambda m: m.__setitem__(V, 7)), "error"),
-        Variant("index: a shard outside the folder (..)", index_map(lambda m: m.__setitem__(V, "../x.safetensors")),
+        Variant("index: a shard outside the folder (..)", index_map(
+            lambda m: m.__setitem__(V, "../x.safetensors")), "error"),
+        Variant("index: an absolute shard path", index_map(lambda m: m.__setitem__(V, "/etc/passwd")),
                 "error"),
-        Variant("index: an absolute shard path", index_map(lambda m: m.__setitem__(V, "/etc/passwd")), "error"),
         Variant("index: a shard in a subfolder", index_map(lambda m: m.__setitem__(V, "sub/x.safetensors")),
                 "error"),
         Variant("index: a missing shard", index_map(lambda m: m.__setitem__(V, "nope.safetensors")), "error"),
@@ -421,7 +428,8 @@ def _config_variants() -> list[Variant]:
     def ct(c):
         from mxport.checkpoint.naming import quantization_config
 
-        c["quantization_config"] = quantization_config("compressed-tensors", c["quantization_config"]["ignore"])
+        c["quantization_config"] = quantization_config("compressed-tensors",
+                                                       c["quantization_config"]["ignore"])
 
     return [
         Variant("config: not JSON", write_text("config.json", "{oops"), "error"),
@@ -444,8 +452,9 @@ def _config_variants() -> list[Variant]:
         Variant("hf_quant_config: quantization a list", _both(
             edit_json("config.json", lambda c: c.pop("quantization_config")),
             edit_json("hf_quant_config.json", lambda h: _set(h, "quantization", [1]))), "error"),
-        Variant("hf_quant_config: a FIFO", _both(edit_json("config.json", lambda c: c.pop("quantization_config")),
-                                                  replace_by("hf_quant_config.json", "fifo")), "error"),
+        Variant("hf_quant_config: a FIFO", _both(
+            edit_json("config.json", lambda c: c.pop("quantization_config")),
+            replace_by("hf_quant_config.json", "fifo")), "error"),
         Variant("config: compressed-tensors (same names: valid)", edit_json("config.json", ct), "ok"),
     ]
 
@@ -462,20 +471,18 @@ def _pair_variants() -> list[Variant]:
         Variant("pair: scale as float32 values", tensors(lambda s: _set(s, S, (s[S].float() - 127).exp2())),
                 "error"),
         Variant("pair: scale as int32", tensors(lambda s: _set(s, S, s[S].to(t().int32))), "error"),
-        Variant("pair: a second scale (_scale_inv)", tensors(lambda s: _set(s, S + "_inv", s[S].clone())), "error"),
-        Variant("pair: a scale for a kept tensor", tensors(lambda s: _set(s, K + "_scale",
-                                                                          t().ones(1, 2, dtype=t().uint8)), K),
+        Variant("pair: a second scale (_scale_inv)", tensors(lambda s: _set(s, S + "_inv", s[S].clone())),
                 "error"),
-        Variant("pair: an orphan *.weight_scale", tensors(lambda s: _set(s, "model.foo.weight_scale",
-                                                                         t().ones(2, 1, dtype=t().uint8))), "error"),
+        Variant("pair: a scale for a kept tensor", tensors(lambda s: _set(
+            s, K + "_scale", t().ones(1, 2, dtype=t().uint8)), K), "error"),
+        Variant("pair: an orphan *.weight_scale", tensors(lambda s: _set(
+            s, "model.foo.weight_scale", t().ones(2, 1, dtype=t().uint8))), "error"),
         Variant("pair: values stored as BF16 beside their scale", tensors(lambda s: _set(
             s, V, s[V].to(t().bfloat16))), "error"),
-        Variant("pair: values 3-D [1, N, K] with a matching scale", tensors(lambda s: (_set(s, V, s[V][None]),
-                                                                                       _set(s, S, s[S][None]))),
-                "model"),
-        Variant("pair: values renamed with their scale", tensors(lambda s: (_set(s, V + "x", s.pop(V)),
-                                                                            _set(s, V + "x_scale", s.pop(S)))),
-                "model"),
+        Variant("pair: values 3-D [1, N, K] with a matching scale", tensors(
+            lambda s: (_set(s, V, s[V][None]), _set(s, S, s[S][None]))), "model"),
+        Variant("pair: values renamed with their scale", tensors(
+            lambda s: (_set(s, V + "x", s.pop(V)), _set(s, V + "x_scale", s.pop(S)))), "model"),
         Variant("pair: scales stored as F8_E8M0 (same bytes)", tensors(lambda s: _set(
             s, S, s[S].view(t().float8_e8m0fnu))), "ok"),
         Variant("data: one NaN scale byte (255)", data_bytes(S, lambda b: b.__setitem__(0, 255)), "error"),
@@ -483,15 +490,15 @@ def _pair_variants() -> list[Variant]:
                                                                                     * len(b))), "error"),
         Variant("data: every scale byte 0 (never written)", data_bytes(S, lambda b: b.__setitem__(
             slice(None), bytes(len(b)))), "error"),
-        Variant("data: NaN FP8 values (0x7F)", data_bytes(V, lambda b: b.__setitem__(slice(0, 4), b"\x7f" * 4)),
-                "error"),
+        Variant("data: NaN FP8 values (0x7F)", data_bytes(
+            V, lambda b: b.__setitem__(slice(0, 4), b"\x7f" * 4)), "error"),
         Variant("data: every value NaN (0xFF)", data_bytes(V, lambda b: b.__setitem__(slice(None), b"\xff"
                                                                                       * len(b))), "error"),
         Variant("model: a kept tensor removed", tensors(lambda s: s.pop(K), K), "model"),
-        Variant("model: an extra unknown tensor", tensors(lambda s: _set(s, "model.extra.weight", t().ones(3)), K),
-                "model"),
-        Variant("model: nothing quantized (every pair dequantized), config still MXFP8", _dequantize_every_shard,
-                "error"),
+        Variant("model: an extra unknown tensor", tensors(
+            lambda s: _set(s, "model.extra.weight", t().ones(3)), K), "model"),
+        Variant("model: nothing quantized (every pair dequantized), config still MXFP8",
+                _dequantize_every_shard, "error"),
         Variant("model: nothing quantized, no quantization config", _both(_dequantize_every_shard,
                                                                          _no_quant_config), "error"),
     ]
@@ -544,7 +551,8 @@ def _call(op: str, path: str, model, src: str, prompts: str) -> dict:
     try:
         if op == "inspect":
             rep = inspect_checkpoint(path)
-            return {"outcome": "problems" if rep["problems"] else "accepted", "detail": "; ".join(rep["problems"])}
+            return {"outcome": "problems" if rep["problems"] else "accepted",
+                    "detail": "; ".join(rep["problems"])}
         if op == "load":
             load_checkpoint(copy.deepcopy(model), path)
             return {"outcome": "accepted", "detail": ""}
@@ -593,8 +601,8 @@ class Runner:
         self.proc = None
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
         line = self._readline(300)
         if line != "ready\n":
             raise RuntimeError(f"the sweep worker did not start: {line!r}")
@@ -641,7 +649,8 @@ def classify(outcome: str, expected: str) -> str:
     return {"accepted": "silent success", "problems": "correct", "error": "clear error"}[outcome]
 
 
-def sweep(root: Path, variants: list[Variant], *, timeout: float = 60.0, log=None, progress=None) -> list[dict]:
+def sweep(root: Path, variants: list[Variant], *, timeout: float = 60.0, log=None,
+          progress=None) -> list[dict]:
     """Build the base checkpoint under ``root``, make every variant and run the three calls on each."""
     src, base = build_base(root)
     runner = Runner(src, root / "prompts.txt", timeout, log)

@@ -244,7 +244,8 @@ def fuzz_quantize(rng: random.Random, stats: Stats) -> None:
     if isinstance(x, torch.Tensor) and x.dtype.is_floating_point and rng.random() < 0.1:
         x = torch.nn.Parameter(x, requires_grad=rng.random() < 0.5) if x.dtype in FLOATS else x
     kw = {"direction": direction, "rounding": rounding, "block_2d": block_2d, "fast": fast}
-    if bad == "kernel" or rng.random() < 0.2:  # "eager" only: the others may be unavailable or slow to compile
+    # "eager" only: the others may be unavailable or slow to compile
+    if bad == "kernel" or rng.random() < 0.2:
         kw["kernel"] = _pick(rng, bad == "kernel", [None, "eager"], ["fast", 1, "EAGER", ["eager"]])
     if bad == "out" or (bad is None and direction == "rowwise" and rng.random() < 0.3):
         kw["out"] = _out_arg(rng, x, fp8, bad == "out")

@@ -109,7 +109,8 @@ def test_decoded_weight_cache_holds_one_entry_per_dtype():
     lin = MXFP8Linear.from_components(quantize(torch.randn(8, 64)))
     w32 = lin.decoded_weight(torch.float32)
     wbf = lin.decoded_weight(torch.bfloat16)
-    assert wbf.dtype == torch.bfloat16 and lin.decoded_weight(torch.float32) is w32  # not evicted by the bf16 decode
+    # not evicted by the bf16 decode
+    assert wbf.dtype == torch.bfloat16 and lin.decoded_weight(torch.float32) is w32
     lin.weight_scale.add_(1)  # an in-place write still invalidates every entry
     assert torch.equal(lin.decoded_weight(torch.float32), w32 * 2)
 

@@ -336,7 +336,8 @@ def test_two_process_refits_bucket_edges_sentinel_checksum_and_cache(tmp_path):
     assert rejected["receivers"] == [{"rank": 1, "status": "checksum", "bucket": 1, "entry": -1,
                                       "version": 1}]
     assert res["versions"] == [1, 3, 4]
-    assert res["equal"] == {1: True, 3: True, 4: True}  # sentinels fully overwritten by exactly the sent bytes
+    # sentinels fully overwritten by exactly the sent bytes
+    assert res["equal"] == {1: True, 3: True, 4: True}
     assert res["verify"][1] is True
     assert res["pointers"] == [True, True, True]
     err = res["corrupt_error"]

@@ -327,7 +327,8 @@ def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path
     kept = [i for i, e in enumerate(src.plan.entries) if e.role == "kept"]
     assert kept and all(first[i].data_ptr() == src._slots[i].data_ptr() for i in kept)
     i_embed = src.plan.index("model.embed_tokens.weight")
-    assert embed.data_ptr() == first[i_embed].data_ptr()  # the Parameter object itself now lives in the buffer
+    # the Parameter object itself now lives in the buffer
+    assert embed.data_ptr() == first[i_embed].data_ptr()
     with torch.no_grad():
         assert torch.equal(trainer(ids).logits, before)
     opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
@@ -492,7 +493,8 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises(direct):
     assert [r.status for r in info.value.receivers] == [Status.LIVE_CHANGED]
     th.join(timeout=60)
     assert not th.is_alive()
-    assert ch._queues[1].empty()  # the receiver still drained every bucket and the trailer: streams stay in step
+    # the receiver still drained every bucket and the trailer: streams stay in step
+    assert ch._queues[1].empty()
     assert out[0]["version"] == 1 and isinstance(out[1], RefitError) and "moved or reallocated" in str(out[1])
     assert receiver.version == 1
     if direct:
