@@ -28,7 +28,8 @@ def test_scale_names_per_format():
     assert scale_name(w, "compressed-tensors") == w + "_scale"
     assert scale_name(w, "sglang") == w + "_scale_inv"
     fused = "model.layers.0.mlp.experts.down_proj"
-    assert scale_name(fused, "sglang") == fused + "_scale_inv" and scale_name(fused, "modelopt") == fused + "_scale"
+    assert (scale_name(fused, "sglang") == fused + "_scale_inv"
+            and scale_name(fused, "modelopt") == fused + "_scale")
     assert values_name(w + "_scale_inv", "sglang") == w
     with pytest.raises(ValueError, match="format"):
         scale_name(w, "gguf")
@@ -42,7 +43,8 @@ def test_quantization_configs_per_format():
     assert hq["quantization"]["quant_algo"] == "MXFP8" and hq["quantization"]["group_size"] == 32
     assert hq["quantization"]["exclude_modules"] == ex and "kv_cache_quant_algo" in hq["quantization"]
     ct = quantization_config("compressed-tensors", ex)
-    assert ct["quant_method"] == "compressed-tensors" and ct["format"] == "mxfp8-quantized" and ct["ignore"] == ex
+    assert (ct["quant_method"] == "compressed-tensors" and ct["format"] == "mxfp8-quantized"
+            and ct["ignore"] == ex)
     wargs = ct["config_groups"]["group_0"]["weights"]
     assert (wargs["strategy"], wargs["group_size"], wargs["type"], wargs["num_bits"], wargs["symmetric"],
             wargs["scale_dtype"]) == ("group", 32, "float", 8, True, "uint8")
@@ -79,7 +81,8 @@ def test_parse_size():
 
 def test_streaming_writer_matches_safetensors(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(5, 7, generator=g).bfloat16(), "b": torch.arange(12, dtype=torch.uint8).view(3, 4),
+    tensors = {"a": torch.randn(5, 7, generator=g).bfloat16(),
+               "b": torch.arange(12, dtype=torch.uint8).view(3, 4),
                "c": torch.randn(3, generator=g), "d": torch.randn(4, 64, generator=g).to(torch.float8_e4m3fn),
                "e": torch.zeros(0, 3)}
     groups = [[TensorSpec(k, v.dtype, tuple(v.shape))] for k, v in tensors.items()]
@@ -143,7 +146,8 @@ def make_mxfp8_dir(path, fmt, *, sharded=False):
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     else:
         save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"quantization_config": quantization_config(fmt, ["lm_head"])}))
+    (path / "config.json").write_text(
+        json.dumps({"quantization_config": quantization_config(fmt, ["lm_head"])}))
     return src
 
 
@@ -255,7 +259,8 @@ def test_export_refuses_a_header_shape_claiming_more_bytes_than_its_offsets(tmp_
 
     src = tmp_path / "src"
     src.mkdir()
-    save_file({"a.weight": torch.randn(4, 64), "b.weight": torch.randn(4, 64)}, str(src / "model.safetensors"))
+    save_file({"a.weight": torch.randn(4, 64), "b.weight": torch.randn(4, 64)},
+              str(src / "model.safetensors"))
     (src / "config.json").write_text("{}")
     h, data = _header_and_data(src / "model.safetensors")
     h["a.weight"]["shape"] = [5, 64]  # one row more: the neighbour's bytes were exported as that row
@@ -425,7 +430,8 @@ def test_inspect_report_typed_and_dict_keys(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         rep.format = "sglang"
     d = rep.to_dict()
-    assert list(d) == ["path", "format", "format_source", "tensors", "pairs", "totals", "problems", "warnings"]
+    assert list(d) == ["path", "format", "format_source", "tensors", "pairs", "totals", "problems",
+                       "warnings"]
     assert d == inspect_checkpoint(tmp_path / "ck") and rep["pairs"] == d["pairs"] and len(d["pairs"]) == 2
     json.dumps(d)
 
