@@ -41,8 +41,8 @@ def test_every_help_works_and_shows_flags_as_flags(command):
     assert "<bool>" not in r.stdout  # `--dry-run`, not `--dry-run <bool>`
     cmd = typer.main.get_command(app).commands[command]
     flags = [p.opts[0] for p in cmd.params if getattr(p, "is_flag", False)]
-    assert set(flags) >= {"export": {"--overwrite", "--dry-run"}, "inspect": {"--no-stats"}, "bench": {"--quick"},
-                          "verify": {"--per-layer"}}.get(command, set())
+    assert set(flags) >= {"export": {"--overwrite", "--dry-run"}, "inspect": {"--no-stats"},
+                          "bench": {"--quick"}, "verify": {"--per-layer"}}.get(command, set())
     for flag in flags:
         (row,) = [x for x in r.stdout.splitlines() if re.match(rf"^\W*{flag}\s", x)]
         assert "<" not in row, row  # no value type in the flag's row
@@ -93,7 +93,8 @@ def test_export_command_is_complete_and_quoted():
     cmd = export_command("/models/my model", ["model.layers.3.*"], "e5m2")
     assert shlex.split(cmd) == ["mxport", "export", "/models/my model", "-o", "my model-mxfp8", "--format",
                                 "sglang", "--fp8-dtype", "e5m2", "--exclude", "model.layers.3.*"]
-    assert shlex.split(export_command(None, [], "e4m3")) == ["mxport", "export", "-o", "SmolLM2-135M-Instruct-mxfp8"]
+    assert shlex.split(export_command(None, [], "e4m3")) == ["mxport", "export", "-o",
+                                                              "SmolLM2-135M-Instruct-mxfp8"]
 
 
 @pytest.mark.slow
@@ -101,8 +102,8 @@ def test_verify_target_kl_prints_a_command_that_runs(tmp_path, llama, monkeypatc
     """``verify --per-layer --target-kl`` prints, on one line however narrow the terminal, an ``mxport
     export`` command that runs as printed: it writes the checkpoint with the suggested layers (and the user's
     --exclude) kept in high precision."""
-    r = runner.invoke(app, ["verify", str(llama), "--max-new-tokens", "2", "--per-layer", "--target-kl", "1e-12",
-                            "--exclude", "model.layers.0.mlp.*"], env={"COLUMNS": "40"})
+    r = runner.invoke(app, ["verify", str(llama), "--max-new-tokens", "2", "--per-layer", "--target-kl",
+                            "1e-12", "--exclude", "model.layers.0.mlp.*"], env={"COLUMNS": "40"})
     assert r.exit_code == 0, r.output
     (line,) = [x for x in r.stdout.splitlines() if x.strip().startswith("mxport export")]
     argv = shlex.split(line)

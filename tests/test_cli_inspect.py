@@ -125,7 +125,8 @@ def test_config_without_pairs_and_e8m0_dtype(tmp_path):
                                              "(not quantized?)"]
     if hasattr(torch, "float8_e8m0fnu"):
         c = quantize(torch.randn(4, 32))
-        p = write(tmp_path / "e8m0", {"a.weight": c.data, "a.weight_scale": c.scale_inv.view(torch.float8_e8m0fnu)})
+        p = write(tmp_path / "e8m0", {"a.weight": c.data,
+                                      "a.weight_scale": c.scale_inv.view(torch.float8_e8m0fnu)})
         rep = inspect_checkpoint(p)
         assert rep["problems"] == [] and rep["warnings"]
 

@@ -89,7 +89,8 @@ def test_inspect_in_a_terminal(tmp_path, llama):
     code, term, _ = run_in_terminal(["inspect", tmp_path / "ck"], timeout=90)
     assert code == 0, term[-2000:]
     assert "no problems found" in term
-    code, term, out = run_in_terminal(["inspect", tmp_path / "ck", "--json", "-"], timeout=90, stdout_pipe=True)
+    code, term, out = run_in_terminal(["inspect", tmp_path / "ck", "--json", "-"], timeout=90,
+                                      stdout_pipe=True)
     assert code == 0, term[-2000:]
     assert json.loads(out)["problems"] == [] and "{" not in term  # the JSON on stdout only ...
     assert "MXFP8 pairs" in term  # ... the progress bar on the terminal (stderr)

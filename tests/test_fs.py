@@ -196,9 +196,11 @@ def test_interrupted_overwrite_is_recovered(tiny_src, tmp_path):
     (tmp_path / f".out.mxport-tmp-{pid}-ijklmnop").mkdir()
     with pytest.raises(FileExistsError):  # restored, so it exists again: not replaced without overwrite
         export_checkpoint(str(tiny_src), out)
-    assert _siblings(tmp_path) == ["out"] and (out / "previous.txt").read_text() == "the user's previous export"
+    assert (_siblings(tmp_path) == ["out"]
+            and (out / "previous.txt").read_text() == "the user's previous export")
     export_checkpoint(str(tiny_src), out, overwrite=True)
-    assert _siblings(tmp_path) == ["out"] and (out / "config.json").exists() and not (out / "previous.txt").exists()
+    assert (_siblings(tmp_path) == ["out"] and (out / "config.json").exists()
+            and not (out / "previous.txt").exists())
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -217,7 +219,8 @@ def test_replace_dir_swaps_with_exchange_or_backup(tmp_path, monkeypatch, exchan
     os.rename(out, tmp)
     out.symlink_to(target, target_is_directory=True)
     replace_dir(tmp, out)
-    assert not out.is_symlink() and (out / "f").read_text() == "new" and (target / "keep").read_text() == "keep"
+    assert (not out.is_symlink() and (out / "f").read_text() == "new"
+            and (target / "keep").read_text() == "keep")
     assert _siblings(tmp_path) == ["elsewhere", "out"]
 
 
@@ -294,8 +297,8 @@ def test_an_output_under_a_file_or_a_link_loop_is_one_clear_line(tiny_src, tmp_p
     (tmp_path / "b").symlink_to(tmp_path / "a")
     (tmp_path / "f").write_text("a file")
     for parent in ("a", "f"):
-        with pytest.raises(OutputError, match=f"^cannot write '.*/{parent}/out': '.*/{parent}' exists and is not a "
-                                              "directory$"):
+        with pytest.raises(OutputError, match=f"^cannot write '.*/{parent}/out': '.*/{parent}' exists and "
+                                              "is not a directory$"):
             export_checkpoint(str(tiny_src), tmp_path / parent / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "f"]
 

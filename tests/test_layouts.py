@@ -25,7 +25,8 @@ def formula_swizzle(scale: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.uint8).reshape(pr, pc)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (128, 4), (129, 5), (192, 18), (576, 18), (300, 9), (256, 8)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (128, 4), (129, 5), (192, 18), (576, 18), (300, 9),
+                                   (256, 8)])
 def test_swizzle_equals_byte_formula(shape):
     g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
     s = torch.randint(1, 255, shape, dtype=torch.uint8, generator=g)
@@ -152,7 +153,8 @@ def test_huge_declared_grids_raise_a_clear_error_not_the_allocator():
     from mxport.formats import TooLargeError
 
     huge = torch.zeros(1, 64, dtype=torch.uint8).expand(1 << 52, 64)
-    for fn, name in ((layouts.swizzle, "scale_inv_2d"), (lambda g: layouts.pad(g, "columnwise"), "scale_inv_2d")):
+    for fn, name in ((layouts.swizzle, "scale_inv_2d"),
+                     (lambda g: layouts.pad(g, "columnwise"), "scale_inv_2d")):
         with pytest.raises(TooLargeError, match=f"^{name} of shape \\(4503599627370496, 64\\)") as info:
             fn(huge)
         assert isinstance(info.value, ValueError) and isinstance(info.value, MemoryError)
