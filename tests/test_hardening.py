@@ -37,8 +37,8 @@ def test_te_fp8_dtype_codes_are_not_truncated(code):
     c = quantize(torch.randn(4, 64))
     with pytest.raises(TypeError, match="_fp8_dtype"):
         mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv), fp8_dtype=code))
-    assert mxport.export_components(
-        _te_storage(c, mxport.layouts.pad(c.scale_inv), fp8_dtype=np.int64(7))).fp8_dtype == torch.float8_e4m3fn
+    assert mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv),
+                                                fp8_dtype=np.int64(7))).fp8_dtype == torch.float8_e4m3fn
 
 
 def _one_pair_checkpoint(path, scale_fill=None):

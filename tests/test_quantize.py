@@ -22,7 +22,8 @@ def _bytes(c: MXFP8Components):
     return c.data.view(torch.uint8).cpu().numpy(), c.scale_inv.cpu().numpy()
 
 
-def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, direction: str, block_2d: bool = False):
+def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, direction: str,
+                             block_2d: bool = False):
     c = quantize(x, FP8[elem], direction=direction, rounding=rounding, block_2d=block_2d)
     q_ref, s_ref = ref_quantize(x.float().cpu().numpy(), elem, rounding, direction, block_2d)
     q, s = _bytes(c)
@@ -37,7 +38,8 @@ def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, directio
     return c
 
 
-SHAPES = [(1, 1), (3, 16), (2, 31), (5, 33), (4, 48), (3, 576), (1, 4096), (127, 64), (129, 40), (2, 3, 64), (7,)]
+SHAPES = [(1, 1), (3, 16), (2, 31), (5, 33), (4, 48), (3, 576), (1, 4096), (127, 64), (129, 40), (2, 3, 64),
+          (7,)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -241,8 +243,8 @@ def float_tensors(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=float_tensors(), elem=st.sampled_from(["e4m3", "e5m2"]), rounding=st.sampled_from(["rceil", "floor"]),
-       direction=st.sampled_from(["rowwise", "columnwise"]))
+@given(x=float_tensors(), elem=st.sampled_from(["e4m3", "e5m2"]),
+       rounding=st.sampled_from(["rceil", "floor"]), direction=st.sampled_from(["rowwise", "columnwise"]))
 def test_property_matches_reference(x, elem, rounding, direction):
     _check_against_reference(x, elem, rounding, direction)
 
@@ -328,7 +330,8 @@ def test_fp8_dtype_other_than_the_two_mxfp8_elements_is_a_type_error(dtype):
 
 @pytest.mark.parametrize(("kw", "msg"), [({"rounding": ("rceil",)}, "^rounding must be 'rceil' or 'floor'"),
                                          ({"rounding": None}, "^rounding must be"),
-                                         ({"direction": ["rowwise"]}, "^direction must be 'rowwise' or 'columnwise'"),
+                                         ({"direction": ["rowwise"]},
+                                          "^direction must be 'rowwise' or 'columnwise'"),
                                          ({"direction": 0}, "^direction must be")])
 def test_rounding_and_direction_must_be_their_names(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -350,7 +353,8 @@ def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatc
 
     def compiled(fn, **kw):
         def run(x2):
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: "
+                               "can't allocate memory")
         return run
 
     path = q._FastPath()
@@ -371,7 +375,8 @@ def test_components_repr_never_prints_the_values():
 
     with pytest.raises(TooLargeError, match="^components of shape"):
         mxport.dequantize(c)
-    with pytest.raises(TypeError, match="^dtype must be torch.float32, bfloat16, float16 or float64, got 'float32'"):
+    with pytest.raises(TypeError,
+                       match="^dtype must be torch.float32, bfloat16, float16 or float64, got 'float32'"):
         mxport.dequantize(quantize(torch.randn(2, 32)), "float32")
 
 
@@ -406,9 +411,11 @@ def test_kernel_argument_picks_the_kernel_and_overrides_the_env_switch(monkeypat
     assert torch.equal(got.scale_inv, eager.scale_inv)
     assert torch.equal(got.data.view(torch.uint8), eager.data.view(torch.uint8))
     assert q.kernel_for(x.reshape(40, 100)) in ("native", "eager")  # the automatic choice still skips it
-    assert q.kernel_for(x, kernel="compiled") == "compiled" and q.kernel_for(x[:0], kernel="compiled") == "eager"
+    assert (q.kernel_for(x, kernel="compiled") == "compiled"
+            and q.kernel_for(x[:0], kernel="compiled") == "eager")
     path.failed_reason = "torch.compile failed: test"
-    with pytest.raises(RuntimeError, match="^kernel='compiled' is not available here: torch.compile failed: test"):
+    with pytest.raises(RuntimeError,
+                       match="^kernel='compiled' is not available here: torch.compile failed: test"):
         quantize(x, kernel="compiled")
 
 
@@ -433,9 +440,11 @@ def test_kernel_native_runs_or_says_why_and_env_steers_the_automatic_choice_only
         q.kernel_for(torch.randn(2, 32, dtype=torch.float64), kernel="native")
 
 
-@pytest.mark.parametrize(("kw", "msg"), [({"kernel": "fast"}, "^kernel must be None, 'native', 'compiled' or 'eager'"),
+@pytest.mark.parametrize(("kw", "msg"), [({"kernel": "fast"},
+                                          "^kernel must be None, 'native', 'compiled' or 'eager'"),
                                          ({"kernel": 1}, "^kernel must be None"),
-                                         ({"kernel": "eager", "fast": False}, "^give fast or kernel, not both")])
+                                         ({"kernel": "eager", "fast": False},
+                                          "^give fast or kernel, not both")])
 def test_kernel_argument_checks(kw, msg):
     with pytest.raises(ValueError, match=msg):
         quantize(torch.randn(2, 32), **kw)

@@ -32,7 +32,8 @@ def items():
            ("lin.weight", "values", torch.float8_e4m3fn, (64, 96)),
            ("lin.weight_scale", "scales", torch.uint8, (64, 3)),
            ("edge.large", "kept", torch.float32, (BUCKET * 7 // 8,))]
-    out += [(f"tiny.{i}", "kept", torch.bfloat16 if i % 2 else torch.uint8, (1 + i % 3,)) for i in range(N_TINY)]
+    out += [(f"tiny.{i}", "kept", torch.bfloat16 if i % 2 else torch.uint8, (1 + i % 3,))
+            for i in range(N_TINY)]
     return out
 
 
@@ -275,14 +276,17 @@ def _kill_receiver(init, init2, direct=False):
         res["error"] = {"msg": str(exc), "bucket": exc.bucket, "tensors": exc.tensors[:3]}
     res["kept_v1"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(1), strict=True))
     if direct:
-        res["kept_v1"] = res["kept_v1"] and torch.equal(stream_arena(plan, targets), _stream(plan, payload(1)))
+        res["kept_v1"] = res["kept_v1"] and torch.equal(stream_arena(plan, targets),
+                                                        _stream(plan, payload(1)))
     res["version_after_error"] = receiver.version
     receiver.transport.close()
-    receiver.transport = TorchDistTransport.init(rank=1, world_size=2, init_method=init2, timeout_s=PG_TIMEOUT_S)
+    receiver.transport = TorchDistTransport.init(rank=1, world_size=2, init_method=init2,
+                                                 timeout_s=PG_TIMEOUT_S)
     receiver.handshake()
     stats = receiver.receive()
     res["next_version"] = stats["version"]
-    res["next_equal"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(3), strict=True))
+    res["next_equal"] = all(torch.equal(_bytes(t), _bytes(e))
+                            for t, e in zip(targets, payload(3), strict=True))
     res["pointers"] = receiver.pointers() == ptrs
     receiver.transport.close()
     return res

@@ -174,8 +174,8 @@ def test_checksum_sees_swapped_chunks():
 
 
 @settings(max_examples=15, deadline=None)
-@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.sampled_from(DTYPES)),
-                      min_size=1, max_size=12),
+@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3),
+                                st.sampled_from(DTYPES)), min_size=1, max_size=12),
        bucket=st.sampled_from([16, 64, 512]))
 def test_in_process_refit_overwrites_sentinels_with_sent_bytes(specs, bucket):
     g = torch.Generator().manual_seed(len(specs) * 1000 + bucket)
@@ -365,7 +365,8 @@ def test_trainer_arena_copies_what_it_cannot_adopt():
         model.norm.data = torch.full((16,), 3.0)  # replaced: no longer the buffer's view
     out = dict(zip([e.name for e in src.plan.entries], src.tensors(), strict=True))
     assert torch.equal(out["a"], model.a.detach()) and torch.equal(out["b"], model.b.detach())
-    assert torch.equal(out["norm"], torch.full((16,), 3.0)) and out["norm"].data_ptr() != model.norm.data_ptr()
+    assert (torch.equal(out["norm"], torch.full((16,), 3.0))
+            and out["norm"].data_ptr() != model.norm.data_ptr())
     bf = TrainerSource(model, bucket_bytes=256, kept_dtype=torch.bfloat16, arena=True)
     out = dict(zip([e.name for e in bf.plan.entries], bf.tensors(), strict=True))
     assert out["norm"].dtype == torch.bfloat16 and torch.equal(out["norm"], torch.full((16,), 3.0).bfloat16())
@@ -433,8 +434,8 @@ def test_trainer_arena_takes_native_mxfp8_storage_too():
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(64, 32, bias=False)
-    model.lin.weight = torch.nn.Parameter(mx_tensor.MXTensor.to_mx(torch.randn(32, 64), torch.float8_e4m3fn, 32),
-                                          requires_grad=False)
+    model.lin.weight = torch.nn.Parameter(
+        mx_tensor.MXTensor.to_mx(torch.randn(32, 64), torch.float8_e4m3fn, 32), requires_grad=False)
     model.norm = torch.nn.Parameter(torch.randn(16))
     src = TrainerSource(model, bucket_bytes=256, arena=True)
     want = [t.clone() for t in TrainerSource(model, bucket_bytes=256).tensors()]
@@ -469,7 +470,8 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises(direct):
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(3)
     v1, v2 = ([_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(2))
-    targets = allocate_targets(plan) if direct else [torch.zeros(shape, dtype=dt) for _, _, dt, shape in items]
+    targets = (allocate_targets(plan) if direct
+               else [torch.zeros(shape, dtype=dt) for _, _, dt, shape in items])
     arena = stream_arena(plan, targets) if direct else None
     ch = InProcessChannel(1, timeout_s=30)
     receiver = RefitReceiver(ch.endpoint(1), plan, targets)
@@ -510,8 +512,8 @@ def _stream_bytes(plan, tensors):
 
 
 def test_allocate_targets_is_one_arena_in_stream_order():
-    items = _items([((3,), torch.uint8), ((0, 5), torch.float32), ((5, 7), torch.float32), ((9,), torch.bfloat16),
-                    ((2, 32), torch.float8_e4m3fn)])
+    items = _items([((3,), torch.uint8), ((0, 5), torch.float32), ((5, 7), torch.float32),
+                    ((9,), torch.bfloat16), ((2, 32), torch.float8_e4m3fn)])
     plan = RefitPlan(items, 64)
     targets = allocate_targets(plan)
     base = targets[0].data_ptr()
@@ -547,8 +549,8 @@ def test_receiver_picks_direct_mode_from_the_targets():
 def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous_version():
     """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure
     the arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
-    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8),
-                    ((3, 32), torch.float8_e4m3fn)])
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8),
+                    ((300,), torch.uint8), ((3, 32), torch.float8_e4m3fn)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(11)
     vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(6)]
@@ -571,7 +573,8 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
                                             fault=corrupt, stream_crc32=True)
     assert receiver.direct and isinstance(sent[3], ValueError) and isinstance(sent[4], ValueError)
     assert got[0]["version"] == 1 and got[0]["direct"] is True and got[0]["commit_s"] < 0.05
-    assert isinstance(got[1], RefitError) and got[1].bucket == 3 and "restored from the rollback copy" in str(got[1])
+    assert (isinstance(got[1], RefitError) and got[1].bucket == 3
+            and "restored from the rollback copy" in str(got[1]))
     assert isinstance(got[3], RefitError) and "aborted" in str(got[3]) and got[3].kept_version == 3
     assert isinstance(got[4], RefitError) and got[4].kept_version == 3
     assert got[5]["version"] == 6 and receiver.version == 6
@@ -654,7 +657,8 @@ def test_sender_sends_an_arena_without_packing():
     """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by
     bucket straight from the arena, whether they come as a list or from a generator; scattered copies of them
     are packed; the receiver gets the same bytes."""
-    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8)])
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8),
+                    ((300,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(2)
     src = allocate_targets(plan)
@@ -901,7 +905,8 @@ def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused()
     seq = torch.tensor([[1, 2, 3, 9, 0]])
     logits = torch.randn(2, 10)
     mine = _Reply(rank=1, version=7, seconds=0.25, recv_s=0.125, commit_s=0.0625, bit_exact=True,
-                  live_crc32=2**32 - 5, pointers_stable=False, gen_s=1.5, prompt_len=3, seq=seq, logits=logits)
+                  live_crc32=2**32 - 5, pointers_stable=False, gen_s=1.5, prompt_len=3, seq=seq,
+                  logits=logits)
     out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, mine))
     got = out[0][1]
     assert got.live_crc32 == 2**32 - 5 and got.version == 7 and got.rank == 1 and got.prompt_len == 3
