@@ -3,9 +3,9 @@
     PYTHONPATH=src python scripts/fuzz_api.py [--cases N] [--seeds S ...] [--json FILE]
 
 Each case is classified (tests/fuzz_api.py): correct (a result equal to the independent reference), clear
-(TypeError / ValueError naming an argument), unclear (TypeError / ValueError naming none), wrong (a result that
-differs from the reference), raw (any other exception). A crash (the process dying) stops the run: the exit code
-says so. Exit 0 when there is no wrong / unclear / raw outcome, 1 otherwise.
+(TypeError / ValueError naming an argument), unclear (TypeError / ValueError naming none), wrong (a result
+that differs from the reference), raw (any other exception). A crash (the process dying) stops the run: the
+exit code says so. Exit 0 when there is no wrong / unclear / raw outcome, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("MXPORT_DISABLE_COMPILE", "1")  # as the tests: compiling costs tens of seconds per graph
+# as the tests: compiling costs tens of seconds per graph
+os.environ.setdefault("MXPORT_DISABLE_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fuzz_api  # noqa: E402

@@ -1,19 +1,20 @@
-"""Corrupt-checkpoint sweep (issue 12): many corrupt variants of one small exported checkpoint, each run through
-``inspect_checkpoint``, ``load_checkpoint`` and ``mxport verify --checkpoint`` (the CLI in-process), every call in a
-worker process watched by a timeout, so a hang or a crash is seen, not waited on.
+"""Corrupt-checkpoint sweep (issue 12): many corrupt variants of one small exported checkpoint, each run
+through ``inspect_checkpoint``, ``load_checkpoint`` and ``mxport verify --checkpoint`` (the CLI in-process),
+every call in a worker process watched by a timeout, so a hang or a crash is seen, not waited on.
 
 The variant generator (:data:`VARIANTS`, :func:`make_variant`) is the one place both users take it from:
-``tests/test_corrupt_sweep.py`` runs a subset; ``python tests/corrupt_sweep.py`` runs them all and prints the counts
-(``--json FILE`` writes every result). Run it with ``PYTHONPATH`` naming the mxport to test.
+``tests/test_corrupt_sweep.py`` runs a subset; ``python tests/corrupt_sweep.py`` runs them all and prints the
+counts (``--json FILE`` writes every result). Run it with ``PYTHONPATH`` naming the mxport to test.
 
 Each variant says what each call must do: ``error`` (refuse it: a ValueError-family error with a message, an
-``inspect`` report with problems, ``verify`` exit 1 or 2) or ``ok`` (accept it: the variant is a valid checkpoint
-written differently). ``model``: the files are a valid MXFP8 checkpoint that does not match the model (a kept tensor
-missing or renamed, an extra tensor): ``inspect`` knows no model, so it must accept it; the two others must refuse.
+``inspect`` report with problems, ``verify`` exit 1 or 2) or ``ok`` (accept it: the variant is a valid
+checkpoint written differently). ``model``: the files are a valid MXFP8 checkpoint that does not match the
+model (a kept tensor missing or renamed, an extra tensor): ``inspect`` knows no model, so it must accept it;
+the two others must refuse.
 
 Outcome categories: correct (accepted as expected, or problems reported), clear error, and the bad ones: raw
-exception (another exception type), traceback (the CLI printed one), silent success (a corrupt file accepted as
-fine), false alarm (a valid variant refused), hang, crash.
+exception (another exception type), traceback (the CLI printed one), silent success (a corrupt file accepted
+as fine), false alarm (a valid variant refused), hang, crash.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ K = "model.norm.weight"
 E = "model.embed_tokens.weight"
 
 
-# -- the base checkpoint -----------------------------------------------------------------------------------------
+# -- the base checkpoint -------------------------------------------------------------------------------------
 def build_base(root: Path) -> tuple[Path, Path]:
-    """A tiny Llama (``src``, with tokenizer) and its modelopt export in several shards with an index (``base``)."""
+    """A tiny Llama (``src``, with tokenizer) and its modelopt export in several shards
+    with an index (``base``)."""
     from mxport.checkpoint import export_checkpoint
     from mxport.testing import make_tiny_llama
 
@@ -56,7 +58,7 @@ def build_base(root: Path) -> tuple[Path, Path]:
     return src, root / "base"
 
 
-# -- byte-level helpers ------------------------------------------------------------------------------------------
+# -- byte-level helpers --------------------------------------------------------------------------------------
 def read_st(f: Path) -> tuple[dict, bytes]:
     raw = f.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -107,7 +109,8 @@ def raw_header(name: str, header: bytes, length: int | None = None) -> Callable[
 
 
 def tensors(fn: Callable[[dict], None], shard_name: str = V) -> Callable[[Path], None]:
-    """Rewrite the shard holding ``shard_name`` with ``fn(state dict)`` (a valid file), the index kept in step."""
+    """Rewrite the shard holding ``shard_name`` with ``fn(state dict)`` (a valid file), the
+    index kept in step."""
     def mutate(ck: Path) -> None:
         from safetensors.torch import load_file, save_file
 
@@ -138,7 +141,8 @@ def data_bytes(name: str, fn: Callable[[bytearray], None]) -> Callable[[Path], N
 
 
 def edit_json(fname: str, fn: Callable[[dict], object]) -> Callable[[Path], None]:
-    """Rewrite JSON file ``fname`` of the checkpoint with ``fn(obj)`` (its return value, when not None, is written)."""
+    """Rewrite JSON file ``fname`` of the checkpoint with ``fn(obj)`` (its return value, when
+    not None, is written)."""
     def mutate(ck: Path) -> None:
         obj = json.loads((ck / fname).read_text())
         out = fn(obj)
@@ -267,7 +271,7 @@ def _set(d, k, v):
     d[k] = v
 
 
-# -- the variants ------------------------------------------------------------------------------------------------
+# -- the variants --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -293,16 +297,19 @@ def _header_variants() -> list[Variant]:
             Variant(f"{tag}: shape huge", _shape(name, lambda s: [2**62, *s[1:]]), "error"),
             Variant(f"{tag}: offsets overlap the previous tensor", _offsets(name, lambda o: [o[0] - 2, o[1]]),
                     "error"),
-            Variant(f"{tag}: offsets beyond the file", _offsets(name, lambda o: [o[0], o[1] + 10**6]), "error"),
+            Variant(f"{tag}: offsets beyond the file", _offsets(name, lambda o: [o[0], o[1] + 10**6]),
+                    "error"),
             Variant(f"{tag}: offsets reversed", _offsets(name, lambda o: [o[1], o[0]]), "error"),
             Variant(f"{tag}: offsets negative", _offsets(name, lambda o: [-8, o[1]]), "error"),
             Variant(f"{tag}: offsets leave a gap", _offsets(name, lambda o: [o[0] + 1, o[1]]), "error"),
-            Variant(f"{tag}: offsets missing", edit_header(name, lambda h, n=name: h[n].pop("data_offsets")), "error"),
+            Variant(f"{tag}: offsets missing", edit_header(name, lambda h, n=name: h[n].pop("data_offsets")),
+                    "error"),
             Variant(f"{tag}: dtype missing", edit_header(name, lambda h, n=name: h[n].pop("dtype")), "error"),
             Variant(f"{tag}: dtype unknown", set_entry(name, "dtype", "XYZ"), "error"),
             Variant(f"{tag}: dtype C64", set_entry(name, "dtype", "C64"), "error"),
             Variant(f"{tag}: dtype lowercase", set_entry(name, "dtype", "u8"), "error"),
-            Variant(f"{tag}: entry is a list", edit_header(name, lambda h, n=name: h.__setitem__(n, [1, 2])), "error"),
+            Variant(f"{tag}: entry is a list", edit_header(name, lambda h, n=name: h.__setitem__(n, [1, 2])),
+                    "error"),
         ]
     out += [
         Variant("values: dtype F8_E5M2 (config says E4M3)", set_entry(V, "dtype", "F8_E5M2"), "error"),
@@ -320,9 +327,10 @@ def _header_variants() -> list[Variant]:
         Variant("kept: shape transposed (same bytes)", _shape(E, lambda s: s[::-1]), "model"),
         Variant("header: tensor entry with an unknown key (harmless)", edit_header(
             V, lambda h: h[V].__setitem__("x", 1)), "ok"),
-        Variant("header: __metadata__ with a number", edit_header(V, lambda h: h.__setitem__("__metadata__",
-                                                                                               {"a": 1})), "error"),
-        Variant("header: __metadata__ a list", edit_header(V, lambda h: h.__setitem__("__metadata__", [1])), "error"),
+        Variant("header: __metadata__ with a number", edit_header(
+            V, lambda h: h.__setitem__("__metadata__", {"a": 1})), "error"),
+        Variant("header: __metadata__ a list", edit_header(V, lambda h: h.__setitem__("__metadata__", [1])),
+                "error"),
         Variant("header: not JSON", raw_header(V, b"{not json}      "), "error"),
         Variant("header: JSON array", raw_header(V, b"[1, 2, 3]       "), "error"),
         Variant("header: JSON string", raw_header(V, b'"abc"   '), "error"),
@@ -333,8 +341,8 @@ def _header_variants() -> list[Variant]:
         Variant("header: length 0", raw_shard(V, lambda b: struct.pack("<Q", 0) + b[8:]), "error"),
         Variant("header: length beyond the file", raw_shard(V, lambda b: struct.pack("<Q", len(b)) + b[8:]),
                 "error"),
-        Variant("header: length one short", raw_shard(V, lambda b: struct.pack("<Q", struct.unpack("<Q", b[:8])[0]
-                                                                                    - 1) + b[8:]), "error"),
+        Variant("header: length one short", raw_shard(
+            V, lambda b: struct.pack("<Q", struct.unpack("<Q", b[:8])[0] - 1) + b[8:]), "error"),
         Variant("header: duplicate tensor key", raw_shard(V, _dup_key), "error"),
     ]
     return out
@@ -367,7 +375,8 @@ def _file_variants() -> list[Variant]:
         Variant("file: shard is /dev/null", replace_by(V, "/dev/null"), "error"),
         Variant("file: shard is /dev/zero", replace_by(V, "/dev/zero"), "error"),
         Variant("file: a FIFO named extra.safetensors", _fifo_extra, "error"),
-        Variant("file: a directory named extra.safetensors", lambda ck: (ck / "extra.safetensors").mkdir(), "error"),
+        Variant("file: a directory named extra.safetensors", lambda ck: (ck / "extra.safetensors").mkdir(),
+                "error"),
         Variant("file: a stray shard the index omits", _extra_shard, "error"),
         Variant("file: shard deleted", lambda ck: shard_of(ck, V).unlink(), "error"),
         Variant("file: no index, a FIFO named extra.safetensors", _both(_fifo_extra, _no_index), "error"),
@@ -375,7 +384,8 @@ def _file_variants() -> list[Variant]:
             lambda ck: (ck / "extra.safetensors").mkdir(), _no_index), "error"),
         Variant("file: no index, a shard a symlink out of the folder", _both(replace_by(V, "symlink_out"),
                                                                             _no_index), "error"),
-        Variant("file: no index, a shard is /dev/zero", _both(replace_by(V, "/dev/zero"), _no_index), "error"),
+        Variant("file: no index, a shard is /dev/zero", _both(replace_by(V, "/dev/zero"), _no_index),
+                "error"),
     ]
 
 
@@ -390,9 +400,10 @@ def _index_variants() -> list[Variant]:
         Variant("index: weight_map empty", index_map(lambda m: {}), "error"),
         Variant("index: weight_map missing", edit_json(INDEX, lambda i: i.pop("weight_map")), "error"),
         Variant("index: a shard name is a number", index_map(lambda m: m.__setitem__(V, 7)), "error"),
-        Variant("index: a shard outside the folder (..)", index_map(lambda m: m.__setitem__(V, "../x.safetensors")),
+        Variant("index: a shard outside the folder (..)", index_map(
+            lambda m: m.__setitem__(V, "../x.safetensors")), "error"),
+        Variant("index: an absolute shard path", index_map(lambda m: m.__setitem__(V, "/etc/passwd")),
                 "error"),
-        Variant("index: an absolute shard path", index_map(lambda m: m.__setitem__(V, "/etc/passwd")), "error"),
         Variant("index: a shard in a subfolder", index_map(lambda m: m.__setitem__(V, "sub/x.safetensors")),
                 "error"),
         Variant("index: a missing shard", index_map(lambda m: m.__setitem__(V, "nope.safetensors")), "error"),
@@ -417,7 +428,8 @@ def _config_variants() -> list[Variant]:
     def ct(c):
         from mxport.checkpoint.naming import quantization_config
 
-        c["quantization_config"] = quantization_config("compressed-tensors", c["quantization_config"]["ignore"])
+        c["quantization_config"] = quantization_config("compressed-tensors",
+                                                       c["quantization_config"]["ignore"])
 
     return [
         Variant("config: not JSON", write_text("config.json", "{oops"), "error"),
@@ -440,8 +452,9 @@ def _config_variants() -> list[Variant]:
         Variant("hf_quant_config: quantization a list", _both(
             edit_json("config.json", lambda c: c.pop("quantization_config")),
             edit_json("hf_quant_config.json", lambda h: _set(h, "quantization", [1]))), "error"),
-        Variant("hf_quant_config: a FIFO", _both(edit_json("config.json", lambda c: c.pop("quantization_config")),
-                                                  replace_by("hf_quant_config.json", "fifo")), "error"),
+        Variant("hf_quant_config: a FIFO", _both(
+            edit_json("config.json", lambda c: c.pop("quantization_config")),
+            replace_by("hf_quant_config.json", "fifo")), "error"),
         Variant("config: compressed-tensors (same names: valid)", edit_json("config.json", ct), "ok"),
     ]
 
@@ -458,20 +471,18 @@ def _pair_variants() -> list[Variant]:
         Variant("pair: scale as float32 values", tensors(lambda s: _set(s, S, (s[S].float() - 127).exp2())),
                 "error"),
         Variant("pair: scale as int32", tensors(lambda s: _set(s, S, s[S].to(t().int32))), "error"),
-        Variant("pair: a second scale (_scale_inv)", tensors(lambda s: _set(s, S + "_inv", s[S].clone())), "error"),
-        Variant("pair: a scale for a kept tensor", tensors(lambda s: _set(s, K + "_scale",
-                                                                          t().ones(1, 2, dtype=t().uint8)), K),
+        Variant("pair: a second scale (_scale_inv)", tensors(lambda s: _set(s, S + "_inv", s[S].clone())),
                 "error"),
-        Variant("pair: an orphan *.weight_scale", tensors(lambda s: _set(s, "model.foo.weight_scale",
-                                                                         t().ones(2, 1, dtype=t().uint8))), "error"),
+        Variant("pair: a scale for a kept tensor", tensors(lambda s: _set(
+            s, K + "_scale", t().ones(1, 2, dtype=t().uint8)), K), "error"),
+        Variant("pair: an orphan *.weight_scale", tensors(lambda s: _set(
+            s, "model.foo.weight_scale", t().ones(2, 1, dtype=t().uint8))), "error"),
         Variant("pair: values stored as BF16 beside their scale", tensors(lambda s: _set(
             s, V, s[V].to(t().bfloat16))), "error"),
-        Variant("pair: values 3-D [1, N, K] with a matching scale", tensors(lambda s: (_set(s, V, s[V][None]),
-                                                                                       _set(s, S, s[S][None]))),
-                "model"),
-        Variant("pair: values renamed with their scale", tensors(lambda s: (_set(s, V + "x", s.pop(V)),
-                                                                            _set(s, V + "x_scale", s.pop(S)))),
-                "model"),
+        Variant("pair: values 3-D [1, N, K] with a matching scale", tensors(
+            lambda s: (_set(s, V, s[V][None]), _set(s, S, s[S][None]))), "model"),
+        Variant("pair: values renamed with their scale", tensors(
+            lambda s: (_set(s, V + "x", s.pop(V)), _set(s, V + "x_scale", s.pop(S)))), "model"),
         Variant("pair: scales stored as F8_E8M0 (same bytes)", tensors(lambda s: _set(
             s, S, s[S].view(t().float8_e8m0fnu))), "ok"),
         Variant("data: one NaN scale byte (255)", data_bytes(S, lambda b: b.__setitem__(0, 255)), "error"),
@@ -479,15 +490,15 @@ def _pair_variants() -> list[Variant]:
                                                                                     * len(b))), "error"),
         Variant("data: every scale byte 0 (never written)", data_bytes(S, lambda b: b.__setitem__(
             slice(None), bytes(len(b)))), "error"),
-        Variant("data: NaN FP8 values (0x7F)", data_bytes(V, lambda b: b.__setitem__(slice(0, 4), b"\x7f" * 4)),
-                "error"),
+        Variant("data: NaN FP8 values (0x7F)", data_bytes(
+            V, lambda b: b.__setitem__(slice(0, 4), b"\x7f" * 4)), "error"),
         Variant("data: every value NaN (0xFF)", data_bytes(V, lambda b: b.__setitem__(slice(None), b"\xff"
                                                                                       * len(b))), "error"),
         Variant("model: a kept tensor removed", tensors(lambda s: s.pop(K), K), "model"),
-        Variant("model: an extra unknown tensor", tensors(lambda s: _set(s, "model.extra.weight", t().ones(3)), K),
-                "model"),
-        Variant("model: nothing quantized (every pair dequantized), config still MXFP8", _dequantize_every_shard,
-                "error"),
+        Variant("model: an extra unknown tensor", tensors(
+            lambda s: _set(s, "model.extra.weight", t().ones(3)), K), "model"),
+        Variant("model: nothing quantized (every pair dequantized), config still MXFP8",
+                _dequantize_every_shard, "error"),
         Variant("model: nothing quantized, no quantization config", _both(_dequantize_every_shard,
                                                                          _no_quant_config), "error"),
     ]
@@ -532,7 +543,7 @@ def make_variant(base: Path, out_root: Path, v: Variant, i: int) -> Path:
     return ck
 
 
-# -- the worker: one process running the calls, answering one JSON line per call ---------------------------------
+# -- the worker: one process running the calls, answering one JSON line per call -----------------------------
 def _call(op: str, path: str, model, src: str, prompts: str) -> dict:
     from mxport.checkpoint import inspect_checkpoint
     from mxport.nn import load_checkpoint
@@ -540,7 +551,8 @@ def _call(op: str, path: str, model, src: str, prompts: str) -> dict:
     try:
         if op == "inspect":
             rep = inspect_checkpoint(path)
-            return {"outcome": "problems" if rep["problems"] else "accepted", "detail": "; ".join(rep["problems"])}
+            return {"outcome": "problems" if rep["problems"] else "accepted",
+                    "detail": "; ".join(rep["problems"])}
         if op == "load":
             load_checkpoint(copy.deepcopy(model), path)
             return {"outcome": "accepted", "detail": ""}
@@ -579,8 +591,8 @@ def worker(src: str, prompts: str) -> None:
 
 
 class Runner:
-    """Runs calls in a worker process; a call that does not answer within ``timeout`` s is a hang (the worker is
-    killed and a new one started), a worker that dies is a crash."""
+    """Runs calls in a worker process; a call that does not answer within ``timeout`` s is a hang (the worker
+    is killed and a new one started), a worker that dies is a crash."""
 
     def __init__(self, src: Path, prompts: Path, timeout: float = 60.0, log=None):
         self.args = [sys.executable, os.path.abspath(__file__), "--worker", str(src), str(prompts)]
@@ -589,8 +601,8 @@ class Runner:
         self.proc = None
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
         line = self._readline(300)
         if line != "ready\n":
             raise RuntimeError(f"the sweep worker did not start: {line!r}")
@@ -637,7 +649,8 @@ def classify(outcome: str, expected: str) -> str:
     return {"accepted": "silent success", "problems": "correct", "error": "clear error"}[outcome]
 
 
-def sweep(root: Path, variants: list[Variant], *, timeout: float = 60.0, log=None, progress=None) -> list[dict]:
+def sweep(root: Path, variants: list[Variant], *, timeout: float = 60.0, log=None,
+          progress=None) -> list[dict]:
     """Build the base checkpoint under ``root``, make every variant and run the three calls on each."""
     src, base = build_base(root)
     runner = Runner(src, root / "prompts.txt", timeout, log)

@@ -1,7 +1,8 @@
 """A seeded fuzzer of mxport's public API (design.md §5): quantize, dequantize, export_components,
-MXFP8Components(...), layouts.swizzle / unswizzle / pad / unpad, fed wrong dtypes (every FP8 variant,
-float8_e8m0fnu, ints, bool, complex), 0-d / empty / huge (declared by expand(), never allocated) / non-contiguous /
-flipped / overlapping (as_strided) tensors, meta tensors, mismatched scales and bogus objects.
+MXFP8Components(...), layouts.swizzle / unswizzle / pad / unpad, fed wrong dtypes (every FP8
+variant, float8_e8m0fnu, ints, bool, complex), 0-d / empty / huge (declared by expand(), never
+allocated) / non-contiguous / flipped / overlapping (as_strided) tensors, meta tensors, mismatched
+scales and bogus objects.
 
 Each call's outcome is classified:
 
@@ -12,7 +13,8 @@ Each call's outcome is classified:
 - ``unclear``: a TypeError / ValueError that names no argument;
 - ``raw``: any other exception (RuntimeError, IndexError, AttributeError, ...).
 
-Used by ``tests/test_fuzz_api.py`` (a bounded budget) and ``scripts/fuzz_api.py`` (a bigger one, prints counts).
+Used by ``tests/test_fuzz_api.py`` (a bounded budget) and ``scripts/fuzz_api.py`` (a
+bigger one, prints counts).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import mxport
 from mxport import layouts
 from mxport.formats import FLOAT8_E8M0FNU
 
-FP8_VARIANTS = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                                             "float8_e8m0fnu") if hasattr(torch, n)]
+FP8_VARIANTS = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                             "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 OTHER = [torch.uint8, torch.int8, torch.int32, torch.int64, torch.bool, torch.complex64]
 ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -83,7 +85,8 @@ def _shape(rng: random.Random) -> tuple[int, ...]:
 
 
 def _layout(rng: random.Random, x: torch.Tensor) -> torch.Tensor:
-    """The same logical values in another memory layout: transposed copy, flipped, strided slice, as_strided."""
+    """The same logical values in another memory layout: transposed copy,
+    flipped, strided slice, as_strided."""
     kind = rng.choice(["plain", "plain", "t", "flip", "slice", "as_strided"])
     if x.dim() < 1 or x.numel() == 0:
         return x
@@ -127,7 +130,8 @@ def _ref():
     return mx_reference
 
 
-def check_quantize(x: torch.Tensor, c, fp8_dtype, direction: str, rounding: str, block_2d: bool) -> str | None:
+def check_quantize(x: torch.Tensor, c, fp8_dtype, direction: str, rounding: str,
+                   block_2d: bool) -> str | None:
     """None when ``c`` equals the reference quantization of ``x``, else what differs."""
     ref = _ref()
     if x.device.type == "meta":
@@ -160,7 +164,8 @@ def _canonical_nan(q: np.ndarray, elem: str) -> np.ndarray:
 
 
 def ref_dequantize(q: np.ndarray, e: np.ndarray, elem: str, direction: str) -> np.ndarray:
-    """float32 decode of values ``q`` (uint8 bytes, logical shape) with compact scales ``e`` (mx_reference)."""
+    """float32 decode of values ``q`` (uint8 bytes, logical shape) with compact
+    scales ``e`` (mx_reference)."""
     if q.size == 0:
         return np.zeros(q.shape, np.float32)
     k = q.shape[-1]
@@ -189,7 +194,8 @@ def check_swizzle(s: torch.Tensor, out: torch.Tensor) -> str | None:
     cb = pc // 4
     for i in range(r):
         for j in range(c):
-            want[((i // 128) * cb + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + (j % 4)] = sn[i, j]
+            want[((i // 128) * cb + j // 4) * 512 + (i % 32) * 16
+                 + ((i % 128) // 32) * 4 + (j % 4)] = sn[i, j]
     return None if np.array_equal(out.contiguous().numpy().reshape(-1), want) else "swizzle bytes"
 
 
@@ -233,14 +239,17 @@ def fuzz_quantize(rng: random.Random, stats: Stats) -> None:
         _layout(rng, _values(rng, _shape(rng), rng.choice(FLOATS)))
     fp8 = _pick(rng, bad == "fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, "e4m3", "e5m2"],
                 FP8_VARIANTS[2:] + [torch.float32, torch.uint8, None, "e3m4", 3])
-    direction = _pick(rng, bad == "direction", ["rowwise", "rowwise", "columnwise"], ["row", None, 0, ["rowwise"]])
+    direction = _pick(rng, bad == "direction", ["rowwise", "rowwise", "columnwise"],
+                      ["row", None, 0, ["rowwise"]])
     rounding = _pick(rng, bad == "rounding", ["rceil", "rceil", "floor"], ["nearest", None, 1, ("rceil",)])
-    block_2d = _pick(rng, bad == "block_2d", [False, False, True], [2, "no", None, 0, 1.0, torch.tensor(True)])
+    block_2d = _pick(rng, bad == "block_2d", [False, False, True],
+                     [2, "no", None, 0, 1.0, torch.tensor(True)])
     fast = _pick(rng, bad == "fast", [None, None, False], ["yes", 1, 0.0])
     if isinstance(x, torch.Tensor) and x.dtype.is_floating_point and rng.random() < 0.1:
         x = torch.nn.Parameter(x, requires_grad=rng.random() < 0.5) if x.dtype in FLOATS else x
     kw = {"direction": direction, "rounding": rounding, "block_2d": block_2d, "fast": fast}
-    if bad == "kernel" or rng.random() < 0.2:  # "eager" only: the others may be unavailable or slow to compile
+    # "eager" only: the others may be unavailable or slow to compile
+    if bad == "kernel" or rng.random() < 0.2:
         kw["kernel"] = _pick(rng, bad == "kernel", [None, "eager"], ["fast", 1, "EAGER", ["eager"]])
     if bad == "out" or (bad is None and direction == "rowwise" and rng.random() < 0.3):
         kw["out"] = _out_arg(rng, x, fp8, bad == "out")
@@ -264,7 +273,8 @@ def _out_arg(rng: random.Random, x, fp8, bad: bool):
     dt = fp8 if fp8 in (torch.float8_e4m3fn, torch.float8_e5m2) else torch.float8_e4m3fn
     values = torch.empty(x.shape, dtype=rng.choice([dt, torch.uint8] + ([torch.float32] if bad else [])))
     sshape = (*x.shape[:-1], -(-x.shape[-1] // 32))
-    scales = torch.empty(sshape, dtype=rng.choice([torch.uint8, FLOAT8_E8M0FNU] + ([torch.int8] if bad else [])))
+    scales = torch.empty(sshape,
+                         dtype=rng.choice([torch.uint8, FLOAT8_E8M0FNU] + ([torch.int8] if bad else [])))
     kind = rng.choice(["tuple3", "shape", "transposed", "overlap", "input", "good"]) if bad else "good"
     if kind == "tuple3":
         return (values, scales, scales)
@@ -349,7 +359,8 @@ def _grid(rng: random.Random):
     r = rng.random()
     if r < 0.75:
         shape = (rng.choice([0, 1, 5, 128, 130]), rng.choice([0, 1, 3, 4, 7]))
-        g = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(rng.randrange(99)))
+        g = torch.randint(0, 256, shape, dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(rng.randrange(99)))
         if rng.random() < 0.2 and FLOAT8_E8M0FNU is not None:
             g = g.view(FLOAT8_E8M0FNU)
         return _layout(rng, g)
@@ -410,8 +421,8 @@ def fuzz_layouts(rng: random.Random, stats: Stats) -> None:
          lambda: layouts.unswizzle(sw, rows, cols), check_unswizzle)
 
 
-TARGETS = (fuzz_quantize, fuzz_quantize, fuzz_components, fuzz_dequantize, fuzz_export_components, fuzz_layouts,
-           fuzz_layouts)
+TARGETS = (fuzz_quantize, fuzz_quantize, fuzz_components, fuzz_dequantize, fuzz_export_components,
+           fuzz_layouts, fuzz_layouts)
 
 
 def run(n: int, seed: int = 0) -> Stats:

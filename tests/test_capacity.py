@@ -52,25 +52,28 @@ def test_engine_shards_follow_vllm_parallel_layers():
     # fused experts: TP splits N (gate_up) and K (down); EP splits the experts over tp * ep ranks
     assert engine_shard("m.layers.0.mlp.experts.gate_up_proj", (8, 64, 32), tp2).shape == (8, 32, 32)
     assert engine_shard("m.layers.0.mlp.experts.down_proj", (8, 32, 64), tp2).shape == (8, 32, 32)
-    assert engine_shard("m.layers.0.mlp.experts.down_proj", (8, 32, 64), Layout(tp=2, ep=2)).shape == (2, 32, 64)
+    assert (engine_shard("m.layers.0.mlp.experts.down_proj", (8, 32, 64), Layout(tp=2, ep=2)).shape
+            == (2, 32, 64))
 
 
 def test_row_parallel_k_that_splits_blocks_is_a_problem():
     s = engine_shard("m.layers.0.mlp.down_proj.weight", (64, 96), Layout(tp=2), quantized=True)
     assert s.shape == (64, 48) and "not a multiple of 32" in s.problem
     assert engine_shard("m.layers.0.mlp.down_proj.weight", (64, 96), Layout(tp=2)).problem == ""  # kept: fine
-    assert engine_shard("m.layers.0.mlp.down_proj.weight", (64, 128), Layout(tp=2), quantized=True).problem == ""
+    assert engine_shard("m.layers.0.mlp.down_proj.weight", (64, 128), Layout(tp=2),
+                        quantized=True).problem == ""
 
 
 ENTRIES = [("m.embed_tokens.weight", (100, 64), BF16), ("m.layers.0.self_attn.q_proj.weight", (64, 64), BF16),
-           ("m.layers.0.self_attn.o_proj.weight", (64, 64), BF16), ("m.layers.0.input_layernorm.weight", (64,), BF16)]
+           ("m.layers.0.self_attn.o_proj.weight", (64, 64), BF16),
+           ("m.layers.0.input_layernorm.weight", (64,), BF16)]
 
 
 def test_predict_counts_bytes_exactly():
     hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=2.0, overlap=False)
     r = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw, engine_replicas=3)
-    # one engine rank: q [32, 64] and o [64, 32] as MXFP8 (values + 1 scale byte per 32), embed [50, 64] and the
-    # norm [64] in BF16
+    # one engine rank: q [32, 64] and o [64, 32] as MXFP8 (values + 1 scale byte per 32), embed [50, 64] and
+    # the norm [64] in BF16
     rank = (32 * 64 + 32 * 2) + (64 * 32 + 64 * 1) + 50 * 64 * 2 + 64 * 2
     assert r.mxfp8.bytes_per_engine_rank == rank
     assert r.mxfp8.wire_bytes == rank * 2 * 3                 # 2 ranks per engine, 3 engines
@@ -105,7 +108,8 @@ def test_config_entries_count_tied_weights_once(tmp_path):
 
 def test_plan_cli_json_and_exit_codes(tmp_path):
     cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": False}
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+           "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     run = CliRunner().invoke
     res = run(app, ["plan", str(tmp_path), "--trainer", "fsdp=2", "--engine", "tp=2", "--json", "-"])
@@ -124,7 +128,8 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
 
 
 @pytest.mark.parametrize("text,want", [("vllm", ("vllm", Layout())), ("tp=2", ("mxport", Layout(tp=2))),
-                                       ("vllm,tp=2", ("vllm", Layout(tp=2))), ("MXPORT", ("mxport", Layout())),
+                                       ("vllm,tp=2", ("vllm", Layout(tp=2))),
+                                       ("MXPORT", ("mxport", Layout())),
                                        ("tp=2, vllm", ("vllm", Layout(tp=2)))])
 def test_parse_engine(text, want):
     from mxport.layout import parse_engine

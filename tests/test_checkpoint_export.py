@@ -1,5 +1,5 @@
-"""export_checkpoint on tiny save_pretrained models: values/scales are byte-exact quantize() of the source tensors,
-config per format, shards + index consistent, tied embeddings written once, atomic output."""
+"""export_checkpoint on tiny save_pretrained models: values/scales are byte-exact quantize() of the source
+tensors, config per format, shards + index consistent, tied embeddings written once, atomic output."""
 
 import json
 from pathlib import Path
@@ -44,7 +44,8 @@ MODELS = {
 
 
 def check_exact(src: dict, out: dict, fmt: str, fp8=torch.float8_e4m3fn, cast=None) -> list[str]:
-    """Every source tensor is in ``out``: quantized ones as quantize()'s bytes, kept ones unchanged (or cast)."""
+    """Every source tensor is in ``out``: quantized ones as quantize()'s bytes, kept
+    ones unchanged (or cast)."""
     quantized = []
     expected_names = set()
     for name, x in src.items():
@@ -125,13 +126,17 @@ def test_shards_and_index_are_consistent(tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_config_fields_per_format(tmp_path, fmt):
     src_dir = make_tiny_llama(tmp_path / "src")
-    export_checkpoint(src_dir, tmp_path / "out", fmt=fmt, policy=PrecisionPolicy(exclude=("*.layers.1.mlp.*",)))
+    export_checkpoint(src_dir, tmp_path / "out", fmt=fmt,
+                      policy=PrecisionPolicy(exclude=("*.layers.1.mlp.*",)))
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    excl = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    excl = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj",
+            "lm_head"]
     if fmt == "modelopt":
-        assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MXFP8" and sorted(qc["ignore"]) == sorted(excl)
+        assert (qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MXFP8"
+                and sorted(qc["ignore"]) == sorted(excl))
         hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
-        assert hq["quant_algo"] == "MXFP8" and hq["group_size"] == 32 and sorted(hq["exclude_modules"]) == sorted(excl)
+        assert (hq["quant_algo"] == "MXFP8" and hq["group_size"] == 32
+                and sorted(hq["exclude_modules"]) == sorted(excl))
     else:
         assert not (tmp_path / "out" / "hf_quant_config.json").exists()
     if fmt == "compressed-tensors":
@@ -139,7 +144,8 @@ def test_config_fields_per_format(tmp_path, fmt):
         w = qc["config_groups"]["group_0"]["weights"]
         assert (w["strategy"], w["group_size"], w["num_bits"], w["type"]) == ("group", 32, 8, "float")
     if fmt == "sglang":
-        assert qc["quant_method"] == "mxfp8" and qc["weight_block_size"] == [1, 32] and qc["scale_fmt"] == "ue8m0"
+        assert (qc["quant_method"] == "mxfp8" and qc["weight_block_size"] == [1, 32]
+                and qc["scale_fmt"] == "ue8m0")
         assert sorted(qc["ignored_layers"]) == sorted(excl)
     check_exact(source_tensors(src_dir), load_dir(tmp_path / "out"), fmt)
     assert open_checkpoint(tmp_path / "out").format == fmt
@@ -151,9 +157,11 @@ def test_dtype_cast_and_e5m2_refused(tmp_path):
     out = load_dir(tmp_path / "out")
     check_exact(source_tensors(src_dir), out, "sglang", cast=torch.bfloat16)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" and cfg["quantization_config"]["fmt"] == "e4m3"
+    assert (cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
+            and cfg["quantization_config"]["fmt"] == "e4m3")
     assert all(cfg[k] == "bfloat16" for k in ("torch_dtype", "dtype") if k in cfg)
-    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever fmt says: an E5M2 sglang export would load as garbage
+    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever fmt says: an E5M2 sglang export
+    # would load as garbage
     for fmt, why in (("sglang", "SGLang 0.5.23 registers"), ("modelopt", "quant_algo MXFP8 means E4M3")):
         with pytest.raises(ValueError, match=f"E4M3 only .*{why}"):
             export_checkpoint(src_dir, tmp_path / "o2", fmt=fmt, fp8_dtype=torch.float8_e5m2)
@@ -209,7 +217,8 @@ def test_atomic_failure_leaves_nothing_and_overwrite(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_gguf_embedded_model(tmp_path):
-    """The embedded SmolLM2 GGUF through transformers: one layer quantized, exact against the loaded weights."""
+    """The embedded SmolLM2 GGUF through transformers: one layer quantized, exact
+    against the loaded weights."""
     from mxport._env import default_model_file
 
     gguf = default_model_file()
@@ -230,4 +239,5 @@ def test_gguf_embedded_model(tmp_path):
         assert h.get_tensor("model.layers.29.self_attn.k_proj.weight_scale").shape == (192, 18)  # K = 576
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["quantization_config"]["quant_algo"] == "MXFP8"
-    assert (tmp_path / "out" / "tokenizer.json").is_file() or (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert ((tmp_path / "out" / "tokenizer.json").is_file()
+            or (tmp_path / "out" / "tokenizer_config.json").is_file())

@@ -1,4 +1,5 @@
-"""Naming per format, the safetensors header parser, the streaming writer and open_checkpoint on hand-made files."""
+"""Naming per format, the safetensors header parser, the streaming writer and
+open_checkpoint on hand-made files."""
 
 import json
 import struct
@@ -27,7 +28,8 @@ def test_scale_names_per_format():
     assert scale_name(w, "compressed-tensors") == w + "_scale"
     assert scale_name(w, "sglang") == w + "_scale_inv"
     fused = "model.layers.0.mlp.experts.down_proj"
-    assert scale_name(fused, "sglang") == fused + "_scale_inv" and scale_name(fused, "modelopt") == fused + "_scale"
+    assert (scale_name(fused, "sglang") == fused + "_scale_inv"
+            and scale_name(fused, "modelopt") == fused + "_scale")
     assert values_name(w + "_scale_inv", "sglang") == w
     with pytest.raises(ValueError, match="format"):
         scale_name(w, "gguf")
@@ -41,7 +43,8 @@ def test_quantization_configs_per_format():
     assert hq["quantization"]["quant_algo"] == "MXFP8" and hq["quantization"]["group_size"] == 32
     assert hq["quantization"]["exclude_modules"] == ex and "kv_cache_quant_algo" in hq["quantization"]
     ct = quantization_config("compressed-tensors", ex)
-    assert ct["quant_method"] == "compressed-tensors" and ct["format"] == "mxfp8-quantized" and ct["ignore"] == ex
+    assert (ct["quant_method"] == "compressed-tensors" and ct["format"] == "mxfp8-quantized"
+            and ct["ignore"] == ex)
     wargs = ct["config_groups"]["group_0"]["weights"]
     assert (wargs["strategy"], wargs["group_size"], wargs["type"], wargs["num_bits"], wargs["symmetric"],
             wargs["scale_dtype"]) == ("group", 32, "float", 8, True, "uint8")
@@ -56,7 +59,8 @@ def test_quantization_configs_per_format():
 
 
 def test_e5m2_refused_by_every_format():
-    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says: E5M2 would load as garbage there
+    # SGLang 0.5.23 registers MXFP8 values as E4M3 whatever the config's fmt says: E5M2 would
+    # load as garbage there
     with pytest.raises(ValueError, match="E4M3 only .*SGLang 0.5.23 registers MXFP8 values as E4M3"):
         check_fp8_dtype("sglang", torch.float8_e5m2)
     for fmt in FORMATS:
@@ -77,7 +81,8 @@ def test_parse_size():
 
 def test_streaming_writer_matches_safetensors(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(5, 7, generator=g).bfloat16(), "b": torch.arange(12, dtype=torch.uint8).view(3, 4),
+    tensors = {"a": torch.randn(5, 7, generator=g).bfloat16(),
+               "b": torch.arange(12, dtype=torch.uint8).view(3, 4),
                "c": torch.randn(3, generator=g), "d": torch.randn(4, 64, generator=g).to(torch.float8_e4m3fn),
                "e": torch.zeros(0, 3)}
     groups = [[TensorSpec(k, v.dtype, tuple(v.shape))] for k, v in tensors.items()]
@@ -141,7 +146,8 @@ def make_mxfp8_dir(path, fmt, *, sharded=False):
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     else:
         save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"quantization_config": quantization_config(fmt, ["lm_head"])}))
+    (path / "config.json").write_text(
+        json.dumps({"quantization_config": quantization_config(fmt, ["lm_head"])}))
     return src
 
 
@@ -216,7 +222,7 @@ def test_iter_rows_reads_whole_rows(tmp_path):
             assert p.shape == tensors[n].shape and torch.equal(p, tensors[n])
 
 
-# -- reading safely (issue 12 item 5) -------------------------------------------------------------------------------
+# -- reading safely (issue 12 item 5) ------------------------------------------------------------------------
 def _header_and_data(f):
     raw = f.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -253,7 +259,8 @@ def test_export_refuses_a_header_shape_claiming_more_bytes_than_its_offsets(tmp_
 
     src = tmp_path / "src"
     src.mkdir()
-    save_file({"a.weight": torch.randn(4, 64), "b.weight": torch.randn(4, 64)}, str(src / "model.safetensors"))
+    save_file({"a.weight": torch.randn(4, 64), "b.weight": torch.randn(4, 64)},
+              str(src / "model.safetensors"))
     (src / "config.json").write_text("{}")
     h, data = _header_and_data(src / "model.safetensors")
     h["a.weight"]["shape"] = [5, 64]  # one row more: the neighbour's bytes were exported as that row
@@ -411,7 +418,7 @@ def test_pairs_checked_when_opened_and_read(tmp_path):
         dict(r.iter_tensors())
 
 
-# -- inspect: typed report and the problems it must report (issue 12 item 10, issue 15) ----------------------------
+# -- inspect: typed report and the problems it must report (issue 12 item 10, issue 15) ----------------------
 def test_inspect_report_typed_and_dict_keys(tmp_path):
     import dataclasses
 
@@ -423,7 +430,8 @@ def test_inspect_report_typed_and_dict_keys(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         rep.format = "sglang"
     d = rep.to_dict()
-    assert list(d) == ["path", "format", "format_source", "tensors", "pairs", "totals", "problems", "warnings"]
+    assert list(d) == ["path", "format", "format_source", "tensors", "pairs", "totals", "problems",
+                       "warnings"]
     assert d == inspect_checkpoint(tmp_path / "ck") and rep["pairs"] == d["pairs"] and len(d["pairs"]) == 2
     json.dumps(d)
 

@@ -1,5 +1,6 @@
-"""What every ``mxport`` command shares: ``--version``, plain ``mxport``, ``--help`` of every command (flags shown as
-flags, paragraphs wrapped once), usage errors as one ``error:`` line with exit 2, ``--json FILE|-`` everywhere."""
+"""What every ``mxport`` command shares: ``--version``, plain ``mxport``, ``--help`` of every command
+(flags shown as flags, paragraphs wrapped once), usage errors as one ``error:`` line with exit 2,
+``--json FILE|-`` everywhere."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def test_every_help_works_and_shows_flags_as_flags(command):
     assert "<bool>" not in r.stdout  # `--dry-run`, not `--dry-run <bool>`
     cmd = typer.main.get_command(app).commands[command]
     flags = [p.opts[0] for p in cmd.params if getattr(p, "is_flag", False)]
-    assert set(flags) >= {"export": {"--overwrite", "--dry-run"}, "inspect": {"--no-stats"}, "bench": {"--quick"},
-                          "verify": {"--per-layer"}}.get(command, set())
+    assert set(flags) >= {"export": {"--overwrite", "--dry-run"}, "inspect": {"--no-stats"},
+                          "bench": {"--quick"}, "verify": {"--per-layer"}}.get(command, set())
     for flag in flags:
         (row,) = [x for x in r.stdout.splitlines() if re.match(rf"^\W*{flag}\s", x)]
         assert "<" not in row, row  # no value type in the flag's row
@@ -92,16 +93,17 @@ def test_export_command_is_complete_and_quoted():
     cmd = export_command("/models/my model", ["model.layers.3.*"], "e5m2")
     assert shlex.split(cmd) == ["mxport", "export", "/models/my model", "-o", "my model-mxfp8", "--format",
                                 "sglang", "--fp8-dtype", "e5m2", "--exclude", "model.layers.3.*"]
-    assert shlex.split(export_command(None, [], "e4m3")) == ["mxport", "export", "-o", "SmolLM2-135M-Instruct-mxfp8"]
+    assert shlex.split(export_command(None, [], "e4m3")) == ["mxport", "export", "-o",
+                                                              "SmolLM2-135M-Instruct-mxfp8"]
 
 
 @pytest.mark.slow
 def test_verify_target_kl_prints_a_command_that_runs(tmp_path, llama, monkeypatch):
-    """``verify --per-layer --target-kl`` prints, on one line however narrow the terminal, an ``mxport export``
-    command that runs as printed: it writes the checkpoint with the suggested layers (and the user's --exclude)
-    kept in high precision."""
-    r = runner.invoke(app, ["verify", str(llama), "--max-new-tokens", "2", "--per-layer", "--target-kl", "1e-12",
-                            "--exclude", "model.layers.0.mlp.*"], env={"COLUMNS": "40"})
+    """``verify --per-layer --target-kl`` prints, on one line however narrow the terminal, an ``mxport
+    export`` command that runs as printed: it writes the checkpoint with the suggested layers (and the user's
+    --exclude) kept in high precision."""
+    r = runner.invoke(app, ["verify", str(llama), "--max-new-tokens", "2", "--per-layer", "--target-kl",
+                            "1e-12", "--exclude", "model.layers.0.mlp.*"], env={"COLUMNS": "40"})
     assert r.exit_code == 0, r.output
     (line,) = [x for x in r.stdout.splitlines() if x.strip().startswith("mxport export")]
     argv = shlex.split(line)
@@ -117,7 +119,8 @@ def test_verify_target_kl_prints_a_command_that_runs(tmp_path, llama, monkeypatc
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_unwritable_json_fails_first_exit_2(tmp_path, command):
-    """A --json FILE that cannot be written fails at once, one line, exit 2: not a traceback after the work."""
+    """A --json FILE that cannot be written fails at once, one line, exit 2: not a
+    traceback after the work."""
     args = [command] + (["x"] if command == "inspect" else [])
     r = runner.invoke(app, [*args, "--json", str(tmp_path / "missing" / "out.json")])
     assert r.exit_code == 2 and r.stderr.strip() == f"error: --json: {tmp_path / 'missing'} does not exist"

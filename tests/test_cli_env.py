@@ -1,5 +1,6 @@
-"""The command line in the environments people have: a plain ``pip install mxport`` (no ``models`` extra) gets one
-line naming the extra to install, exit 2; optional packages stay quiet (no warnings, no progress bars of theirs)."""
+"""The command line in the environments people have: a plain ``pip install mxport`` (no ``models``
+extra) gets one line naming the extra to install, exit 2; optional packages stay quiet (no warnings, no
+progress bars of theirs)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def llama(tmp_path_factory):
 
 def mxport(args, *, timeout: float, block: str | None = None, site: Path | None = None):
     env = dict(os.environ, MXPORT_DISABLE_COMPILE="1")
-    for key in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+    for key in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
+                "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
         env.pop(key, None)  # the command line sets them itself
     path = [SRC, env.get("PYTHONPATH", "")]
     if block is not None:
@@ -48,8 +50,8 @@ def mxport(args, *, timeout: float, block: str | None = None, site: Path | None 
         env["MXPORT_TEST_BLOCK"] = block
         path.insert(0, str(site))
     env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
-    return subprocess.run([sys.executable, "-m", "mxport.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "mxport.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
 
 
 def test_the_blocker_blocks(tmp_path):
@@ -94,18 +96,20 @@ def test_verify_is_quiet(llama):
 
 
 def test_quiet_env_silences_save_pretrained(tmp_path):
-    """What the command line (and its worker processes) set up silences torchao's missing-library warning, torch's
-    pytree deprecation warnings and transformers' shard-writing bar, printed on every ``save_pretrained``."""
+    """What the command line (and its worker processes) set up silences torchao's
+    missing-library warning, torch's pytree deprecation warnings and transformers' shard-writing
+    bar, printed on every ``save_pretrained``."""
     code = ("import sys; from mxport._env import quiet_third_party_logs; quiet = sys.argv[2] == '1'\n"
             "quiet and quiet_third_party_logs()\n"
             "from mxport.testing import make_tiny_llama; make_tiny_llama(sys.argv[1], layers=1)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
-    for key in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+    for key in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
+                "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
         env.pop(key, None)
-    loud = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), "0"], capture_output=True, text=True,
-                          env=env, timeout=180)
-    quiet = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b"), "1"], capture_output=True, text=True,
-                           env=env, timeout=180)
+    loud = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), "0"], capture_output=True,
+                          text=True, env=env, timeout=180)
+    quiet = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b"), "1"], capture_output=True,
+                           text=True, env=env, timeout=180)
     assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr
     assert _third_party_noise(loud.stderr)  # the noise exists here (the dev extra installs torchao) ...
     assert quiet.stderr == ""  # ... and none of it is left

@@ -1,4 +1,5 @@
-"""``mxport export``: flags, --dry-run, --json, and bad inputs (exit 2, one-line error, nothing left behind)."""
+"""``mxport export``: flags, --dry-run, --json, and bad inputs (exit 2, one-line
+error, nothing left behind)."""
 
 import json
 import struct
@@ -26,8 +27,9 @@ def listing(path):
 
 def test_export_flags_and_json(tmp_path, llama):
     out = tmp_path / "out"
-    r = runner.invoke(app, ["export", str(llama), "-o", str(out), "--format", "sglang", "--exclude", "*.layers.0.*",
-                            "--keep-last", "0", "--dtype", "fp32", "--max-shard-size", "1GB", "--json", "-"])
+    r = runner.invoke(app, ["export", str(llama), "-o", str(out), "--format", "sglang", "--exclude",
+                            "*.layers.0.*", "--keep-last", "0", "--dtype", "fp32", "--max-shard-size", "1GB",
+                            "--json", "-"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["format"] == "sglang" and data["out"] == str(out)
@@ -38,7 +40,8 @@ def test_export_flags_and_json(tmp_path, llama):
     written = load_file(str(out / "model.safetensors"))
     src = load_file(str(llama / "model.safetensors"))
     ref = quantize(src["model.layers.1.mlp.down_proj.weight"])
-    assert torch.equal(written["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(written["model.layers.1.mlp.down_proj.weight"].view(torch.uint8),
+                       ref.data.view(torch.uint8))
     assert torch.equal(written["model.layers.1.mlp.down_proj.weight_scale_inv"], ref.scale_inv)
     assert written["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32  # kept, cast by --dtype
     assert "model.layers.0.self_attn.q_proj" in data["exclude_modules"]
@@ -76,7 +79,8 @@ def bad_dtype_dir(path):
     ("empty_dir", "no model found"),
     ("corrupt", "corrupt safetensors header"),
     ("bad_source_dtype", "unsupported dtype 'C64'"),
-    ("bad_flag_dtype", "Invalid value for '--dtype': Value error, 'int8' is not one of 'bf16', 'fp16', 'fp32'"),
+    ("bad_flag_dtype", "Invalid value for '--dtype': Value error, 'int8' is not one of 'bf16', 'fp16', "
+                       "'fp32'"),
     ("bad_fp8", "Invalid value for '--fp8-dtype': Value error, 'e3m4' is not one of 'e4m3', 'e5m2'"),
     ("e5m2_modelopt", "E4M3 only"),
     ("bad_format", "Invalid value for '--format': Value error, 'gguf' is not one of 'modelopt'"),
@@ -129,7 +133,8 @@ def test_overwrite_replaces(tmp_path, llama):
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("x")
-    r = runner.invoke(app, ["export", str(llama), "-o", str(out), "--overwrite", "--format", "compressed-tensors"])
+    r = runner.invoke(app, ["export", str(llama), "-o", str(out), "--overwrite", "--format",
+                            "compressed-tensors"])
     assert r.exit_code == 0, r.output
     assert "stale.txt" not in listing(out) and "model.safetensors" in listing(out)
     assert listing(tmp_path) == ["out"]

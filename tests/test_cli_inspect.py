@@ -1,5 +1,5 @@
-"""``mxport inspect``: recognizes all three formats (ours and hand-made), reports exact statistics, and flags a
-missing scale, a padded scale, a float-stored scale, orphan scales (exit 1); bad paths exit 2."""
+"""``mxport inspect``: recognizes all three formats (ours and hand-made), reports exact statistics, and flags
+a missing scale, a padded scale, a float-stored scale, orphan scales (exit 1); bad paths exit 2."""
 
 import json
 import struct
@@ -125,7 +125,8 @@ def test_config_without_pairs_and_e8m0_dtype(tmp_path):
                                              "(not quantized?)"]
     if hasattr(torch, "float8_e8m0fnu"):
         c = quantize(torch.randn(4, 32))
-        p = write(tmp_path / "e8m0", {"a.weight": c.data, "a.weight_scale": c.scale_inv.view(torch.float8_e8m0fnu)})
+        p = write(tmp_path / "e8m0", {"a.weight": c.data,
+                                      "a.weight_scale": c.scale_inv.view(torch.float8_e8m0fnu)})
         rep = inspect_checkpoint(p)
         assert rep["problems"] == [] and rep["warnings"]
 

@@ -1,8 +1,8 @@
 """Every command that shows progress finishes in a real terminal (a pseudo-terminal), within a time limit.
 
-Rich's ``Live`` display (progress bars, status spinners) on a terminal swaps ``sys.stdout`` / ``sys.stderr`` for
-proxies that print into its console: a console that looked up ``sys.stdout`` at each write wrote into itself and
-every such command hung (piped, as under CliRunner, no proxy is installed and nothing showed it).
+Rich's ``Live`` display (progress bars, status spinners) on a terminal swaps ``sys.stdout`` / ``sys.stderr``
+for proxies that print into its console: a console that looked up ``sys.stdout`` at each write wrote into
+itself and every such command hung (piped, as under CliRunner, no proxy is installed and nothing showed it).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def llama(tmp_path_factory):
 
 
 def run_in_terminal(args, timeout: float, *, stdout_pipe: bool = False):
-    """Run ``mxport ARGS`` with a pseudo-terminal as stderr (and stdout, unless ``stdout_pipe``); return
-    (exit code or None on timeout, terminal text, stdout text when piped). The process group is killed on timeout."""
+    """Run ``mxport ARGS`` with a pseudo-terminal as stderr (and stdout, unless ``stdout_pipe``);
+    return (exit code or None on timeout, terminal text, stdout text when piped). The process group
+    is killed on timeout."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # 200 columns: no wrapping
     env = dict(os.environ, MXPORT_DISABLE_COMPILE="1", TERM="xterm-256color")
@@ -88,7 +89,8 @@ def test_inspect_in_a_terminal(tmp_path, llama):
     code, term, _ = run_in_terminal(["inspect", tmp_path / "ck"], timeout=90)
     assert code == 0, term[-2000:]
     assert "no problems found" in term
-    code, term, out = run_in_terminal(["inspect", tmp_path / "ck", "--json", "-"], timeout=90, stdout_pipe=True)
+    code, term, out = run_in_terminal(["inspect", tmp_path / "ck", "--json", "-"], timeout=90,
+                                      stdout_pipe=True)
     assert code == 0, term[-2000:]
     assert json.loads(out)["problems"] == [] and "{" not in term  # the JSON on stdout only ...
     assert "MXFP8 pairs" in term  # ... the progress bar on the terminal (stderr)

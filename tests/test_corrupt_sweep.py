@@ -1,7 +1,7 @@
-"""A subset of the corrupt-checkpoint sweep (tests/corrupt_sweep.py; ``python tests/corrupt_sweep.py`` runs all of
-it): each variant through inspect_checkpoint, load_checkpoint and ``mxport verify --checkpoint`` in a watched worker
-process; every call must give the expected result or a clear error, never a raw exception, a traceback, a silent
-success, a false alarm, a hang or a crash."""
+"""A subset of the corrupt-checkpoint sweep (tests/corrupt_sweep.py; ``python tests/corrupt_sweep.py`` runs
+all of it): each variant through inspect_checkpoint, load_checkpoint and ``mxport verify --checkpoint`` in a
+watched worker process; every call must give the expected result or a clear error, never a raw exception, a
+traceback, a silent success, a false alarm, a hang or a crash."""
 
 import sys
 from pathlib import Path

@@ -1,5 +1,5 @@
-"""Atomic writes give files the mode a plain open() gives (not mkstemp's 0o600), so reports and cached models are
-readable by other users (found by a fresh-clone trial: `mxport refit --json FILE` wrote a 0o600 file)."""
+"""Atomic writes give files the mode a plain open() gives (not mkstemp's 0o600), so reports and cached models
+are readable by other users (found by a fresh-clone trial: `mxport refit --json FILE` wrote a 0o600 file)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_atomic_write_text_uses_the_umask_mode(tmp_path):
         os.umask(old)
 
 
-# -- output folders: place checks, temporaries, overwrite swap, "cannot write here" errors ---------------------
+# -- output folders: place checks, temporaries, overwrite swap, "cannot write here" errors -------------------
 
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory):
@@ -96,9 +96,9 @@ def _siblings(path: Path) -> list[str]:
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.ELOOP])
 @pytest.mark.parametrize("where", ["write", "rename", "mkdtemp"])
 def test_cannot_write_errors_are_one_line_and_leave_nothing(tiny_src, tmp_path, monkeypatch, err, where):
-    """ENOSPC / EFBIG / EROFS / ELOOP raised while writing, renaming into place or creating the temporary folder:
-    one-line OutputError (a ValueError: CLI exit 2) naming the output and the reason; no temporary left; an
-    existing output (overwrite) untouched."""
+    """ENOSPC / EFBIG / EROFS / ELOOP raised while writing, renaming into place or creating the temporary
+    folder: one-line OutputError (a ValueError: CLI exit 2) naming the output and the reason; no temporary
+    left; an existing output (overwrite) untouched."""
     from mxport.checkpoint import export as ex
     from mxport.checkpoint.writers import ShardedSafetensorsWriter
     from mxport.cli import app
@@ -149,8 +149,8 @@ export_checkpoint(sys.argv[1], sys.argv[2], overwrite=True, progress=progress)
 
 
 def test_killed_export_leaves_a_findable_temp_that_the_next_run_removes(tiny_src, tmp_path):
-    """SIGKILL mid-write leaves `.out.mxport-tmp-<pid>-*` (nothing can run then): the next export into the same
-    output removes it (ours: exact pattern, this user, dead pid); temporaries not matching stay."""
+    """SIGKILL mid-write leaves `.out.mxport-tmp-<pid>-*` (nothing can run then): the next export into the
+    same output removes it (ours: exact pattern, this user, dead pid); temporaries not matching stay."""
     from mxport.checkpoint.export import export_checkpoint
 
     out = tmp_path / "out"
@@ -183,8 +183,9 @@ def test_stale_temps_of_live_processes_are_kept(tmp_path):
 
 
 def test_interrupted_overwrite_is_recovered(tiny_src, tmp_path):
-    """An overwrite killed between its two renames left no output, only `.out.mxport-old-<pid>-*` (the previous
-    export) and the finished temp: the next run puts the previous export back before anything else."""
+    """An overwrite killed between its two renames left no output, only
+    `.out.mxport-old-<pid>-*` (the previous export) and the finished temp: the next run puts the
+    previous export back before anything else."""
     from mxport.checkpoint.export import export_checkpoint
 
     out = tmp_path / "out"
@@ -195,9 +196,11 @@ def test_interrupted_overwrite_is_recovered(tiny_src, tmp_path):
     (tmp_path / f".out.mxport-tmp-{pid}-ijklmnop").mkdir()
     with pytest.raises(FileExistsError):  # restored, so it exists again: not replaced without overwrite
         export_checkpoint(str(tiny_src), out)
-    assert _siblings(tmp_path) == ["out"] and (out / "previous.txt").read_text() == "the user's previous export"
+    assert (_siblings(tmp_path) == ["out"]
+            and (out / "previous.txt").read_text() == "the user's previous export")
     export_checkpoint(str(tiny_src), out, overwrite=True)
-    assert _siblings(tmp_path) == ["out"] and (out / "config.json").exists() and not (out / "previous.txt").exists()
+    assert (_siblings(tmp_path) == ["out"] and (out / "config.json").exists()
+            and not (out / "previous.txt").exists())
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -216,7 +219,8 @@ def test_replace_dir_swaps_with_exchange_or_backup(tmp_path, monkeypatch, exchan
     os.rename(out, tmp)
     out.symlink_to(target, target_is_directory=True)
     replace_dir(tmp, out)
-    assert not out.is_symlink() and (out / "f").read_text() == "new" and (target / "keep").read_text() == "keep"
+    assert (not out.is_symlink() and (out / "f").read_text() == "new"
+            and (target / "keep").read_text() == "keep")
     assert _siblings(tmp_path) == ["elsewhere", "out"]
 
 
@@ -293,15 +297,15 @@ def test_an_output_under_a_file_or_a_link_loop_is_one_clear_line(tiny_src, tmp_p
     (tmp_path / "b").symlink_to(tmp_path / "a")
     (tmp_path / "f").write_text("a file")
     for parent in ("a", "f"):
-        with pytest.raises(OutputError, match=f"^cannot write '.*/{parent}/out': '.*/{parent}' exists and is not a "
-                                              "directory$"):
+        with pytest.raises(OutputError, match=f"^cannot write '.*/{parent}/out': '.*/{parent}' exists and "
+                                              "is not a directory$"):
             export_checkpoint(str(tiny_src), tmp_path / parent / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "f"]
 
 
 def test_output_containing_a_gguf_source_given_as_a_reader_is_refused(tiny_src, tmp_path, monkeypatch):
-    """The CLI opens the source itself and hands export_checkpoint a reader: for a GGUF source the reader had no
-    path, so `mxport export d/model.gguf -o d --overwrite` deleted the GGUF. The reader now carries it."""
+    """The CLI opens the source itself and hands export_checkpoint a reader: for a GGUF source the reader had
+    no path, so `mxport export d/model.gguf -o d --overwrite` deleted the GGUF. The reader now carries it."""
     from transformers import AutoModelForCausalLM
 
     import mxport.models

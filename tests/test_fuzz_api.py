@@ -1,5 +1,6 @@
-"""A bounded seeded fuzz of the public API (tests/fuzz_api.py): every call returns a result equal to the
-independent reference or raises a TypeError / ValueError naming an argument; no raw exception, no wrong result.
+"""A bounded seeded fuzz of the public API (tests/fuzz_api.py): every call returns a result equal
+to the independent reference or raises a TypeError / ValueError naming an argument; no raw
+exception, no wrong result.
 ``scripts/fuzz_api.py`` runs bigger budgets and prints the counts."""
 
 from __future__ import annotations

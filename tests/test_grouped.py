@@ -122,8 +122,7 @@ def test_te_grouped_bad_inputs():
         mxport.export_grouped_components(store, rounding="floor")
 
 
-# -- 3-D [E, N, K] expert weights
-# ---------------------------------------------------------------------------------
+# -- 3-D [E, N, K] expert weights ----------------------------------------------------------------------------
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 def test_float_3d_quantized_per_expert(direction):
     w = torch.stack(experts([(40, 80)] * 4, seed=4))
@@ -165,8 +164,7 @@ def test_3d_bad_inputs():
         mxport.export_grouped_components(object())
 
 
-# -- TE GroupedTensor: a torch.Tensor wrapper subclass, and the nn.Parameter GroupedLinear registers
-# ---------------------------------------------------------------------------------
+# -- TE GroupedTensor: a torch.Tensor wrapper subclass, and the nn.Parameter GroupedLinear registers ---------
 #: the storage fields TE's GroupedTensor.__torch_dispatch__ copies onto detach()/alias() wrappers
 #: (transformer_engine/pytorch/tensor/grouped_tensor.py, copy_grouped_storage_metadata)
 GROUPED_FIELDS = (
@@ -186,11 +184,11 @@ def _contiguous_strides(shape):
 
 class GroupedTensor(torch.Tensor):
     """Stand-in for TE's ``GroupedTensor(GroupedTensorStorage, torch.Tensor)``: built with
-    ``torch.Tensor._make_wrapper_subclass`` (nominal dtype bf16, shape ``(num_tensors, rows, cols)`` for equal
-    members, else ``logical_shape``), storage fields as plain attributes, ``__torch_function__`` disabled,
-    ``detach`` / ``alias`` answered with a wrapper carrying the same fields (what ``nn.Parameter`` calls), every
-    other op refused. ``copied_fields`` lets a test play a TE version whose detach did not copy the swizzle
-    flag."""
+    ``torch.Tensor._make_wrapper_subclass`` (nominal dtype bf16, shape ``(num_tensors, rows, cols)`` for
+    equal members, else ``logical_shape``), storage fields as plain attributes, ``__torch_function__``
+    disabled, ``detach`` / ``alias`` answered with a wrapper carrying the same fields (what ``nn.Parameter``
+    calls), every other op refused. ``copied_fields`` lets a test play a TE version whose detach did not
+    copy the swizzle flag."""
 
     copied_fields = GROUPED_FIELDS
 

@@ -1,4 +1,5 @@
-"""Regression tests for bugs found by adversarial review: each asserts the documented error or the right value."""
+"""Regression tests for bugs found by adversarial review: each asserts the documented error
+or the right value."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from mxport.checkpoint.inspect import inspect_checkpoint
 
 
 def _te_storage(c: MXFP8Components, scale: torch.Tensor, fp8_dtype=7):
-    return SimpleNamespace(_rowwise_data=c.data.view(torch.uint8), _columnwise_data=None, _rowwise_scale_inv=scale,
-                           _columnwise_scale_inv=None, _fp8_dtype=fp8_dtype, _with_gemm_swizzled_scales=False)
+    return SimpleNamespace(_rowwise_data=c.data.view(torch.uint8), _columnwise_data=None,
+                           _rowwise_scale_inv=scale, _columnwise_scale_inv=None, _fp8_dtype=fp8_dtype,
+                           _with_gemm_swizzled_scales=False)
 
 
 def test_te_scale_grid_larger_than_padded_is_rejected():
@@ -35,8 +37,8 @@ def test_te_fp8_dtype_codes_are_not_truncated(code):
     c = quantize(torch.randn(4, 64))
     with pytest.raises(TypeError, match="_fp8_dtype"):
         mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv), fp8_dtype=code))
-    assert mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv), fp8_dtype=np.int64(7))).fp8_dtype \
-        == torch.float8_e4m3fn
+    assert mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv),
+                                                fp8_dtype=np.int64(7))).fp8_dtype == torch.float8_e4m3fn
 
 
 def _one_pair_checkpoint(path, scale_fill=None):
@@ -61,8 +63,8 @@ def test_inspect_flags_nan_and_all_zero_scales_with_or_without_stats(tmp_path, s
 
 def test_cli_error_is_one_line_even_when_long(tmp_path):
     missing = tmp_path / ("a-very-long-directory-name-" * 5) / "model"
-    r = subprocess.run([sys.executable, "-m", "mxport.cli", "inspect", str(missing)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-m", "mxport.cli", "inspect", str(missing)], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and str(missing) in lines[0], r.stderr
@@ -108,7 +110,8 @@ def test_decoded_weight_cache_holds_one_entry_per_dtype():
     lin = MXFP8Linear.from_components(quantize(torch.randn(8, 64)))
     w32 = lin.decoded_weight(torch.float32)
     wbf = lin.decoded_weight(torch.bfloat16)
-    assert wbf.dtype == torch.bfloat16 and lin.decoded_weight(torch.float32) is w32  # not evicted by the bf16 decode
+    # not evicted by the bf16 decode
+    assert wbf.dtype == torch.bfloat16 and lin.decoded_weight(torch.float32) is w32
     lin.weight_scale.add_(1)  # an in-place write still invalidates every entry
     assert torch.equal(lin.decoded_weight(torch.float32), w32 * 2)
 

@@ -1,4 +1,5 @@
-"""mxport.layouts: the swizzle equals design.md §3's byte formula for every shape; pad/unpad/unswizzle invert."""
+"""mxport.layouts: the swizzle equals design.md §3's byte formula for every shape;
+pad/unpad/unswizzle invert."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def formula_swizzle(scale: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.uint8).reshape(pr, pc)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (128, 4), (129, 5), (192, 18), (576, 18), (300, 9), (256, 8)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (128, 4), (129, 5), (192, 18), (576, 18), (300, 9),
+                                   (256, 8)])
 def test_swizzle_equals_byte_formula(shape):
     g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
     s = torch.randint(1, 255, shape, dtype=torch.uint8, generator=g)
@@ -105,13 +107,14 @@ def test_word_and_byte_paths_agree(shape):
     assert torch.equal(layouts.unswizzle(want, r, c), x)
 
 
-# -- argument checks and empty grids (found by the API fuzz, tests/fuzz_api.py) -------------------------------
+# -- argument checks and empty grids (found by the API fuzz, tests/fuzz_api.py) ------------------------------
 
 
 @pytest.mark.parametrize(("shape", "want"), [((0, 3), (0, 4)), ((5, 0), (128, 0)), ((0, 0), (0, 0)),
                                              ((0, 4), (0, 4)), ((130, 0), (256, 0))])
 def test_swizzle_of_an_empty_grid_is_the_empty_swizzled_shape(shape, want):
-    """swizzle of a 0-row grid raised a view RuntimeError (stride(0) of an empty tensor is not divisible by 4)."""
+    """swizzle of a 0-row grid raised a view RuntimeError (stride(0) of an empty tensor is
+    not divisible by 4)."""
     out = layouts.swizzle(torch.empty(shape, dtype=torch.uint8))
     assert out.dtype == torch.uint8 and tuple(out.shape) == want
     back = layouts.unswizzle(out, *shape)
@@ -150,7 +153,8 @@ def test_huge_declared_grids_raise_a_clear_error_not_the_allocator():
     from mxport.formats import TooLargeError
 
     huge = torch.zeros(1, 64, dtype=torch.uint8).expand(1 << 52, 64)
-    for fn, name in ((layouts.swizzle, "scale_inv_2d"), (lambda g: layouts.pad(g, "columnwise"), "scale_inv_2d")):
+    for fn, name in ((layouts.swizzle, "scale_inv_2d"),
+                     (lambda g: layouts.pad(g, "columnwise"), "scale_inv_2d")):
         with pytest.raises(TooLargeError, match=f"^{name} of shape \\(4503599627370496, 64\\)") as info:
             fn(huge)
         assert isinstance(info.value, ValueError) and isinstance(info.value, MemoryError)

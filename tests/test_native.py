@@ -329,8 +329,8 @@ def test_every_isa_branch_compiles(tmp_path, flags):
 
 def test_large_fresh_outputs_are_advised_onto_huge_pages(monkeypatch):
     """Fresh outputs from HUGE_PAGE_MIN_BYTES on are madvise(MADV_HUGEPAGE)d over their 2 MiB-aligned interior
-    (above glibc's mmap threshold each fresh output otherwise faults in 4 KiB pages: the 32 MiB cliff); smaller
-    ones are left alone; the bytes are the same either way."""
+    (above glibc's mmap threshold each fresh output otherwise faults in 4 KiB pages: the 32 MiB cliff);
+    smaller ones are left alone; the bytes are the same either way."""
     calls = []
 
     class FakeLibc:

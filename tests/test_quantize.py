@@ -22,22 +22,24 @@ def _bytes(c: MXFP8Components):
     return c.data.view(torch.uint8).cpu().numpy(), c.scale_inv.cpu().numpy()
 
 
-def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, direction: str, block_2d: bool = False):
+def _check_against_reference(x: torch.Tensor, elem: str, rounding: str, direction: str,
+                             block_2d: bool = False):
     c = quantize(x, FP8[elem], direction=direction, rounding=rounding, block_2d=block_2d)
     q_ref, s_ref = ref_quantize(x.float().cpu().numpy(), elem, rounding, direction, block_2d)
     q, s = _bytes(c)
     assert c.data.shape == x.shape
     assert s.shape == s_ref.shape
     np.testing.assert_array_equal(s, s_ref)
-    # NaN payloads are not part of the format (torch and ml_dtypes pick different E5M2 NaN bytes): NaN positions
-    # must agree, every other byte must be identical
+    # NaN payloads are not part of the format (torch and ml_dtypes pick different E5M2 NaN bytes): NaN
+    # positions must agree, every other byte must be identical
     nan, nan_ref = np.isnan(c.data.float().cpu().numpy()), np.isnan(ref_values(q_ref, elem))
     np.testing.assert_array_equal(nan, nan_ref)
     np.testing.assert_array_equal(np.where(nan, 0, q), np.where(nan_ref, 0, q_ref))
     return c
 
 
-SHAPES = [(1, 1), (3, 16), (2, 31), (5, 33), (4, 48), (3, 576), (1, 4096), (127, 64), (129, 40), (2, 3, 64), (7,)]
+SHAPES = [(1, 1), (3, 16), (2, 31), (5, 33), (4, 48), (3, 576), (1, 4096), (127, 64), (129, 40), (2, 3, 64),
+          (7,)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -98,7 +100,7 @@ def test_empty_tensors(shape):
     assert c.dequantize().shape == torch.Size(shape)
 
 
-# -- design.md §2 edge rows -------------------------------------------------------------------------------------
+# -- design.md §2 edge rows ----------------------------------------------------------------------------------
 
 def _block(first: float, rest: float = 1.0, n: int = 32) -> torch.Tensor:
     x = torch.full((1, n), rest)
@@ -116,7 +118,8 @@ def test_amax_480_rceil_and_floor():
 
 
 def test_amax_just_above_power_of_two_rounds_scale_up():
-    # amax/448 = 2 * (1 + 2**-23): rceil needs 2**2, i.e. E = 129; the 2**1 a float log2 might give is too small
+    # amax/448 = 2 * (1 + 2**-23): rceil needs 2**2, i.e. E = 129; the 2**1 a float log2 might
+    # give is too small
     amax = float(np.nextafter(np.float32(896.0), np.float32(1e9)))
     v = np.float32(amax) * (np.float32(1) / np.float32(448))
     assert v > 2.0  # the premise: v lies just above a power of two
@@ -219,7 +222,7 @@ def test_dequantize_dtype_and_round_trip_error_bound():
     assert (err <= torch.maximum(x.abs() * 2**-4, scale * 2**-9)).all()
 
 
-# -- property tests ----------------------------------------------------------------------------------------------
+# -- property tests ------------------------------------------------------------------------------------------
 
 SPECIAL = st.sampled_from([0.0, -0.0, 1.0, 480.0, 448.0, 2.0**-140, 2.0**-149, 1e-30, 3.4e38, -3.4e38,
                            float("nan"), float("inf"), float("-inf"), 57344.0, 65504.0])
@@ -240,8 +243,8 @@ def float_tensors(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=float_tensors(), elem=st.sampled_from(["e4m3", "e5m2"]), rounding=st.sampled_from(["rceil", "floor"]),
-       direction=st.sampled_from(["rowwise", "columnwise"]))
+@given(x=float_tensors(), elem=st.sampled_from(["e4m3", "e5m2"]),
+       rounding=st.sampled_from(["rceil", "floor"]), direction=st.sampled_from(["rowwise", "columnwise"]))
 def test_property_matches_reference(x, elem, rounding, direction):
     _check_against_reference(x, elem, rounding, direction)
 
@@ -261,7 +264,7 @@ def test_property_decode_is_within_half_ulp_of_fp8(x):
     assert (err[in_range] <= bound[in_range]).all()
 
 
-# -- bad input --------------------------------------------------------------------------------------------------
+# -- bad input -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, exc, words", [
     (torch.ones(4, 32, dtype=torch.int32), TypeError, "x must be"),
@@ -303,8 +306,8 @@ def test_dequantize_matches_reference_decode(elem, direction):
 
 @pytest.mark.parametrize("bad", [2, "no", None, 0, 1, 1.0, torch.tensor(True)])
 def test_block_2d_must_be_a_bool(bad):
-    """block_2d=2 reached the native kernel ("rejected", RuntimeError) and block_2d="no" meant True on the eager
-    path: anything but a bool is a TypeError."""
+    """block_2d=2 reached the native kernel ("rejected", RuntimeError) and block_2d="no" meant True on the
+    eager path: anything but a bool is a TypeError."""
     with pytest.raises(TypeError, match="^block_2d must be a bool \\(True or False\\), got "):
         quantize(torch.randn(4, 64), block_2d=bad)
 
@@ -327,7 +330,8 @@ def test_fp8_dtype_other_than_the_two_mxfp8_elements_is_a_type_error(dtype):
 
 @pytest.mark.parametrize(("kw", "msg"), [({"rounding": ("rceil",)}, "^rounding must be 'rceil' or 'floor'"),
                                          ({"rounding": None}, "^rounding must be"),
-                                         ({"direction": ["rowwise"]}, "^direction must be 'rowwise' or 'columnwise'"),
+                                         ({"direction": ["rowwise"]},
+                                          "^direction must be 'rowwise' or 'columnwise'"),
                                          ({"direction": 0}, "^direction must be")])
 def test_rounding_and_direction_must_be_their_names(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -336,8 +340,8 @@ def test_rounding_and_direction_must_be_their_names(kw, msg):
 
 def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatch):
     """quantize of an expand()ed (2**40, 64) view cannot allocate its outputs: TooLargeError naming x (not the
-    allocator's RuntimeError); and an allocation failure inside the compiled kernel no longer disables the fast
-    path for the rest of the process (it is the input's size, not the compiler)."""
+    allocator's RuntimeError); and an allocation failure inside the compiled kernel no longer disables the
+    fast path for the rest of the process (it is the input's size, not the compiler)."""
     import importlib
 
     from mxport.formats import TooLargeError
@@ -349,7 +353,8 @@ def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatc
 
     def compiled(fn, **kw):
         def run(x2):
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: "
+                               "can't allocate memory")
         return run
 
     path = q._FastPath()
@@ -360,8 +365,8 @@ def test_huge_declared_input_is_a_clear_error_and_keeps_the_fast_path(monkeypatc
 
 
 def test_components_repr_never_prints_the_values():
-    """The dataclass repr printed both tensors: unreadable for a real weight, and a huge (expanded) or meta tensor
-    cannot be printed at all (the fuzz died in repr)."""
+    """The dataclass repr printed both tensors: unreadable for a real weight, and a huge (expanded) or meta
+    tensor cannot be printed at all (the fuzz died in repr)."""
     c = MXFP8Components(torch.zeros(1, 64, dtype=torch.float8_e4m3fn).expand(1 << 52, 64),
                         torch.full((1, 2), 127, dtype=torch.uint8).expand(1 << 52, 2))
     assert repr(c) == ("MXFP8Components(shape=(4503599627370496, 64), element='e4m3', direction='rowwise', "
@@ -370,7 +375,8 @@ def test_components_repr_never_prints_the_values():
 
     with pytest.raises(TooLargeError, match="^components of shape"):
         mxport.dequantize(c)
-    with pytest.raises(TypeError, match="^dtype must be torch.float32, bfloat16, float16 or float64, got 'float32'"):
+    with pytest.raises(TypeError,
+                       match="^dtype must be torch.float32, bfloat16, float16 or float64, got 'float32'"):
         mxport.dequantize(quantize(torch.randn(2, 32)), "float32")
 
 
@@ -379,13 +385,14 @@ def test_export_components_0d_names_obj():
         mxport.export_components(torch.tensor(1.0))
 
 
-# -- kernel=: the kernel as an argument, not a global switch ---------------------------------------------------
+# -- kernel=: the kernel as an argument, not a global switch -------------------------------------------------
 
 
 def test_kernel_argument_picks_the_kernel_and_overrides_the_env_switch(monkeypatch):
-    """``kernel="compiled"`` runs the compiled kernel even under MXPORT_DISABLE_COMPILE (set for this test run by
-    conftest), which now steers only the automatic choice; the bytes equal the eager kernel's. (torch.compile is
-    replaced by a pass-through that records its calls: the real compile costs tens of seconds here.)"""
+    """``kernel="compiled"`` runs the compiled kernel even under MXPORT_DISABLE_COMPILE (set for this
+    test run by conftest), which now steers only the automatic choice; the bytes equal the eager
+    kernel's. (torch.compile is replaced by a pass-through that records its calls: the real compile costs
+    tens of seconds here.)"""
     import importlib
 
     q = importlib.import_module("mxport.quantize")
@@ -404,9 +411,11 @@ def test_kernel_argument_picks_the_kernel_and_overrides_the_env_switch(monkeypat
     assert torch.equal(got.scale_inv, eager.scale_inv)
     assert torch.equal(got.data.view(torch.uint8), eager.data.view(torch.uint8))
     assert q.kernel_for(x.reshape(40, 100)) in ("native", "eager")  # the automatic choice still skips it
-    assert q.kernel_for(x, kernel="compiled") == "compiled" and q.kernel_for(x[:0], kernel="compiled") == "eager"
+    assert (q.kernel_for(x, kernel="compiled") == "compiled"
+            and q.kernel_for(x[:0], kernel="compiled") == "eager")
     path.failed_reason = "torch.compile failed: test"
-    with pytest.raises(RuntimeError, match="^kernel='compiled' is not available here: torch.compile failed: test"):
+    with pytest.raises(RuntimeError,
+                       match="^kernel='compiled' is not available here: torch.compile failed: test"):
         quantize(x, kernel="compiled")
 
 
@@ -431,9 +440,11 @@ def test_kernel_native_runs_or_says_why_and_env_steers_the_automatic_choice_only
         q.kernel_for(torch.randn(2, 32, dtype=torch.float64), kernel="native")
 
 
-@pytest.mark.parametrize(("kw", "msg"), [({"kernel": "fast"}, "^kernel must be None, 'native', 'compiled' or 'eager'"),
+@pytest.mark.parametrize(("kw", "msg"), [({"kernel": "fast"},
+                                          "^kernel must be None, 'native', 'compiled' or 'eager'"),
                                          ({"kernel": 1}, "^kernel must be None"),
-                                         ({"kernel": "eager", "fast": False}, "^give fast or kernel, not both")])
+                                         ({"kernel": "eager", "fast": False},
+                                          "^give fast or kernel, not both")])
 def test_kernel_argument_checks(kw, msg):
     with pytest.raises(ValueError, match=msg):
         quantize(torch.randn(2, 32), **kw)

@@ -1,4 +1,5 @@
-"""``mxport refit``: end to end on a tiny model and on the embedded one (real processes), exit codes, bad input."""
+"""``mxport refit``: end to end on a tiny model and on the embedded one (real processes),
+exit codes, bad input."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_refit_end_to_end_tiny_model_two_receivers(tmp_path, llama):
     data = json.loads(out.read_text())
     assert data["ok"] is True and data["receivers"] == 2
     plan = data["plan"]
-    assert plan["buckets"] > 10 and plan["bytes_by_role"]["values"] > 0 and plan["bytes_by_role"]["scales"] > 0
+    assert (plan["buckets"] > 10 and plan["bytes_by_role"]["values"] > 0
+            and plan["bytes_by_role"]["scales"] > 0)
     steps = data["steps"]
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
@@ -71,8 +73,9 @@ def test_refit_exit_1_when_a_step_is_not_bit_exact(tmp_path, llama, monkeypatch)
     import mxport.refit.demo as demo
 
     def fake_run_demo(cfg, on_event, timeout_s):
-        step = {"step": 1, "version": 1, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1, "seconds": 0.5,
-                "gbps": 2e-7, "send_s": 0.4, "quantize_s": 0.1, "pack_s": 0.1, "checksum_s": 0.0,
+        step = {"step": 1, "version": 1, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1,
+                "seconds": 0.5, "gbps": 2e-7, "send_s": 0.4, "quantize_s": 0.1, "pack_s": 0.1,
+                "checksum_s": 0.0,
                 "receivers": [{"rank": 1, "version": 1, "seconds": 0.5, "recv_s": 0.4, "commit_s": 0.1,
                                "bit_exact": False, "pointers_stable": True, "gen_s": 0.1, "prompt_len": 3,
                                "text": "x", "gen_kl_error": 0.0, "gen_kl_error_max": 0.0,

@@ -24,7 +24,7 @@ PG_TIMEOUT_S = 30.0
 WAIT_S = 150.0
 
 
-# ---- the planned tensors: both processes derive them from the same code ---------------------------------------
+# ---- the planned tensors: both processes derive them from the same code ------------------------------------
 def items():
     """(name, role, dtype, shape): exactly one bucket first, an MXFP8 linear (spans buckets), a 3.5-bucket
     tensor, then 2000 tiny tensors."""
@@ -32,7 +32,8 @@ def items():
            ("lin.weight", "values", torch.float8_e4m3fn, (64, 96)),
            ("lin.weight_scale", "scales", torch.uint8, (64, 3)),
            ("edge.large", "kept", torch.float32, (BUCKET * 7 // 8,))]
-    out += [(f"tiny.{i}", "kept", torch.bfloat16 if i % 2 else torch.uint8, (1 + i % 3,)) for i in range(N_TINY)]
+    out += [(f"tiny.{i}", "kept", torch.bfloat16 if i % 2 else torch.uint8, (1 + i % 3,))
+            for i in range(N_TINY)]
     return out
 
 
@@ -91,7 +92,7 @@ class _Counting:
         return self.inner.broadcast(buf, async_op)
 
 
-# ---- process bodies ----------------------------------------------------------------------------------------------
+# ---- process bodies ----------------------------------------------------------------------------------------
 def _main_sender(init):
     from mxport.refit import RefitError, RefitSender
     from mxport.testing import FaultyTransport
@@ -275,14 +276,17 @@ def _kill_receiver(init, init2, direct=False):
         res["error"] = {"msg": str(exc), "bucket": exc.bucket, "tensors": exc.tensors[:3]}
     res["kept_v1"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(1), strict=True))
     if direct:
-        res["kept_v1"] = res["kept_v1"] and torch.equal(stream_arena(plan, targets), _stream(plan, payload(1)))
+        res["kept_v1"] = res["kept_v1"] and torch.equal(stream_arena(plan, targets),
+                                                        _stream(plan, payload(1)))
     res["version_after_error"] = receiver.version
     receiver.transport.close()
-    receiver.transport = TorchDistTransport.init(rank=1, world_size=2, init_method=init2, timeout_s=PG_TIMEOUT_S)
+    receiver.transport = TorchDistTransport.init(rank=1, world_size=2, init_method=init2,
+                                                 timeout_s=PG_TIMEOUT_S)
     receiver.handshake()
     stats = receiver.receive()
     res["next_version"] = stats["version"]
-    res["next_equal"] = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(targets, payload(3), strict=True))
+    res["next_equal"] = all(torch.equal(_bytes(t), _bytes(e))
+                            for t, e in zip(targets, payload(3), strict=True))
     res["pointers"] = receiver.pointers() == ptrs
     receiver.transport.close()
     return res
@@ -336,7 +340,8 @@ def test_two_process_refits_bucket_edges_sentinel_checksum_and_cache(tmp_path):
     assert rejected["receivers"] == [{"rank": 1, "status": "checksum", "bucket": 1, "entry": -1,
                                       "version": 1}]
     assert res["versions"] == [1, 3, 4]
-    assert res["equal"] == {1: True, 3: True, 4: True}  # sentinels fully overwritten by exactly the sent bytes
+    # sentinels fully overwritten by exactly the sent bytes
+    assert res["equal"] == {1: True, 3: True, 4: True}
     assert res["verify"][1] is True
     assert res["pointers"] == [True, True, True]
     err = res["corrupt_error"]

@@ -76,7 +76,7 @@ def _refit_in_process(plan, sources_per_version, targets, *, receiver_kw=None, f
     return sent, recv_out, receiver
 
 
-# ---- plan ----------------------------------------------------------------------------------------------------
+# ---- plan --------------------------------------------------------------------------------------------------
 def test_plan_offsets_buckets_and_digest():
     plan = RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32), ((100,), torch.bfloat16)]), 64)
     e = plan.entries
@@ -123,7 +123,7 @@ def test_diff_lists_missing_extra_reordered_shape_dtype():
     assert diff_canonical(a, c) == ["dtype: 'x' local float32 vs remote bfloat16"]
 
 
-# ---- buckets -------------------------------------------------------------------------------------------------
+# ---- buckets -----------------------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=40),
        bucket=st.sampled_from([16, 32, 48, 64, 256, 4096]))
@@ -174,8 +174,8 @@ def test_checksum_sees_swapped_chunks():
 
 
 @settings(max_examples=15, deadline=None)
-@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.sampled_from(DTYPES)),
-                      min_size=1, max_size=12),
+@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3),
+                                st.sampled_from(DTYPES)), min_size=1, max_size=12),
        bucket=st.sampled_from([16, 64, 512]))
 def test_in_process_refit_overwrites_sentinels_with_sent_bytes(specs, bucket):
     g = torch.Generator().manual_seed(len(specs) * 1000 + bucket)
@@ -231,7 +231,7 @@ def test_receiver_rejects_bad_targets():
         RefitReceiver(InProcessChannel(1).endpoint(0), plan, [torch.zeros(4)])
 
 
-# ---- consumers: a tiny Llama trainer -> an MXFP8Linear inference model --------------------------------------------
+# ---- consumers: a tiny Llama trainer -> an MXFP8Linear inference model -------------------------------------
 @pytest.mark.parametrize("arena", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_and_inference_plans_agree_and_refit_lands_quantized_bytes(tmp_path, tied, arena):
@@ -327,7 +327,8 @@ def test_trainer_arena_adopts_kept_tensors_so_every_bucket_is_zero_copy(tmp_path
     kept = [i for i, e in enumerate(src.plan.entries) if e.role == "kept"]
     assert kept and all(first[i].data_ptr() == src._slots[i].data_ptr() for i in kept)
     i_embed = src.plan.index("model.embed_tokens.weight")
-    assert embed.data_ptr() == first[i_embed].data_ptr()  # the Parameter object itself now lives in the buffer
+    # the Parameter object itself now lives in the buffer
+    assert embed.data_ptr() == first[i_embed].data_ptr()
     with torch.no_grad():
         assert torch.equal(trainer(ids).logits, before)
     opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
@@ -364,7 +365,8 @@ def test_trainer_arena_copies_what_it_cannot_adopt():
         model.norm.data = torch.full((16,), 3.0)  # replaced: no longer the buffer's view
     out = dict(zip([e.name for e in src.plan.entries], src.tensors(), strict=True))
     assert torch.equal(out["a"], model.a.detach()) and torch.equal(out["b"], model.b.detach())
-    assert torch.equal(out["norm"], torch.full((16,), 3.0)) and out["norm"].data_ptr() != model.norm.data_ptr()
+    assert (torch.equal(out["norm"], torch.full((16,), 3.0))
+            and out["norm"].data_ptr() != model.norm.data_ptr())
     bf = TrainerSource(model, bucket_bytes=256, kept_dtype=torch.bfloat16, arena=True)
     out = dict(zip([e.name for e in bf.plan.entries], bf.tensors(), strict=True))
     assert out["norm"].dtype == torch.bfloat16 and torch.equal(out["norm"], torch.full((16,), 3.0).bfloat16())
@@ -432,8 +434,8 @@ def test_trainer_arena_takes_native_mxfp8_storage_too():
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.lin = torch.nn.Linear(64, 32, bias=False)
-    model.lin.weight = torch.nn.Parameter(mx_tensor.MXTensor.to_mx(torch.randn(32, 64), torch.float8_e4m3fn, 32),
-                                          requires_grad=False)
+    model.lin.weight = torch.nn.Parameter(
+        mx_tensor.MXTensor.to_mx(torch.randn(32, 64), torch.float8_e4m3fn, 32), requires_grad=False)
     model.norm = torch.nn.Parameter(torch.randn(16))
     src = TrainerSource(model, bucket_bytes=256, arena=True)
     want = [t.clone() for t in TrainerSource(model, bucket_bytes=256).tensors()]
@@ -468,7 +470,8 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises(direct):
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(3)
     v1, v2 = ([_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(2))
-    targets = allocate_targets(plan) if direct else [torch.zeros(shape, dtype=dt) for _, _, dt, shape in items]
+    targets = (allocate_targets(plan) if direct
+               else [torch.zeros(shape, dtype=dt) for _, _, dt, shape in items])
     arena = stream_arena(plan, targets) if direct else None
     ch = InProcessChannel(1, timeout_s=30)
     receiver = RefitReceiver(ch.endpoint(1), plan, targets)
@@ -492,7 +495,8 @@ def test_receiver_with_a_moved_buffer_drains_the_refit_and_raises(direct):
     assert [r.status for r in info.value.receivers] == [Status.LIVE_CHANGED]
     th.join(timeout=60)
     assert not th.is_alive()
-    assert ch._queues[1].empty()  # the receiver still drained every bucket and the trailer: streams stay in step
+    # the receiver still drained every bucket and the trailer: streams stay in step
+    assert ch._queues[1].empty()
     assert out[0]["version"] == 1 and isinstance(out[1], RefitError) and "moved or reallocated" in str(out[1])
     assert receiver.version == 1
     if direct:
@@ -508,8 +512,8 @@ def _stream_bytes(plan, tensors):
 
 
 def test_allocate_targets_is_one_arena_in_stream_order():
-    items = _items([((3,), torch.uint8), ((0, 5), torch.float32), ((5, 7), torch.float32), ((9,), torch.bfloat16),
-                    ((2, 32), torch.float8_e4m3fn)])
+    items = _items([((3,), torch.uint8), ((0, 5), torch.float32), ((5, 7), torch.float32),
+                    ((9,), torch.bfloat16), ((2, 32), torch.float8_e4m3fn)])
     plan = RefitPlan(items, 64)
     targets = allocate_targets(plan)
     base = targets[0].data_ptr()
@@ -545,8 +549,8 @@ def test_receiver_picks_direct_mode_from_the_targets():
 def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous_version():
     """v1 ok; v2 corrupted on the wire; v3 ok; v4 aborted (wrong dtype); v5 short; v6 ok. After every failure
     the arena equals the last good version byte for byte; pointers never move; the rollback copy follows."""
-    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8),
-                    ((3, 32), torch.float8_e4m3fn)])
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8),
+                    ((300,), torch.uint8), ((3, 32), torch.float8_e4m3fn)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(11)
     vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(6)]
@@ -569,7 +573,8 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
                                             fault=corrupt, stream_crc32=True)
     assert receiver.direct and isinstance(sent[3], ValueError) and isinstance(sent[4], ValueError)
     assert got[0]["version"] == 1 and got[0]["direct"] is True and got[0]["commit_s"] < 0.05
-    assert isinstance(got[1], RefitError) and got[1].bucket == 3 and "restored from the rollback copy" in str(got[1])
+    assert (isinstance(got[1], RefitError) and got[1].bucket == 3
+            and "restored from the rollback copy" in str(got[1]))
     assert isinstance(got[3], RefitError) and "aborted" in str(got[3]) and got[3].kept_version == 3
     assert isinstance(got[4], RefitError) and got[4].kept_version == 3
     assert got[5]["version"] == 6 and receiver.version == 6
@@ -652,7 +657,8 @@ def test_sender_sends_an_arena_without_packing():
     """Tensors that are views of one stream-ordered arena (allocate_targets on the sender) go out bucket by
     bucket straight from the arena, whether they come as a list or from a generator; scattered copies of them
     are packed; the receiver gets the same bytes."""
-    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8), ((300,), torch.uint8)])
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8),
+                    ((300,), torch.uint8)])
     plan = RefitPlan(items, 64)
     g = torch.Generator().manual_seed(2)
     src = allocate_targets(plan)
@@ -890,16 +896,17 @@ def test_a_bad_item_aborts_in_process_and_the_sender_reports_every_receiver(bad)
 
 
 def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused():
-    """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near 2**32
-    included), the sequence and log-probs cut back to their length; a reply with a token id outside the vocab
-    is refused."""
+    """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near
+    2**32 included), the sequence and log-probs cut back to their length; a reply with a token id outside
+    the vocab is refused."""
     from mxport.refit.demo import _gather_replies, _Reply, _ReplyShape
 
     shape = _ReplyShape(prompt_len=3, max_new=4, vocab=10)
     seq = torch.tensor([[1, 2, 3, 9, 0]])
     logits = torch.randn(2, 10)
     mine = _Reply(rank=1, version=7, seconds=0.25, recv_s=0.125, commit_s=0.0625, bit_exact=True,
-                  live_crc32=2**32 - 5, pointers_stable=False, gen_s=1.5, prompt_len=3, seq=seq, logits=logits)
+                  live_crc32=2**32 - 5, pointers_stable=False, gen_s=1.5, prompt_len=3, seq=seq,
+                  logits=logits)
     out = _both(lambda ep: _gather_replies(ep, shape, None), lambda ep: _gather_replies(ep, shape, mine))
     got = out[0][1]
     assert got.live_crc32 == 2**32 - 5 and got.version == 7 and got.rank == 1 and got.prompt_len == 3
@@ -911,8 +918,9 @@ def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused()
 
 
 def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
-    """``TorchDistTransport.from_group`` on a ``ProcessGroupGloo`` built on its own store (as engines make them,
-    outside torch.distributed's registry): handshake, a refit, and the receivers' reports all go through it."""
+    """``TorchDistTransport.from_group`` on a ``ProcessGroupGloo`` built on its own store (as engines
+    make them, outside torch.distributed's registry): handshake, a refit, and the receivers' reports
+    all go through it."""
     import datetime
 
     import torch.distributed as dist
@@ -946,9 +954,9 @@ def test_from_group_refits_over_a_group_torch_distributed_does_not_know():
 
 
 def test_trainer_sends_megatron_mxfp8_attributes_as_they_are():
-    """After Megatron-LM's quantize_params_to_mxfp8 a weight is a plain module attribute (an MXFP8Tensor, not a
-    parameter): the trainer's plan still holds it (values + scales in its own element format, exported as is),
-    and a refit lands its bytes; before, it was invisible and left out of the refit."""
+    """After Megatron-LM's quantize_params_to_mxfp8 a weight is a plain module attribute (an MXFP8Tensor, not
+    a parameter): the trainer's plan still holds it (values + scales in its own element format, exported as
+    is), and a refit lands its bytes; before, it was invisible and left out of the refit."""
     from test_sources_megatron import megatron_tensor
 
     import mxport

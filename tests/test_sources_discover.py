@@ -28,7 +28,8 @@ TE_FIELDS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_column
 
 
 class TEMXFP8Tensor(torch.Tensor):
-    """Stand-in for TE's ``MXFP8Tensor`` (a wrapper subclass, nominal dtype bf16) as ``fp8_param`` makes it."""
+    """Stand-in for TE's ``MXFP8Tensor`` (a wrapper subclass, nominal dtype bf16)
+    as ``fp8_param`` makes it."""
 
     @staticmethod
     def __new__(cls, fields: dict, shape):
@@ -139,7 +140,8 @@ def test_megatron_after_quantize_params_to_mxfp8():
     owners = [module_order.index(n.rsplit(".", 1)[0]) for n, _ in found]
     assert owners == sorted(owners)  # model order: each module's producers together, modules in order
     assert [n for n, _ in found][:8] == [
-        "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_proj.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight",
         "decoder.layers.0.mlp.experts.linear_fc1.weight0", "decoder.layers.0.mlp.experts.linear_fc1.weight1",
         "decoder.layers.0.mlp.experts.linear_fc1.weight2", "decoder.layers.0.mlp.experts.linear_fc2.weight0",
         "decoder.layers.0.mlp.experts.linear_fc2.weight1", "decoder.layers.0.mlp.experts.linear_fc2.weight2",
