@@ -202,8 +202,8 @@ def test_cli_verify_nan_scales_checkpoint_is_refused(tiny, two_prompts, tmp_path
 
 
 def test_cli_verify_nan_figures_fail_the_check(tiny, two_prompts, tmp_path):
-    """Non-finite figures are a failed check (exit 1) with or without --max-kl: a model with a NaN weight gives
-    NaN log-probs, whose KL used to sum to 0.0 and pass."""
+    """Non-finite figures are a failed check (exit 1) with or without --max-kl: a model with a NaN weight
+    gives NaN log-probs, whose KL used to sum to 0.0 and pass."""
     import shutil
 
     from safetensors.torch import load_file, save_file

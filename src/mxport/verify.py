@@ -346,9 +346,9 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
               "prompts": len(conversations), "max_new_tokens": max_new_tokens, "max_kl": max_kl}
     failures = failed_checks(figures, max_kl)
     pairs = list(zip(conversations, generated, strict=True))[:samples]
-    report.update(passed=not failures, failures=failures,
-                  samples=[{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
-                           for c, g in pairs])
+    samples_out = [{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
+                   for c, g in pairs]
+    report.update(passed=not failures, failures=failures, samples=samples_out)
     if per_layer:
         report["per_layer"] = per_layer_sweep(model, twin, rollouts, ref, figures["gen_kl_error_mean"],
                                               target_kl, batch_size, progress)
