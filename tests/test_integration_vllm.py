@@ -259,8 +259,9 @@ def test_corrupt_bucket_keeps_previous_weights_and_next_refit_succeeds(session):
     _refit_ok(session, 1)
     before = harness.generate(session.llm, PROMPTS)
     ans = session.refit(2, fault="corrupt")
-    # the trainer learns the outcome: its send() raises with the engine's reason
-    assert "rejected by 1 of 1 receiver(s)" in ans.get("error", "") and "checksum" in ans["error"], ans
+    # the trainer learns the outcome: its send() (or the engine's update_weights call, whichever answers
+    # first) raises with the engine's reason
+    assert "checksum" in ans.get("error", ""), ans
     _same_generation(harness.generate(session.llm, PROMPTS), before)
     _assert_engine_holds(session, 1)
     _refit_ok(session, 2)

@@ -182,8 +182,14 @@ def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
 
 def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.integrations)."""
+    import os
+
     from ..integrations.vllm_refit import run_vllm_refit_demo
 
+    # vLLM logs to stdout at INFO by default: stdout holds the report or the JSON (--json -), and the command
+    # line is quiet unless asked (set these variables to change it)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     rows: list[dict] = []
     with _progress() as progress:
         task = progress.add_task(f"exporting {src.label}, starting vLLM (about a minute) and the trainer",
