@@ -416,13 +416,18 @@ def _together(local, remote) -> tuple[Any, Any]:
     """Run ``remote`` (an RPC into the engine) on a thread while ``local`` runs here; return both results.
 
     ``local`` is this side of the same collective. If ``remote`` fails first, its error is raised at once --
-    not after ``local`` has waited out the group's timeout for a peer that is gone."""
+    not after ``local`` has waited out the group's timeout for a peer that is gone. If ``local`` fails (e.g.
+    the engine rejected the refit and the sender learned it), the RPC is still waited for before the error is
+    raised: its answer must not be left on the client's channel for the next call to read."""
     exe = cf.ThreadPoolExecutor(max_workers=2)
     try:
         fr, fl = exe.submit(remote), exe.submit(local)
         done, _ = cf.wait([fr, fl], return_when=cf.FIRST_EXCEPTION)
         if fr in done and fr.exception() is not None:
             raise fr.exception()
+        cf.wait([fr])
+        if fl.exception() is not None:
+            raise fl.exception()
         return fl.result(), fr.result()
     finally:
         exe.shutdown(wait=False)
