@@ -214,3 +214,30 @@ def test_a_receiver_that_stops_mid_refit_breaks_the_vote_and_nobody_commits(dire
     v3 = _stream(plan, _version(3))
     assert [g["version"] for g in got] == [3, 3]
     assert all(torch.equal(_stream(plan, t), v3) for t in targets)
+
+
+def test_a_sender_abort_is_every_receivers_own_reason_and_the_next_refit_succeeds():
+    """The sender aborts v2 (a wrong dtype): both receivers reject it for that reason alone (no "also
+    rejected by" for the same abort), keep v1, and v3 succeeds on both."""
+    plan = _plan()
+    ch = InProcessChannel(2, timeout_s=30)
+    targets = [_targets(plan, False), _targets(plan, True)]
+    receivers = [RefitReceiver(ch.endpoint(i + 1), plan, t) for i, t in enumerate(targets)]
+    outs, lives, threads = _run_receivers(receivers, targets, 3)
+    sender = RefitSender(ch.endpoint(0), plan)
+    bad = _version(2)
+    bad[2] = bad[2].to(torch.float16)
+    sent = [sender.send(_version(1))]
+    with pytest.raises(ValueError, match="'norm.weight'"):
+        sender.send(bad)
+    sent.append(sender.send(_version(3)))
+    for th in threads:
+        th.join(timeout=60)
+    v1 = _stream(plan, _version(1))
+    for i in range(2):
+        err = outs[i][1]
+        assert isinstance(err, RefitError) and err.status == Status.ABORTED and torch.equal(lives[i][1], v1)
+        assert "the sender aborted refit v2 at tensor 'norm.weight'" in str(err) and "also" not in str(err)
+        assert [r.status for r in err.receivers] == [Status.ABORTED, Status.ABORTED]
+        assert outs[i][2]["version"] == 3
+    assert [r["status"] for r in sent[1]["receivers"]] == ["ok", "ok"]

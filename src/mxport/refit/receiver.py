@@ -368,7 +368,8 @@ class RefitReceiver:
         n, me = self.plan.num_buckets, self.transport.rank
         others = []
         for r in vote.no:
-            if r.rank != me:
+            same_abort = problem is not None and problem.status is Status.ABORTED and r.status is Status.ABORTED
+            if r.rank != me and not same_abort:  # an abort is the sender's: every receiver saw the same one
                 names = self.layout.tensor_names(r.bucket) if 0 <= r.bucket < n else []
                 others.append(r.describe(n, vote.src) + (f" (tensors: {_names(names)})" if names else ""))
         if problem is not None:
@@ -388,7 +389,7 @@ class RefitReceiver:
         else:
             where = "the trailer" if trailer else f"({n} buckets)"
         restored = " (restored from the rollback copy)" if self.direct else ""
-        at = "at " if verb == "rejected" and bucket is not None else ""
+        at = "at " if verb in ("rejected", "not committed") and bucket is not None else ""
         return RefitError(f"refit {verb} {at}{where}: "
                           f"{why}; live weights kept at version {self.version}{restored}",
                           bucket=bucket, tensors=names, kept_version=self.version, status=status,
