@@ -4,7 +4,9 @@ A producer that yields a bad item (None, a numpy array, a meta tensor, a wrong s
 posts a bucket larger than planned, receivers that reject a refit (stale version), a peer that sends a pickle
 during the handshake. In every case: no process dies, every receiver fails within seconds (far below the group
 timeout) and keeps its weights byte for byte, the sender learns each receiver's outcome, and the next refit
-succeeds.
+succeeds. One receiver of two killed mid-refit (after bucket 0, or after the trailer: only the vote stops the
+other): the survivor commits nothing, keeps its weights byte for byte and raises within about the group
+timeout, the sender raises, and the next refit over a new group succeeds.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ def _live(targets) -> torch.Tensor:
     return _stream(targets)
 
 
-def _transport(rank, world, init):
+def _transport(rank, world, init, timeout_s=PG_TIMEOUT_S):
     from mxport.refit import TorchDistTransport
 
     torch.set_num_threads(1)
-    return TorchDistTransport.init(rank=rank, world_size=world, init_method=init, timeout_s=PG_TIMEOUT_S)
+    return TorchDistTransport.init(rank=rank, world_size=world, init_method=init, timeout_s=timeout_s)
 
 
 def _bad_items():
@@ -202,6 +204,80 @@ def _honest_peer(rank, init, init2, marker):
     return res
 
 
+KILL_PG_TIMEOUT_S = 10.0  # the group timeout of the receiver-killed scenario
+
+
+def _vote_sender(init, init2):
+    """v1 to two receivers; v2 while one of them dies; then v3 to the survivor over a new group."""
+    from mxport.refit import RefitError, RefitSender
+
+    sender = RefitSender(_transport(0, 3, init, KILL_PG_TIMEOUT_S), _plan())
+    out = {"v1": [r["status"] for r in sender.send(payload(1))["receivers"]]}
+    try:
+        sender.send(payload(2))
+        out["v2"] = None
+    except Exception as exc:  # noqa: BLE001 - the test looks at what send raised
+        out["v2"] = f"{'RefitError' if isinstance(exc, RefitError) else type(exc).__name__}: {exc}"
+    sender.transport.close()
+    sender.transport = _transport(0, 2, init2, KILL_PG_TIMEOUT_S)
+    sender.handshake()
+    stats = sender.send(payload(3))
+    out["v3"] = {"version": stats["version"], "statuses": [r["status"] for r in stats["receivers"]]}
+    sender.transport.close()
+    return out
+
+
+def _vote_survivor(init, init2, direct):
+    """Receiver 1: v1; v2 (its peer dies meanwhile) must raise with v1 kept byte for byte; v3 on a new
+    group."""
+    from mxport.refit import RefitError, RefitReceiver, allocate_targets
+
+    plan = _plan()
+    targets = allocate_targets(plan) if direct else [torch.zeros(s, dtype=d) for _, _, d, s in items()]
+    receiver = RefitReceiver(_transport(1, 3, init, KILL_PG_TIMEOUT_S), plan, targets)
+    res = {"direct": receiver.direct}
+    receiver.receive()
+    res["v1"] = torch.equal(_live(targets), _stream(payload(1)))
+    t0 = time.perf_counter()
+    try:
+        receiver.receive()
+        res["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the test looks at what receive raised
+        res["error"] = f"{'RefitError' if isinstance(exc, RefitError) else type(exc).__name__}: {exc}"
+        res["failed_at"], res["seconds"] = time.time(), time.perf_counter() - t0
+    res["kept"] = torch.equal(_live(targets), _stream(payload(1)))
+    res["version"] = receiver.version
+    receiver.transport.close()
+    receiver.transport = _transport(1, 2, init2, KILL_PG_TIMEOUT_S)
+    receiver.handshake()
+    res["v3"] = receiver.receive()["version"]
+    res["v3_equal"] = torch.equal(_live(targets), _stream(payload(3)))
+    receiver.transport.close()
+    return res
+
+
+def _vote_dying(init, at, marker):
+    """Receiver 2: v1; then dies in refit v2 right after bucket ``at`` landed (``num_buckets``: the
+    trailer), writing when it died to ``marker``."""
+    from pathlib import Path
+
+    from mxport.refit import RefitReceiver
+    from mxport.testing import FaultyReceiverTransport
+
+    plan = _plan()
+
+    def die(refit, bucket, buf):
+        if refit == 2 and bucket == at:
+            Path(marker).write_text(repr(time.time()))
+            os._exit(17)
+
+    tr = FaultyReceiverTransport(_transport(2, 3, init, KILL_PG_TIMEOUT_S), plan.num_buckets, die)
+    receiver = RefitReceiver(tr, plan, [torch.zeros(s, dtype=d) for _, _, d, s in items()])
+    receiver.receive()
+    receiver.receive()
+    return {}
+
+
 def _entry(fn, args, q, tag):
     faulthandler.dump_traceback_later(WAIT_S, exit=True)  # a watchdog: a stuck child never outlives the test
     try:
@@ -210,9 +286,9 @@ def _entry(fn, args, q, tag):
         q.put((tag, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _run(jobs):
+def _run(jobs, dying=()):
     """Spawn ``jobs`` = [(tag, fn, args)]; return their results and exit codes (every wait bounded by
-    WAIT_S)."""
+    WAIT_S); the jobs tagged in ``dying`` are expected to exit without a result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = {tag: ctx.Process(target=_entry, args=(fn, args, q, tag), daemon=True) for tag, fn, args in jobs}
@@ -220,7 +296,7 @@ def _run(jobs):
         p.start()
     results = {}
     try:
-        while len(results) < len(procs):
+        while len(results) < len(procs) - len(dying):
             try:
                 tag, status, val = q.get(timeout=WAIT_S)
             except queue.Empty:
@@ -293,3 +369,34 @@ def test_a_pickle_in_the_handshake_is_never_unpickled(tmp_path, attacker):
     assert r["next"] == 1
     if honest == 1:
         assert r["next_equal"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("at", "direct"), [("bucket0", False), ("bucket0", True), ("trailer", False),
+                                            ("trailer", True)],
+                         ids=["bucket0-staging", "bucket0-direct", "trailer-staging", "trailer-direct"])
+def test_a_receiver_killed_mid_refit_makes_the_survivor_keep_its_weights(tmp_path, at, direct):
+    """1 sender + 2 receivers over gloo; receiver 2 dies in refit v2 (os._exit) right after bucket 0 landed,
+    or right after the trailer (so the survivor has received and validated all of v2: only the vote stops
+    it). The survivor keeps v1 byte for byte and raises within about the group timeout, the sender raises;
+    v3 over a new group succeeds."""
+    init, init2 = f"file://{tmp_path}/store1", f"file://{tmp_path}/store2"
+    marker = str(tmp_path / "died_at")
+    kill_at = 0 if at == "bucket0" else _plan().num_buckets
+    res, codes = _run([("send", _vote_sender, (init, init2)), ("survivor", _vote_survivor, (init, init2, direct)),
+                       ("dying", _vote_dying, (init, kill_at, marker))], dying=("dying",))
+    assert codes == {"send": 0, "survivor": 0, "dying": 17}
+    send, r = res["send"], res["survivor"]
+    assert send["v1"] == ["ok", "ok"] and r["v1"] is True and r["direct"] is direct
+    assert r["kept"] is True and r["version"] == 1  # v1 byte for byte: v2 was committed by no one
+    assert r["error"] is not None and r["error"].startswith("RefitError: ")
+    assert "live weights kept at version 1" in r["error"]
+    assert send["v2"] is not None and send["v2"].startswith("RefitError: refit v2 failed: the transport failed")
+    if at == "trailer":
+        assert "received and validated, but the vote failed" in r["error"]
+    after_death = r["failed_at"] - float(open(marker).read())
+    print(f"survivor ({at}, {'direct' if direct else 'staging'}) failed {after_death:.2f} s after the death, "
+          f"{r['seconds']:.2f} s after receive() began")
+    assert after_death < 2 * KILL_PG_TIMEOUT_S  # about the group timeout, not the default 30 min
+    assert send["v3"] == {"version": 3, "statuses": ["ok"]}
+    assert r["v3"] == 3 and r["v3_equal"] is True

@@ -158,3 +158,55 @@ def make_tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0, hidden: int =
     if with_tokenizer:
         save_byte_tokenizer(path, vocab)
     return path
+
+
+class _AfterWait:
+    """A broadcast handle that runs ``after()`` once, right after the inner handle's ``wait()`` returns."""
+
+    def __init__(self, work, after):
+        self.work, self.after, self.done = work, after, False
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - same signature as torch Work.wait
+        self.work.wait()
+        if not self.done:
+            self.done = True
+            self.after()
+        return True
+
+
+class FaultyReceiverTransport(Transport):
+    """A receiving endpoint wrapper that tampers with what *this* receiver receives, for tests (other
+    receivers get the sender's bytes untouched): once each broadcast has landed (its handle's ``wait()``
+    returned), ``fault(refit, bucket, buf)`` gets the receiving buffer itself — staging, or the live arena in
+    direct mode — and may change it in place, or stop the process (``os._exit``: a receiver dying mid-refit).
+    ``refit`` counts refits through this endpoint from 1; ``bucket`` is the bucket index, ``buckets`` (the
+    plan's ``num_buckets``) for the trailer. Every broadcast counts: wrap after any ``share_plan``.
+    Everything else passes through to ``inner``.
+    """
+
+    def __init__(self, inner, buckets: int, fault):
+        if inner.rank == inner.src:
+            raise ValueError("FaultyReceiverTransport wraps a receiving endpoint (use FaultyTransport for the "
+                             "sender)")
+        self.inner, self.buckets, self.fault = inner, buckets, fault
+        self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
+        self._posted = 0
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def all_gather(self, t):
+        return self.inner.all_gather(t)
+
+    def broadcast(self, buf, async_op: bool = False):
+        refit, bucket = divmod(self._posted, self.buckets + 1)
+        self._posted += 1
+        handle = _AfterWait(self.inner.broadcast(buf, async_op=True), lambda: self.fault(refit + 1, bucket, buf))
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def close(self) -> None:
+        self.inner.close()

@@ -38,7 +38,7 @@ from .buckets import (
 )
 from .handshake import exchange_plans
 from .plan import RefitPlan
-from .results import AbortReason, ReceiverResult, ReceiveStats, RefitError, Status
+from .results import AbortReason, ReceiverResult, ReceiveStats, RefitError, Status, Vote
 from .timing import Stopwatch
 from .transport import Transport
 
@@ -185,15 +185,19 @@ class RefitReceiver:
 
     # -- one refit -------------------------------------------------------------------------------------------
     def receive(self) -> ReceiveStats:
-        """Receive one refit, validate every bucket, leave the live tensors on the new version (or, on any
-        failure, on the previous one), and report the outcome to the sender.
+        """Receive one refit, validate every bucket, vote, and leave the live tensors on the new version only
+        if every rank voted yes (otherwise on the previous one).
 
-        Staging mode: buckets land in staging; after validation every tensor is committed with ``copy_``.
-        Direct mode: buckets land in the live arena; on a failure the touched part is restored from the
-        rollback copy before raising; on success a background thread refreshes the rollback copy (waited for
-        at the start of the next ``receive``). After the trailer every receiver sends the sender a fixed-size
-        status report (ok, or why it rejected: :class:`~mxport.refit.results.Status`), so the sender knows the
-        outcome.
+        A two-phase commit, all or nothing across ranks: (1) receive and validate (trailer, every checksum,
+        the live tensors) without committing; (2) vote: every rank, the sender included, gives a fixed-size
+        verdict (ok, or why it rejects: :class:`~mxport.refit.results.Status`) in one all_gather, so every
+        rank and the sender see the same :class:`~mxport.refit.results.Vote`; (3) commit only if every vote
+        is ok, else roll back and raise. A rank that dies makes the others' vote (or a broadcast) fail: they
+        roll back and raise too.
+
+        Staging mode: buckets land in staging; the commit is a ``copy_`` into every tensor. Direct mode:
+        buckets land in the live arena; not committing restores it from the rollback copy; on success a
+        background thread refreshes the rollback copy (waited for at the start of the next ``receive``).
 
         Returns:
             :class:`~mxport.refit.results.ReceiveStats`: ``version`` (the sender's refit version now live),
@@ -206,9 +210,12 @@ class RefitReceiver:
 
         Raises:
             RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender,
-                a stale version, or a live tensor whose dtype/shape/pointer changed. The message names the
-                bucket and its tensors; the live weights hold exactly the previous version (untouched in
-                staging mode, restored in direct mode). After a checksum mismatch or an abort the transport is
+                a stale version, a live tensor whose dtype/shape/pointer changed — on this rank or on any
+                other (``status`` ``PEER_REJECTED``: the message names the ranks that voted no, why and
+                where; ``receivers`` holds every receiver's result). The message names the bucket and its
+                tensors; the live weights hold exactly the previous version (untouched in staging mode,
+                restored in direct mode). Only a refresh hook failing after a unanimous yes leaves this rank
+                apart (``COMMIT_FAILED``, see ``_commit``). After a checksum mismatch or an abort the transport is
                 still in step and the next refit can succeed; after a dead peer or timeout the transport must
                 be re-created (in direct mode every posted broadcast is waited for before restoring, so a
                 timeout can take up to ``inflight`` times the group's timeout to surface).
@@ -225,19 +232,20 @@ class RefitReceiver:
         trailer = Trailer.from_tensor(self._trailer)
         problem = problem or self._judge(trailer, got)
         sw.mark("judged")
-        if problem is not None:
-            if self._rollback_copy is not None:
-                self._rollback_copy.restore(self.plan.total_bytes)
-            self._report(problem.status, problem.bucket, problem.entry)
-            raise self._error("rejected", problem.bucket, problem.why, problem.status)
+        vote = self._vote(problem)  # nothing is committed before every rank voted yes
+        if not vote.commit:
+            self._roll_back(self.plan.total_bytes)
+            raise self._rejection(problem, vote)
         try:
             with sw.phase("commit"):
                 self._commit(trailer)
-        except BaseException:
-            self._report(Status.COMMIT_FAILED, None, -1)
-            raise
+        except Exception as exc:  # after a unanimous yes: a refresh hook failed (see _commit)
+            raise RefitError(f"refit v{vote.version} failed committing on this rank after every rank voted "
+                             f"yes ({type(exc).__name__}: {exc}); the other ranks committed it: this rank's "
+                             "derived copies (or, staging, its live tensors) may be stale until the next "
+                             "refit rewrites them", kept_version=self.version, status=Status.COMMIT_FAILED,
+                             receivers=vote.results) from exc
         sw.mark("done")
-        self._report(Status.OK, None, -1)
         if self._rollback_copy is not None:
             self._rollback_copy.start()
         seconds = sw.between("first", "done")
@@ -284,7 +292,7 @@ class RefitReceiver:
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 if self._rollback_copy is not None:
                     _wait_quietly(handles)  # nothing may still write into the live arena after the restore
-                    self._rollback_copy.restore(self._landed_bytes(posted))
+                self._roll_back(self._landed_bytes(posted))
                 raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
                                   None, trailer=b == n) from exc
         return got, t_first
@@ -316,7 +324,13 @@ class RefitReceiver:
 
     def _commit(self, trailer: Trailer) -> None:
         """Make the validated refit live (unpack from staging, or in direct mode just bump the version
-        counters), then run the refresh hooks."""
+        counters), then run the refresh hooks.
+
+        This runs only after every rank voted yes, so it must not fail: staging's ``copy_`` between
+        preallocated, checked tensors on one device and direct mode's counter bumps cannot (short of a
+        hardware fault); a refresh hook can. A failure here is raised on this rank only (the others have
+        committed; the sender has already returned): a third round that could undo the others' commit would
+        need a rollback copy on every rank in staging mode too. The next refit rewrites every byte."""
         if self.direct:
             bump_versions(self.targets)
         else:
@@ -327,15 +341,46 @@ class RefitReceiver:
         for hook in self.refresh_hooks:
             hook()
 
-    def _report(self, status: Status, bucket: int | None, entry: int) -> None:
-        """Send the sender this refit's outcome (every rank's fixed-size row; the others' rows are not
-        needed)."""
-        bucket = -1 if bucket is None else bucket
-        row = ReceiverResult(self.transport.rank, status, bucket, entry, self.version)
-        self.transport.all_gather(row.to_tensor())
+    def _roll_back(self, nbytes: int) -> None:
+        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy (staging mode: the
+        live tensors were never written, nothing to do)."""
+        if self._rollback_copy is not None:
+            self._rollback_copy.restore(nbytes)
+
+    def _vote(self, problem: _Problem | None) -> Vote:
+        """Phase two: every rank's verdict (one fixed-size row each; the sender's too). A failing vote (a
+        peer died or timed out) rolls back and raises: nothing was committed."""
+        st, bucket, entry = (Status.OK, -1, -1) if problem is None else (
+            problem.status, -1 if problem.bucket is None else problem.bucket, problem.entry)
+        row = ReceiverResult(self.transport.rank, st, bucket, entry, self.version)
+        try:
+            return Vote.tally(self.transport.all_gather(row.to_tensor()), self.transport.src)
+        except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+            self._roll_back(self.plan.total_bytes)
+            why = problem.why if problem is not None else "received and validated"
+            raise self._error("not committed", problem.bucket if problem else None,
+                              f"{why}, but the vote failed ({type(exc).__name__}: {exc}): a peer died or "
+                              "timed out", problem.status if problem else None) from exc
+
+    def _rejection(self, problem: _Problem | None, vote: Vote) -> RefitError:
+        """The RefitError of a refit some rank voted no on: this rank's own reason (if it rejected), and the
+        other ranks that rejected, with their buckets' tensors."""
+        n, me = self.plan.num_buckets, self.transport.rank
+        others = []
+        for r in vote.no:
+            same_abort = problem is not None and problem.status is Status.ABORTED and r.status is Status.ABORTED
+            if r.rank != me and not same_abort:  # an abort is the sender's: every receiver saw the same one
+                names = self.layout.tensor_names(r.bucket) if 0 <= r.bucket < n else []
+                others.append(r.describe(n, vote.src) + (f" (tensors: {_names(names)})" if names else ""))
+        if problem is not None:
+            also = f" (also rejected by {'; '.join(others)})" if others else ""
+            return self._error("rejected", problem.bucket, problem.why + also, problem.status,
+                               receivers=vote.results)
+        return self._error(f"v{vote.version} not committed", None, f"rejected by {'; '.join(others)}",
+                           Status.PEER_REJECTED, receivers=vote.results)
 
     def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
-               trailer: bool = False) -> RefitError:
+               trailer: bool = False, receivers: Sequence[ReceiverResult] = ()) -> RefitError:
         """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
         n = self.plan.num_buckets
         names = self.layout.tensor_names(bucket) if bucket is not None else []
@@ -344,10 +389,11 @@ class RefitReceiver:
         else:
             where = "the trailer" if trailer else f"({n} buckets)"
         restored = " (restored from the rollback copy)" if self.direct else ""
-        at = "at " if verb == "rejected" and bucket is not None else ""
+        at = "at " if verb in ("rejected", "not committed") and bucket is not None else ""
         return RefitError(f"refit {verb} {at}{where}: "
                           f"{why}; live weights kept at version {self.version}{restored}",
-                          bucket=bucket, tensors=names, kept_version=self.version, status=status)
+                          bucket=bucket, tensors=names, kept_version=self.version, status=status,
+                          receivers=receivers)
 
     def verify_live(self) -> bool:
         """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender

@@ -20,6 +20,7 @@ class Status(IntEnum):
     BAD_TRAILER = 4  # the trailer's magic or bucket count is wrong
     LIVE_CHANGED = 5  # a live tensor was moved, or its dtype / shape changed, since the receiver was built
     COMMIT_FAILED = 6  # writing the live tensors or a refresh hook failed
+    PEER_REJECTED = 7  # this receiver accepted, another rank voted no: no rank committed
 
 
 class AbortReason(IntEnum):
@@ -54,6 +55,13 @@ class ReceiverResult:
     def ok(self) -> bool:
         return self.status is Status.OK
 
+    def describe(self, num_buckets: int, src: int = 0) -> str:
+        """One line: who, the status, where (``receiver 2: checksum at bucket 0 (live version 1)``)."""
+        if self.rank == src:
+            return f"the sender: {self.status.name.lower()}"
+        where = f" at bucket {self.bucket}" if 0 <= self.bucket < num_buckets else ""
+        return f"receiver {self.rank}: {self.status.name.lower()}{where} (live version {self.version})"
+
     def to_dict(self) -> dict:
         return {**asdict(self), "status": self.status.name.lower()}
 
@@ -71,11 +79,59 @@ class ReceiverResult:
         return cls(rank, st, bucket, entry, version)
 
 
+@dataclass(frozen=True)
+class Vote:
+    """The outcome of one refit's vote, the same on every rank (the two-phase commit).
+
+    After receiving and validating everything, and before committing anything, every rank gives one
+    fixed-size row (an all_gather): a receiver its verdict (``OK`` or why it rejects) and the version live on
+    it; the sender ``OK`` (or ``ABORTED``) and the refit's version. ``commit`` is true only when every row is
+    ``OK``: then every receiver commits, otherwise none does.
+    """
+
+    src: int
+    rows: tuple[ReceiverResult, ...]
+
+    @classmethod
+    def tally(cls, rows: Sequence[torch.Tensor], src: int) -> Vote:
+        return cls(src, tuple(ReceiverResult.from_tensor(r, t) for r, t in enumerate(rows)))
+
+    @property
+    def version(self) -> int:
+        """The refit's version (the sender's row)."""
+        return self.rows[self.src].version
+
+    @property
+    def commit(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def no(self) -> list[ReceiverResult]:
+        """The rows that voted no (the sender's abort included)."""
+        return [r for r in self.rows if not r.ok]
+
+    @property
+    def results(self) -> list[ReceiverResult]:
+        """Each receiver's final result: ``OK`` at the refit's version when committed; otherwise its own
+        rejection, or ``PEER_REJECTED`` where it voted yes, at the version it kept."""
+        out = []
+        for r in self.rows:
+            if r.rank == self.src:
+                continue
+            if self.commit:
+                r = ReceiverResult(r.rank, Status.OK, -1, -1, self.version)
+            elif r.ok:
+                r = ReceiverResult(r.rank, Status.PEER_REJECTED, -1, -1, r.version)
+            out.append(r)
+        return out
+
+
 class RefitError(RuntimeError):
     """A refit failed; the live weights stayed on ``kept_version``.
 
-    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed on a receiver; on the
-    sender, ``receivers`` holds every receiver's :class:`ReceiverResult` (some of them rejected the refit).
+    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed on a receiver;
+    ``receivers`` holds every receiver's :class:`ReceiverResult` once the ranks voted (on the sender, and on
+    every receiver of a refit that some rank rejected); empty when the vote itself failed (a dead peer).
     """
 
     def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),

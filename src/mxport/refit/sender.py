@@ -31,7 +31,7 @@ from .buckets import (
 )
 from .handshake import exchange_plans
 from .plan import RefitPlan
-from .results import AbortReason, ReceiverResult, RefitError, SendStats, Status
+from .results import AbortReason, ReceiverResult, RefitError, SendStats, Status, Vote
 from .timing import Stopwatch
 from .transport import Transport
 
@@ -128,8 +128,10 @@ class RefitSender:
         trailer (a bad item, too few or too many items, anything the ``tensors`` iterator raises, a
         sender-side fault) the remaining buckets are still sent (their content unused) followed by an "abort"
         trailer, so receivers fail at once, keep their weights and stay in step; then the error is raised
-        here. A failure of the transport itself (dead peer, timeout) is raised as it is: the group is
-        unusable.
+        here. After the trailer the sender votes too (ok) in the receivers' two-phase commit: they commit only
+        if every rank voted ok (:class:`~mxport.refit.results.Vote`), so a refit one receiver rejects is
+        committed by none. A failure of the transport itself (a dead receiver, a timeout) raises
+        :class:`RefitError` (the transport's error as its cause): the group is unusable.
 
         Returns:
             :class:`~mxport.refit.results.SendStats`: ``version``, ``bytes`` (payload bytes), ``buckets``,
@@ -141,7 +143,8 @@ class RefitSender:
             ``receivers`` (each receiver's :class:`~mxport.refit.results.ReceiverResult`).
 
         Raises:
-            RefitError: some receiver rejected the refit (``receivers`` holds every receiver's result).
+            RefitError: some receiver rejected the refit, and so none committed it (``receivers`` holds every
+                receiver's result: its own rejection, or ``PEER_REJECTED``); or the transport failed.
         """
         if not self._handshaken:
             self.handshake()
@@ -158,14 +161,21 @@ class RefitSender:
             with sw.phase("wait"):
                 self._drain(run)
         except _TransportFailed as exc:
-            raise exc.error from None
+            raise self._transport_error(run, exc.error) from exc.error
         except BaseException as exc:
             self._abort(run, exc)
             raise
         with sw.phase("wait"):
-            self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets).wait()
-            results = self._reports(Status.OK)
-        self._raise_rejections(run, results)
+            try:
+                self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets).wait()
+            except _TransportFailed as exc:
+                raise self._transport_error(run, exc.error) from exc.error
+            try:
+                vote = self._vote(Status.OK)
+            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+                raise self._transport_error(run, exc, in_vote=True) from exc
+        results = vote.results
+        self._raise_rejections(run, vote)
         seconds = sw.elapsed()
         return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
                          zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
@@ -257,23 +267,35 @@ class RefitSender:
         while run.pending:
             self._retire_oldest(run)
 
-    def _reports(self, mine: Status) -> list[ReceiverResult]:
-        """Every receiver's status report for this refit (one fixed-size int64 row each)."""
+    def _vote(self, mine: Status) -> Vote:
+        """The sender's vote (``mine``: ok, or aborted) and every receiver's, one fixed-size int64 row each:
+        receivers commit only if every row is ok."""
         row = ReceiverResult(self.transport.rank, mine, -1, -1, self.version).to_tensor()
-        rows = self.transport.all_gather(row)
-        return [ReceiverResult.from_tensor(r, x) for r, x in enumerate(rows) if r != self.transport.src]
+        return Vote.tally(self.transport.all_gather(row), self.transport.src)
 
-    def _raise_rejections(self, run: _Run, results: list[ReceiverResult]) -> None:
-        bad = [r for r in results if not r.ok]
+    def _raise_rejections(self, run: _Run, vote: Vote) -> None:
+        bad = [r for r in vote.no if r.rank != self.transport.src]
         if not bad:
             return
-        parts = []
-        for r in bad:
-            where = f" at bucket {r.bucket}" if 0 <= r.bucket < self.plan.num_buckets else ""
-            parts.append(f"receiver {r.rank}: {r.status.name.lower()}{where} (live version {r.version})")
+        results = vote.results
+        parts = "; ".join(r.describe(self.plan.num_buckets, self.transport.src) for r in bad)
         raise RefitError(f"refit v{run.version} was rejected by {len(bad)} of {len(results)} receiver(s): "
-                         f"{'; '.join(parts)}", bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
+                         f"{parts}; no receiver committed it (every one keeps its previous weights)",
+                         bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
                          kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
+
+    def _transport_error(self, run: _Run, error: BaseException, in_vote: bool = False) -> RefitError:
+        """A dead receiver or a timeout during refit ``run``. Before the vote no receiver can commit it (they
+        commit only after a vote that this failure breaks for every rank). Inside the vote itself, a rank
+        that died after its own row left can leave receivers that already hold every row (all yes)
+        committed: the message says so."""
+        outcome = ("receivers that had every vote may have committed it, the others keep their previous "
+                   "weights: refit again" if in_vote else
+                   "no receiver commits this refit (each keeps its previous weights)")
+        return RefitError(f"refit v{run.version} failed: the transport failed "
+                          f"{'during the vote ' if in_vote else ''}({type(error).__name__}: {error}); a "
+                          f"receiver died or timed out, so {outcome}; re-create the group",
+                          kept_version=run.version - 1)
 
     def _abort(self, run: _Run, error: BaseException) -> None:
         """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
@@ -287,6 +309,6 @@ class RefitSender:
             trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
                                    run.reason)
             self._post(trailer, self.plan.num_buckets).wait()
-            self._reports(Status.ABORTED)
+            self._vote(Status.ABORTED)
         except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note
             error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
