@@ -151,7 +151,12 @@ def test_docstring_examples():
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     out: list[str] = []
     for name in names:
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:  # an integration whose engine (vLLM) is missing: its own tests cover it
+            if name.startswith("mxport.integrations.") and getattr(exc, "name", None) != name:
+                continue
+            raise
         for t in doctest.DocTestFinder(exclude_empty=True).find(module, name):
             if t.examples:
                 runner.run(t, out=out.append)

@@ -383,7 +383,8 @@ def test_a_receiver_killed_mid_refit_makes_the_survivor_keep_its_weights(tmp_pat
     init, init2 = f"file://{tmp_path}/store1", f"file://{tmp_path}/store2"
     marker = str(tmp_path / "died_at")
     kill_at = 0 if at == "bucket0" else _plan().num_buckets
-    res, codes = _run([("send", _vote_sender, (init, init2)), ("survivor", _vote_survivor, (init, init2, direct)),
+    res, codes = _run([("send", _vote_sender, (init, init2)),
+                       ("survivor", _vote_survivor, (init, init2, direct)),
                        ("dying", _vote_dying, (init, kill_at, marker))], dying=("dying",))
     assert codes == {"send": 0, "survivor": 0, "dying": 17}
     send, r = res["send"], res["survivor"]
@@ -391,7 +392,8 @@ def test_a_receiver_killed_mid_refit_makes_the_survivor_keep_its_weights(tmp_pat
     assert r["kept"] is True and r["version"] == 1  # v1 byte for byte: v2 was committed by no one
     assert r["error"] is not None and r["error"].startswith("RefitError: ")
     assert "live weights kept at version 1" in r["error"]
-    assert send["v2"] is not None and send["v2"].startswith("RefitError: refit v2 failed: the transport failed")
+    assert send["v2"] is not None
+    assert send["v2"].startswith("RefitError: refit v2 failed: the transport failed")
     if at == "trailer":
         assert "received and validated, but the vote failed" in r["error"]
     after_death = r["failed_at"] - float(open(marker).read())

@@ -24,7 +24,8 @@ from mxport.refit import (
 from mxport.refit.buckets import byte_view
 from mxport.testing import FaultyReceiverTransport
 
-ITEMS = [("w.weight", "values", torch.float8_e4m3fn, (8, 32)), ("w.weight_scale", "scales", torch.uint8, (8, 1)),
+ITEMS = [("w.weight", "values", torch.float8_e4m3fn, (8, 32)),
+         ("w.weight_scale", "scales", torch.uint8, (8, 1)),
          ("norm.weight", "kept", torch.float32, (40,)), ("emb", "kept", torch.bfloat16, (9, 8))]
 
 
@@ -189,7 +190,8 @@ def test_a_receiver_that_stops_mid_refit_breaks_the_vote_and_nobody_commits(dire
     survivor = outs[0][1]
     assert isinstance(survivor, RefitError) and survivor.kept_version == 1 and survivor.receivers == []
     assert "refit not committed" in str(survivor) and "the vote failed (BrokenBarrierError" in str(survivor)
-    assert isinstance(outs[1][1], RefitError) and "ConnectionResetError: receiver 2 is gone" in str(outs[1][1])
+    assert isinstance(outs[1][1], RefitError)
+    assert "ConnectionResetError: receiver 2 is gone" in str(outs[1][1])
     assert isinstance(sent[1], RefitError) and "the transport failed during the vote" in str(sent[1])
     assert receivers[0].version == 1 and receivers[1].version == 1
 

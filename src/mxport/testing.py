@@ -186,8 +186,8 @@ class FaultyReceiverTransport(Transport):
 
     def __init__(self, inner, buckets: int, fault):
         if inner.rank == inner.src:
-            raise ValueError("FaultyReceiverTransport wraps a receiving endpoint (use FaultyTransport for the "
-                             "sender)")
+            raise ValueError("FaultyReceiverTransport wraps a receiving endpoint (use FaultyTransport for "
+                             "the sender)")
         self.inner, self.buckets, self.fault = inner, buckets, fault
         self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
         self._posted = 0
@@ -202,7 +202,8 @@ class FaultyReceiverTransport(Transport):
     def broadcast(self, buf, async_op: bool = False):
         refit, bucket = divmod(self._posted, self.buckets + 1)
         self._posted += 1
-        handle = _AfterWait(self.inner.broadcast(buf, async_op=True), lambda: self.fault(refit + 1, bucket, buf))
+        handle = _AfterWait(self.inner.broadcast(buf, async_op=True),
+                            lambda: self.fault(refit + 1, bucket, buf))
         if async_op:
             return handle
         handle.wait()

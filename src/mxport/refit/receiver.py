@@ -211,11 +211,11 @@ class RefitReceiver:
         Raises:
             RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from the sender,
                 a stale version, a live tensor whose dtype/shape/pointer changed — on this rank or on any
-                other (``status`` ``PEER_REJECTED``: the message names the ranks that voted no, why and
-                where; ``receivers`` holds every receiver's result). The message names the bucket and its
-                tensors; the live weights hold exactly the previous version (untouched in staging mode,
-                restored in direct mode). Only a refresh hook failing after a unanimous yes leaves this rank
-                apart (``COMMIT_FAILED``, see ``_commit``). After a checksum mismatch or an abort the transport is
+                other (``status`` ``PEER_REJECTED``: the message names the ranks that voted no, why and where;
+                ``receivers`` holds every receiver's result). The message names the bucket and its tensors;
+                the live weights hold exactly the previous version (untouched in staging mode, restored in
+                direct mode). Only a refresh hook failing after a unanimous yes leaves this rank apart
+                (``COMMIT_FAILED``, see ``_commit``). After a checksum mismatch or an abort the transport is
                 still in step and the next refit can succeed; after a dead peer or timeout the transport must
                 be re-created (in direct mode every posted broadcast is waited for before restoring, so a
                 timeout can take up to ``inflight`` times the group's timeout to surface).
@@ -368,7 +368,8 @@ class RefitReceiver:
         n, me = self.plan.num_buckets, self.transport.rank
         others = []
         for r in vote.no:
-            same_abort = problem is not None and problem.status is Status.ABORTED and r.status is Status.ABORTED
+            same_abort = (problem is not None and problem.status is Status.ABORTED
+                          and r.status is Status.ABORTED)
             if r.rank != me and not same_abort:  # an abort is the sender's: every receiver saw the same one
                 names = self.layout.tensor_names(r.bucket) if 0 <= r.bucket < n else []
                 others.append(r.describe(n, vote.src) + (f" (tensors: {_names(names)})" if names else ""))
