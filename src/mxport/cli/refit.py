@@ -189,7 +189,7 @@ def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
     # vLLM logs to stdout at INFO by default: stdout holds the report or the JSON (--json -), and the command
     # line is quiet unless asked (set these variables to change it)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     rows: list[dict] = []
     with _progress() as progress:
         task = progress.add_task(f"exporting {src.label}, starting vLLM (about a minute) and the trainer",
