@@ -11,7 +11,6 @@ progress and write JSON.
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import socket
 import time
 import traceback
@@ -327,28 +326,53 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    own_tracker = not _tracker_running()  # spawning starts multiprocessing's resource tracker on first use
     world = cfg.receivers + 1
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), q), daemon=True)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # one per process: no semaphores to track
+    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), Outbox(pipes[r][1])), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    try:
+        for p, (_, w) in zip(procs, pipes, strict=True):
+            p.start()
+            w.close()  # the child holds the write end: its exit reads as end of file
+        return _collect(procs, [r for r, _ in pipes], on_event, timeout_s)
+    finally:
+        _reap(procs)
+        for r, w in pipes:
+            r.close()
+            w.close()
+        if own_tracker:
+            _stop_tracker()
+
+
+class Outbox:
+    """A process's way to the parent (the write end of its pipe): ``put(message)``."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, message: tuple) -> None:
+        self.conn.send(message)
+
+
+def _collect(procs, readers, on_event, timeout_s: float) -> dict:
+    """The parent's loop of :func:`run_demo`: the processes' messages until every one is done."""
+    from multiprocessing.connection import wait
+
     result: dict = {"plan": None, "steps": []}
     done: set[int] = set()
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(done) < world:
-            if time.monotonic() > deadline:
-                raise DemoFailed(f"refit demo did not finish within {timeout_s:.0f} s")
+    while len(done) < len(procs):
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"refit demo did not finish within {timeout_s:.0f} s")
+        for conn in wait([c for r, c in enumerate(readers) if r not in done], timeout=1.0):
             try:
-                kind, rank, payload = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
-                if dead:
-                    raise DemoFailed(f"process {dead[0]} exited with code "
-                                     f"{procs[dead[0]].exitcode}") from None
-                continue
+                kind, rank, payload = conn.recv()
+            except EOFError:  # the process exited without saying done
+                r = readers.index(conn)
+                procs[r].join(timeout=5)
+                raise DemoFailed(f"process {r} exited with code {procs[r].exitcode}") from None
             if kind == "error":
                 raise DemoFailed(f"{'trainer' if rank == 0 else f'inference process {rank}'} failed: "
                                  f"{payload}")
@@ -360,11 +384,41 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
                 done.add(rank)
             if on_event is not None:
                 on_event(kind, rank, payload)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+    for p in procs:
+        p.join(timeout=30)
     return result
+
+
+def _reap(procs) -> None:
+    """End and reap every started process (SIGTERM, then SIGKILL after 5 s): nothing the demo started
+    outlives it, on success, error or KeyboardInterrupt alike."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _tracker_running() -> bool:
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None) is not None
+
+
+def _stop_tracker() -> None:
+    """Stop multiprocessing's resource tracker process, which starting a spawn child launches and which
+    otherwise lives as long as this process (and past it, until it notices the exit): :func:`run_demo` started
+    it, its children are reaped, so nothing is registered there any more. The next spawn starts a new one."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is not None:
+        try:
+            stop()  # closes our end of its pipe and waits for it to exit
+        except (OSError, ChildProcessError):
+            pass
