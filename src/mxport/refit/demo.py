@@ -1,10 +1,11 @@
 """The processes of ``mxport refit``: one trainer and R inference processes on loopback gloo.
 
 The trainer keeps float32 master weights, takes a real AdamW step on a text batch, quantizes with the
-precision policy and sends the refit; each inference process (a model converted once with
-:func:`mxport.nn.quantize_model`) receives in place, checks its bytes and pointers, generates a few tokens
+precision policy and sends the refit (kept tensors cast to BF16); each inference process (a model loaded in
+BF16, as engines run it, and converted once with :func:`mxport.nn.quantize_model`: MXFP8 linears, BF16
+embeddings and norms) receives in place, checks its bytes and pointers, generates a few tokens
 greedily and returns its log-probs; the trainer computes ``gen_kl_error`` against its own log-probs on the
-same tokens. Results stream to the parent through a queue (one message per step), so the parent can show
+same tokens. Results stream to the parent through a pipe per process (one message per step), so the parent can show
 progress and write JSON.
 """
 
@@ -25,6 +26,10 @@ TEXT = ("Mixed precision training keeps master weights in high precision while t
 PROMPT = "Explain in one sentence why the sky is blue."
 
 
+
+#: the dtype the inference processes hold kept tensors (embeddings, norms) in and compute in, as engines do;
+#: the trainer sends kept tensors in it (2 bytes per element)
+ENGINE_DTYPE = torch.bfloat16
 
 #: runs of at least this many steps use the torch.compile'd quantize kernel
 COMPILE_MIN_STEPS = 10
@@ -89,7 +94,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True,  # quantize into the send buffer
-                           kernel=_kernel(cfg.steps))
+                           kernel=_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
     sender = RefitSender(transport, source.plan)
     sender.handshake()
     q.put(("plan", 0, source.plan.summary()))
@@ -250,7 +255,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     from .inference import receiver_plan
     from .receiver import RefitReceiver
 
-    model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
+    model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE)  # kept tensors in BF16, as engines run
     quantize_model(model)
     plan, targets = receiver_plan(model, cfg.bucket_bytes, arena=True)  # weights in one arena: direct receive
     receiver = RefitReceiver(transport, plan, targets)
