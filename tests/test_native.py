@@ -355,7 +355,7 @@ def test_large_fresh_outputs_are_advised_onto_huge_pages(monkeypatch):
     assert torch.equal(got.scale_inv, want.scale_inv)
 
 
-# ---- quantize_many: several tensors per native call ---------------------------------------------------------
+# ---- quantize_many: several tensors per native call ---------------------------------------------------
 
 def _per_tensor(x, fp8_dtype, rounding):
     return quantize(x, fp8_dtype, rounding=rounding, kernel="eager")
@@ -375,7 +375,8 @@ _SHAPES = st.lists(st.tuples(st.integers(0, 70), st.integers(1, 200)), min_size=
                                                                               torch.float16, torch.float64]),
        fp8_dtype=st.sampled_from(ELEMENTS), rounding=st.sampled_from(["rceil", "floor"]),
        with_outs=st.booleans(), threads=st.sampled_from([1, 2]))
-def test_quantize_many_equals_per_tensor_quantize(shapes, seed, dtype, fp8_dtype, rounding, with_outs, threads):
+def test_quantize_many_equals_per_tensor_quantize(shapes, seed, dtype, fp8_dtype, rounding, with_outs,
+                                                  threads):
     """quantize_many gives each tensor exactly quantize's bytes: any M (0, 1, ...) and K (multiples of 32 or
     not), every input dtype (float64 goes through quantize), both element formats and roundings, fresh outputs
     or caller's slots, on one thread or cut between threads (MIN_NUMEL_PER_THREAD lowered so small batches
@@ -387,8 +388,8 @@ def test_quantize_many_equals_per_tensor_quantize(shapes, seed, dtype, fp8_dtype
           for m, k in shapes]
     outs = None
     if with_outs:
-        outs = [(torch.full((m, k), 0xAB, dtype=torch.uint8), torch.full((m, -(-k // 32)), 0xCD, dtype=torch.uint8))
-                for m, k in shapes]
+        outs = [(torch.full((m, k), 0xAB, dtype=torch.uint8),
+                 torch.full((m, -(-k // 32)), 0xCD, dtype=torch.uint8)) for m, k in shapes]
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -401,7 +402,8 @@ def test_quantize_many_equals_per_tensor_quantize(shapes, seed, dtype, fp8_dtype
     for i, (x, c) in enumerate(zip(xs, got, strict=True)):
         _assert_components_equal(c, _per_tensor(x, fp8_dtype, rounding))
         if with_outs:  # written in place: the components are views of the caller's tensors
-            assert c.data.data_ptr() == outs[i][0].data_ptr() and c.scale_inv.data_ptr() == outs[i][1].data_ptr()
+            assert c.data.data_ptr() == outs[i][0].data_ptr()
+            assert c.scale_inv.data_ptr() == outs[i][1].data_ptr()
 
 
 def test_quantize_many_shapes_and_kernels():
@@ -409,7 +411,8 @@ def test_quantize_many_shapes_and_kernels():
     bytes); bad input raises as quantize does; outputs that overlap an input or each other are refused."""
     from mxport.quantize import quantize_many
 
-    xs = [torch.randn(2, 3, 40), torch.randn(1, 576), torch.randn(0, 64), torch.randn(64, 48).t(), torch.randn(5)]
+    xs = [torch.randn(2, 3, 40), torch.randn(1, 576), torch.randn(0, 64), torch.randn(64, 48).t(),
+          torch.randn(5)]
     for kernel in (None, "native", "eager"):
         for x, c in zip(xs, quantize_many(xs, kernel=kernel), strict=True):
             _assert_components_equal(c, _per_tensor(x, torch.float8_e4m3fn, "rceil"))

@@ -62,7 +62,8 @@ def test_batched_arena_sends_what_per_weight_quantize_sends(model, monkeypatch, 
 
 
 def test_generator_stays_lazy(model):
-    """Pulling the first tensor quantizes one run, not the model: the other slots still hold their old bytes."""
+    """Pulling the first tensor quantizes one run, not the model: the other slots still hold their old
+    bytes."""
     arena = TrainerSource(model, bucket_bytes=4096, arena=True)
     slots = arena._slots
     for s in slots:

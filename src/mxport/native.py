@@ -162,16 +162,17 @@ def load(path: Path) -> ctypes.CDLL:
                                 f"expected {ctypes.sizeof(Job)}")
     many = lib.mxport_quantize_many
     many.restype = ctypes.c_int
-    many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
-                     ctypes.c_int]
+    many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                     ctypes.c_int, ctypes.c_int]
     return lib
 
 
 class Job(ctypes.Structure):
     """``struct mxport_job`` of the C source: one tensor (or row range) of a ``mxport_quantize_many`` call."""
 
-    _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int64), ("k", ctypes.c_int64), ("q", ctypes.c_void_p),
-                ("e", ctypes.c_void_p), ("in_dtype", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+    _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("q", ctypes.c_void_p), ("e", ctypes.c_void_p), ("in_dtype", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
 
 
 #: fresh outputs of at least this many bytes are backed by transparent huge pages where the kernel allows it
@@ -300,7 +301,8 @@ def _pieces(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], threads
 
 
 def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                       elem: int, floor: bool, inv_max_norm: float, emax: int, *, block_2d: bool = False) -> None:
+                       elem: int, floor: bool, inv_max_norm: float, emax: int, *,
+                       block_2d: bool = False) -> None:
     """:func:`quantize_rows` for several tensors in one native call per thread: ``jobs`` are ``(x2, q, e)``,
     each a contiguous 2-D ``(M, K)`` CPU input (float32 / bfloat16 / float16, K >= 1) and its contiguous uint8
     outputs ``(M, K)`` / ``(M, ceil(K/32))`` (checked by the caller), written in place. Bytes are those of
@@ -319,7 +321,8 @@ def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Te
             x, q, e = jobs[j]
             k, nb = x.shape[1], e.shape[1]
             slot.x, slot.rows, slot.k = x.data_ptr() + r0 * k * x.element_size(), r1 - r0, k
-            slot.q, slot.e, slot.in_dtype = q.data_ptr() + r0 * k, e.data_ptr() + r0 * nb, INPUT_CODES[x.dtype]
+            slot.q, slot.e = q.data_ptr() + r0 * k, e.data_ptr() + r0 * nb
+            slot.in_dtype = INPUT_CODES[x.dtype]
         return fn(len(pieces), arr, elem, int(floor), inv_max_norm, emax, int(block_2d))
 
     runs = _pieces(jobs, threads, 32 if block_2d else 1)

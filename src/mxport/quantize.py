@@ -564,8 +564,8 @@ def quantize_many(
         one :class:`MXFP8Components` (rowwise) per tensor, in order.
 
     Raises:
-        what :func:`quantize` raises for a tensor; ValueError: ``outs`` of another length, outputs that overlap
-        an input or each other.
+        what :func:`quantize` raises for a tensor; ValueError: ``outs`` of another length, outputs that
+        overlap an input or each other.
     """
     tensors = list(tensors)
     outs = [None] * len(tensors) if outs is None else list(outs)

@@ -150,7 +150,8 @@ def _model_rows(layers: int, *, runs: int, warmup: int, device: torch.device) ->
     what = (f"{len(xs)} bf16 weights of {layers} SmolLM2-135M layers ({numel / 1e6:.1f} M elements) into "
             f"preallocated slots, {kernel_label(xs[0])}")
     return [
-        _row("model weights batched", g_b, "GB/s", f"per-tensor quantize {g_p:.3f} GB/s", g_b / g_p, "ratio >= 1",
+        _row("model weights batched", g_b, "GB/s", f"per-tensor quantize {g_p:.3f} GB/s", g_b / g_p,
+             "ratio >= 1",
              f"{what}; median {med['batched'] * 1e3:.2f} ms batched vs {med['per_tensor'] * 1e3:.2f} ms "
              f"per tensor, {runs} interleaved runs"),
         _row("model weights memory bound", g_b, "GB/s", f"copy_ {g_c:.2f} GB/s", g_b / g_c, "ratio >= 0.25",

@@ -5,8 +5,8 @@ precision policy and sends the refit (kept tensors cast to BF16); each inference
 BF16, as engines run it, and converted once with :func:`mxport.nn.quantize_model`: MXFP8 linears, BF16
 embeddings and norms) receives in place, checks its bytes and pointers, generates a few tokens
 greedily and returns its log-probs; the trainer computes ``gen_kl_error`` against its own log-probs on the
-same tokens. Results stream to the parent through a pipe per process (one message per step), so the parent can show
-progress and write JSON.
+same tokens. Results stream to the parent through a pipe per process (one message per step), so the parent
+can show progress and write JSON.
 """
 
 from __future__ import annotations

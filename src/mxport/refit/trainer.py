@@ -183,8 +183,8 @@ class TrainerSource:
         self._complete = True
 
     def _quantize_run(self, idx: int, i: int) -> int:
-        """Quantize entry ``idx`` (a plain-float weight, send-buffer slots ``i``, ``i + 1``) and the plain-float
-        weights that follow it, up to :data:`BATCH_NUMEL` elements, into their slots with one
+        """Quantize entry ``idx`` (a plain-float weight, send-buffer slots ``i``, ``i + 1``) and the
+        plain-float weights that follow it, up to :data:`BATCH_NUMEL` elements, into their slots with one
         :func:`mxport.quantize.quantize_many` call (the bytes of per-weight ``quantize``); return the index of
         the first entry not done."""
         from ..nn import _plain_float
