@@ -353,3 +353,117 @@ def test_large_fresh_outputs_are_advised_onto_huge_pages(monkeypatch):
     want = quantize(x, fast=False)
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale_inv, want.scale_inv)
+
+
+# ---- quantize_many: several tensors per native call ---------------------------------------------------
+
+def _per_tensor(x, fp8_dtype, rounding):
+    return quantize(x, fp8_dtype, rounding=rounding, kernel="eager")
+
+
+def _assert_components_equal(got, want):
+    assert got.direction == "rowwise" and got.data.shape == want.data.shape
+    assert torch.equal(got.scale_inv, want.scale_inv)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+
+
+_SHAPES = st.lists(st.tuples(st.integers(0, 70), st.integers(1, 200)), min_size=1, max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=_SHAPES, seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float32, torch.bfloat16,
+                                                                              torch.float16, torch.float64]),
+       fp8_dtype=st.sampled_from(ELEMENTS), rounding=st.sampled_from(["rceil", "floor"]),
+       with_outs=st.booleans(), threads=st.sampled_from([1, 2]))
+def test_quantize_many_equals_per_tensor_quantize(shapes, seed, dtype, fp8_dtype, rounding, with_outs,
+                                                  threads):
+    """quantize_many gives each tensor exactly quantize's bytes: any M (0, 1, ...) and K (multiples of 32 or
+    not), every input dtype (float64 goes through quantize), both element formats and roundings, fresh outputs
+    or caller's slots, on one thread or cut between threads (MIN_NUMEL_PER_THREAD lowered so small batches
+    split, inside tensors too)."""
+    from mxport.quantize import quantize_many
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-20, 20, (m, 1), generator=g)).to(dtype)
+          for m, k in shapes]
+    outs = None
+    if with_outs:
+        outs = [(torch.full((m, k), 0xAB, dtype=torch.uint8),
+                 torch.full((m, -(-k // 32)), 0xCD, dtype=torch.uint8)) for m, k in shapes]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native, "MIN_NUMEL_PER_THREAD", 64)
+            got = quantize_many(xs, fp8_dtype, rounding=rounding, outs=outs)
+    finally:
+        torch.set_num_threads(prev)
+    assert len(got) == len(xs)
+    for i, (x, c) in enumerate(zip(xs, got, strict=True)):
+        _assert_components_equal(c, _per_tensor(x, fp8_dtype, rounding))
+        if with_outs:  # written in place: the components are views of the caller's tensors
+            assert c.data.data_ptr() == outs[i][0].data_ptr()
+            assert c.scale_inv.data_ptr() == outs[i][1].data_ptr()
+
+
+def test_quantize_many_shapes_and_kernels():
+    """N-d and 1-row tensors, an empty one, a non-contiguous one, kernel='eager' (no native call: the same
+    bytes); bad input raises as quantize does; outputs that overlap an input or each other are refused."""
+    from mxport.quantize import quantize_many
+
+    xs = [torch.randn(2, 3, 40), torch.randn(1, 576), torch.randn(0, 64), torch.randn(64, 48).t(),
+          torch.randn(5)]
+    for kernel in (None, "native", "eager"):
+        for x, c in zip(xs, quantize_many(xs, kernel=kernel), strict=True):
+            _assert_components_equal(c, _per_tensor(x, torch.float8_e4m3fn, "rceil"))
+    assert quantize_many([]) == []
+    with pytest.raises(TypeError, match="FP8"):
+        quantize_many([torch.randn(4, 32), torch.zeros(4, 32, dtype=torch.float8_e4m3fn)])
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        quantize_many([torch.randn(4, 32)], outs=[])
+    buf = torch.zeros(2 * 4 * 32 + 8, dtype=torch.uint8)
+    q, e = buf[:128].view(4, 32), buf[128:132].view(4, 1)
+    q2 = buf[64:192].view(4, 32)  # overlaps q (and e)
+    with pytest.raises(ValueError, match="overlap"):
+        quantize_many([torch.randn(4, 32), torch.randn(4, 32)], outs=[(q, e), (q2, buf[192:196].view(4, 1))])
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="overlap"):  # out of tensor 1 is tensor 0's input
+        quantize_many([x, torch.randn(4, 8)], outs=[None, (x.view(torch.uint8).view(-1)[:32].view(4, 8), e)])
+
+
+def test_pieces_cover_every_row_once():
+    """The cut of a batch between threads: runs in job order, every row of every job exactly once, whole
+    32-row groups for 32x32 blocks, at most `threads` runs."""
+    jobs = [(torch.empty(m, k), None, None) for m, k in [(1, 7), (300, 576), (0, 5), (64, 33), (33, 1000)]]
+    jobs = [j for j in jobs if j[0].shape[0]]
+    for threads, step in itertools.product([1, 2, 3, 7], [1, 32]):
+        runs = native._pieces(jobs, threads, step)
+        assert 1 <= len(runs) <= threads
+        flat = [p for run in runs for p in run]
+        for j, (x, _, _) in enumerate(jobs):
+            mine = [(r0, r1) for jj, r0, r1 in flat if jj == j]
+            assert mine[0][0] == 0 and mine[-1][1] == x.shape[0]
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(mine))
+            assert all(r0 % step == 0 for r0, _ in mine)
+        assert [jj for jj, _, _ in flat] == sorted(jj for jj, _, _ in flat)
+
+
+def test_quantize_many_c_entry_checks_every_job_first():
+    """mxport_quantize_many refuses a batch with one bad job (K = 0, an unknown dtype, reserved != 0) before
+    writing anything; struct mxport_job is the size native.Job says."""
+    import ctypes
+
+    lib = NATIVE_PATH._lib
+    assert lib.mxport_job_size() == ctypes.sizeof(native.Job) == 48
+    x = torch.randn(4, 64)
+    q, e = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
+    for bad in ({"k": 0}, {"in_dtype": 3}, {"reserved": 1}, {"rows": -1}):
+        jobs = (native.Job * 2)()
+        for j in jobs:
+            j.x, j.rows, j.k, j.q, j.e, j.in_dtype = x.data_ptr(), 4, 64, q.data_ptr(), e.data_ptr(), 0
+        for name, value in bad.items():
+            setattr(jobs[1], name, value)
+        assert lib.mxport_quantize_many(2, jobs, 0, 0, 1 / 448, 8, 0) == -1
+        assert not q.any() and not e.any()
+    jobs[1].rows, jobs[1].k, jobs[1].in_dtype, jobs[1].reserved = 4, 64, 0, 0
+    assert lib.mxport_quantize_many(2, jobs, 0, 0, 1 / 448, 8, 0) == 0 and e.any()

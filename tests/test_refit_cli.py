@@ -65,7 +65,12 @@ def test_refit_end_to_end_embedded_model_one_step(tmp_path):
     data = json.loads(out.read_text())
     (s,) = data["steps"]
     assert s["bit_exact"] is True and s["pointers_stable"] is True
-    assert s["bytes"] == data["plan"]["bytes"] > 200_000_000  # 30 layers of MXFP8 linears + float32 embedding
+    # 30 layers of MXFP8 linears (values + scales) and the kept tensors as the engine holds them, in BF16:
+    # the tied embedding 49152 x 576 and 61 norms of 576, 2 bytes per element (float32 would be 222,872,832)
+    by_role = data["plan"]["bytes_by_role"]
+    assert by_role["kept"] == 2 * (49152 * 576 + 61 * 576) == 56_693_376
+    assert s["bytes"] == data["plan"]["bytes"] == by_role["values"] + by_role["scales"] + by_role["kept"]
+    assert s["bytes"] == 166_179_456
     assert 0 <= s["gen_kl_error"] < 1.0
 
 

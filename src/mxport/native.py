@@ -38,8 +38,9 @@ from ._env import cache_dir
 ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
-#: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C)
-ABI = 2
+#: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C); 3 added
+#: ``mxport_quantize_many`` (several tensors per call)
+ABI = 3
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -156,7 +157,22 @@ def load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    if lib.mxport_job_size() != ctypes.sizeof(Job):
+        raise NativeUnavailable(f"{path}: struct mxport_job is {lib.mxport_job_size()} bytes, "
+                                f"expected {ctypes.sizeof(Job)}")
+    many = lib.mxport_quantize_many
+    many.restype = ctypes.c_int
+    many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                     ctypes.c_int, ctypes.c_int]
     return lib
+
+
+class Job(ctypes.Structure):
+    """``struct mxport_job`` of the C source: one tensor (or row range) of a ``mxport_quantize_many`` call."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("q", ctypes.c_void_p), ("e", ctypes.c_void_p), ("in_dtype", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
 
 
 #: fresh outputs of at least this many bytes are backed by transparent huge pages where the kernel allows it
@@ -261,3 +277,59 @@ def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, in
     if any(rcs):
         raise RuntimeError(f"mxport native kernel rejected its arguments (dtype {x2.dtype}, K={k})")
     return q, e
+
+
+def _pieces(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], threads: int, step: int
+            ) -> list[list[tuple[int, int, int]]]:
+    """``jobs`` cut into ``threads`` runs of about equal element counts: per thread, ``(job, row0, row1)``
+    pieces in job order (a job is cut between rows, at multiples of ``step`` rows)."""
+    total = sum(x.numel() for x, _, _ in jobs)
+    per, out, filled = -(-total // threads), [[]], 0
+    for j, (x, _, _) in enumerate(jobs):
+        m, k = x.shape
+        r = 0
+        while r < m:
+            if filled >= per and len(out) < threads:
+                out.append([])
+                filled = 0
+            take = max(1, -(-(per - filled) // k)) if len(out) < threads else m - r
+            r1 = min(m, -(-(r + take) // step) * step)
+            out[-1].append((j, r, r1))
+            filled += (r1 - r) * k
+            r = r1
+    return [p for p in out if p]
+
+
+def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                       elem: int, floor: bool, inv_max_norm: float, emax: int, *,
+                       block_2d: bool = False) -> None:
+    """:func:`quantize_rows` for several tensors in one native call per thread: ``jobs`` are ``(x2, q, e)``,
+    each a contiguous 2-D ``(M, K)`` CPU input (float32 / bfloat16 / float16, K >= 1) and its contiguous uint8
+    outputs ``(M, K)`` / ``(M, ceil(K/32))`` (checked by the caller), written in place. Bytes are those of
+    :func:`quantize_rows` on each input. The work is cut into ``torch.get_num_threads()`` runs of about equal
+    size (between tensors, or between rows of one) for large batches."""
+    jobs = [(x, q, e) for x, q, e in jobs if x.shape[0] > 0]
+    total = sum(x.numel() for x, _, _ in jobs)
+    if not jobs:
+        return
+    threads = max(1, min(torch.get_num_threads(), total // MIN_NUMEL_PER_THREAD))
+    fn = lib.mxport_quantize_many
+
+    def run(pieces: list[tuple[int, int, int]]) -> int:
+        arr = (Job * len(pieces))()
+        for slot, (j, r0, r1) in zip(arr, pieces, strict=True):
+            x, q, e = jobs[j]
+            k, nb = x.shape[1], e.shape[1]
+            slot.x, slot.rows, slot.k = x.data_ptr() + r0 * k * x.element_size(), r1 - r0, k
+            slot.q, slot.e = q.data_ptr() + r0 * k, e.data_ptr() + r0 * nb
+            slot.in_dtype = INPUT_CODES[x.dtype]
+        return fn(len(pieces), arr, elem, int(floor), inv_max_norm, emax, int(block_2d))
+
+    runs = _pieces(jobs, threads, 32 if block_2d else 1)
+    if len(runs) == 1:
+        rcs = [run(runs[0])]
+    else:
+        futures = [_pool(len(runs) - 1).submit(run, p) for p in runs[1:]]
+        rcs = [run(runs[0])] + [f.result() for f in futures]
+    if any(rcs):
+        raise RuntimeError(f"mxport native kernel rejected the arguments of a batch of {len(jobs)} tensors")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .components import MXFP8Components, check_block_size, check_direction
+from .components import MXFP8Components, check_block_size, check_direction, compact_scale_shape
 from .formats import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
@@ -249,6 +249,11 @@ class _NativePath:
     def __call__(self, x2: torch.Tensor, fmt: ElementFormat, floor: bool, block_2d: bool = False,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor), block_2d=block_2d, out=out)
+
+    def many(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fmt: ElementFormat,
+             floor: bool) -> None:
+        """Rowwise quantize of several ``(x2, q, e)`` jobs in batched native calls (:func:`quantize_many`)."""
+        native.quantize_rows_many(self._lib, jobs, *_native_args(fmt, floor))
 
 
 NATIVE_PATH = _NativePath()
@@ -534,3 +539,75 @@ def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str
         e_col = e[::BLOCK_SIZE].repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
         return MXFP8Components(q.reshape(shape), e_col, "columnwise")
     return MXFP8Components(q.t().contiguous().reshape(shape), e.t().contiguous(), "columnwise")
+
+
+def quantize_many(
+    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    rounding: str = "rceil",
+    outs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    kernel: str | None = None,
+) -> list[MXFP8Components]:
+    """Rowwise :func:`quantize` of several tensors, the ones the native CPU kernel takes in one batched native
+    call (per thread): for many small tensors (a model's weights) the per-call cost is paid once. The bytes
+    are those of ``quantize(t, fp8_dtype, rounding=rounding, out=outs[i], kernel=kernel)`` for each tensor,
+    which is what every other tensor gets (another device, float64, a kernel other than native).
+
+    Args:
+        tensors: the inputs, as :func:`quantize`'s ``x``.
+        fp8_dtype, rounding, kernel: as in :func:`quantize` (``kernel`` applies to every tensor).
+        outs: None, or one entry per tensor: None or a ``(values, scales)`` pair as :func:`quantize`'s
+            ``out``. No output may overlap any input or another output.
+
+    Returns:
+        one :class:`MXFP8Components` (rowwise) per tensor, in order.
+
+    Raises:
+        what :func:`quantize` raises for a tensor; ValueError: ``outs`` of another length, outputs that
+        overlap an input or each other.
+    """
+    tensors = list(tensors)
+    outs = [None] * len(tensors) if outs is None else list(outs)
+    if len(outs) != len(tensors):
+        raise ValueError(f"outs must have one entry per tensor ({len(tensors)}), got {len(outs)}")
+    fmt = element_format(fp8_dtype)
+    floor = _check_rounding(rounding) == "floor"
+    results: list[MXFP8Components | None] = [None] * len(tensors)
+    batch: list[tuple[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
+    for i, (x, out) in enumerate(zip(tensors, outs, strict=True)):
+        _check_input(x)
+        if x.dim() >= 1 and x.dtype != torch.float64 and x.numel() and _batchable(x, kernel):
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            if out is None:
+                out = (native.fresh_bytes(tuple(x.shape)).view(fmt.dtype),
+                       native.fresh_bytes(compact_scale_shape(tuple(x.shape), "rowwise")))
+            batch.append((i, x2, _check_out(out, x, fmt, "rowwise")))
+            results[i] = MXFP8Components(out[0].view(fmt.dtype), as_e8m0_bytes(out[1]), "rowwise")
+        else:
+            results[i] = quantize(x, fp8_dtype, rounding=rounding, out=out, kernel=kernel)
+    if batch:
+        _check_disjoint(batch)
+        NATIVE_PATH.many([(x2, q, e) for _, x2, (q, e) in batch], fmt, floor)
+    return results
+
+
+def _batchable(x: torch.Tensor, kernel: str | None) -> bool:
+    """True when :func:`quantize` would run the native kernel on ``x`` (2-D view) with this ``kernel``."""
+    return kernel_for(x.reshape(-1, x.shape[-1]), kernel=kernel) == "native"
+
+
+def _check_disjoint(batch) -> None:
+    """Refuse a batch whose outputs overlap an input or another output (the threads would race)."""
+    spans = []
+    for _, x2, (q, e) in batch:
+        spans += [(*_byte_span(x2), False), (*_byte_span(q), True), (*_byte_span(e), True)]
+    spans.sort()
+    end_any = end_out = 0
+    for start, end, is_out in spans:
+        if start == end:
+            continue
+        if start < end_out or (is_out and start < end_any):
+            raise ValueError("quantize_many: outs must not overlap the inputs or each other")
+        end_any = max(end_any, end)
+        end_out = max(end_out, end) if is_out else end_out

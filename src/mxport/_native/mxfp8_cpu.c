@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MXPORT_NATIVE_ABI 2
+#define MXPORT_NATIVE_ABI 3
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
@@ -525,4 +525,50 @@ int mxport_quantize_rows(const void *x, int64_t rows, int64_t k, uint8_t *q, uin
     (void)inv_max_norm; (void)emax; (void)block_2d;
     return -1;
 #endif
+}
+
+/*
+ * One job of mxport_quantize_many: `rows` contiguous rows of `k` elements at x (in_dtype as in
+ * mxport_quantize_rows) into q (rows x k FP8 bytes) and e (rows x ceil(k/32) E8M0 bytes). 48 bytes, no padding
+ * holes (mxport/native.py mirrors it with ctypes).
+ */
+struct mxport_job {
+    const void *x;
+    int64_t rows;
+    int64_t k;
+    uint8_t *q;
+    uint8_t *e;
+    int32_t in_dtype;
+    int32_t reserved; /* 0 */
+};
+
+/* sizeof(struct mxport_job), for the caller's check of its mirror of the struct */
+int mxport_job_size(void) { return (int)sizeof(struct mxport_job); }
+
+/*
+ * Quantize n jobs (several tensors, or row ranges of them) in one call, one after the other, with the shared
+ * format parameters of mxport_quantize_rows (elem, floor_rounding, inv_max_norm, emax, block_2d). Every job is
+ * checked before any is run: returns 0, or -1 (nothing written) when one is out of range.
+ */
+int mxport_quantize_many(int64_t n, const struct mxport_job *jobs, int elem, int floor_rounding,
+                         float inv_max_norm, int emax, int block_2d) {
+    if (n < 0 || (n > 0 && jobs == 0))
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const struct mxport_job *j = &jobs[i];
+        if (j->rows < 0 || j->k < 1 || j->in_dtype < 0 || j->in_dtype > 2 || j->reserved != 0 ||
+            (j->rows > 0 && (j->x == 0 || j->q == 0 || j->e == 0)))
+            return -1;
+    }
+    if (elem < 0 || elem > 1 || floor_rounding < 0 || floor_rounding > 1 || block_2d < 0 || block_2d > 1)
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const struct mxport_job *j = &jobs[i];
+        if (j->rows == 0)
+            continue;
+        if (mxport_quantize_rows(j->x, j->rows, j->k, j->q, j->e, j->in_dtype, elem, floor_rounding,
+                                 inv_max_norm, emax, block_2d) != 0)
+            return -1;
+    }
+    return 0;
 }

@@ -15,6 +15,12 @@ them alike:
 * ``memory bound 4096x4096`` — the same throughput against a ``Tensor.copy_`` of the same BF16 tensor (bytes
   read + written), ratio = the fraction of the memory bound reached (goal >= 0.25).
 * ``throughput NxN`` — mxport vs torchao over a range of square sizes (the plot of ``mxport bench --plot``).
+* ``model weights batched`` — the linear weights of a SmolLM2-135M-shaped model (per layer q/k/v/o 576x576,
+  192x576, 192x576, 576x576, gate/up 1536x576, down 576x1536; 30 layers, 4 in quick mode; BF16), each into
+  its own preallocated slot as a refit's send buffer does: :func:`mxport.quantize.quantize_many` (one batched
+  call) against one ``quantize(x, out=...)`` call per tensor; ratio = the speed-up of batching.
+* ``model weights memory bound`` — the same batched figure against one ``copy_`` of the same input bytes
+  (bytes read + written).
 
 Bytes moved by a quantize of ``n`` BF16 elements: ``2n`` read + ``n`` FP8 written + ``n/32`` E8M0 bytes
 written (the same count is used for torchao, so GB/s ratios are speed ratios).
@@ -109,7 +115,49 @@ def run(quick: bool = False) -> list[dict]:
     for n in sweep:
         xs = x if n == side else make(n)
         rows.append(_sweep_row(xs, ao_fn, ao_missing, runs=runs, warmup=warmup, device=device))
+    rows += _model_rows(4 if quick else 30, runs=runs, warmup=warmup, device=device)
     return rows
+
+
+#: the linear weight shapes of one SmolLM2-135M layer: q, k, v, o, gate, up, down
+SMOLLM2_LAYER = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+
+
+def _model_rows(layers: int, *, runs: int, warmup: int, device: torch.device) -> list[dict]:
+    """The rows of a SmolLM2-shaped set of linear weights: batched vs per-tensor quantize, vs a copy."""
+    from ..components import compact_scale_shape
+    from ..quantize import kernel_label, quantize, quantize_many
+
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(s, generator=gen).to(device=device, dtype=torch.bfloat16)
+          for _ in range(layers) for s in SMOLLM2_LAYER]
+    outs = [(torch.empty(x.shape, dtype=torch.uint8, device=device),
+             torch.empty(compact_scale_shape(tuple(x.shape), "rowwise"), dtype=torch.uint8, device=device))
+            for x in xs]
+    numel = sum(x.numel() for x in xs)
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    dst = torch.empty_like(flat)
+
+    def per_tensor():
+        for x, o in zip(xs, outs, strict=True):
+            quantize(x, out=o)
+
+    med = interleaved_medians({"batched": lambda: quantize_many(xs, outs=outs), "per_tensor": per_tensor,
+                               "copy": lambda: dst.copy_(flat)}, runs=runs, warmup=warmup, device=device)
+    nbytes = quantize_bytes(numel)
+    g_b, g_p = nbytes / med["batched"] / 1e9, nbytes / med["per_tensor"] / 1e9
+    g_c = 2 * flat.numel() * flat.element_size() / med["copy"] / 1e9
+    what = (f"{len(xs)} bf16 weights of {layers} SmolLM2-135M layers ({numel / 1e6:.1f} M elements) into "
+            f"preallocated slots, {kernel_label(xs[0])}")
+    return [
+        _row("model weights batched", g_b, "GB/s", f"per-tensor quantize {g_p:.3f} GB/s", g_b / g_p,
+             "ratio >= 1",
+             f"{what}; median {med['batched'] * 1e3:.2f} ms batched vs {med['per_tensor'] * 1e3:.2f} ms "
+             f"per tensor, {runs} interleaved runs"),
+        _row("model weights memory bound", g_b, "GB/s", f"copy_ {g_c:.2f} GB/s", g_b / g_c, "ratio >= 0.25",
+             f"{what}; copy_ of the same input bytes in one tensor (median {med['copy'] * 1e3:.2f} ms); "
+             f"per tensor: {g_p / g_c:.3f} of it"),
+    ]
 
 
 def _headline_rows(x: torch.Tensor, ao_fn, ao_missing: str | None, *, runs: int, warmup: int,

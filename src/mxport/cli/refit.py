@@ -78,10 +78,12 @@ def refit(
     """Train and refit: a trainer process and the inference engine's processes on loopback gloo.
 
     --engine mxport (default): each step the trainer (float32 master weights) takes an AdamW step on a text
-    batch, quantizes the linear weights to MXFP8 (default precision policy) straight into its send buffer and
-    broadcasts it in byte buckets; each of R inference processes (its model converted once to MXFP8Linear, its
-    weights moved once into one arena) receives the buckets in place, validates their checksums (restoring the
-    previous weights on any failure), and generates.
+    batch, quantizes the linear weights to MXFP8 (default precision policy) straight into its send buffer,
+    casts the kept tensors (embedding, norms) to BF16, and broadcasts it in byte buckets; each of R inference
+    processes runs as engines do (its model loaded in BF16 and converted once to MXFP8Linear: MXFP8 linears,
+    BF16 embedding and norms; its weights moved once into one arena), receives the buckets in place,
+    validates their checksums (restoring the previous weights on any failure), and generates. Its
+    gen_kl_error is the float32 trainer against that engine (MXFP8 linears, BF16 kept tensors and compute).
 
     --engine vllm: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it with
     weight_transfer_config={"backend": "mxport"}; a trainer process refits it through vLLM's own

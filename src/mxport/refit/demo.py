@@ -1,17 +1,17 @@
 """The processes of ``mxport refit``: one trainer and R inference processes on loopback gloo.
 
 The trainer keeps float32 master weights, takes a real AdamW step on a text batch, quantizes with the
-precision policy and sends the refit; each inference process (a model converted once with
-:func:`mxport.nn.quantize_model`) receives in place, checks its bytes and pointers, generates a few tokens
+precision policy and sends the refit (kept tensors cast to BF16); each inference process (a model loaded in
+BF16, as engines run it, and converted once with :func:`mxport.nn.quantize_model`: MXFP8 linears, BF16
+embeddings and norms) receives in place, checks its bytes and pointers, generates a few tokens
 greedily and returns its log-probs; the trainer computes ``gen_kl_error`` against its own log-probs on the
-same tokens. Results stream to the parent through a queue (one message per step), so the parent can show
-progress and write JSON.
+same tokens. Results stream to the parent through a pipe per process (one message per step), so the parent
+can show progress and write JSON.
 """
 
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import socket
 import time
 import traceback
@@ -26,6 +26,10 @@ TEXT = ("Mixed precision training keeps master weights in high precision while t
 PROMPT = "Explain in one sentence why the sky is blue."
 
 
+
+#: the dtype the inference processes hold kept tensors (embeddings, norms) in and compute in, as engines do;
+#: the trainer sends kept tensors in it (2 bytes per element)
+ENGINE_DTYPE = torch.bfloat16
 
 #: runs of at least this many steps use the torch.compile'd quantize kernel
 COMPILE_MIN_STEPS = 10
@@ -90,7 +94,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True,  # quantize into the send buffer
-                           kernel=_kernel(cfg.steps))
+                           kernel=_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
     sender = RefitSender(transport, source.plan)
     sender.handshake()
     q.put(("plan", 0, source.plan.summary()))
@@ -251,7 +255,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     from .inference import receiver_plan
     from .receiver import RefitReceiver
 
-    model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
+    model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE)  # kept tensors in BF16, as engines run
     quantize_model(model)
     plan, targets = receiver_plan(model, cfg.bucket_bytes, arena=True)  # weights in one arena: direct receive
     receiver = RefitReceiver(transport, plan, targets)
@@ -327,28 +331,53 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    own_tracker = not _tracker_running()  # spawning starts multiprocessing's resource tracker on first use
     world = cfg.receivers + 1
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), q), daemon=True)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # one per process: no semaphores to track
+    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), Outbox(pipes[r][1])), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    try:
+        for p, (_, w) in zip(procs, pipes, strict=True):
+            p.start()
+            w.close()  # the child holds the write end: its exit reads as end of file
+        return _collect(procs, [r for r, _ in pipes], on_event, timeout_s)
+    finally:
+        _reap(procs)
+        for r, w in pipes:
+            r.close()
+            w.close()
+        if own_tracker:
+            _stop_tracker()
+
+
+class Outbox:
+    """A process's way to the parent (the write end of its pipe): ``put(message)``."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, message: tuple) -> None:
+        self.conn.send(message)
+
+
+def _collect(procs, readers, on_event, timeout_s: float) -> dict:
+    """The parent's loop of :func:`run_demo`: the processes' messages until every one is done."""
+    from multiprocessing.connection import wait
+
     result: dict = {"plan": None, "steps": []}
     done: set[int] = set()
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(done) < world:
-            if time.monotonic() > deadline:
-                raise DemoFailed(f"refit demo did not finish within {timeout_s:.0f} s")
+    while len(done) < len(procs):
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"refit demo did not finish within {timeout_s:.0f} s")
+        for conn in wait([c for r, c in enumerate(readers) if r not in done], timeout=1.0):
             try:
-                kind, rank, payload = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
-                if dead:
-                    raise DemoFailed(f"process {dead[0]} exited with code "
-                                     f"{procs[dead[0]].exitcode}") from None
-                continue
+                kind, rank, payload = conn.recv()
+            except EOFError:  # the process exited without saying done
+                r = readers.index(conn)
+                procs[r].join(timeout=5)
+                raise DemoFailed(f"process {r} exited with code {procs[r].exitcode}") from None
             if kind == "error":
                 raise DemoFailed(f"{'trainer' if rank == 0 else f'inference process {rank}'} failed: "
                                  f"{payload}")
@@ -360,11 +389,41 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
                 done.add(rank)
             if on_event is not None:
                 on_event(kind, rank, payload)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+    for p in procs:
+        p.join(timeout=30)
     return result
+
+
+def _reap(procs) -> None:
+    """End and reap every started process (SIGTERM, then SIGKILL after 5 s): nothing the demo started
+    outlives it, on success, error or KeyboardInterrupt alike."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _tracker_running() -> bool:
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None) is not None
+
+
+def _stop_tracker() -> None:
+    """Stop multiprocessing's resource tracker process, which starting a spawn child launches and which
+    otherwise lives as long as this process (and past it, until it notices the exit): :func:`run_demo` started
+    it, its children are reaped, so nothing is registered there any more. The next spawn starts a new one."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is not None:
+        try:
+            stop()  # closes our end of its pipe and waits for it to exit
+        except (OSError, ChildProcessError):
+            pass

@@ -14,6 +14,10 @@ from .arena import adopt, adoptable, allocate_targets, storage_users, stream_are
 from .items import model_tensors, tensor_items
 from .plan import RefitPlan
 
+#: elements of consecutive weights :meth:`TrainerSource.tensors` quantizes in one batched call (the first
+#: weight of a batch may be larger)
+BATCH_NUMEL = 1 << 22
+
 
 def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a kept tensor travels in: ``kept_dtype`` for floating-point tensors, else its own (integer
@@ -149,11 +153,12 @@ class TrainerSource:
 
         slots = self._slots
         self._complete = False
-        i = 0
-        for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+        i = ready = 0  # ready: entries before it hold this call's quantized bytes in their slots already
+        for idx, ((_, t), q) in enumerate(zip(self.tensors_by_name, self.quantized, strict=True)):
             if q:
                 if slots is not None and _plain_float(t):
-                    quantize(t.detach(), self.fp8_dtype, out=(slots[i], slots[i + 1]), kernel=self.kernel)
+                    if idx >= ready:  # this weight and the plain-float weights right after it, in one batch
+                        ready = self._quantize_run(idx, i)
                     yield slots[i]
                     yield slots[i + 1]
                 else:
@@ -180,3 +185,20 @@ class TrainerSource:
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
         self._complete = True
+
+    def _quantize_run(self, idx: int, i: int) -> int:
+        """Quantize entry ``idx`` (a plain-float weight, send-buffer slots ``i``, ``i + 1``) and the
+        plain-float weights that follow it, up to :data:`BATCH_NUMEL` elements, into their slots with one
+        :func:`mxport.quantize.quantize_many` call (the bytes of per-weight ``quantize``); return the index of
+        the first entry not done."""
+        from ..nn import _plain_float
+        from ..quantize import quantize_many
+
+        xs, outs, numel, end = [], [], 0, idx
+        while (end < len(self.quantized) and self.quantized[end] and (end == idx or numel < BATCH_NUMEL)
+               and _plain_float(t := self.tensors_by_name[end][1])):
+            xs.append(t.detach())
+            outs.append((self._slots[i], self._slots[i + 1]))
+            numel, end, i = numel + t.numel(), end + 1, i + 2
+        quantize_many(xs, self.fp8_dtype, outs=outs, kernel=self.kernel)
+        return end
