@@ -138,3 +138,18 @@ def test_overwrite_replaces(tmp_path, llama):
     assert r.exit_code == 0, r.output
     assert "stale.txt" not in listing(out) and "model.safetensors" in listing(out)
     assert listing(tmp_path) == ["out"]
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "sglang"])
+def test_export_of_an_mxfp8_checkpoint_is_refused(tmp_path, llama, fmt):
+    """An MXFP8 checkpoint given as SOURCE used to be "exported" with its FP8 values and scales copied as kept
+    tensors under the new format's config (0 tensors MXFP8, exit 0): a checkpoint no engine reads right. It is
+    refused, one line, exit 2, nothing written (also for --dry-run)."""
+    run = CliRunner().invoke
+    assert run(app, ["export", str(llama), "-o", str(tmp_path / "mx")]).exit_code == 0
+    for extra in ([], ["--dry-run"]):
+        res = run(app, ["export", str(tmp_path / "mx"), "--format", fmt, "-o", str(tmp_path / "again"),
+                        *extra])
+        assert res.exit_code == 2, res.output
+        assert "already holds FP8 tensors" in res.output and "Traceback" not in res.output
+        assert not (tmp_path / "again").exists()

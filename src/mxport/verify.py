@@ -326,6 +326,7 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
     """
     _check_verify_args(activation, max_new_tokens, max_kl, target_kl)
+    device = check_device(device)
     fp8 = _fp8(fp8_dtype)
     conversations = load_prompts(prompts)
     model, tok, label = _load_source(source, device)
@@ -353,6 +354,21 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         report["per_layer"] = per_layer_sweep(model, twin, rollouts, ref, figures["gen_kl_error_mean"],
                                               target_kl, batch_size, progress)
     return report
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here. ValueError naming it otherwise (an unknown device
+    type, CUDA on a machine without it, a CUDA index past the last GPU)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...): {exc}") from None
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (dev.index or 0) >= cuda:
+        raise ValueError(f"device {device!r}: no such CUDA device here ({cuda} available)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: verify runs on cpu or cuda")
+    return dev
 
 
 def _check_verify_args(activation: str, max_new_tokens: int, max_kl, target_kl) -> None:

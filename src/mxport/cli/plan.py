@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
+from ._common import EXIT_CHECK_FAILED, console, emit_json, json_to_stdout, user_errors
 from .app import app
 
 
@@ -15,7 +15,7 @@ def plan_cmd(
                                             "embedded SmolLM2-135M's)."),
     trainer: str = typer.Option("1", "--trainer",
                                 help="Trainer layout, e.g. fsdp=8, tp=2,pp=2 ('1': one rank)."),
-    engine: str = typer.Option("tp=1", "--engine", help="Engine layout, e.g. tp=8, tp=8,ep=16."),
+    engine: str = typer.Option("tp=1", "--engine", help="Engine layout (tp, ep, pp), e.g. tp=8, tp=8,ep=16."),
     replicas: int = typer.Option(1, "--engine-replicas", min=1, help="Engines (each a full copy) refitted."),
     link_gbps: float = typer.Option(50.0, "--link-gbps", min=1e-6,
                                     help="GB/s of one rank's link (each trainer and engine rank has one)."),
@@ -30,7 +30,7 @@ def plan_cmd(
     json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
 ):
     """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send,
-    quantize on the engine), for a model config and trainer / engine layouts. See docs/guide-refit.md
+    quantize on the engine), for a model config and trainer / engine layouts. See docs/guide-capacity.md
     for the model's formulas.
 
     Exit 0; 1 when an MXFP8 consumer cannot take an engine rank's slice (K per rank not a multiple of 32);
@@ -42,6 +42,9 @@ def plan_cmd(
 
     with user_errors():
         t_layout, e_layout = Layout.parse(trainer), Layout.parse(engine)
+        if e_layout.fsdp > 1:
+            raise ValueError(f"--engine {engine!r}: an engine layout takes tp, ep and pp (engines do not "
+                             "shard with FSDP)")
         hw = Hardware(link_gbps=link_gbps, trainer_quantize_gelems=trainer_gelems,
                       engine_quantize_gelems=engine_gelems, overlap=overlap)
         if source is None:
@@ -56,23 +59,32 @@ def plan_cmd(
     emit_json(report.to_dict(), json_out)
     if json_out != "-":
         _print(report)
-    if report.problems:
-        raise fail(f"{len(report.problems)} tensor slice(s) an MXFP8 consumer cannot take; first: "
-                   f"{report.problems[0]}", EXIT_CHECK_FAILED)
+    if report.problems:  # a failed check (exit 1), listed above as problems; not a usage error
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _count(n: int) -> str:
+    """12_300_000_000 -> "12.3 B"; 1.03e12 -> "1.03 T"."""
+    return f"{n / 1e12:.3g} T" if n >= 1e12 else f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
 
 
 def _print(r) -> None:
-    t = Table(title=f"refit of {r.model} ({r.parameters / 1e9:.3g} B parameters, "
-                    f"{r.quantized_parameters / 1e9:.3g} B quantized): trainer {r.trainer} -> "
-                    f"{r.engine_replicas} x engine {r.engine}, {r.hardware.link_gbps:g} GB/s links")
-    for col in ("path", "wire GB", "GB / trainer rank", "GB / engine rank", "gather s", "quantize s",
-                "wire s", "refit s"):
-        t.add_column(col, justify="right", no_wrap=True)
-    for label, p in (("MXFP8", r.mxfp8), ("BF16", r.bf16)):
-        t.add_row(label, f"{p.wire_bytes / 1e9:.3f}", f"{p.bytes_per_trainer_rank / 1e9:.3f}",
-                  f"{p.bytes_per_engine_rank / 1e9:.3f}", f"{p.gather_seconds:.3f}",
-                  f"{p.quantize_seconds:.3f}", f"{p.wire_seconds:.3f}", f"{p.seconds:.3f}")
+    """One row per figure, a column per path: readable in 80 columns."""
+    console.print(f"refit of {r.model}: {_count(r.parameters)} parameters ({_count(r.quantized_parameters)} "
+                  f"quantized); trainer {r.trainer} -> {r.engine_replicas} x engine {r.engine}; "
+                  f"{r.hardware.link_gbps:g} GB/s links", highlight=False)
+    t = Table()
+    for col in ("", "MXFP8", "BF16"):
+        t.add_column(col, justify="right" if col else "left", no_wrap=True)
+    figures = (("wire GB", "wire_bytes", 1e-9), ("GB per trainer rank", "bytes_per_trainer_rank", 1e-9),
+               ("GB per engine rank", "bytes_per_engine_rank", 1e-9), ("gather s", "gather_seconds", 1),
+               ("quantize s", "quantize_seconds", 1), ("wire s", "wire_seconds", 1),
+               ("refit s", "seconds", 1))
+    for label, key, scale in figures:
+        t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in (r.mxfp8, r.bf16)))
     console.print(t)
     console.print(f"predicted refit time, BF16 / MXFP8: {r.speedup:.2f}x", highlight=False)
     for problem in r.problems[:5]:
         console.print(f"[bold red]problem:[/] {problem}", highlight=False)
+    if len(r.problems) > 5:
+        console.print(f"... and {len(r.problems) - 5} more problem(s) (--json lists all)", highlight=False)

