@@ -228,6 +228,7 @@ def test_cli_verify_bad_device_is_one_line_before_loading(tiny, two_prompts):
     """A device that does not exist here (an unknown type, CUDA without CUDA) is a usage error named in one
     line, exit 2, before the model is loaded; it used to be a traceback with exit 1 after loading it."""
     for device in ("tpu", "cuda:7"):
-        res = CliRunner().invoke(app, ["verify", str(tiny), "--prompts", str(two_prompts), "--device", device])
+        res = CliRunner().invoke(app, ["verify", str(tiny), "--prompts", str(two_prompts), "--device",
+                                       device])
         assert res.exit_code == 2, res.output
         assert f"device {device!r}" in res.output and "Traceback" not in res.output

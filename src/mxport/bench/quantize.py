@@ -226,7 +226,9 @@ def _sweep_row(xs: torch.Tensor, ao_fn, ao_missing: str | None, *, runs: int, wa
     sub = {"mxport": lambda xs=xs: mx_quantize(xs)}
     if ao_fn is not None:
         sub["torchao"] = lambda xs=xs: ao_fn(xs)
-    med = interleaved_medians(sub, runs=runs, warmup=warmup, device=device)
+    # torchao's to_mx is torch.compile'd: each new size recompiles over its first calls (48 ms at 256x256
+    # after one warm-up, 0.6 ms once warm), which inflated the sweep's ratios 50x: warm every size up well
+    med = interleaved_medians(sub, runs=runs, warmup=max(warmup, 5), device=device)
     g_mx = b / med["mxport"] / 1e9
     if ao_fn is None:
         return _row(f"throughput {n}x{n}", g_mx, "GB/s", "torchao to_mx RCEIL (not installed)", 0.0,
