@@ -98,22 +98,20 @@ def save_byte_tokenizer(path: str | os.PathLike, vocab: int = 256) -> None:
     fast.save_pretrained(str(path))
 
 
-class FaultyTransport(Transport):
-    """A refit transport wrapper that tampers with what the sender puts on the wire, for tests: each outgoing
-    broadcast is handed to ``fault(refit, bucket, wire)`` as a *copy* of the bytes (the sender's own memory
-    and its checksums stay untouched, as on a real faulty link); ``fault`` may change ``wire`` in place, or
-    stop the process. ``refit`` counts refits through this transport from 1; ``bucket`` is the bucket index,
-    ``buckets`` (the plan's ``num_buckets``) for the trailer. Everything else passes through to ``inner``.
-    """
+class _WrappedTransport(Transport):
+    """A transport endpoint passing everything through to ``inner``; the faulty wrappers below build on it.
+    ``_next()`` counts this endpoint's broadcasts: ``(refit, bucket)``, refits from 1, the trailer as bucket
+    ``buckets``."""
 
     def __init__(self, inner, buckets: int, fault):
         self.inner, self.buckets, self.fault = inner, buckets, fault
         self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
-        self._sent = 0
+        self._count = 0
 
-    @property
-    def is_sender(self) -> bool:
-        return self.rank == self.src
+    def _next(self) -> tuple[int, int]:
+        refit, bucket = divmod(self._count, self.buckets + 1)
+        self._count += 1
+        return refit + 1, bucket
 
     @property
     def device(self):
@@ -123,15 +121,26 @@ class FaultyTransport(Transport):
         return self.inner.all_gather(t)
 
     def broadcast(self, buf, async_op: bool = False):
-        if self.is_sender:
-            refit, bucket = divmod(self._sent, self.buckets + 1)
-            self._sent += 1
-            buf = buf.clone()
-            self.fault(refit + 1, bucket, buf)
         return self.inner.broadcast(buf, async_op)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FaultyTransport(_WrappedTransport):
+    """A refit transport wrapper that tampers with what the sender puts on the wire, for tests: each outgoing
+    broadcast is handed to ``fault(refit, bucket, wire)`` as a *copy* of the bytes (the sender's own memory
+    and its checksums stay untouched, as on a real faulty link); ``fault`` may change ``wire`` in place, or
+    stop the process. ``refit`` counts refits through this transport from 1; ``bucket`` is the bucket index,
+    ``buckets`` (the plan's ``num_buckets``) for the trailer. Everything else passes through to ``inner``.
+    """
+
+    def broadcast(self, buf, async_op: bool = False):
+        if self.is_sender:
+            refit, bucket = self._next()
+            buf = buf.clone()
+            self.fault(refit, bucket, buf)
+        return self.inner.broadcast(buf, async_op)
 
 
 def make_tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64, layers: int = 2,
@@ -174,7 +183,7 @@ class _AfterWait:
         return True
 
 
-class FaultyReceiverTransport(Transport):
+class FaultyReceiverTransport(_WrappedTransport):
     """A receiving endpoint wrapper that tampers with what *this* receiver receives, for tests (other
     receivers get the sender's bytes untouched): once each broadcast has landed (its handle's ``wait()``
     returned), ``fault(refit, bucket, buf)`` gets the receiving buffer itself — staging, or the live arena in
@@ -188,26 +197,12 @@ class FaultyReceiverTransport(Transport):
         if inner.rank == inner.src:
             raise ValueError("FaultyReceiverTransport wraps a receiving endpoint (use FaultyTransport for "
                              "the sender)")
-        self.inner, self.buckets, self.fault = inner, buckets, fault
-        self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
-        self._posted = 0
-
-    @property
-    def device(self):
-        return self.inner.device
-
-    def all_gather(self, t):
-        return self.inner.all_gather(t)
+        super().__init__(inner, buckets, fault)
 
     def broadcast(self, buf, async_op: bool = False):
-        refit, bucket = divmod(self._posted, self.buckets + 1)
-        self._posted += 1
-        handle = _AfterWait(self.inner.broadcast(buf, async_op=True),
-                            lambda: self.fault(refit + 1, bucket, buf))
+        refit, bucket = self._next()
+        handle = _AfterWait(self.inner.broadcast(buf, async_op=True), lambda: self.fault(refit, bucket, buf))
         if async_op:
             return handle
         handle.wait()
         return None
-
-    def close(self) -> None:
-        self.inner.close()

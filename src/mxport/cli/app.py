@@ -44,34 +44,30 @@ def _one_line_usage_errors() -> Iterator[None]:
         raise fail(exc.format_message() + hint, getattr(exc, "exit_code", 2)) from None
 
 
-class MxportCommand(TyperCommand):
+class _MxportParsing:
+    """What every ``mxport`` command and the group share: on/off flags shown without a type, usage errors as
+    one line."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        _flags_without_type(params)
+        return params
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+
+class MxportCommand(_MxportParsing, TyperCommand):
     """Every ``mxport`` subcommand."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.help = unwrap_paragraphs(self.help)
 
-    def get_params(self, ctx):
-        params = super().get_params(ctx)
-        _flags_without_type(params)
-        return params
 
-    def make_context(self, *args, **kwargs):
-        with _one_line_usage_errors():
-            return super().make_context(*args, **kwargs)
-
-
-class MxportGroup(TyperGroup):
+class MxportGroup(_MxportParsing, TyperGroup):
     """The ``mxport`` command itself."""
-
-    def get_params(self, ctx):
-        params = super().get_params(ctx)
-        _flags_without_type(params)
-        return params
-
-    def make_context(self, *args, **kwargs):
-        with _one_line_usage_errors():
-            return super().make_context(*args, **kwargs)
 
     def resolve_command(self, ctx, args):
         with _one_line_usage_errors():
