@@ -1,0 +1,430 @@
+"""The global plan of a sharded refit: which box of which tensor every trainer rank holds, which box every
+engine rank needs, and the routes that move exactly those bytes, shard to shard.
+
+A sharded refit runs in one process group of ``T`` trainer ranks (group ranks ``0 .. T-1``) and ``E`` engine
+ranks (``T .. T+E-1``). Every plan tensor (MXFP8 values, their E8M0 scales, kept tensors) is described once,
+whole (:class:`TensorInfo`: name, role, dtype, full shape); a rank's part of it is a :class:`Box` of the full
+tensor (per dimension ``[start, stop)``): a trainer rank's local shard, or the slice an engine rank holds.
+
+:func:`route` cuts every engine rank's box into pieces, each taken from one trainer rank that holds it
+(replicated bytes are spread over their holders), and groups the pieces by ``(trainer, engine)`` pair: one
+:class:`Route` per pair, an ordinary :class:`~mxport.refit.RefitPlan` of its pieces (named
+``name[r0:r1,c0:c1]``), sent from that trainer rank to that engine rank only. An engine rank so receives
+only its own shard's bytes, from the trainer ranks that hold them.
+
+Every rank contributes its holdings (:class:`Holding`); :meth:`MeshPlan.build` merges them, checks that
+every rank describes each tensor the same way and that every byte an engine rank needs is held by some
+trainer rank, and computes the routes. The digest covers the tensors and every rank's boxes, so ranks that
+agree on it agree on every route.
+
+Tensor order: natural name order (numbers compared as numbers), so layers and experts travel in global
+order whichever rank holds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
+
+MESH_FORMAT = "mxport-mesh-plan/1"
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of a tensor: per dimension the half-open range ``[start, stop)``."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.start) != len(self.stop) or any(
+                type(a) is not int or type(b) is not int or not 0 <= a <= b
+                for a, b in zip(self.start, self.stop, strict=False)):
+            raise ValueError(f"a box needs 0 <= start <= stop per dimension, got {self.start} .. {self.stop}")
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        return cls(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @classmethod
+    def along(cls, shape: Sequence[int], dim: int, start: int, stop: int) -> Box:
+        """The whole tensor but ``[start, stop)`` along ``dim``."""
+        lo, hi = [0] * len(shape), [int(s) for s in shape]
+        lo[dim], hi[dim] = start, stop
+        return cls(tuple(lo), tuple(hi))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == len(self.stop) and all(b <= s for b, s in zip(self.stop, shape, strict=True))
+
+    def contains(self, other: Box) -> bool:
+        return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop,
+                                                           strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common box, or None when it is empty."""
+        lo = tuple(max(a, c) for a, c in zip(self.start, other.start, strict=True))
+        hi = tuple(min(b, d) for b, d in zip(self.stop, other.stop, strict=True))
+        if any(a >= b for a, b in zip(lo, hi, strict=True)):
+            return None
+        return Box(lo, hi)
+
+    def index(self, outer: Box | None = None) -> tuple[slice, ...]:
+        """Slices that cut this box out of a tensor holding ``outer`` (the full tensor when None)."""
+        base = outer.start if outer is not None else (0,) * len(self.start)
+        return tuple(slice(a - o, b - o) for a, b, o in zip(self.start, self.stop, base, strict=True))
+
+    def __str__(self) -> str:
+        return "[" + ",".join(f"{a}:{b}" for a, b in zip(self.start, self.stop, strict=True)) + "]"
+
+    def canonical(self) -> list:
+        return [list(self.start), list(self.stop)]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a sharded refit, whole: checkpoint name, role, dtype name and full shape."""
+
+    name: str
+    role: Role
+    dtype: str
+    shape: tuple[int, ...]
+
+    def canonical(self) -> list:
+        return [self.name, self.role, self.dtype, list(self.shape)]
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank holds (a trainer rank) or needs (an engine rank) of one tensor."""
+
+    tensor: TensorInfo
+    box: Box
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one tensor that one trainer rank sends to one engine rank."""
+
+    tensor: TensorInfo
+    box: Box
+
+    @property
+    def name(self) -> str:
+        """The pair plan's entry name: ``name[r0:r1,c0:c1]``."""
+        return f"{self.tensor.name}{self.box}"
+
+    def item(self) -> Item:
+        return (self.name, self.tensor.role, self.tensor.dtype, self.box.shape)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Every piece one trainer rank sends one engine rank in a refit (group ranks), in tensor order."""
+
+    trainer: int
+    engine: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.box.numel * dtype_from_name(p.tensor.dtype).itemsize for p in self.pieces)
+
+    def plan(self, bucket_bytes: int) -> RefitPlan:
+        """This pair's byte stream as an ordinary refit plan."""
+        return RefitPlan([p.item() for p in self.pieces], bucket_bytes)
+
+
+_NUM = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key comparing digit runs as numbers (``layers.10`` after ``layers.9``)."""
+    return tuple(int(p) if p.isdigit() else p for p in _NUM.split(name))
+
+
+class MeshPlan:
+    """The agreed global plan of a sharded refit.
+
+    Args:
+        trainers: per trainer rank, the :class:`Holding` of every tensor it holds.
+        engines: per engine rank, the :class:`Holding` of every tensor it needs.
+
+    Raises:
+        RefitPlanMismatch: two ranks describe a tensor differently; an engine rank needs a tensor, or bytes
+            of one, no trainer rank holds; a trainer rank holds a tensor no engine rank needs; a box outside
+            its tensor.
+    """
+
+    def __init__(self, trainers: Sequence[Iterable[Holding]], engines: Sequence[Iterable[Holding]]):
+        self.trainers = tuple(tuple(h) for h in trainers)
+        self.engines = tuple(tuple(h) for h in engines)
+        if not self.trainers or not self.engines:
+            raise ValueError("a sharded refit needs at least one trainer rank and one engine rank")
+        self.tensors = _merge_tensors(self.trainers, self.engines)
+        _check_coverage(self.tensors, self.trainers, self.engines)
+
+    @property
+    def num_trainers(self) -> int:
+        return len(self.trainers)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    def engine_rank(self, e: int) -> int:
+        """The group rank of engine ``e`` (engines follow the trainers)."""
+        return self.num_trainers + e
+
+    def canonical(self) -> dict:
+        index = {t.name: i for i, t in enumerate(self.tensors)}
+
+        def ranks(side):
+            return [[[index[h.tensor.name], *h.box.canonical()] for h in held] for held in side]
+
+        return {"format": MESH_FORMAT, "tensors": [t.canonical() for t in self.tensors],
+                "trainers": ranks(self.trainers), "engines": ranks(self.engines)}
+
+    @cached_property
+    def digest(self) -> str:
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @cached_property
+    def routes(self) -> tuple[Route, ...]:
+        """Every (trainer, engine) pair with bytes to move, ordered by trainer then engine (group ranks)."""
+        return tuple(route(self))
+
+    def routes_of(self, rank: int) -> list[Route]:
+        """The routes a group rank takes part in (as trainer or engine)."""
+        return [r for r in self.routes if rank in (r.trainer, r.engine)]
+
+    def engine_bytes(self) -> list[int]:
+        """Bytes each engine rank receives per refit."""
+        out = [0] * self.num_engines
+        for r in self.routes:
+            out[r.engine - self.num_trainers] += r.nbytes
+        return out
+
+    def summary(self) -> dict:
+        return {"tensors": len(self.tensors), "trainer_ranks": self.num_trainers,
+                "engine_ranks": self.num_engines, "routes": len(self.routes),
+                "bytes": sum(r.nbytes for r in self.routes), "engine_bytes": self.engine_bytes(),
+                "digest": self.digest}
+
+
+def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
+    seen: dict[str, TensorInfo] = {}
+    problems: list[str] = []
+    for side, ranks in (("trainer", trainers), ("engine", engines)):
+        for r, held in enumerate(ranks):
+            for h in held:
+                t = h.tensor
+                _check_info(t)
+                if not h.box.within(t.shape):
+                    problems.append(f"{side} rank {r}: box {h.box} lies outside {t.name!r} {t.shape}")
+                first = seen.setdefault(t.name, t)
+                if first != t:
+                    problems.append(f"{side} rank {r} describes {t.name!r} as {t.role} {t.dtype} "
+                                    f"{t.shape}, another rank as {first.role} {first.dtype} {first.shape}")
+    if problems:
+        raise RefitPlanMismatch(problems)
+    return tuple(sorted(seen.values(), key=lambda t: natural_key(t.name)))
+
+
+def _check_info(t: TensorInfo) -> None:
+    if not isinstance(t, TensorInfo) or not t.name or t.role not in ROLES or t.dtype not in WIRE_DTYPES:
+        raise ValueError(f"not a valid tensor description: {t!r}")
+
+
+def _check_coverage(tensors, trainers, engines) -> None:
+    held = {t.name: [] for t in tensors}
+    for held_by_rank in trainers:
+        for h in held_by_rank:
+            held[h.tensor.name].append(h.box)
+    needed = {h.tensor.name for ranked in engines for h in ranked}
+    problems = [f"trainer ranks hold {n!r}, which no engine rank needs" for n in held if n not in needed]
+    for e, ranked in enumerate(engines):
+        for h in ranked:
+            boxes = held[h.tensor.name]
+            if not boxes:
+                problems.append(f"engine rank {e} needs {h.tensor.name!r}, which no trainer rank holds")
+            elif _uncovered(h.box, boxes):
+                problems.append(f"engine rank {e} needs {h.tensor.name!r}{h.box}; trainer ranks hold only "
+                                f"{', '.join(map(str, boxes))}")
+    if problems:
+        raise RefitPlanMismatch(problems)
+
+
+def _cells(need: Box, boxes: Sequence[Box]) -> list[Box]:
+    """``need`` cut at every boundary of ``boxes`` inside it: cells each box holds wholly or not at all."""
+    axes = []
+    for d, (lo, hi) in enumerate(zip(need.start, need.stop, strict=True)):
+        cuts = {lo, hi}
+        for b in boxes:
+            cuts.update(c for c in (b.start[d], b.stop[d]) if lo < c < hi)
+        cuts = sorted(cuts)
+        axes.append(list(itertools.pairwise(cuts)))
+    return [Box(tuple(a for a, _ in cell), tuple(b for _, b in cell)) for cell in itertools.product(*axes)]
+
+
+def _uncovered(need: Box, boxes: Sequence[Box]) -> bool:
+    if need.numel == 0:
+        return False
+    return any(not any(b.contains(c) for b in boxes) for c in _cells(need, boxes))
+
+
+def route(mesh: MeshPlan) -> list[Route]:
+    """Cut every engine rank's boxes into pieces, each sent by one trainer rank that holds it; replicated
+    bytes come from the holder ``(tensor index + engine index) mod T`` onwards, spreading the load."""
+    T = mesh.num_trainers
+    index = {t.name: i for i, t in enumerate(mesh.tensors)}
+    holders: dict[str, list[tuple[int, Box]]] = {t.name: [] for t in mesh.tensors}
+    for t, held in enumerate(mesh.trainers):
+        for h in held:
+            holders[h.tensor.name].append((t, h.box))
+    pieces: dict[tuple[int, int], list[Piece]] = {}
+    for e, needs in enumerate(mesh.engines):
+        for h in needs:
+            if h.box.numel == 0:
+                continue
+            first = (index[h.tensor.name] + e) % T
+            ranked = sorted(holders[h.tensor.name], key=lambda tb: (tb[0] - first) % T)
+            parts = [(t, b.intersect(h.box)) for t, b in ranked]
+            parts = [(t, b) for t, b in parts if b is not None]
+            for cell in _cells(h.box, [b for _, b in parts]):
+                t = next(t for t, b in parts if b.contains(cell))
+                pieces.setdefault((t, e), []).append(Piece(h.tensor, cell))
+    out = []
+    for (t, e), ps in sorted(pieces.items()):
+        ps.sort(key=lambda p: (index[p.tensor.name], p.box.start))
+        out.append(Route(t, mesh.engine_rank(e), tuple(_merge_rows(ps))))
+    return out
+
+
+def _merge_rows(pieces: list[Piece]) -> list[Piece]:
+    """Join pieces of one tensor that continue each other along dimension 0 with the same other ranges."""
+    out: list[Piece] = []
+    for p in pieces:
+        q = out[-1] if out else None
+        if (q is not None and q.tensor == p.tensor and p.box.start and q.box.stop[0] == p.box.start[0]
+                and q.box.start[1:] == p.box.start[1:] and q.box.stop[1:] == p.box.stop[1:]):
+            out[-1] = Piece(p.tensor, Box(q.box.start, (p.box.stop[0], *p.box.stop[1:])))
+        else:
+            out.append(p)
+    return out
+
+
+# -- agreeing on the plan over the group -------------------------------------------------------------------
+#: the longest JSON description of one rank's holdings accepted from a peer
+MAX_HOLDINGS_JSON = 64 << 20
+
+
+def holdings_canonical(held: Iterable[Holding]) -> list:
+    """One rank's holdings as JSON-able lists ``[name, role, dtype, shape, start, stop]``."""
+    return [[*h.tensor.canonical(), *h.box.canonical()] for h in held]
+
+
+def holdings_from_canonical(obj, rank: int) -> list[Holding]:
+    """Rebuild a peer's holdings from JSON, checking every field (ValueError naming the rank)."""
+    if type(obj) is not list:
+        raise ValueError(f"rank {rank} sent holdings that are not a list")
+    out = []
+    for i, row in enumerate(obj):
+        try:
+            name, role, dtype, shape, start, stop = row
+            if type(name) is not str or role not in ROLES or dtype not in WIRE_DTYPES:
+                raise ValueError("bad name, role or dtype")
+            if not all(type(v) is list and all(type(x) is int and x >= 0 for x in v)
+                       for v in (shape, start, stop)) or not len(shape) == len(start) == len(stop):
+                raise ValueError("shape, start and stop must be lists of non-negative ints of one length")
+            out.append(Holding(TensorInfo(name, role, dtype, tuple(shape)), Box(tuple(start), tuple(stop))))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"rank {rank} sent a bad holding at {i}: {exc}") from None
+    return out
+
+
+def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
+    """Build the same :class:`MeshPlan` on every rank of ``transport``'s group: ranks ``0 .. trainers-1``
+    give what they hold, the others what they need (each as length-capped JSON bytes, never pickle); every
+    rank rebuilds every contribution, builds the plan and checks that all digests agree.
+
+    Raises:
+        RefitPlanMismatch: on every rank, when the contributions do not make a plan (see :class:`MeshPlan`)
+            or when the digests differ.
+    """
+    import torch
+
+    text = json.dumps(holdings_canonical(held), separators=(",", ":")).encode()
+    lengths = [int(n) for n in transport.all_gather(torch.tensor([len(text)], dtype=torch.int64))]
+    if min(lengths) < 0 or max(lengths) > MAX_HOLDINGS_JSON:
+        raise RefitPlanMismatch([f"a rank's holdings are {max(lengths)} bytes of JSON (at most "
+                                 f"{MAX_HOLDINGS_JSON})"])
+    buf = torch.zeros(max(lengths), dtype=torch.uint8)
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    ranks = []
+    try:
+        for r, got in enumerate(transport.all_gather(buf)):
+            ranks.append(holdings_from_canonical(json.loads(got[:lengths[r]].numpy().tobytes()), r))
+        mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
+        problem = ""
+    except (ValueError, RecursionError) as exc:
+        mesh, problem = None, str(exc)
+    digest = bytes.fromhex(mesh.digest) if mesh is not None else bytes(32)
+    rows = transport.all_gather(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
+    if problem:
+        raise RefitPlanMismatch([problem])
+    bad = [r for r, d in enumerate(rows) if d.numpy().tobytes() != digest]
+    if bad:
+        raise RefitPlanMismatch([f"rank(s) {bad} built another sharded plan (or could not build one)"],
+                                local_digest=mesh.digest)
+    return mesh
+
+
+# -- the bytes of a route, on each side -------------------------------------------------------------------
+def route_tensors(rt: Route, local: dict) -> list:
+    """The trainer side of route ``rt``: each piece cut out of the rank's local shard, contiguous.
+
+    ``local`` maps each tensor name to ``(box, tensor)``: the box this rank holds and its bytes
+    (``tensor.shape == box.shape``)."""
+    out = []
+    for p in rt.pieces:
+        box, t = local[p.tensor.name]
+        out.append(t[p.box.index(box)].contiguous())
+    return out
+
+
+def route_targets(rt: Route, live: dict) -> tuple[list, list]:
+    """The engine side of route ``rt``: ``(targets, scatters)``. A piece that is a contiguous part of the
+    live tensor is received in place (a view); any other (a column range of a row-major shard) lands in a
+    buffer of its own, copied into the live tensor by its scatter, run at commit.
+
+    ``live`` maps each tensor name to ``(box, tensor)``: the box this engine rank holds, its live tensor."""
+    import torch
+
+    targets, scatters = [], []
+    for p in rt.pieces:
+        box, t = live[p.tensor.name]
+        view = t[p.box.index(box)]
+        if view.is_contiguous():
+            targets.append(view)
+            continue
+        buf = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+        targets.append(buf)
+        scatters.append(lambda view=view, buf=buf: view.copy_(buf))
+    return targets, scatters
