@@ -1,0 +1,173 @@
+"""The global plan of a sharded refit (refit/mesh.py): boxes, routes, agreement, byte-exact reassembly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mxport.refit import InProcessChannel, RefitPlanMismatch
+from mxport.refit.mesh import (
+    Box,
+    Holding,
+    MeshPlan,
+    TensorInfo,
+    agree,
+    holdings_from_canonical,
+    natural_key,
+    route_targets,
+    route_tensors,
+)
+
+
+def info(name, shape, role="kept", dtype="bfloat16"):
+    return TensorInfo(name, role, dtype, tuple(shape))
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """torch.chunk-style ranges."""
+    step = -(-n // parts)
+    return [(min(i * step, n), min((i + 1) * step, n)) for i in range(parts)]
+
+
+def sharded(t: TensorInfo, dim: int | None, parts: int) -> list[Holding]:
+    if dim is None:
+        return [Holding(t, Box.full(t.shape)) for _ in range(parts)]
+    return [Holding(t, Box.along(t.shape, dim, a, b)) for a, b in split(t.shape[dim], parts)]
+
+
+def reassemble(mesh: MeshPlan, full: dict) -> list[dict]:
+    """Move every route's bytes from trainer shards to fresh engine buffers; return each engine's buffers."""
+    out = []
+    for e, needs in enumerate(mesh.engines):
+        live = {h.tensor.name: (h.box, torch.zeros(h.box.shape, dtype=torch.int32)) for h in needs}
+        for rt in mesh.routes_of(mesh.engine_rank(e)):
+            local = {h.tensor.name: (h.box, full[h.tensor.name][h.box.index()])
+                     for h in mesh.trainers[rt.trainer]}
+            targets, scatters = route_targets(rt, live)
+            for src, dst in zip(route_tensors(rt, local), targets, strict=True):
+                assert src.shape == dst.shape
+                dst.copy_(src)
+            for f in scatters:
+                f()
+        out.append(live)
+    return out
+
+
+def test_box_algebra():
+    a = Box((0, 0), (4, 8))
+    b = Box.along((4, 8), 1, 2, 6)
+    assert a.intersect(b) == b and b.shape == (4, 4) and a.contains(b) and not b.contains(a)
+    assert Box((0,), (2,)).intersect(Box((2,), (4,))) is None
+    assert str(b) == "[0:4,2:6]" and b.index(Box((0, 2), (4, 8))) == (slice(0, 4), slice(0, 4))
+    with pytest.raises(ValueError):
+        Box((3,), (2,))
+
+
+def test_natural_order_puts_layer_10_after_9():
+    names = ["layers.10.w", "layers.9.w", "layers.2.experts.11.w1", "layers.2.experts.3.w1"]
+    assert sorted(names, key=natural_key) == ["layers.2.experts.3.w1", "layers.2.experts.11.w1",
+                                              "layers.9.w", "layers.10.w"]
+
+
+def test_fsdp2_to_tp2_routes_only_each_engine_shard():
+    q, o, n = info("l.0.q.weight", (64, 96)), info("l.0.o.weight", (64, 96)), info("norm.weight", (96,))
+    tr = list(zip(*(sharded(t, 0, 2) for t in (q, o, n)), strict=True))
+    en = list(zip(sharded(q, 0, 2), sharded(o, 1, 2), sharded(n, None, 2), strict=True))
+    mesh = MeshPlan(tr, en)
+    # engine 0 needs q rows 0:32 (all on trainer 0), o columns 0:48 (rows split over both), the whole norm
+    assert [(r.trainer, r.engine) for r in mesh.routes] == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    assert [p.name for p in mesh.routes[0].pieces] == ["l.0.o.weight[0:32,0:48]", "l.0.q.weight[0:32,0:96]",
+                                                        "norm.weight[0:48]"]
+    # each engine receives exactly its shard: q half, o half, the norm
+    assert mesh.engine_bytes() == [(32 * 96 + 64 * 48 + 96) * 2] * 2
+    full = {t.name: torch.arange(torch.Size(t.shape).numel(), dtype=torch.int32).reshape(t.shape)
+            for t in mesh.tensors}
+    for e, live in enumerate(reassemble(mesh, full)):
+        for name, (box, t) in live.items():
+            assert torch.equal(t, full[name][box.index()]), (e, name)
+
+
+def test_replicated_tensors_are_spread_over_their_holders():
+    ts = [info(f"l.{i}.norm", (8,)) for i in range(4)]
+    mesh = MeshPlan([[Holding(t, Box.full(t.shape)) for t in ts]] * 2, [[Holding(t, Box.full(t.shape))
+                                                                          for t in ts]])
+    senders = sorted({r.trainer for r in mesh.routes})
+    assert senders == [0, 1] and sum(len(r.pieces) for r in mesh.routes) == 4
+
+
+def test_mismatches_are_refused_with_reasons():
+    w = info("w", (8, 32))
+    with pytest.raises(RefitPlanMismatch, match=r"needs .w.\[0:8,0:32\]; trainer ranks hold only \[0:4,"):
+        MeshPlan([[Holding(w, Box.along(w.shape, 0, 0, 4))]], [[Holding(w, Box.full(w.shape))]])
+    with pytest.raises(RefitPlanMismatch, match="needs 'x', which no trainer rank holds"):
+        MeshPlan([[Holding(w, Box.full(w.shape))]], [[Holding(w, Box.full(w.shape)),
+                                                      Holding(info("x", (2,)), Box((0,), (2,)))]])
+    with pytest.raises(RefitPlanMismatch, match="no engine rank needs"):
+        MeshPlan([[Holding(w, Box.full(w.shape)), Holding(info("x", (2,)), Box((0,), (2,)))]],
+                 [[Holding(w, Box.full(w.shape))]])
+    with pytest.raises(RefitPlanMismatch, match="describes 'w'"):
+        MeshPlan([[Holding(w, Box.full(w.shape))]], [[Holding(info("w", (8, 32), "kept", "float32"),
+                                                              Box.full(w.shape))]])
+    with pytest.raises(RefitPlanMismatch, match="outside"):
+        MeshPlan([[Holding(w, Box((0, 0), (9, 32)))]], [[Holding(w, Box.full(w.shape))]])
+
+
+@st.composite
+def layouts(draw):
+    shape = (draw(st.integers(1, 24)), draw(st.integers(1, 24)))
+    T, E = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    tdim, edim = draw(st.sampled_from([None, 0, 1])), draw(st.sampled_from([None, 0, 1]))
+    return shape, T, E, tdim, edim
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_any_1d_sharding_reassembles_exactly(case):
+    shape, T, E, tdim, edim = case
+    t = info("w", shape)
+    mesh = MeshPlan([[h] for h in sharded(t, tdim, T)], [[h] for h in sharded(t, edim, E)])
+    full = {"w": torch.arange(shape[0] * shape[1], dtype=torch.int32).reshape(shape)}
+    for live in reassemble(mesh, full):
+        box, got = live["w"]
+        assert torch.equal(got, full["w"][box.index()])
+    # every engine byte travels once: the routes move exactly what the engines need
+    assert sum(r.nbytes for r in mesh.routes) == sum(h.box.numel * 2 for hs in mesh.engines for h in hs)
+
+
+def test_agree_over_a_group_and_refuse_a_disagreeing_rank():
+    w = info("w", (8, 64))
+
+    def run(holdings: list[list[Holding]]):
+        ch = InProcessChannel(receivers=len(holdings) - 1, timeout_s=10)
+        out: list = [None] * len(holdings)
+
+        def go(r):
+            try:
+                out[r] = agree(ch.endpoint(r), 1, holdings[r])
+            except Exception as exc:  # noqa: BLE001
+                out[r] = exc
+        ths = [threading.Thread(target=go, args=(r,)) for r in range(len(holdings))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(20)
+        return out
+
+    good = run([[Holding(w, Box.full(w.shape))], [Holding(w, Box.along(w.shape, 1, 0, 32))],
+                [Holding(w, Box.along(w.shape, 1, 32, 64))]])
+    assert all(isinstance(m, MeshPlan) for m in good) and len({m.digest for m in good}) == 1
+    bad = run([[Holding(w, Box.full(w.shape))], [Holding(info("w", (8, 32)), Box((0, 0), (8, 32)))]])
+    assert all(isinstance(x, RefitPlanMismatch) for x in bad), bad
+
+
+def test_peer_holdings_are_checked():
+    with pytest.raises(ValueError, match="rank 3"):
+        holdings_from_canonical([["w", "values", "float8_e4m3fn", [4], [0], [-1]]], 3)
+    with pytest.raises(ValueError, match="not a list"):
+        holdings_from_canonical({"w": 1}, 1)
+    with pytest.raises(ValueError, match="bad name"):
+        holdings_from_canonical([["w", "weird", "uint8", [4], [0], [4]]], 1)
