@@ -284,6 +284,16 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
             gen_s=gen_s, prompt_len=int(prompt.shape[1]), seq=seq, logits=logits))
 
 
+def redirect_output(log_dir: str | None, rank: int) -> None:
+    """Send this process's stdout and stderr to ``log_dir/rank<rank>.log`` (keeps the parent's terminal for
+    its progress display: library chatter goes to a log file); nothing when ``log_dir`` is None."""
+    if log_dir:
+        fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
 def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
     """Entry point of one spawned process: rank 0 trains and sends, ranks >= 1 receive and generate."""
     from .._env import quiet_third_party_logs
@@ -291,12 +301,7 @@ def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
 
     quiet_third_party_logs()
     cfg = DemoConfig(**cfg_dict)
-    if cfg.log_dir:  # keep the parent's terminal for the progress display: library chatter goes to a log file
-        fd = os.open(os.path.join(cfg.log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                     0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+    redirect_output(cfg.log_dir, rank)
     transport = None
     try:
         _threads(world)
@@ -328,14 +333,20 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
     ``{"plan": {...}, "steps": [...]}``. ``on_event(kind, rank, payload)`` sees every message ("plan", "step",
     "done"). Raises DemoFailed when a process reports an error or dies, or after ``timeout_s``; the remaining
     processes are terminated."""
+    return spawn_and_collect(worker, cfg.receivers + 1, (free_port(), asdict(cfg)), on_event, timeout_s)
+
+
+def spawn_and_collect(target, world: int, args: tuple, on_event=None, timeout_s: float = 1800.0) -> dict:
+    """Spawn ``world`` processes ``target(rank, world, *args, outbox)``, collect their messages until each
+    says "done" and return ``{"plan": ..., "steps": [...]}``; raise :class:`DemoFailed` when one reports an
+    error or dies, or after ``timeout_s``. Every process is reaped and the resource tracker stopped on every
+    path."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     own_tracker = not _tracker_running()  # spawning starts multiprocessing's resource tracker on first use
-    world = cfg.receivers + 1
-    port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # one per process: no semaphores to track
-    procs = [ctx.Process(target=worker, args=(r, world, port, asdict(cfg), Outbox(pipes[r][1])), daemon=True)
+    procs = [ctx.Process(target=target, args=(r, world, *args, Outbox(pipes[r][1])), daemon=True)
              for r in range(world)]
     try:
         for p, (_, w) in zip(procs, pipes, strict=True):
