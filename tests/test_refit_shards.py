@@ -293,6 +293,8 @@ def test_unsharded_model_is_held_whole_with_trainer_source_bytes(models):
     assert all(h.box == Box.full(h.tensor.shape) for h in src.holdings)
     local = src.local()
     assert set(local) == set(ref) and not _mismatches(local, ref)
+    eager = ShardedTrainerSource(model, kept_dtype=KEPT, kernel="eager").local()  # every kernel: same bytes
+    assert not _mismatches(eager, ref)
 
 
 def _stage_items(model, stage: int):
