@@ -8,9 +8,12 @@ checked, in place, all or nothing.
   :func:`allocate_targets` with a rollback copy), :class:`RefitError` and each receiver's
   :class:`ReceiverResult` / :class:`Status`;
 - transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated);
-- the trainer side: :class:`TrainerSource` (policy + quantize); the inference side: :func:`receiver_plan` (an
-  ``MXFP8Linear`` model's live buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM /
-  SGLang loaders); the arena: :func:`allocate_targets`, :func:`stream_arena`.
+- the trainer side: :class:`TrainerSource` (policy + quantize); sharded trainers :class:`ShardedTrainerSource`
+  (DTensor models) and :class:`HeldTensorsSource` (named tensors a rank holds), engine ranks'
+  :func:`engine_holdings` / :func:`engine_buffers` (:mod:`mxport.refit.shards`); the inference side:
+  :func:`receiver_plan` (an ``MXFP8Linear`` model's live buffers), :func:`checkpoint_tensors`
+  (``(hf_name, tensor)`` pairs for vLLM / SGLang loaders); the arena: :func:`allocate_targets`,
+  :func:`stream_arena`.
 
 The modules are described in docs/guide-refit.md.
 """
@@ -21,10 +24,12 @@ from .plan import PlanEntry, RefitPlan, RefitPlanMismatch
 from .receiver import RefitReceiver
 from .results import ReceiverResult, RefitError, Status
 from .sender import RefitSender
+from .shards import HeldTensorsSource, ShardedTrainerSource, engine_buffers, engine_holdings
 from .trainer import TrainerSource
 from .transport import InProcessChannel, TorchDistTransport, Transport
 
 __all__ = [
+    "HeldTensorsSource",
     "InProcessChannel",
     "PlanEntry",
     "ReceiverResult",
@@ -33,12 +38,15 @@ __all__ = [
     "RefitPlanMismatch",
     "RefitReceiver",
     "RefitSender",
+    "ShardedTrainerSource",
     "Status",
     "TorchDistTransport",
     "TrainerSource",
     "Transport",
     "allocate_targets",
     "checkpoint_tensors",
+    "engine_buffers",
+    "engine_holdings",
     "model_tensors",
     "receiver_plan",
     "stream_arena",
