@@ -7,7 +7,10 @@ checked, in place, all or nothing.
   arena from
   :func:`allocate_targets` with a rollback copy), :class:`RefitError` and each receiver's
   :class:`ReceiverResult` / :class:`Status`;
-- transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated);
+- transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated),
+  :class:`PairTransport` (point-to-point between two ranks of a group);
+- sharded refit (T trainer ranks, E engine ranks, one pair stream per pair, one vote):
+  :class:`ShardedSender` / :class:`ShardedReceiver`, :func:`pair_order`;
 - the trainer side: :class:`TrainerSource` (policy + quantize); the inference side: :func:`receiver_plan` (an
   ``MXFP8Linear`` model's live buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM /
   SGLang loaders); the arena: :func:`allocate_targets`, :func:`stream_arena`.
@@ -18,14 +21,25 @@ The modules are described in docs/guide-refit.md.
 from .arena import allocate_targets, stream_arena
 from .inference import checkpoint_tensors, model_tensors, receiver_plan
 from .plan import PlanEntry, RefitPlan, RefitPlanMismatch
-from .receiver import RefitReceiver
-from .results import ReceiverResult, RefitError, Status
-from .sender import RefitSender
+from .receiver import RefitReceiver, Staged
+from .results import ReceiverResult, RefitError, Status, Vote
+from .sender import PendingSend, RefitSender
+from .sharded import (
+    PairStats,
+    ShardedReceiver,
+    ShardedReceiveStats,
+    ShardedSender,
+    ShardedSendStats,
+    pair_order,
+)
 from .trainer import TrainerSource
-from .transport import InProcessChannel, TorchDistTransport, Transport
+from .transport import InProcessChannel, PairTransport, TorchDistTransport, Transport
 
 __all__ = [
     "InProcessChannel",
+    "PairStats",
+    "PairTransport",
+    "PendingSend",
     "PlanEntry",
     "ReceiverResult",
     "RefitError",
@@ -33,13 +47,20 @@ __all__ = [
     "RefitPlanMismatch",
     "RefitReceiver",
     "RefitSender",
+    "ShardedReceiveStats",
+    "ShardedReceiver",
+    "ShardedSendStats",
+    "ShardedSender",
+    "Staged",
     "Status",
     "TorchDistTransport",
     "TrainerSource",
     "Transport",
+    "Vote",
     "allocate_targets",
     "checkpoint_tensors",
     "model_tensors",
+    "pair_order",
     "receiver_plan",
     "stream_arena",
 ]
