@@ -46,6 +46,14 @@ class _TransportFailed(Exception):
         self.error = error
 
 
+def _wait(handle) -> None:
+    """Complete a posted broadcast; a transport failure (a dead peer, a timeout) raises _TransportFailed."""
+    try:
+        handle.wait()
+    except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+        raise _TransportFailed(exc) from exc
+
+
 @dataclass
 class _Run:
     """One refit in progress on the sender."""
@@ -206,7 +214,7 @@ class RefitSender:
             return PendingSend(run, sw, exc, self.transport.rank)
         with sw.phase("wait"):
             try:
-                self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets).wait()
+                _wait(self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets))
             except _TransportFailed as exc:
                 raise self._transport_error(run, exc.error) from exc.error
         return PendingSend(run, sw, None, self.transport.rank)
