@@ -14,6 +14,7 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..layout import Layout, parse_engine
 from ._choices import positive
 from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, require, user_errors
 from .app import app
@@ -103,9 +104,13 @@ def refit(
     json_to_stdout(json_out)
     with user_errors():
         name, src, bucket_bytes = _prepare(source, engine, trainer, bucket_mb, receivers)
+        trainer_layout, engine_layout = Layout.parse(trainer), parse_engine(engine)[1]
     t0 = time.perf_counter()
     if name == "vllm":
         out = _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout)
+    elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
+        out = _run_sharded(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
+                           lr, timeout)
     else:
         out = _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
     rows = out["steps"]
@@ -120,14 +125,17 @@ def refit(
 
 def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     """Check the options; resolve the model. Returns (engine name, model source, bucket bytes)."""
-    from ..layout import Layout, parse_engine
     from ..refit.plan import ALIGN
 
     name, e_layout = parse_engine(engine)
     t_layout = Layout.parse(trainer)
-    if t_layout.ranks > 1 or e_layout.ranks > 1:
-        raise ValueError(f"sharded refit (--trainer {t_layout}, --engine {e_layout}) is not available yet: "
-                         "one trainer rank and one-rank engines only; `mxport plan` predicts sharded refits")
+    sharded = t_layout.ranks > 1 or e_layout.ranks > 1
+    if sharded and name == "vllm":
+        raise ValueError(f"--engine vllm runs one engine rank here (vLLM CPU has no tensor parallelism) "
+                         f"and one trainer rank; a sharded refit (--trainer {t_layout}, --engine "
+                         f"{e_layout}) runs with --engine mxport")
+    if sharded:
+        _check_layouts(t_layout, e_layout, receivers)
     if name == "vllm" and receivers != 1:
         raise ValueError("--receivers applies to --engine mxport; a vLLM engine is one engine")
     require("transformers", *(("vllm",) if name == "vllm" else ()))
@@ -145,6 +153,26 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     return name, src, bucket_bytes
 
 
+#: the most processes a sharded refit starts on this machine (trainer ranks + engine ranks)
+MAX_SHARDED_RANKS = 8
+
+
+def _check_layouts(t_layout, e_layout, receivers: int) -> None:
+    """Which sharded layouts the demo runs: one trainer dimension among fsdp / tp / pp / ep; an engine of tp
+    and / or ep ranks; at most :data:`MAX_SHARDED_RANKS` processes."""
+    dims = [d for d in ("fsdp", "tp", "pp", "ep") if getattr(t_layout, d) > 1]
+    if len(dims) > 1:
+        raise ValueError(f"--trainer {t_layout}: the demo shards the trainer along one dimension "
+                         "(fsdp=N, tp=N, pp=N or ep=N); `mxport plan` predicts combined layouts")
+    if e_layout.fsdp > 1 or e_layout.pp > 1:
+        raise ValueError(f"--engine {e_layout}: engines shard by tp and ep (no fsdp or pp)")
+    if receivers != 1:
+        raise ValueError("--receivers applies to a one-rank trainer and engine; use --engine tp=N")
+    if t_layout.ranks + e_layout.ranks > MAX_SHARDED_RANKS:
+        raise ValueError(f"{t_layout.ranks} trainer + {e_layout.ranks} engine ranks: at most "
+                         f"{MAX_SHARDED_RANKS} processes here")
+
+
 def _progress() -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                     TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(), console=console)
@@ -154,8 +182,7 @@ def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
     """Today's demo: a trainer and R mxport receiver processes (mxport.refit.demo)."""
     from ..refit.demo import DemoConfig, DemoFailed, run_demo
 
-    # each process loads the model itself: a GGUF is dequantized by transformers in every process (slow)
-    model_path = str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
+    model_path = _model_path(src)
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
     cfg = DemoConfig(source=model_path, steps=steps, bucket_bytes=bucket_bytes, receivers=receivers,
                      max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir)
@@ -183,6 +210,43 @@ def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
     shutil.rmtree(log_dir, ignore_errors=True)
     return {"engine": "mxport", "model": src.label, "receivers": receivers, "bucket_bytes": bucket_bytes,
             "plan": result["plan"], "steps": rows}
+
+
+def _model_path(src) -> str:
+    # each process loads the model itself: a GGUF is dequantized by transformers in every process (slow)
+    return str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
+
+
+def _run_sharded(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout) -> dict:
+    """Trainer ranks and engine ranks on loopback gloo, shard to shard (mxport.refit.mesh_demo)."""
+    from ..refit.mesh_demo import DemoFailed, MeshConfig, run_mesh_demo
+
+    log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
+    cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=steps,
+                     bucket_bytes=bucket_bytes, max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout,
+                     log_dir=log_dir)
+    rows: list[dict] = []
+    with _progress() as progress:
+        task = progress.add_task(f"starting trainer {trainer} + engine {engine} on {src.label}", total=steps)
+
+        def on_event(kind: str, rank: int, payload) -> None:
+            if kind == "plan":
+                progress.update(task, description=f"plan: {payload['tensors']} tensors, {payload['routes']} "
+                                f"routes, {payload['bytes'] / 1e6:.1f} MB; step 1 ...")
+            elif kind == "step":
+                rows.append(payload)
+                progress.update(task, advance=1, description=_step_line(payload))
+
+        try:
+            result = run_mesh_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
+        except DemoFailed as exc:
+            raise fail(f"{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
+        except BaseException:
+            shutil.rmtree(log_dir, ignore_errors=True)
+            raise
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
+            "receivers": 1, "bucket_bytes": bucket_bytes, "plan": result["plan"], "steps": rows}
 
 
 def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
@@ -220,7 +284,8 @@ def _step_line(row: dict) -> str:
 def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
     rows = out["steps"]
     vllm = engine == "vllm"
-    who = "a vLLM engine" if vllm else f"{out['receivers']} receiver(s)"
+    who = ("a vLLM engine" if vllm else f"trainer {out['trainer']}, engine {out['engine_layout']}"
+           if "trainer" in out else f"{out['receivers']} receiver(s)")
     table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)")
     extra = ("transfer s", "apply s") if vllm else ("loss", "quant s")
     for col in ("step", "MB", "refit s", "GB/s", *extra, "gen_kl", "exact", "ptrs"):
@@ -234,9 +299,22 @@ def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
     console.print(table)
     if vllm:
         _print_vllm_notes(out)
+    elif rows and "ranks" in rows[-1]:
+        _print_ranks(rows[-1])
     elif rows:
         console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}",
                       highlight=False)
+
+
+def _print_ranks(row: dict) -> None:
+    """A sharded refit's last step, per rank: bytes moved and, on engine ranks, bit-exactness."""
+    parts = []
+    for r in row["ranks"]:
+        exact = "" if r["role"] == "trainer" else (" exact" if r["bit_exact"] else " [red]NOT EXACT[/]")
+        parts.append(f"{r['role']} {r['rank']}: {r['bytes'] / 1e6:.1f} MB{exact}")
+    console.print("last step per rank: " + "; ".join(parts))
+    console.print(f"generated (engine rank 0, assembled from every engine rank's shards): {row['text']!r}",
+                  highlight=False)
 
 
 def _print_vllm_notes(out: dict) -> None:

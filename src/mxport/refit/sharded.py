@@ -317,29 +317,39 @@ def _refusing(error: BaseException, engine: int) -> Iterator[torch.Tensor]:
     yield  # pragma: no cover - makes this a generator
 
 
+def _with_hooks(kwargs: dict, extra: list) -> dict:
+    """``kwargs`` with a pair's own refresh hooks (``extra``: empty, or ``[hooks]``) after the shared ones."""
+    if not extra:
+        return kwargs
+    return {**kwargs, "refresh_hooks": [*kwargs.get("refresh_hooks", ()), *extra[0]]}
+
+
 class ShardedReceiver:
     """An engine rank of a sharded refit.
 
     Args:
         world: this rank's transport over the whole world group (see :class:`ShardedSender`).
         pairs: ``(trainer world rank, that pair's RefitPlan, its live target tensors)`` for every pair of this
-            engine that has bytes to move, in :func:`pair_order` (may be empty: the rank still votes).
+            engine that has bytes to move, in :func:`pair_order` (may be empty: the rank still votes); a
+            fourth element, when given, is that pair's own refresh hooks (run when it commits, after the ones
+            in ``receiver_kwargs``): e.g. :func:`~mxport.refit.mesh.route_targets`' scatters.
         global_digest, trainers, tag: as :class:`ShardedSender`.
         receiver_kwargs: passed to each pair's :class:`RefitReceiver` (``use_checksum``, ``refresh_hooks``,
             ``inflight``); always in staging mode, so nothing is written before the world vote.
     """
 
-    def __init__(self, world: Transport, pairs: Sequence[tuple[int, RefitPlan, Sequence[torch.Tensor]]], *,
+    def __init__(self, world: Transport, pairs: Sequence[tuple], *,
                  global_digest: str, trainers: Sequence[int], tag: int = PAIR_TAG, **receiver_kwargs):
         _check_digest(global_digest)
         self.world, self.global_digest = world, global_digest
         self.trainers = _check_trainers(world, trainers, False)
-        self.peers = [int(t) for t, _, _ in pairs]
+        self.peers = [int(p[0]) for p in pairs]
         if len(set(self.peers)) != len(self.peers) or any(t not in self.trainers for t in self.peers):
             raise ValueError(f"pairs: each trainer rank once, each one of {list(self.trainers)}, got "
                              f"{self.peers}")
         self.receivers = [RefitReceiver(_pair_transport(world, t, world.rank, tag), plan, targets,
-                                        direct=False, **receiver_kwargs) for t, plan, targets in pairs]
+                                        direct=False, **_with_hooks(receiver_kwargs, hooks))
+                          for t, plan, targets, *hooks in pairs]
         self.version = 0
         self._handshaken = False
 

@@ -1,0 +1,91 @@
+"""Sharded ``mxport refit``: trainer ranks (FSDP2, tensor / pipeline / expert parallel) into engine ranks
+(tensor parallel), real processes on loopback gloo, several steps with an optimizer step between refits; every
+engine rank's bytes equal quantize of the full trainer tensor cut as that rank holds it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxport.refit.mesh_demo import MeshConfig, run_mesh_demo
+from mxport.testing import make_tiny_llama, make_tiny_qwen3_moe
+
+MXPORT = [str(Path(sys.executable).parent / "mxport")]
+STEP_KEYS = {"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact", "pointers_stable", "ranks"}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("src") / "llama", hidden=128, intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("src") / "moe", moe_intermediate=64)
+
+
+def _check(result: dict, trainers: int, engines: int, steps: int = 2) -> None:
+    rows = result["steps"]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    plan = result["plan"]
+    assert plan["trainer_ranks"] == trainers and plan["engine_ranks"] == engines
+    for r in rows:
+        assert STEP_KEYS <= set(r)
+        assert r["bit_exact"] is True and r["pointers_stable"] is True, r["ranks"]
+        assert math.isfinite(r["gen_kl_error"]) and r["gen_kl_error"] < 0.05
+        engine_rows = [x for x in r["ranks"] if x["role"] == "engine"]
+        assert len(engine_rows) == engines and all(x["bit_exact"] for x in engine_rows)
+        assert [x["bytes"] for x in engine_rows] == plan["engine_bytes"]
+        assert r["bytes"] == sum(plan["engine_bytes"]) and r["version"] == r["step"]
+    if engines == 2:  # each engine rank receives only its shard: about half (norms whole in each)
+        assert all(0.45 < b / sum(plan["engine_bytes"]) < 0.55 for b in plan["engine_bytes"]), plan
+    assert rows[-1]["loss"] < rows[0]["loss"]  # real optimizer steps between refits
+
+
+def _run(source, trainer: str, engine: str, steps: int = 2) -> dict:
+    cfg = MeshConfig(source=str(source), trainer=trainer, engine=engine, steps=steps, bucket_bytes=16 << 10,
+                     max_new_tokens=4, lr=1e-3, timeout_s=60)
+    return run_mesh_demo(cfg, timeout_s=400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("trainer", "engine", "T", "E"), [
+    ("fsdp=2", "tp=1", 2, 1), ("fsdp=2", "tp=2", 2, 2), ("tp=2", "tp=1", 2, 1), ("tp=2", "tp=2", 2, 2),
+    ("pp=2", "tp=1", 2, 1)])
+def test_sharded_trainer_into_engine(llama, trainer, engine, T, E):
+    _check(_run(llama, trainer, engine), T, E)
+
+
+@pytest.mark.slow
+def test_expert_parallel_moe_into_one_engine_rank(moe):
+    _check(_run(moe, "ep=2", "tp=1"), 2, 1)
+
+
+@pytest.mark.slow
+def test_cli_sharded_json_and_exit_code(tmp_path, llama):
+    out = tmp_path / "refit.json"
+    env = dict(os.environ, MXPORT_DISABLE_COMPILE="1")
+    args = ["refit", str(llama), "--trainer", "fsdp=2", "--engine", "tp=2", "--steps", "2", "--bucket-mb",
+            "0.02", "--lr", "1e-3", "--max-new-tokens", "4", "--json", str(out)]
+    r = subprocess.run(MXPORT + args, capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and data["trainer"] == "fsdp=2" and data["engine_layout"] == "tp=2"
+    _check(data, 2, 2)
+    assert "engine 3" in r.stdout and "exact" in r.stdout
+
+
+def test_cli_refuses_layouts_it_cannot_run(llama):
+    env = dict(os.environ, MXPORT_DISABLE_COMPILE="1")
+    for args, msg in ((["--trainer", "fsdp=2,tp=2"], "one dimension"), (["--engine", "pp=2"], "tp and ep"),
+                      (["--engine", "vllm,tp=2"], "--engine mxport"),
+                      (["--trainer", "fsdp=4", "--engine", "tp=8"], "at most")):
+        r = subprocess.run(MXPORT + ["refit", str(llama), *args], capture_output=True, text=True, timeout=60,
+                           env=env)
+        assert r.returncode == 2 and msg in r.stdout + r.stderr, (args, r.stdout, r.stderr)
