@@ -495,3 +495,29 @@ def test_an_engine_killed_mid_refit_leaves_the_survivors_on_their_weights(tmp_pa
     for tag in ("e2", "e3 again"):
         assert res[tag][3]["ok"]["version"] == 3 and res[tag][3]["live"] == {0: 3, 1: 3}
     assert res["e2"][3]["pointers"] is True
+
+
+# ---- ranks without pairs still vote (in one process: such ranks open no pair streams) ----------------------
+def test_ranks_without_pairs_still_vote_and_learn_the_outcome():
+    """A trainer rank and an engine rank with no pairs: the handshake agrees, every refit is one vote (all ok:
+    both learn version 1, then 2); a wrong digest format is refused before anything crosses the wire."""
+    import threading
+
+    from mxport.refit import InProcessChannel, ShardedReceiver, ShardedSender
+
+    ch = InProcessChannel(1, timeout_s=10)
+    digest = global_digest()
+    with pytest.raises(ValueError, match="global_digest must be a hex sha256"):
+        ShardedSender(ch.endpoint(0), [], global_digest="abc", trainers=[0])
+    with pytest.raises(ValueError, match="world rank 1 is not one of the trainer ranks"):
+        ShardedSender(ch.endpoint(1), [], global_digest=digest, trainers=[0])
+    sender = ShardedSender(ch.endpoint(0), [], global_digest=digest, trainers=[0])
+    receiver = ShardedReceiver(ch.endpoint(1), [], global_digest=digest, trainers=[0])
+    got: list = []
+    th = threading.Thread(target=lambda: got.extend(receiver.receive().to_dict() for _ in range(2)))
+    th.start()
+    sent = [sender.send({}).to_dict() for _ in range(2)]
+    th.join(timeout=30)
+    assert [s["version"] for s in sent] == [1, 2] and [g["version"] for g in got] == [1, 2]
+    assert sent[1]["results"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
+    assert sent[0]["pairs"] == [] and got[0]["pairs"] == [] and got[0]["bytes"] == 0
