@@ -28,7 +28,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -397,16 +397,15 @@ def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
 
 
 # -- the bytes of a route, on each side -------------------------------------------------------------------
-def route_tensors(rt: Route, local: dict) -> list:
-    """The trainer side of route ``rt``: each piece cut out of the rank's local shard, contiguous.
+def route_tensors(rt: Route, local: dict) -> Iterator:
+    """The trainer side of route ``rt``: each piece cut out of the rank's local shard, contiguous (a copy
+    only where the piece is not a contiguous part of it), lazily: the sender takes them bucket by bucket.
 
     ``local`` maps each tensor name to ``(box, tensor)``: the box this rank holds and its bytes
     (``tensor.shape == box.shape``)."""
-    out = []
     for p in rt.pieces:
         box, t = local[p.tensor.name]
-        out.append(t[p.box.index(box)].contiguous())
-    return out
+        yield t[p.box.index(box)].contiguous()
 
 
 def route_targets(rt: Route, live: dict) -> tuple[list, list]:

@@ -31,7 +31,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .demo import ENGINE_DTYPE, TEXT, DemoFailed, _logits_on, _prompt_ids, free_port, spawn_and_collect
+from .demo import (
+    ENGINE_DTYPE,
+    TEXT,
+    DemoFailed,
+    _kernel,
+    _logits_on,
+    _prompt_ids,
+    free_port,
+    spawn_and_collect,
+)
 from .mesh import Holding, agree
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
@@ -62,8 +71,9 @@ def _layouts(cfg: MeshConfig):
 
 
 # -- trainer ranks -------------------------------------------------------------------------------------------
-def _shard_trainer(model, layout, rank: int):
-    """Apply the trainer layout to ``model`` (in its own default group); returns the source of its shards."""
+def _shard_trainer(model, layout, rank: int, kernel: str | None):
+    """Apply the trainer layout to ``model`` (in its own default group); returns the source of its shards
+    (quantizing with ``kernel``)."""
     from .shards import HeldTensorsSource, ShardedTrainerSource
 
     if layout.fsdp > 1 or layout.tp > 1:
@@ -80,9 +90,10 @@ def _shard_trainer(model, layout, rank: int):
             from torch.distributed.tensor.parallel import parallelize_module
 
             parallelize_module(model, mesh, _tp_plan(model, layout.tp))
-        return ShardedTrainerSource(model, kept_dtype=ENGINE_DTYPE, kernel="eager")
+        return ShardedTrainerSource(model, kept_dtype=ENGINE_DTYPE, kernel=kernel)
     return HeldTensorsSource(lambda: _held_items(model, layout, rank),
-                             names_and_shapes=_names_and_shapes(model), kept_dtype=ENGINE_DTYPE)
+                             names_and_shapes=_names_and_shapes(model), kept_dtype=ENGINE_DTYPE,
+                             kernel=kernel)
 
 
 def _tp_plan(model, tp: int) -> dict:
@@ -152,7 +163,8 @@ def _reference(cfg: MeshConfig, full: dict, reference):
     with torch.no_grad():
         for n, p in reference.named_parameters():
             p.copy_(full[n])
-    src = TrainerSource(reference, bucket_bytes=cfg.bucket_bytes, kept_dtype=ENGINE_DTYPE, kernel="eager")
+    src = TrainerSource(reference, bucket_bytes=cfg.bucket_bytes, kept_dtype=ENGINE_DTYPE,
+                        kernel="eager")  # the reference: the plain torch path, whatever the trainer ranks use
     return {e.name: t for e, t in zip(src.plan.entries, src.tensors(), strict=True)}
 
 
@@ -178,7 +190,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     torch.manual_seed(0)
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     reference = load_causal_lm(cfg.source, dtype=torch.float32)[0] if rank == 0 else None
-    source = _shard_trainer(model, t_layout, rank)
+    source = _shard_trainer(model, t_layout, rank, _kernel(cfg.steps))
     world = TorchDistTransport.from_group(pg)
     mesh = agree(world, T, source.holdings)
     routes = _ordered_routes(mesh, rank)
@@ -202,7 +214,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
         quantize_s = time.perf_counter() - t1
         stats = sender.send({r.engine: _route_tensors(r, local) for r in routes})
         full = _full_weights(model)  # a collective of the trainer group (FSDP2 / TP); outside the refit
-        rows = _rank_rows(world, rank, stats.version, 0, True, stats.bytes, stats.seconds)
+        # a trainer rank's refit: quantizing its shards, then sending up to the vote's outcome
+        rows = _rank_rows(world, rank, stats.version, 0, True, stats.bytes, quantize_s + stats.seconds)
         if rank == 0:
             ref = _reference(cfg, full, reference)
             reply = _recv_reply(pg, T, prompt, cfg.max_new_tokens, reference)
