@@ -93,6 +93,12 @@ def refit(
     of its weights. On a CPU-only machine vLLM has no MXFP8 kernel: mxport adds vLLM's own emulation kernel
     for the CPU platform in the engine's process, and says so.
 
+    --trainer fsdp=N|tp=N|pp=N|ep=N and/or --engine tp=N[,ep=N]: a sharded refit. Trainer ranks (FSDP2 or
+    tensor-parallel DTensors taking real AdamW steps; pipeline / expert-parallel ranks handing over their
+    stage's or experts' tensors by name) each quantize their own shard; each engine rank holds and receives
+    only its own shard (vLLM's tensor / expert-parallel slicing), shard to shard; one vote commits every
+    engine rank or none. JSON steps add "ranks" (per rank: bytes, seconds, and on engine ranks bit_exact).
+
     Per step: bytes, seconds, GB/s, gen_kl_error (trainer vs engine log-probs on the engine's generated
     tokens), bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable.
 
