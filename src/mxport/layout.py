@@ -104,7 +104,8 @@ class Shard:
         parts: how many distinct slices the tensor is cut into along ``dim`` (1 when replicated; fewer than
             the ranks when slices are replicated, e.g. KV heads).
         shape: the shape one rank holds.
-        problem: why an MXFP8 consumer cannot take this slice (K per rank not a multiple of 32), or "".
+        problem: why an MXFP8 consumer cannot take this slice (K per rank not a multiple of 32; a fused
+            gate_up with an odd row count), or "".
         blocks: along ``dim`` the tensor is this many equal blocks of consecutive rows, each cut in ``parts``;
             a rank holds its part of every block, in block order (2 for the fused ``experts.gate_up_proj``
             at tp > 1: its gate rows, then its up rows; see the module doc), else 1. ``shape`` is the rank's
