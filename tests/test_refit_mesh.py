@@ -17,6 +17,8 @@ from mxport.refit.mesh import (
     TensorInfo,
     agree,
     holdings_from_canonical,
+    local_items,
+    local_part,
     natural_key,
     route_targets,
     route_tensors,
@@ -43,7 +45,10 @@ def reassemble(mesh: MeshPlan, full: dict) -> list[dict]:
     """Move every route's bytes from trainer shards to fresh engine buffers; return each engine's buffers."""
     out = []
     for e, needs in enumerate(mesh.engines):
-        live = {h.tensor.name: (h.box, torch.zeros(h.box.shape, dtype=torch.int32)) for h in needs}
+        live: dict = {}
+        for h in needs:  # a name held as several boxes maps to a list of (box, tensor)
+            live.setdefault(h.tensor.name, []).append((h.box, torch.zeros(h.box.shape, dtype=torch.int32)))
+        live = {n: held[0] if len(held) == 1 else held for n, held in live.items()}
         for rt in mesh.routes_of(mesh.engine_rank(e)):
             local = {h.tensor.name: (h.box, full[h.tensor.name][h.box.index()])
                      for h in mesh.trainers[rt.trainer]}
@@ -89,6 +94,49 @@ def test_fsdp2_to_tp2_routes_only_each_engine_shard():
     for e, live in enumerate(reassemble(mesh, full)):
         for name, (box, t) in live.items():
             assert torch.equal(t, full[name][box.index()]), (e, name)
+
+
+def test_two_boxes_of_one_tensor_on_one_engine_rank():
+    """A vLLM tp rank's fused gate_up: gate rows and up rows of one [E, 2I, K] tensor, two holdings of one
+    name on one rank. Coverage, routes and digest see both boxes; every byte lands in the box it is in."""
+    w = info("l.0.experts.gate_up_proj", (4, 8, 6))
+    gate_up = [[Holding(w, Box((0, 2 * r, 0), (4, 2 * r + 2, 6))), Holding(w, Box((0, 4 + 2 * r, 0),
+                                                                               (4, 6 + 2 * r, 6)))]
+               for r in range(2)]
+    full = {w.name: torch.arange(4 * 8 * 6, dtype=torch.int32).reshape(4, 8, 6)}
+    for trainers in ([[Holding(w, Box.full(w.shape))]], [[h] for h in sharded(w, 0, 2)]):  # one rank, EP 2
+        mesh = MeshPlan(trainers, gate_up)
+        assert mesh.engine_bytes() == [4 * 4 * 6 * 2] * 2
+        for e, live in enumerate(reassemble(mesh, full)):
+            assert [str(b) for _, b, _ in local_items(live)] == [str(h.box) for h in gate_up[e]]
+            for _, box, t in local_items(live):
+                assert torch.equal(t, full[w.name][box.index()]), (e, box)
+        # every piece lies in one of the engine rank's boxes, never across the two
+        for rt in mesh.routes:
+            held = gate_up[rt.engine - mesh.num_trainers]
+            assert all(sum(h.box.contains(p.box) for h in held) == 1 for p in rt.pieces)
+    contiguous = [[Holding(w, Box.along(w.shape, 1, 4 * r, 4 * r + 4))] for r in range(2)]
+    assert MeshPlan(trainers, contiguous).digest != mesh.digest
+    assert len(mesh.canonical()["engines"][0]) == 2
+    with pytest.raises(RefitPlanMismatch, match=r"needs .l.0.experts.gate_up_proj.\[0:4,4:6,0:6\]"):
+        MeshPlan([[Holding(w, Box.along(w.shape, 1, 0, 4))]], gate_up)
+
+
+def test_pieces_are_joined_within_one_engine_box_only():
+    """Two boxes of one tensor that continue each other along dim 0 stay two pieces (one per live entry);
+    joined, no entry would hold the piece."""
+    w = info("w", (8, 4))
+    engine = [[Holding(w, Box.along(w.shape, 0, 0, 2)), Holding(w, Box.along(w.shape, 0, 2, 4))],
+              [Holding(w, Box.along(w.shape, 0, 4, 8))]]
+    mesh = MeshPlan([[Holding(w, Box.full(w.shape))]], engine)
+    assert [p.name for p in mesh.routes[0].pieces] == ["w[0:2,0:4]", "w[2:4,0:4]"]
+    assert [p.name for p in mesh.routes[1].pieces] == ["w[4:8,0:4]"]  # one box: its cells are joined
+    full = {"w": torch.arange(32, dtype=torch.int32).reshape(8, 4)}
+    live = reassemble(mesh, full)[0]
+    assert [torch.equal(t, full["w"][b.index()]) for _, b, t in local_items(live)] == [True, True]
+    assert torch.equal(local_part(live, "w", Box.along(w.shape, 0, 2, 3)), full["w"][2:3])
+    with pytest.raises(KeyError, match=r"w\[1:3,0:4\]: this rank holds only \[0:2,0:4\], \[2:4,0:4\]"):
+        local_part(live, "w", Box.along(w.shape, 0, 1, 3))
 
 
 def test_replicated_tensors_are_spread_over_their_holders():

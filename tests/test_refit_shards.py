@@ -38,6 +38,7 @@ from mxport.refit.mesh import (
     MeshPlan,
     holdings_canonical,
     holdings_from_canonical,
+    local_items,
     route_targets,
     route_tensors,
 )
@@ -85,8 +86,9 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mismatches(local: dict, ref: dict) -> list[str]:
-    """Names whose local bytes differ from the full reference cut with their box."""
-    return [n for n, (box, t) in local.items() if not torch.equal(_u8(t), _u8(ref[n][box.index()]))]
+    """Entries (``name[box]``) whose local bytes differ from the full reference cut with their box."""
+    return [f"{n}{box}" for n, box, t in local_items(local)
+            if not torch.equal(_u8(t), _u8(ref[n][box.index()]))]
 
 
 def _items(holdings) -> list:
@@ -395,16 +397,21 @@ def test_held_tensors_refuse_bad_items(models):
 
 # ---- engine side -------------------------------------------------------------------------------------------
 def _check_engine_boxes(engine, layout, kv_heads=None):
-    """Every rank's box has engine_shard's shape; a split tensor's distinct boxes tile it exactly."""
+    """Every rank's boxes of a tensor (one, or one per block: a fused gate_up's gate and up rows) have
+    engine_shard's shape together; a split tensor's distinct boxes tile it exactly."""
     ranks = [engine_holdings(engine, layout, r, kv_heads=kv_heads) for r in range(layout.ranks)]
-    for i, h in enumerate(ranks[0]):
-        boxes = [held[i].box for held in ranks]
-        assert all(held[i].tensor == h.tensor for held in ranks)
-        if h.tensor.role != "scales":
-            shard = engine_shard(h.tensor.name, h.tensor.shape, layout, kv_heads=kv_heads)
-            assert all(b.shape == shard.shape for b in boxes), (h.tensor.name, boxes, shard)
-        distinct = set(boxes)
-        assert sum(b.numel for b in distinct) == Box.full(h.tensor.shape).numel, (h.tensor.name, boxes)
+    assert all([h.tensor for h in held] == [h.tensor for h in ranks[0]] for held in ranks)
+    for t in dict.fromkeys(h.tensor for h in ranks[0]):
+        boxes = [[h.box for h in held if h.tensor == t] for held in ranks]
+        if t.role != "scales":
+            shard = engine_shard(t.name, t.shape, layout, kv_heads=kv_heads)
+            dim = shard.dim % len(t.shape) if shard.dim is not None else 0
+            for bs in boxes:
+                assert len(bs) == shard.blocks and all(b.shape[:dim] + b.shape[dim + 1:] == shard.shape[:dim]
+                                                       + shard.shape[dim + 1:] for b in bs), (t.name, bs)
+                assert sum(b.shape[dim] for b in bs) == shard.shape[dim], (t.name, bs, shard)
+        distinct = {b for bs in boxes for b in bs}
+        assert sum(b.numel for b in distinct) == Box.full(t.shape).numel, (t.name, boxes)
     return ranks
 
 

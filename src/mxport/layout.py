@@ -11,6 +11,11 @@ Engine tensor parallelism follows vLLM's parallel layers (``vllm/model_executor/
   ``q_b_proj``, ``kv_b_proj``, fused ``experts.gate_up_proj``; the vocabulary of ``embed_tokens`` and
   ``lm_head``; ``k_proj`` / ``v_proj`` rows are split over ``min(tp, kv_heads)`` ranks (vLLM replicates KV
   heads when tp exceeds their count);
+* the fused ``experts.gate_up_proj`` ``[E, 2I, K]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``) is two
+  blocks of rows, each split over tp: tp rank ``r`` holds gate rows ``[r*I/tp, (r+1)*I/tp)`` followed by up
+  rows ``[I + r*I/tp, I + (r+1)*I/tp)``, as vLLM's ``FusedMoE`` ``w13_weight`` ``[E, 2I/tp, K]`` (its
+  ``weight_loader`` narrows gate (``w1``) and up (``w3``) separately, ``_load_w13``): :attr:`Shard.blocks`
+  is 2 and :meth:`Shard.ranges` gives the two row ranges;
 * row parallel, the input dimension K (dim ``-1``) split: ``o_proj``, ``down_proj``, fused
   ``experts.down_proj``; an MXFP8 consumer needs each rank's K to be a multiple of 32 (vLLM ``modelopt.py``
   rejects others), which :func:`engine_shard` reports;
@@ -99,13 +104,31 @@ class Shard:
         parts: how many distinct slices the tensor is cut into along ``dim`` (1 when replicated; fewer than
             the ranks when slices are replicated, e.g. KV heads).
         shape: the shape one rank holds.
-        problem: why an MXFP8 consumer cannot take this slice (K per rank not a multiple of 32), or "".
+        problem: why an MXFP8 consumer cannot take this slice (K per rank not a multiple of 32; a fused
+            gate_up with an odd row count), or "".
+        blocks: along ``dim`` the tensor is this many equal blocks of consecutive rows, each cut in ``parts``;
+            a rank holds its part of every block, in block order (2 for the fused ``experts.gate_up_proj``
+            at tp > 1: its gate rows, then its up rows; see the module doc), else 1. ``shape`` is the rank's
+            whole slice (all its blocks together).
     """
 
     dim: int | None
     parts: int
     shape: tuple[int, ...]
     problem: str = ""
+    blocks: int = 1
+
+    def ranges(self, size: int, part: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges along ``dim`` (of full size ``size``) that part ``part`` holds: one
+        per block, in order (one range when ``blocks`` is 1)."""
+        if self.dim is None:
+            return [(0, size)]
+        block, step = size // self.blocks, self.shape[self.dim] // self.blocks
+        out = []
+        for b in range(self.blocks):
+            lo = min(part * step, block)
+            out.append((b * block + lo, b * block + min(lo + step, block)))
+        return out
 
 
 ENGINES = ("mxport", "vllm")
@@ -146,6 +169,10 @@ def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads:
         return Shard(0, tp * ep, _split(shape, 0, tp * ep))
     if tp == 1 or len(shape) < 2:
         return Shard(None, 1, shape)
+    if _EXPERTS_COLUMN.search(name) and len(shape) == 3:  # gate | up, each split (vLLM w13)
+        problem = "" if shape[-2] % 2 == 0 else f"{name}: {shape[-2]} rows cannot be gate | up halves"
+        held = (*shape[:-2], 2 * ceil_div(shape[-2] // 2, tp), shape[-1])
+        return Shard(-2, tp, held, problem, blocks=2)
     if _COLUMN.search(name) or _VOCAB.search(name) or _EXPERTS_COLUMN.search(name):
         parts = min(tp, kv_heads) if kv_heads and _KV.search(name) else tp
         return Shard(-2, parts, _split(shape, -2, parts))

@@ -5,6 +5,8 @@ A sharded refit runs in one process group of ``T`` trainer ranks (group ranks ``
 ranks (``T .. T+E-1``). Every plan tensor (MXFP8 values, their E8M0 scales, kept tensors) is described once,
 whole (:class:`TensorInfo`: name, role, dtype, full shape); a rank's part of it is a :class:`Box` of the full
 tensor (per dimension ``[start, stop)``): a trainer rank's local shard, or the slice an engine rank holds.
+A rank may hold several boxes of one tensor (one :class:`Holding` each): a vLLM tp rank holds a fused expert
+``gate_up_proj``'s gate rows and up rows, two row ranges of one tensor.
 
 :func:`route` cuts every engine rank's box into pieces, each taken from one trainer rank that holds it
 (replicated bytes are spread over their holders), and groups the pieces by ``(trainer, engine)`` pair: one
@@ -307,13 +309,16 @@ def route(mesh: MeshPlan) -> list[Route]:
             ranked = sorted(holders[h.tensor.name], key=lambda tb: (tb[0] - first) % T)
             parts = [(t, b.intersect(h.box)) for t, b in ranked]
             parts = [(t, b) for t, b in parts if b is not None]
+            cells: dict[int, list[Piece]] = {}
             for cell in _cells(h.box, [b for _, b in parts]):
                 t = next(t for t, b in parts if b.contains(cell))
-                pieces.setdefault((t, e), []).append(Piece(h.tensor, cell))
+                cells.setdefault(t, []).append(Piece(h.tensor, cell))
+            for t, ps in cells.items():  # joined within this holding only: a piece lies in one engine box
+                pieces.setdefault((t, e), []).extend(_merge_rows(sorted(ps, key=lambda p: p.box.start)))
     out = []
     for (t, e), ps in sorted(pieces.items()):
         ps.sort(key=lambda p: (index[p.tensor.name], p.box.start))
-        out.append(Route(t, mesh.engine_rank(e), tuple(_merge_rows(ps))))
+        out.append(Route(t, mesh.engine_rank(e), tuple(ps)))
     return out
 
 
@@ -397,29 +402,52 @@ def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
 
 
 # -- the bytes of a route, on each side -------------------------------------------------------------------
+def local_items(mapping: dict) -> Iterator:
+    """``(name, box, tensor)`` of every entry of a rank's mapping ``{name: (box, tensor)}``, where a name may
+    also map to a list of ``(box, tensor)`` (a tensor the rank holds several boxes of, e.g. a fused expert
+    gate_up's gate rows and up rows on an engine tp rank)."""
+    for name, value in mapping.items():
+        for box, t in ([value] if isinstance(value, tuple) else value):
+            yield name, box, t
+
+
+def local_part(mapping: dict, name: str, box: Box):
+    """The bytes of ``box`` of tensor ``name`` in a rank's mapping (see :func:`local_items`): a view of the
+    entry whose box contains it (``tensor.shape == box.shape`` for each entry).
+
+    Raises:
+        KeyError: no entry of ``name`` contains ``box``."""
+    value = mapping[name]
+    held = [value] if isinstance(value, tuple) else value
+    for outer, t in held:
+        if len(outer.start) == len(box.start) and outer.contains(box):
+            return t[box.index(outer)]
+    raise KeyError(f"{name}{box}: this rank holds only {', '.join(str(b) for b, _ in held)}")
+
+
 def route_tensors(rt: Route, local: dict) -> Iterator:
     """The trainer side of route ``rt``: each piece cut out of the rank's local shard, contiguous (a copy
     only where the piece is not a contiguous part of it), lazily: the sender takes them bucket by bucket.
 
-    ``local`` maps each tensor name to ``(box, tensor)``: the box this rank holds and its bytes
-    (``tensor.shape == box.shape``)."""
+    ``local`` maps each tensor name to ``(box, tensor)`` (or a list of them, see :func:`local_items`): the
+    box this rank holds and its bytes (``tensor.shape == box.shape``)."""
     for p in rt.pieces:
-        box, t = local[p.tensor.name]
-        yield t[p.box.index(box)].contiguous()
+        yield local_part(local, p.tensor.name, p.box).contiguous()
 
 
 def route_targets(rt: Route, live: dict) -> tuple[list, list]:
     """The engine side of route ``rt``: ``(targets, scatters)``. A piece that is a contiguous part of the
-    live tensor is received in place (a view); any other (a column range of a row-major shard) lands in a
-    buffer of its own, copied into the live tensor by its scatter, run at commit.
+    live tensor is received in place (a view); any other (a column range of a row-major shard, a box of a
+    fused gate_up's gate or up rows) lands in a buffer of its own, copied into the live tensor by its
+    scatter, run at commit.
 
-    ``live`` maps each tensor name to ``(box, tensor)``: the box this engine rank holds, its live tensor."""
+    ``live`` maps each tensor name to ``(box, tensor)`` (or a list of them, see :func:`local_items`): the
+    box this engine rank holds, its live tensor; each piece lands in the entry whose box contains it."""
     import torch
 
     targets, scatters = [], []
     for p in rt.pieces:
-        box, t = live[p.tensor.name]
-        view = t[p.box.index(box)]
+        view = local_part(live, p.tensor.name, p.box)
         if view.is_contiguous():
             targets.append(view)
             continue

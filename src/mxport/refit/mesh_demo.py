@@ -41,7 +41,7 @@ from .demo import (
     free_port,
     spawn_and_collect,
 )
-from .mesh import Holding, agree
+from .mesh import Holding, agree, local_items, local_part
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
 _TAG_SHARDS, _TAG_REPLY = 901, 902
@@ -263,16 +263,21 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
         pairs.append((r.trainer, r.plan(cfg.bucket_bytes), targets, scatters))
     receiver = ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T))
     receiver.handshake()
-    ptrs = [t.data_ptr() for _, t in live.values()]
+    ptrs = _pointers(live)
     prompt = _prompt_ids(tok)
     for _step in range(1, cfg.steps + 1):
         stats = receiver.receive()
-        stable = [t.data_ptr() for _, t in live.values()] == ptrs
-        crc = _crc(live[h.tensor.name][1] for h in holdings)
+        stable = _pointers(live) == ptrs
+        crc = _crc(local_part(live, h.tensor.name, h.box) for h in holdings)
         _rank_rows(world, rank, stats.version, crc, stable, stats.bytes, stats.seconds)
         _assemble(pg, mesh, e, model, holdings, live)
         if e == 0:
             _send_reply(pg, model, tok, prompt, cfg.max_new_tokens, stats.version)
+
+
+def _pointers(live: dict) -> list[int]:
+    """The data pointers of every live tensor (every box of a name held as several)."""
+    return [t.data_ptr() for _, _, t in local_items(live)]
 
 
 def _load_initial(model, holdings: list[Holding], live: dict) -> None:
@@ -283,7 +288,7 @@ def _load_initial(model, holdings: list[Holding], live: dict) -> None:
     full = {en.name: t for en, t in zip(plan.entries, targets, strict=True)}
     with torch.no_grad():
         for h in holdings:
-            live[h.tensor.name][1].copy_(full[h.tensor.name][h.box.index()])
+            local_part(live, h.tensor.name, h.box).copy_(full[h.tensor.name][h.box.index()])
 
 
 def _assemble(pg, mesh, e: int, model, holdings, live) -> None:
@@ -292,13 +297,14 @@ def _assemble(pg, mesh, e: int, model, holdings, live) -> None:
 
     if e != 0:
         for h in holdings:
-            pg.send([_bytes(live[h.tensor.name][1])], 0 + mesh.num_trainers, _TAG_SHARDS).wait()
+            pg.send([_bytes(local_part(live, h.tensor.name, h.box))], 0 + mesh.num_trainers,
+                    _TAG_SHARDS).wait()
         return
     plan, targets = receiver_plan(model, 1 << 20)
     full = {en.name: t for en, t in zip(plan.entries, targets, strict=True)}
     with torch.no_grad():
         for h in holdings:
-            full[h.tensor.name][h.box.index()].copy_(live[h.tensor.name][1])
+            full[h.tensor.name][h.box.index()].copy_(local_part(live, h.tensor.name, h.box))
         for other in range(1, mesh.num_engines):
             for h in mesh.engines[other]:
                 dst = full[h.tensor.name][h.box.index()]

@@ -44,7 +44,8 @@ __all__ = ["HeldTensorsSource", "ShardedTrainerSource", "engine_buffers", "engin
 #: bucket size of the (global) plans built here only to read their entries; no bytes move by them
 _PLAN_BUCKET = 1 << 20
 
-Local = dict[str, tuple[Box, torch.Tensor]]
+#: a rank's bytes by tensor name: ``(box, tensor)``, or a list of them for a tensor it holds several boxes of
+Local = dict[str, tuple[Box, torch.Tensor] | list[tuple[Box, torch.Tensor]]]
 
 
 def scales_box(values: Box, shape: Sequence[int], *, name: str = "", whole_blocks: bool = False) -> Box:
@@ -324,14 +325,15 @@ class HeldTensorsSource:
 
 
 # -- engine side ---------------------------------------------------------------------------------------------
-def _engine_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
-                quantized: bool) -> Box:
-    """The box of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings)."""
+def _engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
+                  quantized: bool) -> list[Box]:
+    """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings):
+    one, or one per block of :attr:`~mxport.layout.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
     shard = engine_shard(name, shape, layout, kv_heads=kv_heads, quantized=quantized)
     if shard.problem:
         raise ValueError(shard.problem)
     if shard.dim is None:
-        return Box.full(shape)
+        return [Box.full(shape)]
     dim, tp = shard.dim % len(shape), layout.tp
     if layout.ep > 1 and dim == 0 and len(shape) == 3:  # experts over all tp * ep ranks
         part = rank
@@ -341,9 +343,7 @@ def _engine_box(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv
         part = rank % tp // (tp // shard.parts)
     else:
         raise ValueError(f"{name}: tp={tp} is not a multiple of its {shard.parts} KV heads (vLLM refuses)")
-    size = shard.shape[dim]
-    start = min(part * size, shape[dim])
-    return Box.along(shape, dim, start, min(start + size, shape[dim]))
+    return [Box.along(shape, dim, a, b) for a, b in shard.ranges(shape[dim], part)]
 
 
 def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: int | None = None
@@ -357,6 +357,11 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
     (the same box); row-parallel: the K range of part ``rank % tp``; fused experts with ``ep > 1``: experts
     ``[rank * n, (rank + 1) * n)``; everything else whole. Scales follow their values' box: the same rows, or
     the K blocks of a row-parallel K range.
+
+    A fused ``experts.gate_up_proj`` ``[E, 2I, K]`` at tp > 1 (ep 1) gives TWO holdings (and two of its
+    scales): gate rows ``[p * I/tp, (p + 1) * I/tp)`` then up rows ``[I + p * I/tp, I + (p + 1) * I/tp)``, the
+    rows vLLM's ``FusedMoE`` ``w13_weight`` holds on tp rank ``p`` (:func:`engine_buffers` gives them one
+    buffer, gate part first).
 
     Args:
         kv_heads: the model's KV heads; None = ``model.config.num_key_value_heads`` when the model has one.
@@ -377,15 +382,16 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
         kv_heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
     plan, _ = receiver_plan(model, _PLAN_BUCKET)
     out: list[Holding] = []
-    values: Holding | None = None
+    values: list[Holding] = []
     for e in plan.entries:
         info = TensorInfo(e.name, e.role, e.dtype, tuple(e.shape))
-        if e.role == "scales" and values is not None:
-            box = scales_box(values.box, values.tensor.shape, name=values.tensor.name, whole_blocks=True)
+        if e.role == "scales" and values:
+            boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
         else:
-            box = _engine_box(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
-        out.append(Holding(info, box))
-        values = out[-1] if e.role == "values" else None
+            boxes = _engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
+        held = [Holding(info, box) for box in boxes]
+        out += held
+        values = held if e.role == "values" else []
     return out
 
 
@@ -393,19 +399,32 @@ _MERGED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|
 _MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def _stackable(members: Sequence[Holding | None]) -> bool:
+    """Whether the holdings can be row blocks of one buffer: all there, of one dtype and rank (at least 2-D),
+    the same extent in every dimension but the rows (dim ``-2``)."""
+    if any(x is None for x in members):
+        return False
+    first = members[0].box.shape
+    return all(x.tensor.dtype == members[0].tensor.dtype and len(x.box.shape) == len(first) >= 2
+               and x.box.shape[:-2] == first[:-2] and x.box.shape[-1] == first[-1] for x in members)
+
+
 def _merge_groups(holdings: Sequence[Holding]) -> list[list[Holding]]:
-    """Holdings cut from one vLLM merged buffer (q/k/v, gate/up of one layer; values or scales), each group in
-    merged order; only complete groups of 2-D holdings with one dtype and one column range."""
-    by_name = {h.tensor.name: h for h in holdings}
-    groups = []
+    """Holdings cut from one vLLM merged buffer, each group in merged (row) order: q/k/v, gate/up of one layer
+    (values or scales; one holding each), and the several holdings of one tensor (a fused expert gate_up at
+    tp > 1: gate rows, then up rows, as ``w13_weight``)."""
+    by_name: dict[str, list[Holding]] = {}
+    for h in holdings:
+        by_name.setdefault(h.tensor.name, []).append(h)
+    groups = [held for held in by_name.values() if len(held) > 1 and _stackable(held)]
     for h in holdings:
         m = _MERGED.match(h.tensor.name)
         if not m or m.group(2) not in ("q_proj", "gate_proj"):
             continue
         parts = _MERGED_PARTS["qkv_proj" if m.group(2) == "q_proj" else "gate_up_proj"]
-        members = [by_name.get(f"{m.group(1)}.{p}.{m.group(3)}") for p in parts]
-        if all(x is not None and len(x.box.shape) == 2 and x.tensor.dtype == h.tensor.dtype
-               and x.box.shape[1] == h.box.shape[1] for x in members):
+        found = [by_name.get(f"{m.group(1)}.{p}.{m.group(3)}", []) for p in parts]
+        members = [x[0] if len(x) == 1 else None for x in found]
+        if _stackable(members) and len(h.box.shape) == 2:
             groups.append(members)
     return groups
 
@@ -414,21 +433,28 @@ def engine_buffers(holdings: Sequence[Holding], device: str | torch.device = "cp
                    dtype_of: Callable[[TensorInfo], torch.dtype] | None = None) -> Local:
     """An engine rank's own tensors for ``holdings`` (:func:`engine_holdings`): ``{name: (box, tensor)}``,
     zero-filled, each of its box's shape (only the rank's shard), ready for
-    :func:`~mxport.refit.mesh.route_targets`.
+    :func:`~mxport.refit.mesh.route_targets`; a tensor the rank holds several boxes of maps to a list of
+    ``(box, tensor)``, in holding order (:func:`~mxport.refit.mesh.local_part` reads either form).
 
     q/k/v projections of one attention and gate/up of one MLP are row views of ONE merged buffer (rows
     q | k | v, gate | up, each part its own box's rows), values and scales alike, as vLLM's
-    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` hold them: received pieces land in the merged
-    buffers in place. ``dtype_of(info)`` gives a buffer's dtype (default: the plan dtype)."""
+    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` hold them; so are the gate and up boxes of a fused
+    ``experts.gate_up_proj`` at tp > 1 (one ``[E, 2I/tp, K]`` buffer, scales ``[E, 2I/tp, K/32]``, gate rows
+    first, as ``FusedMoE``'s ``w13_weight``): received pieces land in the merged buffers in place.
+    ``dtype_of(info)`` gives a buffer's dtype (default: the plan dtype)."""
     dtype_of = dtype_of or (lambda info: dtype_from_name(info.dtype))
-    out: Local = {}
+    views: dict[Holding, torch.Tensor] = {}
     for group in _merge_groups(holdings):
-        first = group[0]
-        rows = [h.box.shape[0] for h in group]
-        merged = torch.zeros((sum(rows), first.box.shape[1]), dtype=dtype_of(first.tensor), device=device)
-        for h, view in zip(group, torch.split(merged, rows), strict=True):
-            out[h.tensor.name] = (h.box, view)
+        first = group[0].box.shape
+        rows = [h.box.shape[-2] for h in group]
+        merged = torch.zeros((*first[:-2], sum(rows), first[-1]), dtype=dtype_of(group[0].tensor),
+                             device=device)
+        for h, view in zip(group, torch.split(merged, rows, dim=-2), strict=True):
+            views[h] = view
+    entries: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     for h in holdings:
-        if h.tensor.name not in out:
-            out[h.tensor.name] = (h.box, torch.zeros(h.box.shape, dtype=dtype_of(h.tensor), device=device))
-    return out
+        t = views.get(h)
+        if t is None:
+            t = torch.zeros(h.box.shape, dtype=dtype_of(h.tensor), device=device)
+        entries.setdefault(h.tensor.name, []).append((h.box, t))
+    return {n: held[0] if len(held) == 1 else held for n, held in entries.items()}
