@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mxport.refit.mesh_demo import MeshConfig, run_mesh_demo
+from mxport.refit.mesh_demo import MeshConfig, rank_entries, run_mesh_demo
 from mxport.testing import make_tiny_llama, make_tiny_qwen3_moe
 
 MXPORT = [str(Path(sys.executable).parent / "mxport")]
@@ -40,7 +40,7 @@ def _check(result: dict, trainers: int, engines: int, steps: int = 2) -> None:
         assert r["bit_exact"] is True and r["pointers_stable"] is True, r["ranks"]
         assert math.isfinite(r["gen_kl_error"]) and r["gen_kl_error"] < 0.05
         engine_rows = [x for x in r["ranks"] if x["role"] == "engine"]
-        assert len(engine_rows) == engines and all(x["bit_exact"] for x in engine_rows)
+        assert len(engine_rows) == engines and all(x["bit_exact"] for x in r["ranks"])
         assert [x["bytes"] for x in engine_rows] == plan["engine_bytes"]
         assert r["bytes"] == sum(plan["engine_bytes"]) and r["version"] == r["step"]
     if engines == 2:  # each engine rank receives only its shard: about half (norms whole in each)
@@ -89,3 +89,15 @@ def test_cli_refuses_layouts_it_cannot_run(llama):
         r = subprocess.run(MXPORT + ["refit", str(llama), *args], capture_output=True, text=True, timeout=60,
                            env=env)
         assert r.returncode == 2 and msg in r.stdout + r.stderr, (args, r.stdout, r.stderr)
+
+
+def test_one_rank_off_makes_the_step_not_bit_exact():
+    """Each rank's bytes are judged against quantize of the full tensors cut to its own boxes."""
+    rows = [{"rank": r, "version": 1, "crc32": 100 + r, "pointers_stable": 1, "bytes": 10, "seconds_us": 5}
+            for r in range(4)]
+    good = rank_entries(rows, 2, [100, 101, 102, 103])
+    assert [x["role"] for x in good] == ["trainer", "trainer", "engine", "engine"]
+    assert all(x["bit_exact"] for x in good) and "pointers_stable" not in good[0]
+    assert good[3]["pointers_stable"] is True
+    bad = rank_entries(rows, 2, [100, 101, 102, 999])
+    assert [x["bit_exact"] for x in bad] == [True, True, True, False]

@@ -16,9 +16,9 @@ plan (:func:`~mxport.refit.mesh.agree`) and refit shard to shard (:class:`~mxpor
 
 Checks per step, outside the refit: every rank reports a CRC-32 of its shard bytes; trainer rank 0 gathers
 the full trainer weights (``full_tensor()``), quantizes them whole and cuts every engine rank's boxes out of
-that: a step is ``bit_exact`` only if every engine rank's bytes equal those. For ``gen_kl_error`` engine
-rank 0 assembles the engine ranks' shards into a full MXFP8 model and generates; trainer rank 0 scores it
-against its float32 weights.
+that: a step is ``bit_exact`` only if every engine rank's bytes equal those (and every trainer rank's
+quantized shard). For ``gen_kl_error`` engine rank 0 assembles the engine ranks' shards into a full MXFP8
+model and generates; trainer rank 0 scores it against its float32 weights.
 """
 
 from __future__ import annotations
@@ -176,8 +176,9 @@ def _crc(tensors) -> int:
 
 
 def _expected_crcs(mesh, ref: dict) -> list[int]:
-    """Per engine rank: the CRC-32 of quantize(full tensor) cut to its boxes, in its holding order."""
-    return [_crc(ref[h.tensor.name][h.box.index()] for h in held) for held in mesh.engines]
+    """Per rank (trainer ranks, then engine ranks): the CRC-32 of quantize(full tensor) cut to the boxes it
+    holds, in its holding order."""
+    return [_crc(ref[h.tensor.name][h.box.index()] for h in held) for held in (*mesh.trainers, *mesh.engines)]
 
 
 def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
@@ -215,7 +216,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
         stats = sender.send({r.engine: _route_tensors(r, local) for r in routes})
         full = _full_weights(model)  # a collective of the trainer group (FSDP2 / TP); outside the refit
         # a trainer rank's refit: quantizing its shards, then sending up to the vote's outcome
-        rows = _rank_rows(world, rank, stats.version, 0, True, stats.bytes, quantize_s + stats.seconds)
+        crc = _crc(local_part(local, h.tensor.name, h.box) for h in source.holdings)  # the bytes it quantized
+        rows = _rank_rows(world, rank, stats.version, crc, True, stats.bytes, quantize_s + stats.seconds)
         if rank == 0:
             ref = _reference(cfg, full, reference)
             reply = _recv_reply(pg, T, prompt, cfg.max_new_tokens, reference)
@@ -361,29 +363,37 @@ def _rank_rows(world, rank: int, version: int, crc: int, stable: bool, nbytes: i
     return [dict(zip(_ROW, (int(x) for x in r), strict=True)) for r in world.all_gather(row)]
 
 
+def rank_entries(rows: list[dict], trainers: int, expected: list[int]) -> list[dict]:
+    """The JSON ``ranks`` of a step from every rank's reported row: role, bytes, seconds, version, and
+    ``bit_exact`` (its CRC-32 equals ``expected[rank]``, that of quantize of the full tensors cut to its
+    boxes); engine ranks add ``pointers_stable``."""
+    out = []
+    for r in rows:
+        is_engine = r["rank"] >= trainers
+        entry = {"rank": r["rank"], "role": "engine" if is_engine else "trainer", "bytes": r["bytes"],
+                 "seconds": r["seconds_us"] / 1e6, "version": r["version"],
+                 "bit_exact": r["crc32"] == expected[r["rank"]]}
+        if is_engine:
+            entry["pointers_stable"] = bool(r["pointers_stable"])
+        out.append(entry)
+    return out
+
+
 def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, reply, reference, tok) -> dict:
     """One step as ``mxport refit`` reports it: the single-rank keys, plus ``ranks`` (per rank: role, bytes,
-    seconds, and for engine ranks bit_exact / pointers_stable)."""
+    seconds, bit_exact — its shard's bytes against quantize of the full tensor — and for engine ranks
+    pointers_stable)."""
     from ..metrics import gen_kl_error, greedy_agreement
 
     logits_train = _logits_on(reference, reply["seq"], reply["prompt_len"])
     kl = gen_kl_error(reply["logits"], logits_train)
-    T = mesh.num_trainers
-    ranks = []
-    for r in rows:
-        is_engine = r["rank"] >= T
-        entry = {"rank": r["rank"], "role": "engine" if is_engine else "trainer", "bytes": r["bytes"],
-                 "seconds": r["seconds_us"] / 1e6, "version": r["version"]}
-        if is_engine:
-            entry.update(bit_exact=r["crc32"] == expected[r["rank"] - T],
-                         pointers_stable=bool(r["pointers_stable"]))
-        ranks.append(entry)
+    ranks = rank_entries(rows, mesh.num_trainers, expected)
     engines = [r for r in ranks if r["role"] == "engine"]
     seconds = max(r["seconds"] for r in ranks if r["role"] == "trainer")
     nbytes = sum(r["bytes"] for r in engines)
     gbps = nbytes / seconds / 1e9 if seconds else 0.0
     return {"step": step, "bytes": nbytes, "seconds": seconds, "gbps": gbps,
-            "gen_kl_error": kl["mean"], "bit_exact": all(r["bit_exact"] for r in engines),
+            "gen_kl_error": kl["mean"], "bit_exact": all(r["bit_exact"] for r in ranks),
             "pointers_stable": all(r["pointers_stable"] for r in engines), "version": stats.version,
             "loss": loss, "train_s": train_s, "quantize_s": quantize_s, "gen_kl_error_max": kl["max"],
             "greedy_agreement": greedy_agreement(reply["logits"], logits_train),
