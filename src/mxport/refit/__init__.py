@@ -7,25 +7,50 @@ checked, in place, all or nothing.
   arena from
   :func:`allocate_targets` with a rollback copy), :class:`RefitError` and each receiver's
   :class:`ReceiverResult` / :class:`Status`;
-- transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated);
+- transports: :class:`TorchDistTransport` (gloo / NCCL broadcast), :class:`InProcessChannel` (colocated),
+  :class:`PairTransport` (point-to-point between two ranks of a group);
 - the trainer side: :class:`TrainerSource` (policy + quantize); the inference side: :func:`receiver_plan` (an
   ``MXFP8Linear`` model's live buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM /
-  SGLang loaders); the arena: :func:`allocate_targets`, :func:`stream_arena`.
+  SGLang loaders); the arena: :func:`allocate_targets`, :func:`stream_arena`;
+- sharded refit (T trainer, E engine ranks): the global plan :class:`MeshPlan` (:mod:`mxport.refit.mesh`:
+  boxes each rank holds or needs, routes per (trainer, engine) pair, :func:`agree`); one pair stream per pair
+  and one vote, :class:`ShardedSender` / :class:`ShardedReceiver`, :func:`pair_order`; sharded trainers
+  :class:`ShardedTrainerSource` (DTensor models) and :class:`HeldTensorsSource` (named tensors a rank holds),
+  engine ranks' :func:`engine_holdings` / :func:`engine_buffers` (:mod:`mxport.refit.shards`).
 
 The modules are described in docs/guide-refit.md.
 """
 
 from .arena import allocate_targets, stream_arena
 from .inference import checkpoint_tensors, model_tensors, receiver_plan
+from .mesh import Box, Holding, MeshPlan, TensorInfo, agree
 from .plan import PlanEntry, RefitPlan, RefitPlanMismatch
-from .receiver import RefitReceiver
-from .results import ReceiverResult, RefitError, Status
-from .sender import RefitSender
+from .receiver import RefitReceiver, Staged
+from .results import ReceiverResult, RefitError, Status, Vote
+from .sender import PendingSend, RefitSender
+from .sharded import (
+    PairStats,
+    ShardedReceiver,
+    ShardedReceiveStats,
+    ShardedSender,
+    ShardedSendStats,
+    pair_order,
+)
+from .shards import HeldTensorsSource, ShardedTrainerSource, engine_buffers, engine_holdings
 from .trainer import TrainerSource
-from .transport import InProcessChannel, TorchDistTransport, Transport
+from .transport import InProcessChannel, PairTransport, TorchDistTransport, Transport
 
 __all__ = [
+    "Box",
+    "Holding",
+    "MeshPlan",
+    "TensorInfo",
+    "agree",
+    "HeldTensorsSource",
     "InProcessChannel",
+    "PairStats",
+    "PairTransport",
+    "PendingSend",
     "PlanEntry",
     "ReceiverResult",
     "RefitError",
@@ -33,13 +58,23 @@ __all__ = [
     "RefitPlanMismatch",
     "RefitReceiver",
     "RefitSender",
+    "ShardedTrainerSource",
+    "ShardedReceiveStats",
+    "ShardedReceiver",
+    "ShardedSendStats",
+    "ShardedSender",
+    "Staged",
     "Status",
     "TorchDistTransport",
     "TrainerSource",
     "Transport",
+    "Vote",
     "allocate_targets",
     "checkpoint_tensors",
+    "engine_buffers",
+    "engine_holdings",
     "model_tensors",
+    "pair_order",
     "receiver_plan",
     "stream_arena",
 ]

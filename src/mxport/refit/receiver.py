@@ -53,6 +53,27 @@ class _Problem:
     entry: int = -1
 
 
+@dataclass(frozen=True)
+class Staged:
+    """One refit received and judged by :meth:`RefitReceiver.stage`, not committed: ``problem`` (None when
+    this rank accepts it), the trailer, the stopwatch and the rollback copy's seconds (``backup_s``)."""
+
+    problem: _Problem | None
+    trailer: Trailer
+    stopwatch: Stopwatch
+    backup_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def to_dict(self) -> dict:
+        p = self.problem
+        return {"version": int(self.trailer.version), "status": "ok" if p is None else p.status.name.lower(),
+                "why": None if p is None else p.why, "bucket": None if p is None else p.bucket,
+                "entry": -1 if p is None else p.entry, "backup_s": self.backup_s}
+
+
 _ABORT_WHY = {AbortReason.BAD_TENSOR: "a tensor that does not match the plan",
               AbortReason.COUNT: "too few or too many tensors",
               AbortReason.PRODUCER: "the producer of the tensors failed",
@@ -193,7 +214,8 @@ class RefitReceiver:
         verdict (ok, or why it rejects: :class:`~mxport.refit.results.Status`) in one all_gather, so every
         rank and the sender see the same :class:`~mxport.refit.results.Vote`; (3) commit only if every vote
         is ok, else roll back and raise. A rank that dies makes the others' vote (or a broadcast) fail: they
-        roll back and raise too.
+        roll back and raise too. The three phases are :meth:`stage`, :meth:`verdict` + the vote over this
+        transport, and :meth:`settle` (a sharded refit runs them with one vote over all its pair streams).
 
         Staging mode: buckets land in staging; the commit is a ``copy_`` into every tensor. Direct mode:
         buckets land in the live arena; not committing restores it from the rollback copy; on success a
@@ -220,6 +242,18 @@ class RefitReceiver:
                 be re-created (in direct mode every posted broadcast is waited for before restoring, so a
                 timeout can take up to ``inflight`` times the group's timeout to surface).
         """
+        staged = self.stage()
+        return self.settle(staged, self._vote(staged))
+
+    def stage(self) -> Staged:
+        """Phase one of :meth:`receive`: receive every bucket and the trailer and judge them (trailer, sender
+        abort, version, checksums, the live tensors); nothing is committed. Follow with :meth:`verdict` (this
+        rank's row of the vote), then :meth:`settle` with the vote (or :meth:`discard`).
+
+        Raises:
+            RefitError: the transport failed (a dead peer, a timeout): rolled back already (direct mode), as
+                in :meth:`receive`.
+        """
         if not self._handshaken:
             self.handshake()
         sw = Stopwatch()
@@ -232,13 +266,31 @@ class RefitReceiver:
         trailer = Trailer.from_tensor(self._trailer)
         problem = problem or self._judge(trailer, got)
         sw.mark("judged")
-        vote = self._vote(problem)  # nothing is committed before every rank voted yes
+        return Staged(problem, trailer, sw, backup_s)
+
+    def verdict(self, staged: Staged) -> ReceiverResult:
+        """This rank's row of the vote on ``staged``: ``OK``, or why it rejects (status, bucket, entry), and
+        the version live here."""
+        p = staged.problem
+        if p is None:
+            return ReceiverResult(self.transport.rank, Status.OK, -1, -1, self.version)
+        return ReceiverResult(self.transport.rank, p.status, -1 if p.bucket is None else p.bucket, p.entry,
+                              self.version)
+
+    def settle(self, staged: Staged, vote: Vote) -> ReceiveStats:
+        """Phase three of :meth:`receive`: commit ``staged`` if ``vote`` is unanimous, else roll back and
+        raise :class:`RefitError` (this rank's own reason, or ``PEER_REJECTED`` naming who voted no).
+
+        Raises:
+            RefitError: as :meth:`receive` (a rejection, or a refresh hook failing after a unanimous yes).
+        """
         if not vote.commit:
             self._roll_back(self.plan.total_bytes)
-            raise self._rejection(problem, vote)
+            raise self._rejection(staged.problem, vote)
+        sw = staged.stopwatch
         try:
             with sw.phase("commit"):
-                self._commit(trailer)
+                self._commit(staged.trailer)
         except Exception as exc:  # after a unanimous yes: a refresh hook failed (see _commit)
             raise RefitError(f"refit v{vote.version} failed committing on this rank after every rank voted "
                              f"yes ({type(exc).__name__}: {exc}); the other ranks committed it: this rank's "
@@ -253,7 +305,12 @@ class RefitReceiver:
                             direct=self.direct, seconds=seconds, idle_s=sw.between("posted", "first"),
                             recv_s=sw.between("first", "judged"), commit_s=sw["commit"],
                             gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                            backup_s=backup_s, backup_wait_s=sw["backup_wait"])
+                            backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"])
+
+    def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
+        """Drop ``staged`` without a vote (another part of the same refit failed): the live tensors keep the
+        previous version (direct mode: restored from the rollback copy; staging: never written)."""
+        self._roll_back(self.plan.total_bytes)
 
     def _live_problem(self) -> _Problem | None:
         """A live tensor whose dtype / shape changed or that moved since the receiver was built, or None."""
@@ -347,14 +404,12 @@ class RefitReceiver:
         if self._rollback_copy is not None:
             self._rollback_copy.restore(nbytes)
 
-    def _vote(self, problem: _Problem | None) -> Vote:
+    def _vote(self, staged: Staged) -> Vote:
         """Phase two: every rank's verdict (one fixed-size row each; the sender's too). A failing vote (a
         peer died or timed out) rolls back and raises: nothing was committed."""
-        st, bucket, entry = (Status.OK, -1, -1) if problem is None else (
-            problem.status, -1 if problem.bucket is None else problem.bucket, problem.entry)
-        row = ReceiverResult(self.transport.rank, st, bucket, entry, self.version)
+        problem = staged.problem
         try:
-            return Vote.tally(self.transport.all_gather(row.to_tensor()), self.transport.src)
+            return Vote.tally(self.transport.all_gather(self.verdict(staged).to_tensor()), self.transport.src)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             self._roll_back(self.plan.total_bytes)
             why = problem.why if problem is not None else "received and validated"
@@ -372,7 +427,8 @@ class RefitReceiver:
                           and r.status is Status.ABORTED)
             if r.rank != me and not same_abort:  # an abort is the sender's: every receiver saw the same one
                 names = self.layout.tensor_names(r.bucket) if 0 <= r.bucket < n else []
-                others.append(r.describe(n, vote.src) + (f" (tensors: {_names(names)})" if names else ""))
+                tensors = f" (tensors: {_names(names)})" if names else ""
+                others.append(r.describe(n, vote.sender_ranks) + tensors)
         if problem is not None:
             also = f" (also rejected by {'; '.join(others)})" if others else ""
             return self._error("rejected", problem.bucket, problem.why + also, problem.status,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 
@@ -55,9 +55,10 @@ class ReceiverResult:
     def ok(self) -> bool:
         return self.status is Status.OK
 
-    def describe(self, num_buckets: int, src: int = 0) -> str:
-        """One line: who, the status, where (``receiver 2: checksum at bucket 0 (live version 1)``)."""
-        if self.rank == src:
+    def describe(self, num_buckets: int, src: int | Collection[int] = 0) -> str:
+        """One line: who, the status, where (``receiver 2: checksum at bucket 0 (live version 1)``); ``src``:
+        the sender's rank, or the sender ranks of a vote with several."""
+        if self.rank in ((src,) if isinstance(src, int) else src):
             return f"the sender: {self.status.name.lower()}"
         where = f" at bucket {self.bucket}" if 0 <= self.bucket < num_buckets else ""
         return f"receiver {self.rank}: {self.status.name.lower()}{where} (live version {self.version})"
@@ -85,21 +86,35 @@ class Vote:
 
     After receiving and validating everything, and before committing anything, every rank gives one
     fixed-size row (an all_gather): a receiver its verdict (``OK`` or why it rejects) and the version live on
-    it; the sender ``OK`` (or ``ABORTED``) and the refit's version. ``commit`` is true only when every row is
+    it; a sender ``OK`` (or ``ABORTED``) and the refit's version. ``commit`` is true only when every row is
     ``OK``: then every receiver commits, otherwise none does.
+
+    ``src`` is the sender's rank; a vote with several senders (sharded refit: every trainer rank sends)
+    lists them all in ``senders`` (empty: just ``src``).
     """
 
     src: int
     rows: tuple[ReceiverResult, ...]
+    senders: frozenset[int] = frozenset()
 
     @classmethod
-    def tally(cls, rows: Sequence[torch.Tensor], src: int) -> Vote:
-        return cls(src, tuple(ReceiverResult.from_tensor(r, t) for r, t in enumerate(rows)))
+    def tally(cls, rows: Sequence[torch.Tensor], src: int, senders: Collection[int] = ()) -> Vote:
+        """The vote of ``rows`` (row ``r`` from rank ``r``); ``src``: the sender, ``senders``: all senders
+        when there are several (``src`` among them)."""
+        senders = frozenset(senders)
+        if senders and src not in senders:
+            raise ValueError(f"src {src} must be one of the senders {sorted(senders)}")
+        return cls(src, tuple(ReceiverResult.from_tensor(r, t) for r, t in enumerate(rows)), senders)
+
+    @property
+    def sender_ranks(self) -> frozenset[int]:
+        """The ranks that sent (``{src}`` unless ``senders`` says more)."""
+        return self.senders or frozenset((self.src,))
 
     @property
     def version(self) -> int:
-        """The refit's version (the sender's row)."""
-        return self.rows[self.src].version
+        """The refit's version: the highest version among the senders' rows."""
+        return max(self.rows[s].version for s in self.sender_ranks)
 
     @property
     def commit(self) -> bool:
@@ -107,7 +122,7 @@ class Vote:
 
     @property
     def no(self) -> list[ReceiverResult]:
-        """The rows that voted no (the sender's abort included)."""
+        """The rows that voted no (a sender's abort included)."""
         return [r for r in self.rows if not r.ok]
 
     @property
@@ -116,7 +131,7 @@ class Vote:
         rejection, or ``PEER_REJECTED`` where it voted yes, at the version it kept."""
         out = []
         for r in self.rows:
-            if r.rank == self.src:
+            if r.rank in self.sender_ranks:
                 continue
             if self.commit:
                 r = ReceiverResult(r.rank, Status.OK, -1, -1, self.version)

@@ -46,6 +46,14 @@ class _TransportFailed(Exception):
         self.error = error
 
 
+def _wait(handle) -> None:
+    """Complete a posted broadcast; a transport failure (a dead peer, a timeout) raises _TransportFailed."""
+    try:
+        handle.wait()
+    except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+        raise _TransportFailed(exc) from exc
+
+
 @dataclass
 class _Run:
     """One refit in progress on the sender."""
@@ -64,6 +72,33 @@ class _Run:
 
     def __post_init__(self):
         self.slot_busy = [False] * self.slots
+
+
+@dataclass(frozen=True)
+class PendingSend:
+    """One refit transmitted by :meth:`RefitSender.transmit` (every bucket and the trailer are out), waiting
+    for the vote: ``error`` is the producer's (or the sender's) error if it went out as an abort."""
+
+    run: _Run
+    stopwatch: Stopwatch
+    error: BaseException | None
+    rank: int  # the sender's rank on its transport
+
+    @property
+    def version(self) -> int:
+        return self.run.version
+
+    @property
+    def aborted(self) -> bool:
+        return self.error is not None
+
+    def row(self) -> ReceiverResult:
+        """The sender's row of the vote: ``OK``, or ``ABORTED``, at the refit's version."""
+        return ReceiverResult(self.rank, Status.ABORTED if self.aborted else Status.OK, -1, -1, self.version)
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "aborted": self.aborted,
+                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
 
 class RefitSender:
@@ -146,6 +181,17 @@ class RefitSender:
             RefitError: some receiver rejected the refit, and so none committed it (``receivers`` holds every
                 receiver's result: its own rejection, or ``PEER_REJECTED``); or the transport failed.
         """
+        pending = self.transmit(tensors)
+        return self.conclude(pending, self._own_vote(pending))
+
+    def transmit(self, tensors: Iterable[torch.Tensor]) -> PendingSend:
+        """Phase one of :meth:`send`: every bucket and the trailer (the abort path as :meth:`send`: the
+        remaining buckets and an abort trailer, the error kept in the result). Follow with the vote (this
+        rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
+
+        Raises:
+            RefitError: the transport failed (no vote can follow; the group is unusable).
+        """
         if not self._handshaken:
             self.handshake()
         self.version += 1
@@ -163,17 +209,26 @@ class RefitSender:
         except _TransportFailed as exc:
             raise self._transport_error(run, exc.error) from exc.error
         except BaseException as exc:
-            self._abort(run, exc)
-            raise
+            if not self._abort(run, exc):
+                raise
+            return PendingSend(run, sw, exc, self.transport.rank)
         with sw.phase("wait"):
             try:
-                self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets).wait()
+                _wait(self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets))
             except _TransportFailed as exc:
                 raise self._transport_error(run, exc.error) from exc.error
-            try:
-                vote = self._vote(Status.OK)
-            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-                raise self._transport_error(run, exc, in_vote=True) from exc
+        return PendingSend(run, sw, None, self.transport.rank)
+
+    def conclude(self, pending: PendingSend, vote: Vote) -> SendStats:
+        """Phase three of :meth:`send`: the outcome of ``pending`` under ``vote``.
+
+        Raises:
+            the producer's error, when ``pending`` aborted; RefitError when some rank voted no (as
+            :meth:`send`).
+        """
+        if pending.error is not None:
+            raise pending.error
+        run, sw = pending.run, pending.stopwatch
         results = vote.results
         self._raise_rejections(run, vote)
         seconds = sw.elapsed()
@@ -183,6 +238,18 @@ class RefitSender:
                          stream_crc32=run.stream_crc if self.stream_crc32 else None,
                          gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
                          receivers=tuple(results))
+
+    def _own_vote(self, pending: PendingSend) -> Vote:
+        """The vote of :meth:`send` over this sender's own transport. A failing vote: after an abort it is
+        noted on the abort's error (raised), otherwise it raises :class:`RefitError`."""
+        with pending.stopwatch.phase("wait"):
+            try:
+                return self._vote(pending.row().status)
+            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+                if pending.error is not None:
+                    pending.error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
+                    raise pending.error from None
+                raise self._transport_error(pending.run, exc, in_vote=True) from exc
 
     # -- one bucket ------------------------------------------------------------------------------------------
     def _send_bucket(self, run: _Run, b: int, sw: Stopwatch) -> None:
@@ -274,11 +341,12 @@ class RefitSender:
         return Vote.tally(self.transport.all_gather(row), self.transport.src)
 
     def _raise_rejections(self, run: _Run, vote: Vote) -> None:
-        bad = [r for r in vote.no if r.rank != self.transport.src]
-        if not bad:
+        if vote.commit:
             return
+        # the receivers that voted no; when none did, the other sender(s) that aborted (sharded refit)
+        bad = [r for r in vote.no if r.rank not in vote.sender_ranks] or vote.no
         results = vote.results
-        parts = "; ".join(r.describe(self.plan.num_buckets, self.transport.src) for r in bad)
+        parts = "; ".join(r.describe(self.plan.num_buckets, vote.sender_ranks) for r in bad)
         raise RefitError(f"refit v{run.version} was rejected by {len(bad)} of {len(results)} receiver(s): "
                          f"{parts}; no receiver committed it (every one keeps its previous weights)",
                          bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
@@ -297,10 +365,10 @@ class RefitSender:
                           f"receiver died or timed out, so {outcome}; re-create the group",
                           kept_version=run.version - 1)
 
-    def _abort(self, run: _Run, error: BaseException) -> None:
+    def _abort(self, run: _Run, error: BaseException) -> bool:
         """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
-        bytes and fail at once; then gather their reports (they all reject). A transport failure meanwhile is
-        noted on ``error`` (which the caller raises)."""
+        bytes and fail at once (they all reject in the vote that follows). True when it went out; a transport
+        failure meanwhile is noted on ``error`` (which the caller raises) and gives False."""
         try:
             self._drain(run)
             buf = self._packbuf[0]
@@ -309,6 +377,7 @@ class RefitSender:
             trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
                                    run.reason)
             self._post(trailer, self.plan.num_buckets).wait()
-            self._vote(Status.ABORTED)
         except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note
             error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
+            return False
+        return True

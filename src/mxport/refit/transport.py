@@ -85,6 +85,12 @@ class TorchDistTransport(Transport):
                 or (dist.is_initialized() and _backend(dist, group) == "nccl")):
             self._device = torch.device("cuda", torch.cuda.current_device())
 
+    @property
+    def process_group(self):
+        """The ``ProcessGroup`` this transport's collectives run on (the default group's when none was
+        given): a sharded refit's pair streams (:class:`PairTransport`) share it."""
+        return self._pg
+
     @classmethod
     def from_group(cls, pg, src: int = 0) -> TorchDistTransport:
         """A transport over an existing process group ``pg`` (``src``: the sender's rank in ``pg``)."""
@@ -174,6 +180,76 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
     return pg
+
+
+#: the default tag of a :class:`PairTransport`'s messages ("MX")
+PAIR_TAG = 0x4D58
+
+
+class PairTransport(Transport):
+    """A transport between exactly two ranks of an existing process group (one pair stream of a sharded
+    refit): point-to-point ``send`` / ``recv`` on the group object, with group-local ranks. Local rank 0 is
+    ``sender`` (the trainer rank), 1 is ``receiver`` (the engine rank); this process must be one of them.
+
+    ``broadcast``: the sender sends, the receiver receives into its ``buf`` (the same size: gloo kills a
+    process that receives more than it posted; a refit plan fixes every size). ``all_gather`` of the two
+    ranks: both post a send and a recv, then wait for both. Every message carries ``tag``: messages of one
+    (peer, tag) arrive in the order they were posted, so pair streams with different tags, or between
+    different ranks, never mix. A dead peer or a timeout raises ``RuntimeError`` from ``wait`` (after the
+    group's timeout); the group is then unusable. ``close`` leaves the group to its owner.
+
+    Args:
+        pg: a ``ProcessGroup`` (e.g. a ``ProcessGroupGloo`` from :func:`open_group`), or None for the default
+            group.
+        sender, receiver: the two ranks in ``pg``.
+        tag: the message tag (a non-negative int below 2**31).
+    """
+
+    def __init__(self, pg, sender: int, receiver: int, *, tag: int = PAIR_TAG):
+        import torch.distributed as dist
+
+        if pg is None:
+            if not dist.is_initialized():
+                raise ValueError("pg is None and torch.distributed is not initialized")
+            pg = dist.group.WORLD
+        me, size = pg.rank(), pg.size()
+        if sender == receiver or not (0 <= sender < size and 0 <= receiver < size):
+            raise ValueError(f"sender and receiver must be two different ranks in [0, {size}), got {sender} "
+                             f"and {receiver}")
+        if me not in (sender, receiver):
+            raise ValueError(f"rank {me} is neither the sender ({sender}) nor the receiver ({receiver})")
+        if not 0 <= tag < 2**31:
+            raise ValueError(f"tag must be in [0, 2**31), got {tag}")
+        self._pg, self.tag = pg, int(tag)
+        self.rank, self.world_size, self.src = (0 if me == sender else 1), 2, 0
+        self.ranks = (sender, receiver)
+        self._peer = receiver if me == sender else sender
+        self._device = torch.device("cpu")
+        if str(pg.name()).lower() == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        mine = t.to(self._device).contiguous()
+        theirs = torch.empty_like(mine)
+        works = [self._pg.send([mine], self._peer, self.tag), self._pg.recv([theirs], self._peer, self.tag)]
+        for w in works:
+            w.wait()
+        out = [mine, theirs] if self.rank == 0 else [theirs, mine]
+        return [x.cpu().clone() for x in out]
+
+    def broadcast(self, buf: torch.Tensor, async_op: bool = False):
+        if self.is_sender:
+            work = self._pg.send([buf], self._peer, self.tag)
+        else:
+            work = self._pg.recv([buf], self._peer, self.tag)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
 
 def _backend(dist, group) -> str:

@@ -292,7 +292,7 @@ def _local_and_offset(dt, placements) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 
 def quantize_local(dt: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, rounding: str = "rceil",
-                   block_2d: bool = False) -> LocalMXFP8:
+                   block_2d: bool = False, kernel: str | None = None) -> LocalMXFP8:
     """Quantize this rank's slice of a (possibly sharded) weight to MXFP8, rowwise, byte-identical to
     ``quantize(dt.full_tensor())`` cut as the rank holds it.
 
@@ -300,7 +300,8 @@ def quantize_local(dt: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
         dt: a ``DTensor`` (or an ``nn.Parameter`` holding one: FSDP2, ``parallelize_module``) or a plain
             tensor (quantized whole: offset zeros, ``gathered`` False). float32 / bfloat16 / float16, at
             least 1-D.
-        fp8_dtype, rounding, block_2d: as for :func:`mxport.quantize`.
+        fp8_dtype, rounding, block_2d, kernel: as for :func:`mxport.quantize` (every kernel gives the same
+            bytes).
 
     Where blocks stay inside the shards (see :func:`gather_dims`) the rank quantizes its local shard with no
     communication. Otherwise it all-gathers the offending mesh dimensions (a collective: every rank of the
@@ -320,19 +321,19 @@ def quantize_local(dt: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
     _check_float(dt, "dt")
     with torch.no_grad():
         if not is_dtensor(dt):
-            c = quantize(dt.detach(), fp8_dtype, rounding=rounding, block_2d=block_2d)
+            c = quantize(dt.detach(), fp8_dtype, rounding=rounding, block_2d=block_2d, kernel=kernel)
             shape = tuple(dt.shape)
             return LocalMXFP8(c.data, c.scale_inv, shape, (0,) * len(shape), (), (), False)
-        return _quantize_dtensor(dt.detach(), fp8_dtype, rounding, block_2d)
+        return _quantize_dtensor(dt.detach(), fp8_dtype, rounding, block_2d, kernel)
 
 
-def _quantize_dtensor(dt, fp8_dtype, rounding: str, block_2d: bool) -> LocalMXFP8:
+def _quantize_dtensor(dt, fp8_dtype, rounding: str, block_2d: bool, kernel: str | None = None) -> LocalMXFP8:
     mesh = dt.device_mesh
     placements = tuple(_normalized(p, dt.dim()) for p in dt.placements)
     _check_placements(placements, "dt")
     gathered = gather_dims(tuple(dt.shape), tuple(mesh.shape), placements, block_2d=block_2d)
     local, offset = _local_and_offset(dt, placements)
-    kw = {"rounding": rounding, "block_2d": block_2d}
+    kw = {"rounding": rounding, "block_2d": block_2d, "kernel": kernel}
     if not gathered:
         c = quantize(local, fp8_dtype, **kw)
         data, scale_inv = c.data, c.scale_inv
