@@ -95,7 +95,10 @@ class Timings:
 
     mxport: list = field(default_factory=list)
     mxport_quantize: list = field(default_factory=list)  # trainer quantize time inside the mxport refit (max)
+    mxport_commit: list = field(default_factory=list)  # engine commit (staged -> live copies) time (max)
     baseline: list = field(default_factory=list)
+    baseline_gather: list = field(default_factory=list)  # trainer rank 0's time in all_gather
+    baseline_quantize: list = field(default_factory=list)  # engine quantize time inside the baseline (max)
     raw: list = field(default_factory=list)
     quant_solo: list = field(default_factory=list)
     quant_all: list = field(default_factory=list)
@@ -145,10 +148,11 @@ def infos(name: str, shape: tuple[int, int]):
             TensorInfo(name + "_scale", "scales", "uint8", (shape[0], blocks)))
 
 
-def scale_box(values):
-    from mxport.refit.mesh import Box
+def scale_box(values, shape):
+    """The compact scales that go with the values' box (mxport.refit.shards.scales_box, whole blocks)."""
+    from mxport.refit.shards import scales_box
 
-    return Box((values.start[0], values.start[1] // 32), (values.stop[0], -(-values.stop[1] // 32)))
+    return scales_box(values, shape, whole_blocks=True)
 
 
 def trainer_holdings(size: Size, t: int, trainers: int) -> list:
@@ -158,7 +162,7 @@ def trainer_holdings(size: Size, t: int, trainers: int) -> list:
     for name, shape in weights(size):
         v, s = infos(name, shape)
         box = Box.along(shape, 0, *trainer_rows(shape, t, trainers))
-        out += [Holding(v, box), Holding(s, scale_box(box))]
+        out += [Holding(v, box), Holding(s, scale_box(box, shape))]
     return out
 
 
@@ -184,7 +188,7 @@ def engine_holdings(size: Size, e: int, engines: int) -> list:
     for name, shape in weights(size):
         v, s = infos(name, shape)
         box = engine_box(name, shape, e, engines)
-        out += [Holding(v, box), Holding(s, scale_box(box))]
+        out += [Holding(v, box), Holding(s, scale_box(box, shape))]
     return out
 
 
@@ -291,7 +295,7 @@ class TrainerSide:
                 c = quantize(x)
                 spent[0] += time.perf_counter() - t0
                 vbox = Box((r0, 0), (r0 + x.shape[0], x.shape[1]))
-                done[base] = (vbox, c.data), (scale_box(vbox), c.scale_inv)
+                done[base] = (vbox, c.data), (scale_box(vbox, x.shape), c.scale_inv)
             return done[base][name != base]
 
         def stream(rt):
@@ -302,15 +306,20 @@ class TrainerSide:
         self.sender.send({rt.engine: stream(rt) for rt in self.routes})
         return spent[0]
 
-    def baseline(self) -> None:
-        """Per weight: all_gather the BF16 rows (full_tensor()), trainer rank 0 broadcasts the full tensor."""
+    def baseline(self) -> float:
+        """Per weight: all_gather the BF16 rows (full_tensor()), trainer rank 0 broadcasts the full tensor.
+        Returns the seconds spent gathering."""
+        spent = 0.0
         for name, shape in weights(self.size):
             _, x = self.local[name]
             out = self.full[shape]
             parts = [_as_bytes(p) for p in out.chunk(self.r.T)]
+            t0 = time.perf_counter()
             self.r.trainer_pg.allgather([parts], [_as_bytes(x)]).wait()
+            spent += time.perf_counter() - t0
             if self.r.rank == 0:
                 _bcast(self.r.bcast_pg, _as_bytes(out))
+        return spent
 
     def quantize_all(self) -> None:
         from mxport import quantize
@@ -357,19 +366,26 @@ class EngineSide:
         self.full = {shape: torch.empty(shape, dtype=torch.bfloat16) for _, shape in weights(size)}
         self.base = {}
 
-    def mxport(self) -> None:
-        self.receiver.receive()
+    def mxport(self) -> float:
+        """One sharded refit; returns the seconds of its commit (staged bytes -> live tensors)."""
+        stats = self.receiver.receive()
         for s in self.scatters:
             s()
+        return stats.commit_s
 
-    def baseline(self) -> None:
-        """Per weight: receive the full BF16 tensor, quantize the slice this rank holds."""
+    def baseline(self) -> float:
+        """Per weight: receive the full BF16 tensor, quantize the slice this rank holds. Returns the seconds
+        spent quantizing."""
         from mxport import quantize
 
+        spent = 0.0
         for name, shape in weights(self.size):
             full = self.full[shape]
             _bcast(self.r.bcast_pg, _as_bytes(full))
+            t0 = time.perf_counter()
             self.base[name] = quantize(full[engine_box(name, shape, self.e, self.r.E).index()])
+            spent += time.perf_counter() - t0
+        return spent
 
     def quantize_slices(self) -> None:
         from mxport import quantize
@@ -430,7 +446,10 @@ def _collect(tm: Timings, rows: list, trainers: int) -> None:
     tr, en = range(trainers), range(trainers, len(rows))
     tm.mxport.append(span(0, world))
     tm.mxport_quantize.append(max(rows[q][0][2] for q in tr))
+    tm.mxport_commit.append(max(rows[q][0][2] for q in en))
     tm.baseline.append(span(1, world))
+    tm.baseline_gather.append(rows[0][1][2])
+    tm.baseline_quantize.append(max(rows[q][1][2] for q in en))
     tm.raw.append(span(2, [0, *en]))
     tm.quant_solo.append(rows[0][3][1] - rows[0][3][0])
     tm.quant_all.append(span(4, tr))
@@ -538,10 +557,12 @@ def case_row(res: dict, case: Case, load: tuple) -> dict:
     return {"trainers": case.trainers, "engines": case.engines, "model": Size(**res["size"]).label,
             "size": res["size"], "bf16_bytes": bf16, "routes": res["routes"], "bit_exact": res["bit_exact"],
             "mxport": {"bytes_per_engine_rank": mx_engine, "bytes_total": sum(mx_engine), "seconds": mx_s,
-                       "runs_s": tm["mxport"], "quantize_s": med(tm["mxport_quantize"])},
+                       "runs_s": tm["mxport"], "quantize_s": med(tm["mxport_quantize"]),
+                       "commit_s": med(tm["mxport_commit"])},
             "baseline": {"bytes_per_engine_rank": [bf16] * case.engines, "bytes_total": bf16 * case.engines,
                          "gather_bytes": (case.trainers - 1) * bf16, "seconds": base_s,
-                         "runs_s": tm["baseline"]},
+                         "runs_s": tm["baseline"], "gather_s": med(tm["baseline_gather"]),
+                         "quantize_s": med(tm["baseline_quantize"])},
             "ratio": base_s / mx_s, "bytes_ratio": max(mx_engine) / bf16,
             "calibration": cal, "predicted": pred, "runs": case.runs,
             "load_before": load[0], "load_after": load[1]}
