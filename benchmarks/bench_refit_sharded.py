@@ -99,7 +99,8 @@ class Timings:
     baseline: list = field(default_factory=list)
     baseline_gather: list = field(default_factory=list)  # trainer rank 0's time in all_gather
     baseline_quantize: list = field(default_factory=list)  # engine quantize time inside the baseline (max)
-    raw: list = field(default_factory=list)
+    raw: list = field(default_factory=list)  # trainer rank 0 -> first engine rank alone (one link)
+    raw_all: list = field(default_factory=list)  # every trainer rank -> an engine rank at once (shared)
     quant_solo: list = field(default_factory=list)
     quant_all: list = field(default_factory=list)
     engine_quant: list = field(default_factory=list)
@@ -409,16 +410,38 @@ class EngineSide:
         return sum(x.numel() for x in self.slices.values())
 
 
-KINDS = ("mxport", "baseline", "raw", "quant_solo", "quant_all", "engine_quant")
+KINDS = ("mxport", "baseline", "raw", "raw_all", "quant_solo", "quant_all", "engine_quant")
+RAW_TAG = 7  # the calibration's point-to-point messages (the pair streams use mxport.refit's PAIR_TAG)
+
+
+def _raw_one(r: Rank, buf: torch.Tensor) -> None:
+    """One link alone: trainer rank 0 sends ``buf`` to the first engine rank."""
+    pg = r.world.process_group
+    if r.rank == 0:
+        pg.send([buf], r.T, RAW_TAG).wait()
+    elif r.rank == r.T:
+        pg.recv([buf], 0, RAW_TAG).wait()
+
+
+def _raw_all(r: Rank, buf: torch.Tensor) -> None:
+    """Every link at once: trainer rank ``t`` sends its 1/T of the bytes to engine rank ``t mod E``."""
+    pg, share = r.world.process_group, buf.numel() // r.T
+    if r.is_trainer:
+        pg.send([buf[:share]], r.T + r.rank % r.E, RAW_TAG).wait()
+        return
+    works = [pg.recv([buf[i * share:(i + 1) * share]], t, RAW_TAG)
+             for i, t in enumerate(t for t in range(r.T) if t % r.E == r.rank - r.T)]
+    for w in works:
+        w.wait()
 
 
 def run_size(r: Rank, size: Size) -> dict | None:
     """Every run of one model size on this rank; world rank 0 returns the timings and counts."""
     side = TrainerSide(r, size) if r.is_trainer else EngineSide(r, size)
-    flat = torch.zeros(size.bf16_bytes, dtype=torch.uint8) if r.bcast_pg is not None else None
+    flat = torch.zeros(size.bf16_bytes, dtype=torch.uint8)
     idle = lambda: None  # noqa: E731 - a rank with nothing to do in this step
     steps = {"mxport": side.mxport, "baseline": side.baseline,
-             "raw": (lambda: _bcast(r.bcast_pg, flat)) if flat is not None else idle,
+             "raw": lambda: _raw_one(r, flat), "raw_all": lambda: _raw_all(r, flat),
              "quant_solo": side.quantize_solo if r.is_trainer else idle,
              "quant_all": side.quantize_all if r.is_trainer else idle,
              "engine_quant": idle if r.is_trainer else side.quantize_slices}
@@ -450,10 +473,11 @@ def _collect(tm: Timings, rows: list, trainers: int) -> None:
     tm.baseline.append(span(1, world))
     tm.baseline_gather.append(rows[0][1][2])
     tm.baseline_quantize.append(max(rows[q][1][2] for q in en))
-    tm.raw.append(span(2, [0, *en]))
-    tm.quant_solo.append(rows[0][3][1] - rows[0][3][0])
-    tm.quant_all.append(span(4, tr))
-    tm.engine_quant.append(span(5, en))
+    tm.raw.append(span(2, [0, trainers]))
+    tm.raw_all.append(span(3, world))
+    tm.quant_solo.append(rows[0][4][1] - rows[0][4][0])
+    tm.quant_all.append(span(5, tr))
+    tm.engine_quant.append(span(6, en))
 
 
 def _worker(rank: int, case: Case, q) -> None:
@@ -530,7 +554,8 @@ def predictions(res: dict, case: Case, cal: dict) -> dict:
     for label, rate in (("solo", cal["trainer_quantize_gelems_solo"]),
                         ("concurrent", cal["trainer_quantize_gelems_concurrent"])):
         hw = Hardware(link_gbps=cal["link_gbps"], trainer_quantize_gelems=rate,
-                      engine_quantize_gelems=cal["engine_quantize_gelems"], overlap=False)
+                      engine_quantize_gelems=cal["engine_quantize_gelems"], overlap=False,
+                      shared_gbps=cal["shared_gbps"] if label == "concurrent" else None)
         p = predict(_entries(size), Layout(fsdp=case.trainers), Layout(tp=case.engines), hw)
         out[label] = {"mxport_s": p.mxfp8.seconds, "baseline_s": p.bf16.seconds,
                       "mxport_quantize_s": p.mxfp8.quantize_seconds, "mxport_wire_s": p.mxfp8.wire_seconds,
@@ -545,7 +570,8 @@ def case_row(res: dict, case: Case, load: tuple) -> dict:
     """One (T, E, size) row of the report from world rank 0's raw timings."""
     med, tm = statistics.median, res["timings"]
     bf16, mx_engine = res["bf16_bytes"], res["mxport_engine_bytes"]
-    cal = {"link_gbps": bf16 / med(tm["raw"]) / 1e9,
+    share = bf16 // case.trainers * case.trainers
+    cal = {"link_gbps": bf16 / med(tm["raw"]) / 1e9, "shared_gbps": share / med(tm["raw_all"]) / 1e9,
            "trainer_quantize_gelems_solo": res["trainer_elements"] / med(tm["quant_solo"]) / 1e9,
            "trainer_quantize_gelems_concurrent": res["trainer_elements"] / med(tm["quant_all"]) / 1e9,
            "engine_quantize_gelems": res["engine_elements"] / med(tm["engine_quant"]) / 1e9}
