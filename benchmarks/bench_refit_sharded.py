@@ -19,9 +19,10 @@ Per refit, interleaved in every run (medians over ``--runs`` after a warm-up):
 * **baseline** (the default path today) — per weight, ``all_gather`` of the BF16 rows in the trainer group
   (what ``DTensor.full_tensor()`` does), a raw gloo ``broadcast`` of the full BF16 tensor from trainer
   rank 0 to the engine ranks, and each engine rank quantizes the slice it holds;
-* **calibration** for the capacity model, in the same processes: a raw gloo broadcast of the model's BF16
-  bytes (trainer rank 0 -> engine ranks: the link's GB/s), trainer rank 0 quantizing its shard alone
-  (G elements/s of one rank on a quiet machine), every trainer rank quantizing its shard at once
+* **calibration** for the capacity model, in the same processes: the model's BF16 bytes sent point to point
+  from trainer rank 0 to the first engine rank alone (one link's GB/s), then by every trainer rank at once,
+  each its 1/T to engine rank ``t mod E`` (the GB/s all links share), trainer rank 0 quantizing its shard
+  alone (G elements/s of one rank on a quiet machine), every trainer rank quantizing its shard at once
   (G elements/s per rank when the T ranks share the machine's cores), every engine rank quantizing its slice
   at once.
 
@@ -31,8 +32,9 @@ as it holds it (``bit_exact``).
 
 Capacity model: :func:`mxport.capacity.predict` for the same tensors and layouts (``fsdp=T`` -> ``tp=E``),
 with a :class:`~mxport.capacity.Hardware` from this run's calibration (``overlap=False``: on 2 cores the
-quantize and the wire do not overlap), once with the quiet (solo) quantize rate and once with the rate
-measured with all T trainer ranks quantizing at once; predicted / measured for both paths.
+quantize and the wire do not overlap), once with the quiet (solo) quantize rate and independent links, once
+with the rate measured with all T trainer ranks quantizing at once and the shared bandwidth
+(``Hardware.shared_gbps``); predicted / measured for both paths.
 
 Usage (from the repository root; ``PYTHONPATH=src`` when mxport is not installed)::
 
@@ -595,23 +597,23 @@ def case_row(res: dict, case: Case, load: tuple) -> dict:
 
 
 def growth(rows: list[dict]) -> list[dict]:
-    """How each path's time grows: T = 4 over T = 2 (same E and size), and the larger size over the smaller
-    (same T and E) beside the byte ratio."""
-    out = []
+    """How each path's time grows (ratios of median seconds): twice the trainer ranks (same E and size), and
+    the next larger model (same T and E)."""
     by = {(r["trainers"], r["engines"], r["bf16_bytes"]): r for r in rows}
+
+    def ratio(o: dict, r: dict, **what) -> dict:
+        return {**what, "mxport": o["mxport"]["seconds"] / r["mxport"]["seconds"],
+                "baseline": o["baseline"]["seconds"] / r["baseline"]["seconds"]}
+
+    out = []
     for (t, e, b), r in sorted(by.items()):
-        for key, other, what in (((t * 2, e, b), "trainers", f"T {t} -> {t * 2}"),):
-            if key in by:
-                o = by[key]
-                out.append({"what": what, "engines": e, "bf16_bytes": b, other: [t, t * 2],
-                            "mxport": o["mxport"]["seconds"] / r["mxport"]["seconds"],
-                            "baseline": o["baseline"]["seconds"] / r["baseline"]["seconds"]})
+        if (2 * t, e, b) in by:
+            out.append(ratio(by[(2 * t, e, b)], r, what=f"T {t} -> {2 * t}", engines=e, bf16_bytes=b,
+                             trainers=[t, 2 * t]))
         bigger = sorted(bb for tt, ee, bb in by if (tt, ee) == (t, e) and bb > b)
         if bigger:
-            o = by[(t, e, bigger[0])]
-            out.append({"what": f"size x{bigger[0] / b:g}", "trainers": t, "engines": e, "bf16_bytes": b,
-                        "mxport": o["mxport"]["seconds"] / r["mxport"]["seconds"],
-                        "baseline": o["baseline"]["seconds"] / r["baseline"]["seconds"]})
+            out.append(ratio(by[(t, e, bigger[0])], r, what=f"size x{bigger[0] / b:g}", trainers=t, engines=e,
+                             bf16_bytes=b))
     return out
 
 
