@@ -68,7 +68,7 @@ def test_tiny_run_reports_every_key(tiny_report):
                 "commit_s"} <= set(c["mxport"])
         assert {"bytes_per_engine_rank", "bytes_total", "gather_bytes", "seconds", "gather_s",
                 "quantize_s"} <= set(c["baseline"])
-        assert set(c["calibration"]) == {"link_gbps", "trainer_quantize_gelems_solo",
+        assert set(c["calibration"]) == {"link_gbps", "shared_gbps", "trainer_quantize_gelems_solo",
                                          "trainer_quantize_gelems_concurrent", "engine_quantize_gelems"}
         assert set(c["predicted"]) == {"solo", "concurrent"}
         for p in c["predicted"].values():
