@@ -17,7 +17,7 @@ MXFP8: each engine rank receives only the slice it holds (:func:`mxport.layout.e
 expert parallel slicing); the trainer ranks share the sending equally. Every rank has one link of
 ``link_gbps``; the wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks,
 max bytes of one engine rank) / link``. BF16: a pipelined broadcast (NCCL's ring) carries each byte once per
-link, ``t_wire = max(stage bytes x replicas / trainer_ranks, stage bytes) / link``. With ``shared_gbps`` every
+link, ``t_wire = max(model bytes x replicas / trainer_ranks, stage bytes) / link``. With ``shared_gbps`` every
 phase also takes at least its total bytes (every rank's transfers together) over that shared bandwidth: ranks
 that share one host's memory (loopback), a NIC, or an oversubscribed fabric. Quantizing and sending overlap
 (the sender quantizes bucket ``b + 1`` while bucket ``b`` is on the wire) unless ``overlap=False``:
