@@ -78,15 +78,35 @@ def test_predict_counts_bytes_exactly():
     assert r.mxfp8.bytes_per_engine_rank == rank
     assert r.mxfp8.wire_bytes == rank * 2 * 3                 # 2 ranks per engine, 3 engines
     assert r.mxfp8.bytes_per_trainer_rank == rank * 3         # 2 trainer ranks share it
-    assert r.bf16.bytes_per_engine_rank == (32 * 64 + 64 * 32 + 50 * 64 + 64) * 2
+    params = 100 * 64 + 2 * 64 * 64 + 64
+    # BF16, the default path: the full tensors are broadcast to every engine rank (its loader slices them)
+    assert r.bf16.bytes_per_engine_rank == params * 2
+    assert r.bf16.wire_bytes == params * 2 * 2 * 3 and r.bf16.bytes_per_trainer_rank == params * 3
+    assert r.bf16.wire_seconds == pytest.approx(params * 2 * 3 / 2 / 1e9)  # pipelined: once per link
     assert r.quantized_parameters == 2 * 64 * 64 and r.parameters == 100 * 64 + 2 * 64 * 64 + 64
     assert r.mxfp8.wire_seconds == pytest.approx(rank * 3 / 1e9)
     assert r.mxfp8.quantize_seconds == pytest.approx(2 * 64 * 64 / 2 / 1e9)
     assert r.mxfp8.seconds == pytest.approx(r.mxfp8.wire_seconds + r.mxfp8.quantize_seconds)  # no overlap
-    params = 100 * 64 + 2 * 64 * 64 + 64
     assert r.bf16.gather_seconds == pytest.approx(params * 2 * 0.5 / 1e9)
     assert r.bf16.quantize_seconds == pytest.approx(2 * 32 * 64 / 2e9)
     assert r.speedup == pytest.approx(r.bf16.seconds / r.mxfp8.seconds)
+
+
+def test_shared_bandwidth_bounds_every_phase_by_its_total_bytes():
+    """Ranks sharing one host (loopback) or one NIC: a phase takes at least all its bytes over the shared
+    bandwidth — the gather moves (group - 1) x the model, the wires every engine rank's bytes."""
+    hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=1.0, overlap=False)
+    alone = predict(ENTRIES, Layout(fsdp=4), Layout(tp=2), hw)
+    shared = predict(ENTRIES, Layout(fsdp=4), Layout(tp=2), Hardware(**{**hw.__dict__, "shared_gbps": 1.0}))
+    params = 100 * 64 + 2 * 64 * 64 + 64
+    assert alone.bf16.gather_seconds == pytest.approx(params * 2 * 3 / 4 / 1e9)   # each rank's own link
+    assert shared.bf16.gather_seconds == pytest.approx(params * 2 * 3 / 1e9)      # 4 ranks share 1 GB/s
+    assert shared.mxfp8.wire_seconds == pytest.approx(shared.mxfp8.wire_bytes / 1e9)
+    assert shared.bf16.wire_seconds == pytest.approx(params * 2 * 2 / 1e9)        # 2 engine ranks, full
+    assert alone.bf16.wire_seconds == pytest.approx(params * 2 / 1e9)
+    assert shared.mxfp8.bytes_per_engine_rank == alone.mxfp8.bytes_per_engine_rank  # bytes unchanged
+    with pytest.raises(ValueError, match="shared_gbps"):
+        Hardware(shared_gbps=0)
 
 
 def test_predict_overlap_and_pipeline_stages():

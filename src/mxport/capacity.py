@@ -6,16 +6,22 @@ What it counts (per refit, every tensor of the model once per engine replica):
 * **MXFP8** (what mxport sends): quantized weights as FP8 values + one E8M0 byte per block of 32, kept tensors
   (embeddings, norms, routers, ``lm_head``) in ``kept_bytes`` per element (BF16 on engines: 2); the trainer
   ranks quantize their share of the weights.
-* **BF16** (the default path today: gather the full tensors on the trainer, send BF16, quantize on the
-  engine): every tensor at 2 bytes per element; sharded trainers first gather (``full_tensor()``: every rank
-  of a pipeline stage receives the stage's whole model over its link), and every engine rank quantizes the
-  slice it holds.
+* **BF16** (the default path today: gather the full tensors on the trainer, broadcast them in BF16,
+  quantize on the engine): every tensor at 2 bytes per element; sharded trainers first gather
+  (``full_tensor()``: every rank of a pipeline stage receives the stage's whole model over its link); the
+  full tensors are broadcast to every engine rank of the stage (NeMo-RL's and SGLang's
+  ``update_weights_from_distributed``, vLLM's collective weight update: each worker's loader slices what it
+  holds), and every engine rank quantizes its slice.
 
-Each engine rank receives the slice it holds (:func:`mxport.layout.engine_shard`, vLLM's tensor / expert
-parallel slicing); the trainer ranks share the sending equally. Every rank has one link of ``link_gbps``; the
-wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks, max bytes of one
-engine rank) / link``. Quantizing and sending overlap (the sender quantizes bucket ``b + 1`` while bucket
-``b`` is on the wire) unless ``overlap=False``: ``t = max(t_quantize, t_wire)`` or their sum. Constants it
+MXFP8: each engine rank receives only the slice it holds (:func:`mxport.layout.engine_shard`, vLLM's tensor /
+expert parallel slicing); the trainer ranks share the sending equally. Every rank has one link of
+``link_gbps``; the wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks,
+max bytes of one engine rank) / link``. BF16: a pipelined broadcast (NCCL's ring) carries each byte once per
+link, ``t_wire = max(model bytes x replicas / trainer_ranks, stage bytes) / link``. With ``shared_gbps`` every
+phase also takes at least its total bytes (every rank's transfers together) over that shared bandwidth: ranks
+that share one host's memory (loopback), a NIC, or an oversubscribed fabric. Quantizing and sending overlap
+(the sender quantizes bucket ``b + 1`` while bucket ``b`` is on the wire) unless ``overlap=False``:
+``t = max(t_quantize, t_wire)`` or their sum. Constants it
 does not know (per-message latency, checksums, stragglers) are left out: it is a lower bound shaped like the
 measurements, not a simulator.
 """
@@ -45,15 +51,19 @@ class Hardware:
         trainer_quantize_gelems: G elements/s one trainer rank quantizes (BF16 -> MXFP8).
         engine_quantize_gelems: G elements/s one engine rank quantizes (the BF16 path).
         overlap: quantizing overlaps sending (True) or precedes it (False).
+        shared_gbps: GB/s that all ranks' transfers share at once (one host's loopback and memory, a NIC
+            several ranks use, an oversubscribed fabric); None: every link is independent.
     """
 
     link_gbps: float = 50.0
     trainer_quantize_gelems: float = 14.0
     engine_quantize_gelems: float = 14.0
     overlap: bool = True
+    shared_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("link_gbps", "trainer_quantize_gelems", "engine_quantize_gelems"):
+        names = ("link_gbps", "trainer_quantize_gelems", "engine_quantize_gelems")
+        for name in names + (("shared_gbps",) if self.shared_gbps is not None else ()):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -63,9 +73,9 @@ class Hardware:
 class PathEstimate:
     """One way of refitting (MXFP8 or BF16): bytes and predicted seconds."""
 
-    wire_bytes: int              # all engine ranks of all replicas together
+    wire_bytes: int              # received by all engine ranks of all replicas together
     bytes_per_trainer_rank: int  # sent by one trainer rank
-    bytes_per_engine_rank: int   # received by the busiest engine rank
+    bytes_per_engine_rank: int   # received by the busiest engine rank (BF16: the stage's full tensors)
     gather_seconds: float        # trainer-side full_tensor() gathers (BF16 path of a sharded trainer)
     quantize_seconds: float      # trainer ranks (MXFP8) or engine ranks (BF16)
     wire_seconds: float
@@ -122,7 +132,7 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
         raise ValueError(f"engine_replicas and kept_bytes must be >= 1, got {engine_replicas}, {kept_bytes}")
     decisions = (policy or PrecisionPolicy()).decide_all(entries)
     kv = _kv_heads(config or {})
-    mx_rank = bf_rank = 0
+    mx_rank = 0
     params = quant_params = quant_rank = 0
     problems: list[str] = []
     for d in decisions:
@@ -139,22 +149,24 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
         else:
             mx_held = held * kept_bytes
         mx_rank += mx_held
-        bf_rank += held * BF16_BYTES
     replicas, t_ranks, link = engine_replicas, trainer.ranks, hardware.link_gbps * 1e9
+    shared = (hardware.shared_gbps or math.inf) * 1e9
     stage_ranks = engine.tp * engine.ep  # each holds one slice of every tensor of its stage
-    mx_wire, bf_wire = mx_rank * stage_ranks * replicas, bf_rank * stage_ranks * replicas
-    # stages hold their layers
-    mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(bf_rank / engine.pp)
-    mx_wire_s = max(mx_wire / t_ranks, mx_rank) / link
-    bf_wire_s = max(bf_wire / t_ranks, bf_rank) / link
+    mx_wire = mx_rank * stage_ranks * replicas
+    # stages hold their layers; BF16: every engine rank receives its stage's full tensors
+    mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(params * BF16_BYTES / engine.pp)
+    bf_wire, bf_sent = bf_rank * stage_ranks * engine.pp * replicas, params * BF16_BYTES * replicas
+    mx_wire_s = max(mx_wire / t_ranks / link, mx_rank / link, mx_wire / shared)
+    bf_wire_s = max(max(bf_sent / t_ranks, bf_rank) / link, bf_wire / shared)
     mx_quant_s = quant_params / t_ranks / (hardware.trainer_quantize_gelems * 1e9)
     bf_quant_s = quant_rank / engine.pp / (hardware.engine_quantize_gelems * 1e9)
     group = trainer.fsdp * trainer.tp  # the ranks a stage's full_tensor() gathers from
-    gather_s = params / trainer.pp * BF16_BYTES * (group - 1) / group / link
+    gather_bytes = params * BF16_BYTES * (group - 1)  # every rank receives (group - 1) / group of its stage
+    gather_s = max(gather_bytes / trainer.pp / group / link, gather_bytes / shared)
     combine = max if hardware.overlap else (lambda a, b: a + b)
     mx = PathEstimate(mx_wire, math.ceil(mx_wire / t_ranks), mx_rank, 0.0, mx_quant_s, mx_wire_s,
                       combine(mx_quant_s, mx_wire_s))
-    bf = PathEstimate(bf_wire, math.ceil(bf_wire / t_ranks), bf_rank, gather_s, bf_quant_s, bf_wire_s,
+    bf = PathEstimate(bf_wire, math.ceil(bf_sent / t_ranks), bf_rank, gather_s, bf_quant_s, bf_wire_s,
                       gather_s + bf_wire_s + bf_quant_s)
     return CapacityReport(model, params, quant_params, str(trainer), str(engine), replicas, hardware, mx, bf,
                           tuple(dict.fromkeys(problems)))

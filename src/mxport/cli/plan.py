@@ -25,6 +25,9 @@ def plan_cmd(
                                         help="G elements/s one engine rank quantizes (the BF16 path)."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                  help="Quantizing overlaps sending (mxport's sender), or precedes it."),
+    shared_gbps: float = typer.Option(None, "--shared-gbps", min=1e-6,
+                                      help="GB/s all ranks' transfers share (one host's loopback, a shared "
+                                           "NIC); default: independent links."),
     kept_bytes: int = typer.Option(2, "--kept-bytes", min=1, max=8,
                                    help="Bytes per element of kept tensors on the wire (BF16 engines: 2)."),
     json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
@@ -46,7 +49,7 @@ def plan_cmd(
             raise ValueError(f"--engine {engine!r}: an engine layout takes tp, ep and pp (engines do not "
                              "shard with FSDP)")
         hw = Hardware(link_gbps=link_gbps, trainer_quantize_gelems=trainer_gelems,
-                      engine_quantize_gelems=engine_gelems, overlap=overlap)
+                      engine_quantize_gelems=engine_gelems, overlap=overlap, shared_gbps=shared_gbps)
         if source is None:
             from ..models import resolve_source
 
