@@ -120,8 +120,9 @@ def parse_engine(text: str) -> tuple[str, Layout]:
     """
     if not isinstance(text, str):
         raise TypeError(f"an engine is a string like 'vllm,tp=2', got {type(text).__name__}")
-    names = [t.strip().lower() for t in text.split(",") if t.strip() and "=" not in t]
-    terms = ",".join(t for t in text.split(",") if "=" in t)
+    layout = [t for t in text.split(",") if "=" in t or t.strip() == "1"]  # "1": one rank, as str(Layout())
+    names = [t.strip().lower() for t in text.split(",") if t.strip() and t not in layout]
+    terms = ",".join(layout)
     if len(names) > 1 or (names and names[0] not in ENGINES):
         raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), "
                          "a layout (tp=N) or both, comma-separated")
