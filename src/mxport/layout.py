@@ -160,6 +160,17 @@ def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads:
     return Shard(None, 1, shape)
 
 
+def attention_problem(tp: int, heads: int | None, kv_heads: int | None) -> str:
+    """Why vLLM refuses tensor parallel size ``tp`` for ``heads`` attention heads and ``kv_heads`` KV heads,
+    or "": the attention heads must divide by ``tp`` (``ModelConfig.verify_with_parallel_config``); the KV
+    heads must divide by ``tp``, or divide it when fewer (each then replicated, ``QKVParallelLinear``)."""
+    if tp > 1 and heads and heads % tp:
+        return f"{heads} attention heads do not divide by tp={tp} (vLLM refuses this layout)"
+    if tp > 1 and kv_heads and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        return (f"{kv_heads} KV heads and tp={tp}: one must divide the other (vLLM refuses this layout)")
+    return ""
+
+
 def mxfp8_bytes(shape: tuple[int, ...]) -> int:
     """Bytes of a rowwise MXFP8 tensor of ``shape``: one FP8 byte per element plus one E8M0 byte per block."""
     if not shape:
