@@ -243,3 +243,15 @@ def test_any_2d_patchwork_reassembles_exactly(case):
         box, got = live["w"]
         assert torch.equal(got, full["w"][box.index()])
     assert sum(r.nbytes for r in mesh.routes) == sum(h.box.numel * 2 for hs in mesh.engines for h in hs)
+
+
+def test_route_bytes_come_only_from_a_box_that_holds_them():
+    w = info("w", (8, 4))
+    halves = [Holding(w, Box.along(w.shape, 0, 0, 4)), Holding(w, Box.along(w.shape, 0, 4, 8))]
+    mesh = MeshPlan([[h] for h in halves], [[Holding(w, Box.full(w.shape))]])
+    second = mesh.routes_of(1)[0]  # rows 4:8, from trainer 1
+    wrong = {"w": (halves[0].box, torch.zeros(4, 4))}  # trainer 0's box: t[0:4] would wrap to t[-4:0]
+    with pytest.raises(ValueError, match=r"holds \[0:4,0:4\].*not the piece \[4:8,0:4\]"):
+        list(route_tensors(second, wrong))
+    with pytest.raises(ValueError, match="not the piece"):
+        route_targets(second, {"w": (Box.full(w.shape), torch.zeros(4, 4))})  # box and tensor disagree

@@ -453,6 +453,7 @@ def route_tensors(rt: Route, local: dict) -> Iterator:
     (``tensor.shape == box.shape``)."""
     for p in rt.pieces:
         box, t = local[p.tensor.name]
+        _check_holds(box, t, p)
         yield t[p.box.index(box)].contiguous()
 
 
@@ -467,6 +468,7 @@ def route_targets(rt: Route, live: dict) -> tuple[list, list]:
     targets, scatters = [], []
     for p in rt.pieces:
         box, t = live[p.tensor.name]
+        _check_holds(box, t, p)
         view = t[p.box.index(box)]
         if view.is_contiguous():
             targets.append(view)
@@ -475,3 +477,11 @@ def route_targets(rt: Route, live: dict) -> tuple[list, list]:
         targets.append(buf)
         scatters.append(lambda view=view, buf=buf: view.copy_(buf))
     return targets, scatters
+
+
+def _check_holds(box: Box, t, p: Piece) -> None:
+    """A rank's ``(box, tensor)`` must hold piece ``p`` (a box from another plan or rank would slice the
+    wrong bytes: negative slice starts wrap around)."""
+    if tuple(t.shape) != box.shape or len(box.start) != len(p.box.start) or not box.contains(p.box):
+        raise ValueError(f"{p.tensor.name}: this rank holds {box} (a tensor of shape {tuple(t.shape)}), "
+                         f"not the piece {p.box} of its route (built for another rank or plan?)")
