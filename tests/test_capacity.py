@@ -157,7 +157,16 @@ def test_parse_engine(text, want):
     assert parse_engine(text) == want
 
 
-@pytest.mark.parametrize("text", ["sglang", "vllm,mxport", "vllm,tp=0", "vllm,dp=2"])
+@pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(tp=2, ep=4)])
+def test_parse_engine_reads_what_a_layout_prints(layout):
+    """str(Layout()) is "1": `mxport refit --trainer fsdp=2` (engine one rank) passes it on to its ranks."""
+    from mxport.layout import parse_engine
+
+    assert parse_engine(str(layout)) == ("mxport", layout)
+    assert parse_engine(f"vllm,{layout}") == ("vllm", layout)
+
+
+@pytest.mark.parametrize("text", ["sglang", "vllm,mxport", "vllm,tp=0", "vllm,dp=2", "2"])
 def test_parse_engine_rejects(text):
     from mxport.layout import parse_engine
 

@@ -186,24 +186,27 @@ def test_any_1d_sharding_reassembles_exactly(case):
     assert sum(r.nbytes for r in mesh.routes) == sum(h.box.numel * 2 for hs in mesh.engines for h in hs)
 
 
+def _agree_all(holdings: list, timeout_s: float = 10) -> list:
+    """``agree`` on every rank (threads over one InProcessChannel): each rank's MeshPlan or exception."""
+    ch = InProcessChannel(receivers=len(holdings) - 1, timeout_s=timeout_s)
+    out: list = [None] * len(holdings)
+
+    def go(r):
+        try:
+            out[r] = agree(ch.endpoint(r), 1, holdings[r])
+        except Exception as exc:  # noqa: BLE001
+            out[r] = exc
+    ths = [threading.Thread(target=go, args=(r,)) for r in range(len(holdings))]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(2 * timeout_s)
+    return out
+
+
 def test_agree_over_a_group_and_refuse_a_disagreeing_rank():
     w = info("w", (8, 64))
-
-    def run(holdings: list[list[Holding]]):
-        ch = InProcessChannel(receivers=len(holdings) - 1, timeout_s=10)
-        out: list = [None] * len(holdings)
-
-        def go(r):
-            try:
-                out[r] = agree(ch.endpoint(r), 1, holdings[r])
-            except Exception as exc:  # noqa: BLE001
-                out[r] = exc
-        ths = [threading.Thread(target=go, args=(r,)) for r in range(len(holdings))]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(20)
-        return out
+    run = _agree_all
 
     good = run([[Holding(w, Box.full(w.shape))], [Holding(w, Box.along(w.shape, 1, 0, 32))],
                 [Holding(w, Box.along(w.shape, 1, 32, 64))]])
@@ -219,3 +222,84 @@ def test_peer_holdings_are_checked():
         holdings_from_canonical({"w": 1}, 1)
     with pytest.raises(ValueError, match="bad name"):
         holdings_from_canonical([["w", "weird", "uint8", [4], [0], [4]]], 1)
+    with pytest.raises(ValueError, match="int64s"):
+        holdings_from_canonical([["w", "kept", "uint8", [1 << 63], [0], [1]]], 1)
+    with pytest.raises(ValueError, match="17 dimensions"):
+        holdings_from_canonical([["w", "kept", "uint8", [1] * 17, [0] * 17, [1] * 17]], 1)
+    huge = holdings_from_canonical([["w", "kept", "bfloat16", [1 << 40, 1 << 40], [0, 0], [1, 1]]], 1)
+    with pytest.raises(ValueError, match="more than 9223372036854775807 bytes"):
+        MeshPlan([huge], [huge])
+
+
+def test_a_rank_giving_one_tensor_twice_is_refused():
+    w = info("w", (8, 32))
+    once, rows = Holding(w, Box.full(w.shape)), Holding(w, Box.along(w.shape, 0, 0, 4))
+    with pytest.raises(RefitPlanMismatch, match="trainer rank 1 gives 'w' twice"):
+        MeshPlan([[once], [once, rows]], [[once]])
+    with pytest.raises(RefitPlanMismatch, match="engine rank 0 gives 'w' twice"):
+        MeshPlan([[once]], [[once, rows]])
+
+
+def test_agree_fails_on_every_rank_when_one_cannot_describe_its_holdings():
+    w = info("w", (8, 64))
+
+    def broken():
+        yield Holding(w, Box.along(w.shape, 1, 0, 32))
+        raise RuntimeError("the exporter broke")
+
+    whole = [Holding(w, Box.full(w.shape))]
+    out = _agree_all([whole, broken(), whole], timeout_s=3)
+    assert all(isinstance(x, RefitPlanMismatch) for x in out), out
+    assert all("rank 1 could not describe its holdings" in str(x) for x in out)
+    assert "the exporter broke" in str(out[1]) and isinstance(out[1].__cause__, RuntimeError)
+
+
+def test_a_holder_of_the_whole_need_sends_it_in_one_piece():
+    """Routing cuts a need only where its holders differ, never at every other rank's boundaries (which made
+    the cells a product of every cut point: minutes for a few hundred ranks)."""
+    n = 40
+    w = info("w", (n, n))
+    diagonal = [[Holding(w, Box((i, i), (i + 1, i + 1)))] for i in range(n)]
+    mesh = MeshPlan([[Holding(w, Box.full(w.shape))], *diagonal], [[Holding(w, Box.full(w.shape))]])
+    assert [(r.trainer, [p.name for p in r.pieces]) for r in mesh.routes] == [(0, ["w[0:40,0:40]"])]
+    # the whole need from the diagonal first, the rest from the full holder: each byte once
+    mesh = MeshPlan([*diagonal, [Holding(w, Box.full(w.shape))]], [[Holding(w, Box.full(w.shape))]])
+    assert sum(r.nbytes for r in mesh.routes) == n * n * 2 and len(mesh.routes) == n + 1
+
+
+@st.composite
+def patchworks(draw):
+    shape = (draw(st.integers(1, 20)), draw(st.integers(1, 20)))
+    grid = st.tuples(st.integers(1, 3), st.integers(1, 3))
+    return shape, draw(grid), draw(grid), draw(st.booleans())
+
+
+def _grid(t: TensorInfo, rows: int, cols: int) -> list[Holding]:
+    return [Holding(t, Box((r0, c0), (r1, c1))) for r0, r1 in split(t.shape[0], rows)
+            for c0, c1 in split(t.shape[1], cols)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(patchworks())
+def test_any_2d_patchwork_reassembles_exactly(case):
+    shape, (tr, tc), (er, ec), replicated = case
+    t = info("w", shape)
+    trainers = [[h] for h in _grid(t, tr, tc)] + ([[Holding(t, Box.full(shape))]] if replicated else [])
+    mesh = MeshPlan(trainers, [[h] for h in _grid(t, er, ec)])
+    full = {"w": torch.arange(shape[0] * shape[1], dtype=torch.int32).reshape(shape)}
+    for live in reassemble(mesh, full):
+        box, got = live["w"]
+        assert torch.equal(got, full["w"][box.index()])
+    assert sum(r.nbytes for r in mesh.routes) == sum(h.box.numel * 2 for hs in mesh.engines for h in hs)
+
+
+def test_route_bytes_come_only_from_a_box_that_holds_them():
+    w = info("w", (8, 4))
+    halves = [Holding(w, Box.along(w.shape, 0, 0, 4)), Holding(w, Box.along(w.shape, 0, 4, 8))]
+    mesh = MeshPlan([[h] for h in halves], [[Holding(w, Box.full(w.shape))]])
+    second = mesh.routes_of(1)[0]  # rows 4:8, from trainer 1
+    wrong = {"w": (halves[0].box, torch.zeros(4, 4))}  # trainer 0's box: t[0:4] would wrap to t[-4:0]
+    with pytest.raises(ValueError, match=r"holds \[0:4,0:4\].*not the piece \[4:8,0:4\]"):
+        list(route_tensors(second, wrong))
+    with pytest.raises(ValueError, match="not the piece"):
+        route_targets(second, {"w": (Box.full(w.shape), torch.zeros(4, 4))})  # box and tensor disagree

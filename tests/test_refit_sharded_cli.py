@@ -85,10 +85,24 @@ def test_cli_refuses_layouts_it_cannot_run(llama):
     env = dict(os.environ, MXPORT_DISABLE_COMPILE="1")
     for args, msg in ((["--trainer", "fsdp=2,tp=2"], "one dimension"), (["--engine", "pp=2"], "tp and ep"),
                       (["--engine", "vllm,tp=2"], "--engine mxport"),
-                      (["--trainer", "fsdp=4", "--engine", "tp=8"], "at most")):
+                      (["--trainer", "fsdp=4", "--engine", "tp=8"], "at most"),
+                      (["--trainer", "fsdp=2", "--engine", "tp=3"], "4 attention heads do not divide by tp")):
         r = subprocess.run(MXPORT + ["refit", str(llama), *args], capture_output=True, text=True, timeout=60,
                            env=env)
         assert r.returncode == 2 and msg in r.stdout + r.stderr, (args, r.stdout, r.stderr)
+        assert "Traceback" not in r.stdout + r.stderr, (args, r.stderr)
+
+
+def test_trainer_tp_leaves_what_does_not_divide_replicated(llama):
+    """intermediate 256 over tp=3 would be uneven DTensor shards, which fail in the forward: replicated."""
+    from mxport.models import load_causal_lm
+    from mxport.refit.mesh_demo import _tp_plan
+
+    model = load_causal_lm(str(llama))[0]
+    assert sorted(k for k in _tp_plan(model, 2) if k.startswith("model.layers.0.")) == [
+        f"model.layers.0.{m}" for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
+                                         "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")]
+    assert _tp_plan(model, 3) == {}
 
 
 def test_one_rank_off_makes_the_step_not_bit_exact():

@@ -483,3 +483,18 @@ def test_engine_buffers_merge_qkv_and_gate_up(models):
         assert o.untyped_storage().nbytes() == o.nbytes  # not merged
     bf = engine_buffers(held, dtype_of=lambda info: torch.uint8)
     assert all(t.dtype == torch.uint8 for _, t in bf.values())
+
+
+@pytest.mark.parametrize(("heads", "kv", "msg"), [(3, 3, "3 attention heads do not divide by tp=2"),
+                                                  (6, 3, "3 KV heads and tp=2: one must divide the other")])
+def test_engine_holdings_refuse_heads_vllm_refuses(heads, kv, msg):
+    """Rows split evenly (96 or 192 q rows over tp=2) would still cut heads apart: vLLM refuses the layout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32 * heads, intermediate_size=32 * heads,
+                      num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv)
+    engine = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    quantize_model(engine)
+    with pytest.raises(ValueError, match=msg):
+        engine_holdings(engine, Layout(tp=2), 0)
+    assert engine_holdings(engine, Layout(tp=heads), 0)  # tp = heads divides both

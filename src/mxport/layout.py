@@ -143,8 +143,9 @@ def parse_engine(text: str) -> tuple[str, Layout]:
     """
     if not isinstance(text, str):
         raise TypeError(f"an engine is a string like 'vllm,tp=2', got {type(text).__name__}")
-    names = [t.strip().lower() for t in text.split(",") if t.strip() and "=" not in t]
-    terms = ",".join(t for t in text.split(",") if "=" in t)
+    layout = [t for t in text.split(",") if "=" in t or t.strip() == "1"]  # "1": one rank, as str(Layout())
+    names = [t.strip().lower() for t in text.split(",") if t.strip() and t not in layout]
+    terms = ",".join(layout)
     if len(names) > 1 or (names and names[0] not in ENGINES):
         raise ValueError(f"--engine {text!r}: expected an engine name ({', '.join(ENGINES)}), "
                          "a layout (tp=N) or both, comma-separated")
@@ -184,6 +185,17 @@ def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads:
                        f"multiple of {BLOCK_SIZE} (MXFP8 blocks would straddle ranks)")
         return Shard(-1, tp, held, problem)
     return Shard(None, 1, shape)
+
+
+def attention_problem(tp: int, heads: int | None, kv_heads: int | None) -> str:
+    """Why vLLM refuses tensor parallel size ``tp`` for ``heads`` attention heads and ``kv_heads`` KV heads,
+    or "": the attention heads must divide by ``tp`` (``ModelConfig.verify_with_parallel_config``); the KV
+    heads must divide by ``tp``, or divide it when fewer (each then replicated, ``QKVParallelLinear``)."""
+    if tp > 1 and heads and heads % tp:
+        return f"{heads} attention heads do not divide by tp={tp} (vLLM refuses this layout)"
+    if tp > 1 and kv_heads and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        return (f"{kv_heads} KV heads and tp={tp}: one must divide the other (vLLM refuses this layout)")
+    return ""
 
 
 def mxfp8_bytes(shape: tuple[int, ...]) -> int:

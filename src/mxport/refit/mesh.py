@@ -26,7 +26,6 @@ order whichever rank holds them.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import re
@@ -78,13 +77,24 @@ class Box:
         return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop,
                                                            strict=True))
 
+    @classmethod
+    def _of(cls, start: tuple[int, ...], stop: tuple[int, ...]) -> Box:
+        """A box cut from checked boxes (valid by construction): no checks, as routing makes many."""
+        box = object.__new__(cls)
+        object.__setattr__(box, "start", start)
+        object.__setattr__(box, "stop", stop)
+        return box
+
     def intersect(self, other: Box) -> Box | None:
         """The common box, or None when it is empty."""
-        lo = tuple(max(a, c) for a, c in zip(self.start, other.start, strict=True))
-        hi = tuple(min(b, d) for b, d in zip(self.stop, other.stop, strict=True))
-        if any(a >= b for a, b in zip(lo, hi, strict=True)):
-            return None
-        return Box(lo, hi)
+        if len(self.start) != len(other.start):
+            raise ValueError(f"boxes {self} and {other} have different dimensions")
+        lo = tuple(map(max, self.start, other.start))
+        hi = tuple(map(min, self.stop, other.stop))
+        for a, b in zip(lo, hi, strict=True):
+            if a >= b:
+                return None
+        return Box._of(lo, hi)
 
     def index(self, outer: Box | None = None) -> tuple[slice, ...]:
         """Slices that cut this box out of a tensor holding ``outer`` (the full tensor when None)."""
@@ -170,7 +180,7 @@ class MeshPlan:
     Raises:
         RefitPlanMismatch: two ranks describe a tensor differently; an engine rank needs a tensor, or bytes
             of one, no trainer rank holds; a trainer rank holds a tensor no engine rank needs; a box outside
-            its tensor.
+            its tensor; a rank gives one tensor twice.
     """
 
     def __init__(self, trainers: Sequence[Iterable[Holding]], engines: Sequence[Iterable[Holding]]):
@@ -235,9 +245,13 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
     problems: list[str] = []
     for side, ranks in (("trainer", trainers), ("engine", engines)):
         for r, held in enumerate(ranks):
+            names: set[str] = set()
             for h in held:
                 t = h.tensor
                 _check_info(t)
+                if t.name in names:
+                    problems.append(f"{side} rank {r} gives {t.name!r} twice (one box per tensor and rank)")
+                names.add(t.name)
                 if not h.box.within(t.shape):
                     problems.append(f"{side} rank {r}: box {h.box} lies outside {t.name!r} {t.shape}")
                 first = seen.setdefault(t.name, t)
@@ -249,9 +263,15 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
     return tuple(sorted(seen.values(), key=lambda t: natural_key(t.name)))
 
 
+#: the most bytes one tensor may have (sizes travel as int64 words)
+MAX_TENSOR_BYTES = (1 << 63) - 1
+
+
 def _check_info(t: TensorInfo) -> None:
     if not isinstance(t, TensorInfo) or not t.name or t.role not in ROLES or t.dtype not in WIRE_DTYPES:
         raise ValueError(f"not a valid tensor description: {t!r}")
+    if math.prod(t.shape) * dtype_from_name(t.dtype).itemsize > MAX_TENSOR_BYTES:
+        raise ValueError(f"{t.name!r}: shape {t.shape} of {t.dtype} is more than {MAX_TENSOR_BYTES} bytes")
 
 
 def _check_coverage(tensors, trainers, engines) -> None:
@@ -266,29 +286,47 @@ def _check_coverage(tensors, trainers, engines) -> None:
             boxes = held[h.tensor.name]
             if not boxes:
                 problems.append(f"engine rank {e} needs {h.tensor.name!r}, which no trainer rank holds")
-            elif _uncovered(h.box, boxes):
+            elif _cover(h.box, ((0, b) for b in boxes))[1]:
                 problems.append(f"engine rank {e} needs {h.tensor.name!r}{h.box}; trainer ranks hold only "
                                 f"{', '.join(map(str, boxes))}")
     if problems:
         raise RefitPlanMismatch(problems)
 
 
-def _cells(need: Box, boxes: Sequence[Box]) -> list[Box]:
-    """``need`` cut at every boundary of ``boxes`` inside it: cells each box holds wholly or not at all."""
-    axes = []
-    for d, (lo, hi) in enumerate(zip(need.start, need.stop, strict=True)):
-        cuts = {lo, hi}
-        for b in boxes:
-            cuts.update(c for c in (b.start[d], b.stop[d]) if lo < c < hi)
-        cuts = sorted(cuts)
-        axes.append(list(itertools.pairwise(cuts)))
-    return [Box(tuple(a for a, _ in cell), tuple(b for _, b in cell)) for cell in itertools.product(*axes)]
+def _subtract(outer: Box, inner: Box) -> list[Box]:
+    """``outer`` less ``inner`` (a box inside it) as disjoint boxes: per dimension the slabs below and above
+    ``inner``, the dimensions before it already cut to ``inner``'s range."""
+    out = []
+    lo, hi = list(outer.start), list(outer.stop)
+    for d, (a, b) in enumerate(zip(inner.start, inner.stop, strict=True)):
+        if lo[d] < a:
+            out.append(Box._of(tuple(lo), (*hi[:d], a, *hi[d + 1:])))
+        if b < hi[d]:
+            out.append(Box._of((*lo[:d], b, *lo[d + 1:]), tuple(hi)))
+        lo[d], hi[d] = a, b
+    return out
 
 
-def _uncovered(need: Box, boxes: Sequence[Box]) -> bool:
-    if need.numel == 0:
-        return False
-    return any(not any(b.contains(c) for b in boxes) for c in _cells(need, boxes))
+def _cover(need: Box, holders: Iterable[tuple[int, Box]]) -> tuple[list[tuple[int, Box]], list[Box]]:
+    """Cover ``need`` greedily: each holder ``(rank, box)`` in turn takes all of ``need`` it holds that no
+    earlier holder took. Returns the disjoint pieces ``(rank, box)`` and what is left (no holder holds it).
+    Linear in the holders for the boxes shardings make (ranges of whole dimensions), and never a product of
+    every cut point."""
+    pieces: list[tuple[int, Box]] = []
+    left = [need] if need.numel else []
+    for t, b in holders:
+        if not left:
+            break
+        rest = []
+        for r in left:
+            common = r.intersect(b)
+            if common is None:
+                rest.append(r)
+            else:
+                pieces.append((t, common))
+                rest += _subtract(r, common)
+        left = rest
+    return pieces, left
 
 
 def route(mesh: MeshPlan) -> list[Route]:
@@ -307,14 +345,8 @@ def route(mesh: MeshPlan) -> list[Route]:
                 continue
             first = (index[h.tensor.name] + e) % T
             ranked = sorted(holders[h.tensor.name], key=lambda tb: (tb[0] - first) % T)
-            parts = [(t, b.intersect(h.box)) for t, b in ranked]
-            parts = [(t, b) for t, b in parts if b is not None]
-            cells: dict[int, list[Piece]] = {}
-            for cell in _cells(h.box, [b for _, b in parts]):
-                t = next(t for t, b in parts if b.contains(cell))
-                cells.setdefault(t, []).append(Piece(h.tensor, cell))
-            for t, ps in cells.items():  # joined within this holding only: a piece lies in one engine box
-                pieces.setdefault((t, e), []).extend(_merge_rows(sorted(ps, key=lambda p: p.box.start)))
+            for t, box in _cover(h.box, ranked)[0]:
+                pieces.setdefault((t, e), []).append(Piece(h.tensor, box))
     out = []
     for (t, e), ps in sorted(pieces.items()):
         ps.sort(key=lambda p: (index[p.tensor.name], p.box.start))
@@ -322,22 +354,11 @@ def route(mesh: MeshPlan) -> list[Route]:
     return out
 
 
-def _merge_rows(pieces: list[Piece]) -> list[Piece]:
-    """Join pieces of one tensor that continue each other along dimension 0 with the same other ranges."""
-    out: list[Piece] = []
-    for p in pieces:
-        q = out[-1] if out else None
-        if (q is not None and q.tensor == p.tensor and p.box.start and q.box.stop[0] == p.box.start[0]
-                and q.box.start[1:] == p.box.start[1:] and q.box.stop[1:] == p.box.stop[1:]):
-            out[-1] = Piece(p.tensor, Box(q.box.start, (p.box.stop[0], *p.box.stop[1:])))
-        else:
-            out.append(p)
-    return out
-
-
 # -- agreeing on the plan over the group -------------------------------------------------------------------
 #: the longest JSON description of one rank's holdings accepted from a peer
 MAX_HOLDINGS_JSON = 64 << 20
+#: the most dimensions of a tensor described by a peer
+MAX_DIMS = 16
 
 
 def holdings_canonical(held: Iterable[Holding]) -> list:
@@ -355,9 +376,11 @@ def holdings_from_canonical(obj, rank: int) -> list[Holding]:
             name, role, dtype, shape, start, stop = row
             if type(name) is not str or role not in ROLES or dtype not in WIRE_DTYPES:
                 raise ValueError("bad name, role or dtype")
-            if not all(type(v) is list and all(type(x) is int and x >= 0 for x in v)
+            if not all(type(v) is list and all(type(x) is int and 0 <= x <= MAX_TENSOR_BYTES for x in v)
                        for v in (shape, start, stop)) or not len(shape) == len(start) == len(stop):
-                raise ValueError("shape, start and stop must be lists of non-negative ints of one length")
+                raise ValueError("shape, start and stop must be lists of non-negative int64s of one length")
+            if len(shape) > MAX_DIMS:
+                raise ValueError(f"{len(shape)} dimensions (at most {MAX_DIMS})")
             out.append(Holding(TensorInfo(name, role, dtype, tuple(shape)), Box(tuple(start), tuple(stop))))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"rank {rank} sent a bad holding at {i}: {exc}") from None
@@ -375,11 +398,20 @@ def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
     """
     import torch
 
-    text = json.dumps(holdings_canonical(held), separators=(",", ":")).encode()
-    lengths = [int(n) for n in transport.all_gather(torch.tensor([len(text)], dtype=torch.int64))]
-    if min(lengths) < 0 or max(lengths) > MAX_HOLDINGS_JSON:
-        raise RefitPlanMismatch([f"a rank's holdings are {max(lengths)} bytes of JSON (at most "
-                                 f"{MAX_HOLDINGS_JSON})"])
+    try:  # a rank that cannot describe its holdings still takes part: it sends -1, every rank refuses
+        text, mine = json.dumps(holdings_canonical(held), separators=(",", ":")).encode(), None
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach every rank, not hang them
+        text, mine = b"", exc
+    sent = torch.tensor([len(text) if mine is None else -1], dtype=torch.int64)
+    lengths = [int(n) for n in transport.all_gather(sent)]
+    bad = [r for r, n in enumerate(lengths) if not 0 <= n <= MAX_HOLDINGS_JSON]
+    if bad:
+        why = [f"rank {r} " + ("could not describe its holdings" if lengths[r] < 0 else
+                               f"sent {lengths[r]} bytes of holdings (at most {MAX_HOLDINGS_JSON})")
+               for r in bad]
+        if mine is not None:
+            why[bad.index(transport.rank)] += f" ({type(mine).__name__}: {mine})"
+        raise RefitPlanMismatch(why) from mine
     buf = torch.zeros(max(lengths), dtype=torch.uint8)
     buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     ranks = []
@@ -388,8 +420,8 @@ def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
             ranks.append(holdings_from_canonical(json.loads(got[:lengths[r]].numpy().tobytes()), r))
         mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
         problem = ""
-    except (ValueError, RecursionError) as exc:
-        mesh, problem = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must still give its digest row (no rank hangs)
+        mesh, problem = None, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     digest = bytes.fromhex(mesh.digest) if mesh is not None else bytes(32)
     rows = transport.all_gather(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
     if problem:
@@ -421,6 +453,8 @@ def local_part(mapping: dict, name: str, box: Box):
     held = [value] if isinstance(value, tuple) else value
     for outer, t in held:
         if len(outer.start) == len(box.start) and outer.contains(box):
+            if tuple(t.shape) != outer.shape:  # a negative slice start would wrap around: wrong bytes
+                raise ValueError(f"{name}: this rank holds {outer} as a tensor of shape {tuple(t.shape)}")
             return t[box.index(outer)]
     raise KeyError(f"{name}{box}: this rank holds only {', '.join(str(b) for b, _ in held)}")
 

@@ -3,7 +3,8 @@
 Trainer ranks (``--trainer fsdp=N | tp=N | pp=N | ep=N``) share a process group of their own, as trainers
 do: ``fsdp`` shards every parameter with FSDP2 ``fully_shard``; ``tp`` applies tensor parallelism with
 ``parallelize_module`` (column-parallel q/k/v and gate/up, row-parallel o and down; attention stays
-replicated when the head counts do not divide); both take real AdamW steps on their DTensors. ``pp`` and
+replicated when the head counts do not divide, MLPs when
+``intermediate_size`` does not); both take real AdamW steps on their DTensors. ``pp`` and
 ``ep`` ranks each train a full replica (same seed, same batch: the same weights) and hand the refit only
 what their stage or their experts hold, through held names (:class:`~mxport.refit.shards.HeldTensorsSource`),
 as pipeline and expert-parallel exporters do; the pipeline schedule itself is not simulated.
@@ -97,7 +98,8 @@ def _shard_trainer(model, layout, rank: int, kernel: str | None):
 
 
 def _tp_plan(model, tp: int) -> dict:
-    """vLLM-like tensor parallelism: MLPs always; attention only when its head counts divide by ``tp``."""
+    """vLLM-like tensor parallelism: MLPs when their intermediate size divides by ``tp``, attention when its
+    head counts do (uneven DTensor shards fail in the forward); the rest stays replicated."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     cfg = model.config
@@ -108,7 +110,7 @@ def _tp_plan(model, tp: int) -> dict:
         if attention:
             plan.update({p + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"})
             plan[p + "self_attn.o_proj"] = RowwiseParallel()
-        if hasattr(block.mlp, "gate_proj"):
+        if hasattr(block.mlp, "gate_proj") and cfg.intermediate_size % tp == 0:  # else replicated
             plan.update({p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
                          p + "mlp.down_proj": RowwiseParallel()})
     return plan

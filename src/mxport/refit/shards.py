@@ -33,7 +33,7 @@ from torch import nn
 
 from ..components import compact_scale_shape
 from ..formats import BLOCK_SIZE, ceil_div
-from ..layout import Layout, engine_shard
+from ..layout import Layout, attention_problem, engine_shard
 from .items import model_tensors, tensor_items
 from .mesh import Box, Holding, TensorInfo
 from .plan import dtype_from_name
@@ -369,7 +369,8 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
     Raises:
         ValueError: ``rank`` outside ``[0, tp * ep)``; a layout with ``fsdp`` or ``pp`` (not an engine's);
             a row-parallel K split that is not a multiple of 32 for an MXFP8 tensor (naming it); a tp that is
-            not a multiple of the KV heads it exceeds.
+            not a multiple of the KV heads it exceeds; attention heads that do not divide by tp, or KV heads
+            that neither divide by tp nor divide it (vLLM refuses these layouts).
     """
     from .inference import receiver_plan
 
@@ -378,8 +379,12 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
     if not (type(rank) is int and 0 <= rank < layout.tp * layout.ep):
         raise ValueError(f"rank must be an int in [0, {layout.tp * layout.ep}) for engine layout {layout}, "
                          f"got {rank!r}")
+    config = getattr(model, "config", None)
     if kv_heads is None:
-        kv_heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None)
+    problem = attention_problem(layout.tp, getattr(config, "num_attention_heads", None), kv_heads)
+    if problem:
+        raise ValueError(f"engine layout {layout}: {problem}")
     plan, _ = receiver_plan(model, _PLAN_BUCKET)
     out: list[Holding] = []
     values: list[Holding] = []
