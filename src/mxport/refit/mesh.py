@@ -180,7 +180,8 @@ class MeshPlan:
     Raises:
         RefitPlanMismatch: two ranks describe a tensor differently; an engine rank needs a tensor, or bytes
             of one, no trainer rank holds; a trainer rank holds a tensor no engine rank needs; a box outside
-            its tensor; a rank gives one tensor twice.
+            its tensor; a rank gives boxes of one tensor that overlap (several disjoint boxes are fine: a
+            vLLM fused-expert gate_up slice is two row ranges).
     """
 
     def __init__(self, trainers: Sequence[Iterable[Holding]], engines: Sequence[Iterable[Holding]]):
@@ -245,13 +246,14 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
     problems: list[str] = []
     for side, ranks in (("trainer", trainers), ("engine", engines)):
         for r, held in enumerate(ranks):
-            names: set[str] = set()
+            boxes: dict[str, list[Box]] = {}
             for h in held:
                 t = h.tensor
                 _check_info(t)
-                if t.name in names:
-                    problems.append(f"{side} rank {r} gives {t.name!r} twice (one box per tensor and rank)")
-                names.add(t.name)
+                if any(b.intersect(h.box) is not None for b in boxes.get(t.name, ())):
+                    problems.append(f"{side} rank {r} gives {t.name!r}{h.box} twice (boxes of one tensor on "
+                                    "one rank must not overlap)")
+                boxes.setdefault(t.name, []).append(h.box)
                 if not h.box.within(t.shape):
                     problems.append(f"{side} rank {r}: box {h.box} lies outside {t.name!r} {t.shape}")
                 first = seen.setdefault(t.name, t)
@@ -448,15 +450,18 @@ def local_part(mapping: dict, name: str, box: Box):
     entry whose box contains it (``tensor.shape == box.shape`` for each entry).
 
     Raises:
-        KeyError: no entry of ``name`` contains ``box``."""
+        KeyError: no entry of ``name``. ValueError: no entry of ``name`` contains ``box``, or an entry's
+            tensor does not have its box's shape."""
     value = mapping[name]
     held = [value] if isinstance(value, tuple) else value
     for outer, t in held:
         if len(outer.start) == len(box.start) and outer.contains(box):
             if tuple(t.shape) != outer.shape:  # a negative slice start would wrap around: wrong bytes
-                raise ValueError(f"{name}: this rank holds {outer} as a tensor of shape {tuple(t.shape)}")
+                raise ValueError(f"{name}: this rank holds {outer} as a tensor of shape {tuple(t.shape)}, "
+                                 f"which cannot give the piece {box} of its route")
             return t[box.index(outer)]
-    raise KeyError(f"{name}{box}: this rank holds only {', '.join(str(b) for b, _ in held)}")
+    raise ValueError(f"{name}: this rank holds {', '.join(str(b) for b, _ in held)}, not the piece {box} of "
+                     "its route (built for another rank or plan?)")
 
 
 def route_tensors(rt: Route, local: dict) -> Iterator:
