@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +53,7 @@ class _Run:
     version: int
     items: Iterator
     slots: int
+    checksums: Callable[[int], int] | None = None  # the producer's bucket checksums (see send)
     sources: list = field(default_factory=list)  # flat uint8 views per entry (None once on the wire)
     pending: deque = field(default_factory=deque)  # (handle, pack slot or None, payload kept alive)
     crcs: list = field(default_factory=list)
@@ -111,7 +112,8 @@ class RefitSender:
         self.version = exchange_plans(self.transport, self.plan, self.version)
         self._handshaken = True
 
-    def send(self, tensors: Iterable[torch.Tensor]) -> SendStats:
+    def send(self, tensors: Iterable[torch.Tensor], *,
+             checksums: Callable[[int], int] | None = None) -> SendStats:
         """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a
         list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
         tensors overlaps the broadcast of the current bucket).
@@ -133,6 +135,13 @@ class RefitSender:
         committed by none. A failure of the transport itself (a dead receiver, a timeout) raises
         :class:`RefitError` (the transport's error as its cause): the group is unusable.
 
+        ``checksums``: when the producer of ``tensors`` knows each bucket's checksum without reading it
+        (``TrainerSource(arena=True).bucket_checksum``: summed by the quantize kernel as it wrote the bytes),
+        ``checksums(b)`` gives :func:`~mxport.refit.buckets.checksum` of bucket ``b``; it is called once the
+        bucket's tensors are taken, right after the bucket is posted, and replaces the sender's own pass over
+        the bucket. Receivers verify every bucket as always, so a wrong value fails the refit, never passes
+        bad bytes.
+
         Returns:
             :class:`~mxport.refit.results.SendStats`: ``version``, ``bytes`` (payload bytes), ``buckets``,
             ``zero_copy_buckets`` (sent without packing), ``seconds`` (whole send, up to every receiver's
@@ -149,7 +158,7 @@ class RefitSender:
         if not self._handshaken:
             self.handshake()
         self.version += 1
-        run = _Run(self.version, iter(tensors), len(self._packbuf))
+        run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
         sw = Stopwatch()
         try:
             for b in range(self.plan.num_buckets):
@@ -200,7 +209,8 @@ class RefitSender:
                     self._retire_oldest(run)
             payload = self._packbuf[slot][:size]
             with sw.phase("pack"):  # packing sums each chunk while it is in cache: checksum for one pass less
-                crc = pack_bucket(self.layout, b, run.sources, payload, with_checksum=self.use_checksum)
+                crc = pack_bucket(self.layout, b, run.sources, payload,
+                                  with_checksum=self.use_checksum and run.checksums is None)
         else:
             run.zero_copy += 1
         if self.stream_crc32:
@@ -213,9 +223,9 @@ class RefitSender:
         run.posted += 1
         if slot is not None:
             run.slot_busy[slot] = True
-        elif self.use_checksum:
+        if self.use_checksum and crc is None:
             with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
-                crc = checksum(payload)
+                crc = checksum(payload) if run.checksums is None else run.checksums(b)
         run.crcs.append(crc if crc is not None else 0)
         # release sources that are fully handed to the wire (a generator's tensors can then be freed)
         bucket_end = b * self.plan.bucket_bytes + size
