@@ -74,6 +74,14 @@ def test_fused_bucket_checksums_equal_checksum_of_packed_buckets(kernel, bucket_
     assert src._sums.sums.any()
 
 
+def test_fused_checksums_with_kept_tensors_copied_in():
+    """Kept tensors cast to BF16 (copied into the send buffer at every call, not adopted) and summed with the
+    zero padding between them in one range: still checksum() of the packed buckets."""
+    src = TrainerSource(_model(2), bucket_bytes=65536, arena=True, kept_dtype=torch.bfloat16)
+    tensors = list(src.tensors())
+    assert [src.bucket_checksum(b) for b in range(src.plan.num_buckets)] == _packed_checksums(src, tensors)
+
+
 def test_fused_checksums_equal_on_every_kernel_and_every_call():
     sums = {}
     for kernel in ("native", "eager", "compiled"):

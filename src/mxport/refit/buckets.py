@@ -90,10 +90,13 @@ def _span_words(data: torch.Tensor, rho: int) -> torch.Tensor:
     whose first byte sits at stream offset ``rho`` mod 8: byte ``i`` adds ``byte << 8 * ((rho + i) % 8)``
     (wrapping), so a range summed on its own adds exactly what its bytes add to :func:`checksum`'s word
     sums."""
+    n = data.numel()
+    if rho % 8 == 0 and n % 8 == 0 and data.storage_offset() % 8 == 0:  # whole words (the common case)
+        return data.view(torch.int64).sum()
     key = str(data.device)
     if key not in _SHIFTS:
         _SHIFTS[key] = torch.arange(0, 64, 8, dtype=torch.int64, device=data.device)
-    shifts, n = _SHIFTS[key], data.numel()
+    shifts = _SHIFTS[key]
     h = min((-rho) % 8, n)  # bytes before the first word boundary
     mid = (n - h) // 8 * 8
     total = torch.zeros((), dtype=torch.int64, device=data.device)
@@ -132,21 +135,28 @@ class ChunkSums:
 
         return StreamSums(offsets, self.plan.bucket_bytes, CHUNK_BYTES, self.sums)
 
-    def _add(self, sums: torch.Tensor, data: torch.Tensor, offset: int, first: int = 0) -> None:
-        B, n, pos = self.plan.bucket_bytes, data.numel(), 0
-        if offset < 0 or offset + n > self.plan.num_buckets * B:
-            raise ValueError(f"{n} bytes at stream offset {offset} fall outside the plan's stream")
-        while pos < n:
-            off = offset + pos
-            b, within = divmod(off, B)
-            c = within // CHUNK_BYTES
-            take = min(n - pos, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
-            sums[b * self.per_bucket + c - first] += _span_words(data[pos:pos + take], off % 8)
-            pos += take
+    def _add(self, sums: torch.Tensor, pieces: list[tuple[torch.Tensor, int]], first: int = 0) -> None:
+        """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (entry ``first`` = ``sums[0]``), in
+        one ``index_add_``."""
+        B, index, parts = self.plan.bucket_bytes, [], []
+        for data, offset in pieces:
+            n, pos = data.numel(), 0
+            if offset < 0 or offset + n > self.plan.num_buckets * B:
+                raise ValueError(f"{n} bytes at stream offset {offset} fall outside the plan's stream")
+            while pos < n:
+                off = offset + pos
+                b, within = divmod(off, B)
+                c = within // CHUNK_BYTES
+                take = min(n - pos, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
+                index.append(b * self.per_bucket + c - first)
+                parts.append(_span_words(data[pos:pos + take], off % 8))
+                pos += take
+        if parts:
+            sums.index_add_(0, torch.tensor(index, device=sums.device), torch.stack(parts))
 
     def add(self, data: torch.Tensor, offset: int) -> None:
         """Add the bytes of ``data`` (a contiguous tensor, read as its bytes) at stream ``offset``."""
-        self._add(self.sums, byte_view(data, argname="data"), offset)
+        self._add(self.sums, [(byte_view(data, argname="data"), offset)])
 
     def checksum(self, b: int, extra: list[tuple[torch.Tensor, int]] = ()) -> int:
         """:func:`checksum` of bucket ``b`` from the sums, plus the bytes of ``extra`` (``(tensor, stream
@@ -157,13 +167,14 @@ class ChunkSums:
         sums = self.sums[first:first + max(1, -(-size // CHUNK_BYTES))]
         if extra:
             sums = sums.clone()
-            start = b * self.plan.bucket_bytes
+            start, pieces = b * self.plan.bucket_bytes, []
             for data, offset in extra:
                 data = byte_view(data, argname="data")
                 if offset < start or offset + data.numel() > start + size:
                     raise ValueError(f"{data.numel()} bytes at stream offset {offset} are not inside bucket "
                                      f"{b}")
-                self._add(sums, data, offset, first)
+                pieces.append((data, offset))
+            self._add(sums, pieces, first)
         return _mix(size // 8, sums.tolist())
 
 

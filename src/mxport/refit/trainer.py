@@ -11,7 +11,7 @@ from torch import nn
 
 from ..components import compact_scale_shape
 from .arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
-from .buckets import BucketLayout, ChunkSums, byte_view
+from .buckets import BucketLayout, ChunkSums
 from .items import model_tensors, tensor_items
 from .plan import RefitPlan
 
@@ -116,6 +116,7 @@ class TrainerSource:
         # it writes them); entries summed there, and entries yielded, by the current tensors() call
         self._sums = ChunkSums(self.plan, self._device) if self.arena else None
         self._layout = BucketLayout(self.plan) if self.arena else None
+        self._stream = stream_arena(self.plan, self._slots) if self.arena else None  # the buffer, flat
         self._summed = [False] * len(self.plan)
         self._yielded = 0
 
@@ -242,6 +243,15 @@ class TrainerSource:
         if segments and segments[-1].entry >= self._yielded:
             raise RuntimeError(f"bucket {b}: tensor {self.plan.entries[segments[-1].entry].name!r} has not "
                                "been produced yet by tensors()")
-        extra = [(byte_view(self._slots[s.entry])[s.src:s.src + s.length], self.plan.entries[s.entry].offset
-                  + s.src) for s in segments if not self._summed[s.entry]]
-        return self._sums.checksum(b, extra)
+        runs: list[list[int]] = []  # runs of consecutive segments not summed yet (only zero padding between)
+        joined = False
+        for s in segments:
+            if self._summed[s.entry]:
+                joined = False
+            elif joined:
+                runs[-1][1] = s.dst + s.length
+            else:
+                runs.append([s.dst, s.dst + s.length])
+                joined = True
+        base = b * self.plan.bucket_bytes
+        return self._sums.checksum(b, [(self._stream[base + d0:base + d1], base + d0) for d0, d1 in runs])
