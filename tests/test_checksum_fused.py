@@ -28,13 +28,13 @@ KERNELS = ["native", "eager"]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    """Odd byte counts (K = 577: rows straddle words; 101 rows), a kept embedding and norm between the
-    quantized weights, one weight of 2.05 M elements (more than one checksum chunk, cut between two native
-    threads)."""
+    """Odd byte counts (K = 577: rows straddle words; 101 rows), a kept 4.8 MB embedding (several whole
+    checksum chunks) and a norm between the quantized weights, one weight of 2.05 M elements (more than one
+    checksum chunk, cut between two native threads)."""
     torch.manual_seed(seed)
     m = torch.nn.Module()
     m.a = torch.nn.Linear(577, 101, bias=False)
-    m.emb = torch.nn.Embedding(300, 77)
+    m.embed_tokens = torch.nn.Embedding(3000, 401)
     m.b = torch.nn.Linear(1000, 2050, bias=False)
     m.norm = torch.nn.LayerNorm(33)
     m.c = torch.nn.Linear(40, 3, bias=False).to(torch.bfloat16)

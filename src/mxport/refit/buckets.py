@@ -148,11 +148,20 @@ class ChunkSums:
                 b, within = divmod(off, B)
                 c = within // CHUNK_BYTES
                 take = min(n - pos, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
-                index.append(b * self.per_bucket + c - first)
-                parts.append(_span_words(data[pos:pos + take], off % 8))
+                full = min(n - pos, b * B + B - off) // CHUNK_BYTES
+                if within % CHUNK_BYTES == 0 and full > 1 and data[pos:].storage_offset() % 8 == 0:
+                    # whole chunks of one bucket in one op (one parallel region, not one per chunk)
+                    take = full * CHUNK_BYTES
+                    words = data[pos:pos + take].view(torch.int64).view(full, CHUNK_BYTES // 8)
+                    start = b * self.per_bucket + c - first
+                    index += range(start, start + full)
+                    parts.append(words.sum(dim=1))
+                else:
+                    index.append(b * self.per_bucket + c - first)
+                    parts.append(_span_words(data[pos:pos + take], off % 8).view(1))
                 pos += take
         if parts:
-            sums.index_add_(0, torch.tensor(index, device=sums.device), torch.stack(parts))
+            sums.index_add_(0, torch.tensor(index, device=sums.device), torch.cat(parts))
 
     def add(self, data: torch.Tensor, offset: int) -> None:
         """Add the bytes of ``data`` (a contiguous tensor, read as its bytes) at stream ``offset``."""
