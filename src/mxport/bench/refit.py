@@ -208,18 +208,20 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
             finally:
                 end.use_checksum = True
 
-        refit_s, commit_s, raw_s, backup_s, e2e, nosum_s, bf16_s = [], [], [], [], [], [], []
+        refit_s, commit_s, raw_s, backup_s, e2e, nosum_s, bf16_s, sender_sums_s = ([] for _ in range(8))
         for i in range(cfg["warmup"] + cfg["runs"]):
             a = timed(lambda: end.send(tensors, **sums) if rank == 0 else end.receive())
             b = timed(lambda: tr.broadcast(flat))
             c = timed(lambda: end.send(src.tensors(), **sums) if rank == 0 else end.receive())
             d = timed(refit_without_checksums)
             f = timed(bf16_baseline)
-            got = [_unrow(x) for x in tr.all_gather(_row(a, b, c, d, f))]
+            g = timed(lambda: end.send(tensors) if rank == 0 else end.receive())  # the sender sums
+            got = [_unrow(x) for x in tr.all_gather(_row(a, b, c, d, f, g))]
             if i < cfg["warmup"]:
                 continue
-            (sa, sb, sc, sd, sf), (ra, rb, rc, rd, rf) = got
+            (sa, sb, sc, sd, sf, sg), (ra, rb, rc, rd, rf, rg) = got
             bf16_s.append(rf[1] - sf[0])
+            sender_sums_s.append(rg[1] - sg[0])
             nosum_s.append(rd[1] - sd[0])
             refit_s.append(ra[1] - sa[0])
             commit_s.append(ra[2]["commit_s"])
@@ -235,6 +237,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
                 "direct": bool(got[1][0][2]["direct"]),
                 "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e,
                 "nosum_s": nosum_s, "bf16_s": bf16_s, "bf16_bytes": bf16.numel(),
+                "sender_sums_s": sender_sums_s,
                 "threads": torch.get_num_threads(), "fused": bool(cfg.get("fused", True))}
     finally:
         tr.close()
@@ -348,6 +351,13 @@ def rows_from(res: dict, label: str) -> list[dict]:
          "ratio": e2e / raw, "unit": "s", "goal": "informational (quantize + pack + transfer + unpack)",
          "note": note},
     ]
+    if res.get("sender_sums_s") and res.get("fused"):
+        ss = statistics.median(res["sender_sums_s"])
+        rows.append({"benchmark": BENCHMARK, "metric": "refit throughput, sender-side checksums",
+                     "value": nbytes / ss / 1e9, "baseline": base_raw, "ratio": raw / ss, "unit": "GB/s",
+                     "goal": "informational",
+                     "note": "the same refits with the sender summing every bucket itself (no fused "
+                             "checksums), interleaved with the others"})
     if res.get("bf16_s"):
         bf16 = statistics.median(res["bf16_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + receiver quantize", "value": e2e,
