@@ -449,21 +449,24 @@ def test_pieces_cover_every_row_once():
 
 
 def test_quantize_many_c_entry_checks_every_job_first():
-    """mxport_quantize_many refuses a batch with one bad job (K = 0, an unknown dtype, reserved != 0) before
-    writing anything; struct mxport_job is the size native.Job says."""
+    """mxport_quantize_many refuses a batch with one bad job (K = 0, an unknown dtype, reserved != 0, a
+    negative stream offset when summing) before writing anything; struct mxport_job is the size native.Job
+    says."""
     import ctypes
 
     lib = NATIVE_PATH._lib
-    assert lib.mxport_job_size() == ctypes.sizeof(native.Job) == 48
+    assert lib.mxport_job_size() == ctypes.sizeof(native.Job) == 64
     x = torch.randn(4, 64)
     q, e = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
-    for bad in ({"k": 0}, {"in_dtype": 3}, {"reserved": 1}, {"rows": -1}):
+    out = torch.zeros(4, dtype=torch.int64)
+    sums = ctypes.byref(native.Sums(1024, 1024, 4, out.data_ptr()))
+    for bad in ({"k": 0}, {"in_dtype": 3}, {"reserved": 1}, {"rows": -1}, {"q_off": -1}):
         jobs = (native.Job * 2)()
         for j in jobs:
             j.x, j.rows, j.k, j.q, j.e, j.in_dtype = x.data_ptr(), 4, 64, q.data_ptr(), e.data_ptr(), 0
         for name, value in bad.items():
             setattr(jobs[1], name, value)
-        assert lib.mxport_quantize_many(2, jobs, 0, 0, 1 / 448, 8, 0) == -1
-        assert not q.any() and not e.any()
-    jobs[1].rows, jobs[1].k, jobs[1].in_dtype, jobs[1].reserved = 4, 64, 0, 0
-    assert lib.mxport_quantize_many(2, jobs, 0, 0, 1 / 448, 8, 0) == 0 and e.any()
+        assert lib.mxport_quantize_many(2, jobs, 0, 0, 1 / 448, 8, 0, sums) == -1
+        assert not q.any() and not e.any() and not out.any()
+    jobs[1].rows, jobs[1].k, jobs[1].in_dtype, jobs[1].reserved, jobs[1].q_off = 4, 64, 0, 0, 0
+    assert lib.mxport_quantize_many(2, jobs, 0, 0, 1 / 448, 8, 0, None) == 0 and e.any()

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -39,8 +40,8 @@ ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C); 3 added
-#: ``mxport_quantize_many`` (several tensors per call)
-ABI = 3
+#: ``mxport_quantize_many`` (several tensors per call), 4 its stream word sums (``struct mxport_sums``)
+ABI = 4
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -163,7 +164,7 @@ def load(path: Path) -> ctypes.CDLL:
     many = lib.mxport_quantize_many
     many.restype = ctypes.c_int
     many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                     ctypes.c_int, ctypes.c_int]
+                     ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -172,7 +173,46 @@ class Job(ctypes.Structure):
 
     _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("q", ctypes.c_void_p), ("e", ctypes.c_void_p), ("in_dtype", ctypes.c_int32),
-                ("reserved", ctypes.c_int32)]
+                ("reserved", ctypes.c_int32), ("q_off", ctypes.c_int64), ("e_off", ctypes.c_int64)]
+
+
+class Sums(ctypes.Structure):
+    """``struct mxport_sums`` of the C source: where ``mxport_quantize_many`` adds the word sums of its
+    output."""
+
+    _fields_ = [("bucket_bytes", ctypes.c_int64), ("chunk_bytes", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("out", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class StreamSums:
+    """What :func:`quantize_rows_many` needs to sum its output as part of a byte stream: per job, the stream
+    offsets of its values and scales; the stream's bucket and chunk sizes (multiples of 8); ``out``, a
+    contiguous int64 CPU tensor of per-chunk sums (chunk ``c`` of bucket ``b`` at ``b * ceil(bucket_bytes /
+    chunk_bytes) + c``) that the word sums of every output byte are added to (wrapping)."""
+
+    offsets: list[tuple[int, int]]
+    bucket_bytes: int
+    chunk_bytes: int
+    out: torch.Tensor
+
+    def check(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """ValueError unless every job's output lies inside the chunks of ``out``."""
+        bb, cb = self.bucket_bytes, self.chunk_bytes
+        out = self.out
+        if bb < 8 or bb % 8 or cb < 8 or cb % 8:
+            raise ValueError(f"stream sums: bucket_bytes {bb} and chunk_bytes {cb} must be multiples of 8")
+        if out.dtype != torch.int64 or out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("stream sums: out must be a contiguous 1-D int64 CPU tensor")
+        if len(self.offsets) != len(jobs):
+            raise ValueError(f"stream sums: {len(self.offsets)} offsets for {len(jobs)} jobs")
+        per = -(-bb // cb)
+        for (qo, eo), (_, q, e) in zip(self.offsets, jobs, strict=True):
+            for off, n in ((qo, q.numel()), (eo, e.numel())):
+                last = off + n - 1
+                if off < 0 or (n and (last // bb) * per + (last % bb) // cb >= out.numel()):
+                    raise ValueError(f"stream sums: bytes at stream offset {off} (+{n}) fall outside the "
+                                     f"{out.numel()} chunks")
 
 
 #: fresh outputs of at least this many bytes are backed by transparent huge pages where the kernel allows it
@@ -302,20 +342,32 @@ def _pieces(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], threads
 
 def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                        elem: int, floor: bool, inv_max_norm: float, emax: int, *,
-                       block_2d: bool = False) -> None:
+                       block_2d: bool = False, sums: StreamSums | None = None) -> None:
     """:func:`quantize_rows` for several tensors in one native call per thread: ``jobs`` are ``(x2, q, e)``,
     each a contiguous 2-D ``(M, K)`` CPU input (float32 / bfloat16 / float16, K >= 1) and its contiguous uint8
     outputs ``(M, K)`` / ``(M, ceil(K/32))`` (checked by the caller), written in place. Bytes are those of
     :func:`quantize_rows` on each input. The work is cut into ``torch.get_num_threads()`` runs of about equal
-    size (between tensors, or between rows of one) for large batches."""
-    jobs = [(x, q, e) for x, q, e in jobs if x.shape[0] > 0]
+    size (between tensors, or between rows of one) for large batches.
+
+    ``sums``: also add the word sums of every output byte, at its stream offset, to ``sums.out`` (see
+    :class:`StreamSums`; ValueError when an output falls outside it). The kernel sums each tile of rows
+    right after writing it, while it is in cache: no second pass over memory. Each thread adds into a row of
+    its own, added to ``sums.out`` at the end."""
+    if sums is not None:
+        sums.check(jobs)
+    offsets = sums.offsets if sums is not None else [(0, 0)] * len(jobs)
+    kept = [i for i, (x, _, _) in enumerate(jobs) if x.shape[0] > 0]
+    jobs, offsets = [jobs[i] for i in kept], [offsets[i] for i in kept]
     total = sum(x.numel() for x, _, _ in jobs)
     if not jobs:
         return
     threads = max(1, min(torch.get_num_threads(), total // MIN_NUMEL_PER_THREAD))
     fn = lib.mxport_quantize_many
+    runs = _pieces(jobs, threads, 32 if block_2d else 1)
+    partial = None if sums is None else torch.zeros(len(runs), sums.out.numel(), dtype=torch.int64)
 
-    def run(pieces: list[tuple[int, int, int]]) -> int:
+    def run(t: int) -> int:
+        pieces = runs[t]
         arr = (Job * len(pieces))()
         for slot, (j, r0, r1) in zip(arr, pieces, strict=True):
             x, q, e = jobs[j]
@@ -323,13 +375,19 @@ def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Te
             slot.x, slot.rows, slot.k = x.data_ptr() + r0 * k * x.element_size(), r1 - r0, k
             slot.q, slot.e = q.data_ptr() + r0 * k, e.data_ptr() + r0 * nb
             slot.in_dtype = INPUT_CODES[x.dtype]
-        return fn(len(pieces), arr, elem, int(floor), inv_max_norm, emax, int(block_2d))
+            slot.q_off, slot.e_off = offsets[j][0] + r0 * k, offsets[j][1] + r0 * nb
+        spec = None
+        if partial is not None:
+            spec = ctypes.byref(Sums(sums.bucket_bytes, sums.chunk_bytes, partial.shape[1],
+                                     partial[t].data_ptr()))
+        return fn(len(pieces), arr, elem, int(floor), inv_max_norm, emax, int(block_2d), spec)
 
-    runs = _pieces(jobs, threads, 32 if block_2d else 1)
     if len(runs) == 1:
-        rcs = [run(runs[0])]
+        rcs = [run(0)]
     else:
-        futures = [_pool(len(runs) - 1).submit(run, p) for p in runs[1:]]
-        rcs = [run(runs[0])] + [f.result() for f in futures]
+        futures = [_pool(len(runs) - 1).submit(run, t) for t in range(1, len(runs))]
+        rcs = [run(0)] + [f.result() for f in futures]
     if any(rcs):
         raise RuntimeError(f"mxport native kernel rejected the arguments of a batch of {len(jobs)} tensors")
+    if partial is not None:
+        sums.out.add_(partial.sum(dim=0) if len(runs) > 1 else partial[0])

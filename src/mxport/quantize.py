@@ -251,9 +251,10 @@ class _NativePath:
         return native.quantize_rows(self._lib, x2, *_native_args(fmt, floor), block_2d=block_2d, out=out)
 
     def many(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fmt: ElementFormat,
-             floor: bool) -> None:
-        """Rowwise quantize of several ``(x2, q, e)`` jobs in batched native calls (:func:`quantize_many`)."""
-        native.quantize_rows_many(self._lib, jobs, *_native_args(fmt, floor))
+             floor: bool, sums: native.StreamSums | None = None) -> None:
+        """Rowwise quantize of several ``(x2, q, e)`` jobs in batched native calls (:func:`quantize_many`),
+        optionally summing the outputs into ``sums``."""
+        native.quantize_rows_many(self._lib, jobs, *_native_args(fmt, floor), sums=sums)
 
 
 NATIVE_PATH = _NativePath()
@@ -548,6 +549,8 @@ def quantize_many(
     rounding: str = "rceil",
     outs: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     kernel: str | None = None,
+    sums=None,
+    offsets: list[tuple[int, int]] | None = None,
 ) -> list[MXFP8Components]:
     """Rowwise :func:`quantize` of several tensors, the ones the native CPU kernel takes in one batched native
     call (per thread): for many small tensors (a model's weights) the per-call cost is paid once. The bytes
@@ -559,6 +562,11 @@ def quantize_many(
         fp8_dtype, rounding, kernel: as in :func:`quantize` (``kernel`` applies to every tensor).
         outs: None, or one entry per tensor: None or a ``(values, scales)`` pair as :func:`quantize`'s
             ``out``. No output may overlap any input or another output.
+        sums: None, or an accumulator of a byte stream's word sums
+            (:class:`mxport.refit.buckets.ChunkSums`) to which the bytes of every output are added, at the
+            stream offsets ``offsets[i] = (values_offset, scales_offset)`` (required with ``sums``): the
+            native kernel sums each tile of output while it is in cache; the other kernels sum their outputs
+            with torch ops. The sums are the same on every kernel.
 
     Returns:
         one :class:`MXFP8Components` (rowwise) per tensor, in order.
@@ -571,6 +579,9 @@ def quantize_many(
     outs = [None] * len(tensors) if outs is None else list(outs)
     if len(outs) != len(tensors):
         raise ValueError(f"outs must have one entry per tensor ({len(tensors)}), got {len(outs)}")
+    if sums is not None and (offsets is None or len(offsets) != len(tensors)):
+        raise ValueError(f"sums needs offsets: one (values, scales) stream offset pair per tensor "
+                         f"({len(tensors)})")
     fmt = element_format(fp8_dtype)
     floor = _check_rounding(rounding) == "floor"
     results: list[MXFP8Components | None] = [None] * len(tensors)
@@ -585,10 +596,14 @@ def quantize_many(
             batch.append((i, x2, _check_out(out, x, fmt, "rowwise")))
             results[i] = MXFP8Components(out[0].view(fmt.dtype), as_e8m0_bytes(out[1]), "rowwise")
         else:
-            results[i] = quantize(x, fp8_dtype, rounding=rounding, out=out, kernel=kernel)
+            results[i] = c = quantize(x, fp8_dtype, rounding=rounding, out=out, kernel=kernel)
+            if sums is not None:
+                sums.add(c.data.view(torch.uint8), offsets[i][0])
+                sums.add(c.scale_inv, offsets[i][1])
     if batch:
         _check_disjoint(batch)
-        NATIVE_PATH.many([(x2, q, e) for _, x2, (q, e) in batch], fmt, floor)
+        spec = None if sums is None else sums.native([offsets[i] for i, _, _ in batch])
+        NATIVE_PATH.many([(x2, q, e) for _, x2, (q, e) in batch], fmt, floor, sums=spec)
     return results
 
 

@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MXPORT_NATIVE_ABI 3
+#define MXPORT_NATIVE_ABI 4
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
@@ -528,9 +528,79 @@ int mxport_quantize_rows(const void *x, int64_t rows, int64_t k, uint8_t *q, uin
 }
 
 /*
+ * Word sums of a byte stream (the refit checksum's partial sums, mxport.refit.buckets): the stream is cut into
+ * buckets of bucket_bytes and each bucket into chunks of chunk_bytes (the last ones shorter); a chunk's sum is
+ * the wrapping sum of its little-endian 64-bit words. Both sizes are multiples of 8, so no word crosses a chunk.
+ * Sums are linear, so any byte range contributes on its own: byte i of a range at stream offset off adds
+ * byte << 8 * ((off + i) % 8) to the sum of its chunk (global index bucket * ceil(bucket_bytes / chunk_bytes) +
+ * chunk).
+ */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+struct mxport_sums {
+    int64_t bucket_bytes;
+    int64_t chunk_bytes;
+    int64_t n;    /* entries of out */
+    int64_t *out; /* per-chunk sums, added to */
+};
+
+/* The word-sum contribution of n bytes at p whose first byte sits at stream offset off (off % 8 = rho). */
+static uint64_t span_words(const uint8_t *p, int64_t n, int64_t rho) {
+    uint64_t s = 0;
+    int64_t i = 0;
+    for (; i < n && (rho + i) % 8; i++)
+        s += (uint64_t)p[i] << (8 * ((rho + i) % 8));
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + i)),
+                                     _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        __m256i b = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + i + 64)),
+                                     _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+        acc = _mm256_add_epi64(acc, _mm256_add_epi64(a, b));
+    }
+    for (; i + 32 <= n; i += 32)
+        acc = _mm256_add_epi64(acc, _mm256_loadu_si256((const __m256i *)(p + i)));
+    __attribute__((aligned(32))) uint64_t lanes[4];
+    _mm256_store_si256((__m256i *)lanes, acc);
+    s += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#endif
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        s += w;
+    }
+    for (; i < n; i++)
+        s += (uint64_t)p[i] << (8 * ((rho + i) % 8));
+    return s;
+}
+
+/* Add the word sums of n bytes at p (stream offset off) to their chunks; -1 when a chunk is out of range. */
+static int add_span(const struct mxport_sums *sums, const uint8_t *p, int64_t n, int64_t off) {
+    const int64_t bb = sums->bucket_bytes, cb = sums->chunk_bytes, per = (bb + cb - 1) / cb;
+    while (n > 0) {
+        const int64_t b = off / bb, c = (off - b * bb) / cb;
+        const int64_t end = b * bb + ((c + 1) * cb < bb ? (c + 1) * cb : bb);
+        const int64_t take = n < end - off ? n : end - off, idx = b * per + c;
+        if (idx >= sums->n)
+            return -1;
+        sums->out[idx] = (int64_t)((uint64_t)sums->out[idx] + span_words(p, take, off % 8));
+        p += take, off += take, n -= take;
+    }
+    return 0;
+}
+
+/* Stream bytes summed right after they are written: rows are quantized in tiles of about this many output bytes,
+ * each tile summed while it is still in L1 / L2 (a multiple of 32 rows for 32x32 blocks). */
+#define SUM_TILE_BYTES 16384
+
+/*
  * One job of mxport_quantize_many: `rows` contiguous rows of `k` elements at x (in_dtype as in
- * mxport_quantize_rows) into q (rows x k FP8 bytes) and e (rows x ceil(k/32) E8M0 bytes). 48 bytes, no padding
- * holes (mxport/native.py mirrors it with ctypes).
+ * mxport_quantize_rows) into q (rows x k FP8 bytes) and e (rows x ceil(k/32) E8M0 bytes). q_off / e_off: the
+ * stream offsets of q and e, read only when the call sums its output. 64 bytes, no padding holes
+ * (mxport/native.py mirrors it with ctypes).
  */
 struct mxport_job {
     const void *x;
@@ -540,24 +610,48 @@ struct mxport_job {
     uint8_t *e;
     int32_t in_dtype;
     int32_t reserved; /* 0 */
+    int64_t q_off;
+    int64_t e_off;
 };
 
 /* sizeof(struct mxport_job), for the caller's check of its mirror of the struct */
 int mxport_job_size(void) { return (int)sizeof(struct mxport_job); }
 
+/* One job with its output summed tile by tile (see SUM_TILE_BYTES). */
+static int quantize_job_summed(const struct mxport_job *j, int elem, int floor_rounding, float inv_max_norm,
+                               int emax, int block_2d, const struct mxport_sums *sums) {
+    const int64_t k = j->k, nb = (k + 31) / 32, esize = j->in_dtype == IN_F32 ? 4 : 2, group = block_2d ? 32 : 1;
+    int64_t tile = SUM_TILE_BYTES / k / group * group;
+    tile = tile < group ? group : tile;
+    for (int64_t r0 = 0; r0 < j->rows; r0 += tile) {
+        const int64_t nr = j->rows - r0 < tile ? j->rows - r0 : tile;
+        if (mxport_quantize_rows((const char *)j->x + r0 * k * esize, nr, k, j->q + r0 * k, j->e + r0 * nb,
+                                 j->in_dtype, elem, floor_rounding, inv_max_norm, emax, block_2d) != 0 ||
+            add_span(sums, j->q + r0 * k, nr * k, j->q_off + r0 * k) != 0 ||
+            add_span(sums, j->e + r0 * nb, nr * nb, j->e_off + r0 * nb) != 0)
+            return -1;
+    }
+    return 0;
+}
+
 /*
  * Quantize n jobs (several tensors, or row ranges of them) in one call, one after the other, with the shared
- * format parameters of mxport_quantize_rows (elem, floor_rounding, inv_max_norm, emax, block_2d). Every job is
- * checked before any is run: returns 0, or -1 (nothing written) when one is out of range.
+ * format parameters of mxport_quantize_rows (elem, floor_rounding, inv_max_norm, emax, block_2d). sums: NULL, or
+ * where to add the word sums of every output byte at its stream offset (the job's q_off / e_off; summed while
+ * the bytes are in cache). Every job is checked before any is run: returns 0, or -1 (nothing written) when one
+ * is out of range (a chunk out of range is found while running: -1 then too).
  */
 int mxport_quantize_many(int64_t n, const struct mxport_job *jobs, int elem, int floor_rounding,
-                         float inv_max_norm, int emax, int block_2d) {
+                         float inv_max_norm, int emax, int block_2d, const struct mxport_sums *sums) {
     if (n < 0 || (n > 0 && jobs == 0))
+        return -1;
+    if (sums && (sums->bucket_bytes < 8 || sums->bucket_bytes % 8 || sums->chunk_bytes < 8 ||
+                 sums->chunk_bytes % 8 || sums->n < 0 || (sums->n > 0 && sums->out == 0)))
         return -1;
     for (int64_t i = 0; i < n; i++) {
         const struct mxport_job *j = &jobs[i];
         if (j->rows < 0 || j->k < 1 || j->in_dtype < 0 || j->in_dtype > 2 || j->reserved != 0 ||
-            (j->rows > 0 && (j->x == 0 || j->q == 0 || j->e == 0)))
+            (j->rows > 0 && (j->x == 0 || j->q == 0 || j->e == 0)) || (sums && (j->q_off < 0 || j->e_off < 0)))
             return -1;
     }
     if (elem < 0 || elem > 1 || floor_rounding < 0 || floor_rounding > 1 || block_2d < 0 || block_2d > 1)
@@ -566,8 +660,10 @@ int mxport_quantize_many(int64_t n, const struct mxport_job *jobs, int elem, int
         const struct mxport_job *j = &jobs[i];
         if (j->rows == 0)
             continue;
-        if (mxport_quantize_rows(j->x, j->rows, j->k, j->q, j->e, j->in_dtype, elem, floor_rounding,
-                                 inv_max_norm, emax, block_2d) != 0)
+        int rc = sums ? quantize_job_summed(j, elem, floor_rounding, inv_max_norm, emax, block_2d, sums)
+                      : mxport_quantize_rows(j->x, j->rows, j->k, j->q, j->e, j->in_dtype, elem, floor_rounding,
+                                             inv_max_norm, emax, block_2d);
+        if (rc != 0)
             return -1;
     }
     return 0;

@@ -20,7 +20,13 @@ them alike:
   its own preallocated slot as a refit's send buffer does: :func:`mxport.quantize.quantize_many` (one batched
   call) against one ``quantize(x, out=...)`` call per tensor; ratio = the speed-up of batching.
 * ``model weights memory bound`` — the same batched figure against one ``copy_`` of the same input bytes
-  (bytes read + written).
+  (bytes read + written); also on 1 thread (goal >= 0.4).
+* ``fresh 8192x8192`` — ``quantize(x)`` of a BF16 8192x8192 tensor *without* ``out=`` (fresh outputs, above
+  glibc's 32 MiB mmap threshold: every call maps new pages) against a ``copy_`` of the same BF16 tensor into
+  a preallocated one; 1 thread (goal >= 0.6) and the default thread count.
+* ``size sweep`` — the same fresh-output quantize, 1 thread, of ``(n / 4096, 4096)`` BF16 tensors for ``n`` =
+  64K, 256K, ..., 256M elements (16M in quick mode): nanoseconds per element per size, and the largest step up
+  from one size to the next (goal: no size more than 25% slower per element than the size below it).
 
 Bytes moved by a quantize of ``n`` BF16 elements: ``2n`` read + ``n`` FP8 written + ``n/32`` E8M0 bytes
 written (the same count is used for torchao, so GB/s ratios are speed ratios).
@@ -116,6 +122,74 @@ def run(quick: bool = False) -> list[dict]:
         xs = x if n == side else make(n)
         rows.append(_sweep_row(xs, ao_fn, ao_missing, runs=runs, warmup=warmup, device=device))
     rows += _model_rows(4 if quick else 30, runs=runs, warmup=warmup, device=device)
+    if device.type == "cpu":
+        with _threads(1):
+            rows += [dict(r, metric=r["metric"] + ", 1 thread", goal="ratio >= 0.4")
+                     for r in _model_rows(4 if quick else 30, runs=runs, warmup=warmup, device=device)[1:]]
+    rows += _fresh_rows(runs=runs, warmup=warmup, device=device)
+    if device.type == "cpu":
+        rows += _sweep_rows(1 << (24 if quick else 28), runs=runs, device=device)
+    return rows
+
+
+class _threads:
+    """``torch.set_num_threads(n)`` inside a ``with`` block."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def _fresh_rows(*, runs: int, warmup: int, device: torch.device) -> list[dict]:
+    """Quantize of a fresh-output BF16 8192x8192 tensor against a copy_ of it: 1 thread and default."""
+    from ..quantize import kernel_label
+    from ..quantize import quantize as mx_quantize
+
+    x = torch.randn(8192, 8192, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    dst = torch.empty_like(x)
+    rows = []
+    counts = [1, torch.get_num_threads()] if device.type == "cpu" else [torch.get_num_threads()]
+    for n in dict.fromkeys(counts):
+        with _threads(n):
+            med = interleaved_medians({"mxport": lambda: mx_quantize(x), "copy": lambda: dst.copy_(x)},
+                                      runs=runs, warmup=warmup, device=device)
+        g_mx = quantize_bytes(x.numel()) / med["mxport"] / 1e9
+        g_c = 2 * x.numel() * x.element_size() / med["copy"] / 1e9
+        label = "1 thread" if n == 1 else f"{n} threads"
+        rows.append(_row(f"fresh 8192x8192, {label}", g_mx, "GB/s", f"copy_ {g_c:.2f} GB/s", g_mx / g_c,
+                         "ratio >= 0.6" if n == 1 else "informational",
+                         f"quantize without out= (fresh outputs) {med['mxport'] * 1e3:.1f} ms vs copy_ of "
+                         f"the same bf16 tensor {med['copy'] * 1e3:.1f} ms, {runs} interleaved runs; "
+                         f"{kernel_label(x)}"))
+    return rows
+
+
+def _sweep_rows(top: int, *, runs: int, device: torch.device) -> list[dict]:
+    """Fresh-output quantize per element over sizes 64K .. ``top`` elements (x4 steps), 1 thread."""
+    from ..quantize import quantize as mx_quantize
+
+    per, n = {}, 1 << 16
+    with _threads(1):
+        while n <= top:
+            x = torch.randn(n // 4096, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+            t = interleaved_medians({"q": lambda x=x: mx_quantize(x)}, runs=runs, warmup=2, device=device)
+            per[n] = t["q"] / n * 1e9
+            del x
+            n *= 4
+    sizes = list(per)
+    steps = [per[b] / per[a] for a, b in zip(sizes, sizes[1:], strict=False)]
+    worst = max(range(len(steps)), key=steps.__getitem__)
+    rows = [_row(f"size sweep {n >> 10}K elements, 1 thread", per[n], "ns/elem", "itself", 1.0, "plot",
+                 "quantize without out=, (n/4096, 4096) bf16") for n in sizes]
+    rows.append(_row("size sweep worst step", steps[worst], "x", f"{sizes[worst] >> 10}K -> "
+                     f"{sizes[worst + 1] >> 10}K elements", steps[worst], "ratio <= 1.25",
+                     "largest ratio of ns/elem between a size and the size below it (x4 steps), 1 thread; "
+                     + ", ".join(f"{n >> 10}K: {v:.3f}" for n, v in per.items())))
     return rows
 
 
@@ -154,7 +228,7 @@ def _model_rows(layers: int, *, runs: int, warmup: int, device: torch.device) ->
              "ratio >= 1",
              f"{what}; median {med['batched'] * 1e3:.2f} ms batched vs {med['per_tensor'] * 1e3:.2f} ms "
              f"per tensor, {runs} interleaved runs"),
-        _row("model weights memory bound", g_b, "GB/s", f"copy_ {g_c:.2f} GB/s", g_b / g_c, "ratio >= 0.25",
+        _row("model weights memory bound", g_b, "GB/s", f"copy_ {g_c:.2f} GB/s", g_b / g_c, "ratio >= 0.4",
              f"{what}; copy_ of the same input bytes in one tensor (median {med['copy'] * 1e3:.2f} ms); "
              f"per tensor: {g_p / g_c:.3f} of it"),
     ]

@@ -82,6 +82,111 @@ def checksum(payload: torch.Tensor) -> int:
     return _mix(n, sums)
 
 
+_SHIFTS: dict[str, torch.Tensor] = {}
+
+
+def _span_words(data: torch.Tensor, rho: int) -> torch.Tensor:
+    """The word-sum contribution (int64 0-d tensor on ``data``'s device) of the bytes ``data`` (flat uint8)
+    whose first byte sits at stream offset ``rho`` mod 8: byte ``i`` adds ``byte << 8 * ((rho + i) % 8)``
+    (wrapping), so a range summed on its own adds exactly what its bytes add to :func:`checksum`'s word
+    sums."""
+    n = data.numel()
+    if rho % 8 == 0 and n % 8 == 0 and data.storage_offset() % 8 == 0:  # whole words (the common case)
+        return data.view(torch.int64).sum()
+    key = str(data.device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(0, 64, 8, dtype=torch.int64, device=data.device)
+    shifts = _SHIFTS[key]
+    h = min((-rho) % 8, n)  # bytes before the first word boundary
+    mid = (n - h) // 8 * 8
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    if h:
+        total += (data[:h].long() << shifts[rho % 8:rho % 8 + h]).sum()
+    if mid:
+        words = data[h:h + mid]
+        if words.storage_offset() % 8:  # not 8-byte aligned in memory: view a copy
+            words = words.clone()
+        total += words.view(torch.int64).sum()
+    if n - h - mid:
+        total += (data[h + mid:].long() << shifts[:n - h - mid]).sum()
+    return total
+
+
+class ChunkSums:
+    """The word sums of a plan's byte stream per :data:`CHUNK_BYTES` chunk of each bucket (what
+    :func:`checksum` mixes), added piece by piece as the stream is produced: a quantize kernel adds the bytes
+    it writes (:func:`mxport.quantize.quantize_many` with ``sums``; the native kernel sums in cache, with no
+    pass of its own), :meth:`add` any other bytes. :meth:`checksum` then gives ``checksum`` of a bucket
+    without reading it. Chunk ``c`` of bucket ``b`` is entry ``b * per_bucket + c`` of :attr:`sums` (int64,
+    on ``device``)."""
+
+    def __init__(self, plan: RefitPlan, device: str | torch.device = "cpu"):
+        self.plan = plan
+        self.per_bucket = -(-plan.bucket_bytes // CHUNK_BYTES)
+        self.sums = torch.zeros(plan.num_buckets * self.per_bucket, dtype=torch.int64, device=device)
+
+    def reset(self) -> None:
+        self.sums.zero_()
+
+    def native(self, offsets: list[tuple[int, int]]):
+        """The :class:`mxport.native.StreamSums` of a native batch whose outputs start at ``offsets``
+        (values, scales) in the stream: the kernel adds to :attr:`sums` (on the CPU)."""
+        from ..native import StreamSums
+
+        return StreamSums(offsets, self.plan.bucket_bytes, CHUNK_BYTES, self.sums)
+
+    def _add(self, sums: torch.Tensor, pieces: list[tuple[torch.Tensor, int]], first: int = 0) -> None:
+        """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (entry ``first`` = ``sums[0]``), in
+        one ``index_add_``."""
+        B, index, parts = self.plan.bucket_bytes, [], []
+        for data, offset in pieces:
+            n, pos = data.numel(), 0
+            if offset < 0 or offset + n > self.plan.num_buckets * B:
+                raise ValueError(f"{n} bytes at stream offset {offset} fall outside the plan's stream")
+            while pos < n:
+                off = offset + pos
+                b, within = divmod(off, B)
+                c = within // CHUNK_BYTES
+                take = min(n - pos, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
+                full = min(n - pos, b * B + B - off) // CHUNK_BYTES
+                if within % CHUNK_BYTES == 0 and full > 1 and data[pos:].storage_offset() % 8 == 0:
+                    # whole chunks of one bucket in one op (one parallel region, not one per chunk)
+                    take = full * CHUNK_BYTES
+                    words = data[pos:pos + take].view(torch.int64).view(full, CHUNK_BYTES // 8)
+                    start = b * self.per_bucket + c - first
+                    index += range(start, start + full)
+                    parts.append(words.sum(dim=1))
+                else:
+                    index.append(b * self.per_bucket + c - first)
+                    parts.append(_span_words(data[pos:pos + take], off % 8).view(1))
+                pos += take
+        if parts:
+            sums.index_add_(0, torch.tensor(index, device=sums.device), torch.cat(parts))
+
+    def add(self, data: torch.Tensor, offset: int) -> None:
+        """Add the bytes of ``data`` (a contiguous tensor, read as its bytes) at stream ``offset``."""
+        self._add(self.sums, [(byte_view(data, argname="data"), offset)])
+
+    def checksum(self, b: int, extra: list[tuple[torch.Tensor, int]] = ()) -> int:
+        """:func:`checksum` of bucket ``b`` from the sums, plus the bytes of ``extra`` (``(tensor, stream
+        offset)`` pieces inside bucket ``b``, summed now and not kept: a bucket's kept tensors, read as they
+        are when it is sent)."""
+        size = self.plan.bucket_size(b)
+        first = b * self.per_bucket
+        sums = self.sums[first:first + max(1, -(-size // CHUNK_BYTES))]
+        if extra:
+            sums = sums.clone()
+            start, pieces = b * self.plan.bucket_bytes, []
+            for data, offset in extra:
+                data = byte_view(data, argname="data")
+                if offset < start or offset + data.numel() > start + size:
+                    raise ValueError(f"{data.numel()} bytes at stream offset {offset} are not inside bucket "
+                                     f"{b}")
+                pieces.append((data, offset))
+            self._add(sums, pieces, first)
+        return _mix(size // 8, sums.tolist())
+
+
 @dataclass(frozen=True)
 class Segment:
     """``length`` bytes of entry ``entry`` starting at byte ``src`` of the tensor land at ``dst`` of the

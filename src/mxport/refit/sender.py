@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +61,7 @@ class _Run:
     version: int
     items: Iterator
     slots: int
+    checksums: Callable[[int], int] | None = None  # the producer's bucket checksums (see send)
     sources: list = field(default_factory=list)  # flat uint8 views per entry (None once on the wire)
     pending: deque = field(default_factory=deque)  # (handle, pack slot or None, payload kept alive)
     crcs: list = field(default_factory=list)
@@ -146,7 +147,8 @@ class RefitSender:
         self.version = exchange_plans(self.transport, self.plan, self.version)
         self._handshaken = True
 
-    def send(self, tensors: Iterable[torch.Tensor]) -> SendStats:
+    def send(self, tensors: Iterable[torch.Tensor], *,
+             checksums: Callable[[int], int] | None = None) -> SendStats:
         """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a
         list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
         tensors overlaps the broadcast of the current bucket).
@@ -168,6 +170,13 @@ class RefitSender:
         committed by none. A failure of the transport itself (a dead receiver, a timeout) raises
         :class:`RefitError` (the transport's error as its cause): the group is unusable.
 
+        ``checksums``: when the producer of ``tensors`` knows each bucket's checksum without reading it
+        (``TrainerSource(arena=True).bucket_checksum``: summed by the quantize kernel as it wrote the bytes),
+        ``checksums(b)`` gives :func:`~mxport.refit.buckets.checksum` of bucket ``b``; it is called once the
+        bucket's tensors are taken, right after the bucket is posted, and replaces the sender's own pass over
+        the bucket. Receivers verify every bucket as always, so a wrong value fails the refit, never passes
+        bad bytes.
+
         Returns:
             :class:`~mxport.refit.results.SendStats`: ``version``, ``bytes`` (payload bytes), ``buckets``,
             ``zero_copy_buckets`` (sent without packing), ``seconds`` (whole send, up to every receiver's
@@ -181,13 +190,14 @@ class RefitSender:
             RefitError: some receiver rejected the refit, and so none committed it (``receivers`` holds every
                 receiver's result: its own rejection, or ``PEER_REJECTED``); or the transport failed.
         """
-        pending = self.transmit(tensors)
+        pending = self.transmit(tensors, checksums=checksums)
         return self.conclude(pending, self._own_vote(pending))
 
-    def transmit(self, tensors: Iterable[torch.Tensor]) -> PendingSend:
+    def transmit(self, tensors: Iterable[torch.Tensor], *,
+                 checksums: Callable[[int], int] | None = None) -> PendingSend:
         """Phase one of :meth:`send`: every bucket and the trailer (the abort path as :meth:`send`: the
-        remaining buckets and an abort trailer, the error kept in the result). Follow with the vote (this
-        rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
+        remaining buckets and an abort trailer, the error kept in the result; ``checksums`` as in
+        :meth:`send`). Follow with the vote (this rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
 
         Raises:
             RefitError: the transport failed (no vote can follow; the group is unusable).
@@ -195,7 +205,7 @@ class RefitSender:
         if not self._handshaken:
             self.handshake()
         self.version += 1
-        run = _Run(self.version, iter(tensors), len(self._packbuf))
+        run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
         sw = Stopwatch()
         try:
             for b in range(self.plan.num_buckets):
@@ -267,7 +277,8 @@ class RefitSender:
                     self._retire_oldest(run)
             payload = self._packbuf[slot][:size]
             with sw.phase("pack"):  # packing sums each chunk while it is in cache: checksum for one pass less
-                crc = pack_bucket(self.layout, b, run.sources, payload, with_checksum=self.use_checksum)
+                crc = pack_bucket(self.layout, b, run.sources, payload,
+                                  with_checksum=self.use_checksum and run.checksums is None)
         else:
             run.zero_copy += 1
         if self.stream_crc32:
@@ -280,9 +291,9 @@ class RefitSender:
         run.posted += 1
         if slot is not None:
             run.slot_busy[slot] = True
-        elif self.use_checksum:
+        if self.use_checksum and crc is None:
             with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
-                crc = checksum(payload)
+                crc = checksum(payload) if run.checksums is None else run.checksums(b)
         run.crcs.append(crc if crc is not None else 0)
         # release sources that are fully handed to the wire (a generator's tensors can then be freed)
         bucket_end = b * self.plan.bucket_bytes + size

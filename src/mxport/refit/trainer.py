@@ -11,6 +11,7 @@ from torch import nn
 
 from ..components import compact_scale_shape
 from .arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
+from .buckets import BucketLayout, ChunkSums
 from .items import model_tensors, tensor_items
 from .plan import RefitPlan
 
@@ -73,6 +74,8 @@ class TrainerSource:
             an adopted tensor (or of a ``state_dict``) writes the whole send buffer it is a view of, once
             (``save_pretrained`` / safetensors write each tensor's own bytes). Costs about the model's refit
             size for the trainer's lifetime, less the adopted tensors' old storage; off by default.
+            With it the source also gives each bucket's checksum without reading the bucket
+            (:meth:`bucket_checksum`, for ``RefitSender.send(..., checksums=...)``).
 
     Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
     ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil). Native MXFP8 storage
@@ -109,6 +112,13 @@ class TrainerSource:
         self.arena = bool(arena)
         self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
         self._complete = False  # the last tensors() call ran to its end (stream_crc32 covers a whole refit)
+        # the stream's word sums per checksum chunk, of the quantized bytes (added by the quantize kernel as
+        # it writes them); entries summed there, and entries yielded, by the current tensors() call
+        self._sums = ChunkSums(self.plan, self._device) if self.arena else None
+        self._layout = BucketLayout(self.plan) if self.arena else None
+        self._stream = stream_arena(self.plan, self._slots) if self.arena else None  # the buffer, flat
+        self._summed = [False] * len(self.plan)
+        self._yielded = 0
 
     @torch.no_grad()
     def _arena_slots(self) -> list[torch.Tensor]:
@@ -153,13 +163,18 @@ class TrainerSource:
 
         slots = self._slots
         self._complete = False
+        self._summed, self._yielded = [False] * len(self.plan), 0
+        if self._sums is not None:
+            self._sums.reset()
         i = ready = 0  # ready: entries before it hold this call's quantized bytes in their slots already
         for idx, ((_, t), q) in enumerate(zip(self.tensors_by_name, self.quantized, strict=True)):
             if q:
                 if slots is not None and _plain_float(t):
                     if idx >= ready:  # this weight and the plain-float weights right after it, in one batch
                         ready = self._quantize_run(idx, i)
+                    self._yielded = i + 1
                     yield slots[i]
+                    self._yielded = i + 2
                     yield slots[i + 1]
                 else:
                     c = (quantize(t.detach(), self.fp8_dtype, kernel=self.kernel) if _plain_float(t)
@@ -168,6 +183,7 @@ class TrainerSource:
                         if (slots is not None and part.dtype == slots[j].dtype
                                 and part.shape == slots[j].shape):
                             part = slots[j].copy_(part)  # native storage: into the send buffer too (one copy)
+                        self._yielded = j + 1
                         yield part.contiguous()
                 i += 2
             else:
@@ -178,10 +194,12 @@ class TrainerSource:
                     # not adopted: copy (and cast) in
                     if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:
                         slot.copy_(x)
+                    self._yielded = i + 1
                     yield slot
                 else:
                     # (a tensor whose dtype or shape drifted from the plan goes out as is:
                     # the sender refuses it)
+                    self._yielded = i + 1
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
         self._complete = True
@@ -194,11 +212,46 @@ class TrainerSource:
         from ..nn import _plain_float
         from ..quantize import quantize_many
 
-        xs, outs, numel, end = [], [], 0, idx
+        xs, outs, entries, numel, end = [], [], [], 0, idx
         while (end < len(self.quantized) and self.quantized[end] and (end == idx or numel < BATCH_NUMEL)
                and _plain_float(t := self.tensors_by_name[end][1])):
             xs.append(t.detach())
             outs.append((self._slots[i], self._slots[i + 1]))
+            entries.append(i)
             numel, end, i = numel + t.numel(), end + 1, i + 2
-        quantize_many(xs, self.fp8_dtype, outs=outs, kernel=self.kernel)
+        offsets = [(self.plan.entries[j].offset, self.plan.entries[j + 1].offset) for j in entries]
+        quantize_many(xs, self.fp8_dtype, outs=outs, kernel=self.kernel, sums=self._sums, offsets=offsets)
+        for j in entries:
+            self._summed[j] = self._summed[j + 1] = True
         return end
+
+    def bucket_checksum(self, b: int) -> int:
+        """The refit checksum (:func:`~mxport.refit.buckets.checksum`) of bucket ``b`` of the stream the
+        current :meth:`tensors` call yields, once it has yielded every tensor with bytes in bucket ``b``,
+        without reading the bucket: the quantized weights' bytes were summed by the quantize kernel as it
+        wrote them (native: in cache, no pass of its own); the other tensors' bytes in the bucket (kept
+        tensors, native MXFP8 storage: copied or adopted, not quantized) are summed now, from the send buffer,
+        as they are. For ``RefitSender.send(source.tensors(), checksums=source.bucket_checksum)``: the
+        sender asks after posting the bucket, so the kept tensors are summed while it is on the wire.
+
+        Raises:
+            ValueError: without ``arena=True``. RuntimeError: some tensor of bucket ``b`` not yielded yet.
+        """
+        if self._sums is None:
+            raise ValueError("bucket_checksum() needs TrainerSource(arena=True)")
+        segments = self._layout.segments[b]
+        if segments and segments[-1].entry >= self._yielded:
+            raise RuntimeError(f"bucket {b}: tensor {self.plan.entries[segments[-1].entry].name!r} has not "
+                               "been produced yet by tensors()")
+        runs: list[list[int]] = []  # runs of consecutive segments not summed yet (only zero padding between)
+        joined = False
+        for s in segments:
+            if self._summed[s.entry]:
+                joined = False
+            elif joined:
+                runs[-1][1] = s.dst + s.length
+            else:
+                runs.append([s.dst, s.dst + s.length])
+                joined = True
+        base = b * self.plan.bucket_bytes
+        return self._sums.checksum(b, [(self._stream[base + d0:base + d1], base + d0) for d0, d1 in runs])

@@ -1,0 +1,230 @@
+"""Refit checksums fused into the cast: the quantize kernels add the word sums of the bytes they write, per
+checksum chunk of the stream (:class:`mxport.refit.buckets.ChunkSums`), so that the sender gets every bucket's
+checksum (``TrainerSource.bucket_checksum``) without reading the bucket. Each test compares with
+:func:`mxport.refit.buckets.checksum` of the bucket's packed bytes, exactly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mxport.quantize import quantize_many
+from mxport.refit import (
+    InProcessChannel,
+    RefitError,
+    RefitReceiver,
+    RefitSender,
+    Status,
+    TrainerSource,
+    allocate_targets,
+)
+from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, ChunkSums, byte_view, checksum, pack_bucket
+from mxport.refit.plan import RefitPlan
+from mxport.testing import FaultyTransport
+
+KERNELS = ["native", "eager"]
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    """Odd byte counts (K = 577: rows straddle words; 101 rows), a kept 4.8 MB embedding (several whole
+    checksum chunks) and a norm between the quantized weights, one weight of 2.05 M elements (more than one
+    checksum chunk, cut between two native threads)."""
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.a = torch.nn.Linear(577, 101, bias=False)
+    m.embed_tokens = torch.nn.Embedding(3000, 401)
+    m.b = torch.nn.Linear(1000, 2050, bias=False)
+    m.norm = torch.nn.LayerNorm(33)
+    m.c = torch.nn.Linear(40, 3, bias=False).to(torch.bfloat16)
+    return m
+
+
+def _packed_checksums(src: TrainerSource, tensors: list[torch.Tensor]) -> list[int]:
+    """checksum() of every bucket packed from the yielded tensors (the sender's own way)."""
+    layout, views = BucketLayout(src.plan), [byte_view(t) for t in tensors]
+    out = []
+    for b in range(src.plan.num_buckets):
+        payload = torch.empty(src.plan.bucket_size(b), dtype=torch.uint8)
+        pack_bucket(layout, b, views, payload)
+        out.append(checksum(payload))
+    return out
+
+
+#: bucket sizes: 1 MiB, not a multiple of 1 MiB (3 MiB + 16, 400016), smaller than a chunk, a tiny one
+BUCKETS = [CHUNK_BYTES, 3 * CHUNK_BYTES + 16, 400016, 4096]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_fused_bucket_checksums_equal_checksum_of_packed_buckets(kernel, bucket_bytes):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the large weight is cut between two native threads, each with its own sums
+    try:
+        src = TrainerSource(_model(), bucket_bytes=bucket_bytes, arena=True, kernel=kernel)
+        tensors = list(src.tensors())
+    finally:
+        torch.set_num_threads(threads)
+    assert src.plan.num_buckets > 1 or bucket_bytes > src.plan.total_bytes
+    want = _packed_checksums(src, tensors)
+    got = [src.bucket_checksum(b) for b in range(src.plan.num_buckets)]
+    assert got == want
+    # the quantized bytes were summed by the kernel (not read again): the sums hold them without the kept ones
+    assert src._sums.sums.any()
+
+
+def test_fused_checksums_with_kept_tensors_copied_in():
+    """Kept tensors cast to BF16 (copied into the send buffer at every call, not adopted) and summed with the
+    zero padding between them in one range: still checksum() of the packed buckets."""
+    src = TrainerSource(_model(2), bucket_bytes=65536, arena=True, kept_dtype=torch.bfloat16)
+    tensors = list(src.tensors())
+    assert [src.bucket_checksum(b) for b in range(src.plan.num_buckets)] == _packed_checksums(src, tensors)
+
+
+def test_fused_checksums_equal_on_every_kernel_and_every_call():
+    sums = {}
+    for kernel in ("native", "eager", "compiled"):
+        src = TrainerSource(_model(1), bucket_bytes=400016, arena=True, kernel=kernel)
+        for _ in range(2):  # a second call starts from zero sums again
+            tensors = list(src.tensors())
+            sums[kernel] = [src.bucket_checksum(b) for b in range(src.plan.num_buckets)]
+            assert sums[kernel] == _packed_checksums(src, tensors)
+    assert sums["native"] == sums["eager"] == sums["compiled"]
+
+
+def _stream_reference(outputs, offsets, total: int, bucket_bytes: int) -> list[int]:
+    """checksum() of each bucket of a byte stream built by hand from the outputs at their offsets."""
+    stream = torch.zeros(-(-total // bucket_bytes) * bucket_bytes, dtype=torch.uint8)
+    for (q, e), (qo, eo) in zip(outputs, offsets, strict=True):
+        stream[qo:qo + q.numel()] = byte_view(q)
+        stream[eo:eo + e.numel()] = byte_view(e)
+    plan_sizes = [min(bucket_bytes, total - b * bucket_bytes) for b in range(-(-total // bucket_bytes))]
+    return [checksum(stream[b * bucket_bytes:b * bucket_bytes + n]) for b, n in enumerate(plan_sizes)]
+
+
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+def test_quantize_many_sums_at_any_stream_offset(kernel):
+    """Outputs in their own tensors (not a stream arena) at stream offsets of every residue mod 8: the sums
+    are those of the bytes placed at those offsets, whatever the outputs' own addresses."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(37, 577), (300, 64), (5, 33), (1200, 1000)]
+    xs = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    outs = [(torch.empty(s, dtype=torch.uint8), torch.empty(s[0], -(-s[1] // 32), dtype=torch.uint8))
+            for s in shapes]
+    offsets, pos = [], 3
+    for s in shapes:
+        q_off = pos
+        e_off = q_off + s[0] * s[1] + 5
+        offsets.append((q_off, e_off))
+        pos = e_off + s[0] * -(-s[1] // 32) + 7
+    total = (pos + 15) // 16 * 16
+    bucket_bytes = 700016
+    plan = RefitPlan([("s", "kept", torch.uint8, (total,))], bucket_bytes)
+    sums = ChunkSums(plan)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        quantize_many(xs, outs=outs, kernel=kernel, sums=sums, offsets=offsets)
+    finally:
+        torch.set_num_threads(threads)
+    want = _stream_reference(outs, offsets, total, bucket_bytes)
+    assert [sums.checksum(b) for b in range(plan.num_buckets)] == want
+
+
+def test_quantize_many_sums_need_offsets_and_stay_inside_the_stream():
+    plan = RefitPlan([("s", "kept", torch.uint8, (4096,))], 1024)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="offsets"):
+        quantize_many([x], sums=ChunkSums(plan))
+    with pytest.raises(ValueError, match="outside"):
+        quantize_many([x], kernel="native", sums=ChunkSums(plan), offsets=[(4000, 0)])
+    with pytest.raises(ValueError, match="outside"):
+        quantize_many([x], kernel="eager", sums=ChunkSums(plan), offsets=[(4000, 0)])
+
+
+def test_bucket_checksum_refuses_a_bucket_not_produced_yet():
+    src = TrainerSource(_model(), bucket_bytes=4096, arena=True)
+    it = src.tensors()
+    next(it)
+    with pytest.raises(RuntimeError, match="not been produced"):
+        src.bucket_checksum(src.plan.num_buckets - 1)
+    with pytest.raises(ValueError, match="arena"):
+        TrainerSource(_model(), bucket_bytes=4096).bucket_checksum(0)
+
+
+def _refit(src: TrainerSource, fault=None, versions: int = 1):
+    """In-process refits of ``src`` with its fused checksums; returns (sent, received, targets, calls)."""
+    plan = src.plan
+    ch = InProcessChannel(1, timeout_s=30)
+    targets = allocate_targets(plan)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    got = []
+
+    def rx():
+        for _ in range(versions):
+            try:
+                got.append(receiver.receive())
+            except RefitError as exc:
+                got.append(exc)
+
+    th = threading.Thread(target=rx)
+    th.start()
+    ep = ch.endpoint(0) if fault is None else FaultyTransport(ch.endpoint(0), plan.num_buckets, fault)
+    sender = RefitSender(ep, plan)
+    calls = []
+
+    def provider(b: int) -> int:
+        calls.append(b)
+        return src.bucket_checksum(b)
+
+    sent = []
+    for _ in range(versions):
+        try:
+            sent.append(sender.send(src.tensors(), checksums=provider))
+        except RefitError as exc:
+            sent.append(exc)
+    th.join(timeout=60)
+    assert not th.is_alive()
+    return sent, got, targets, calls
+
+
+def test_sender_uses_the_producers_checksums_and_receivers_verify_them():
+    src = TrainerSource(_model(), bucket_bytes=400016, arena=True)
+    sent, got, targets, calls = _refit(src, versions=2)
+    n = src.plan.num_buckets
+    assert calls == list(range(n)) * 2
+    assert all(not isinstance(s, Exception) for s in sent) and all(not isinstance(r, Exception) for r in got)
+    live = [byte_view(t) for t in targets]
+    want = [byte_view(t) for t in src.tensors()]
+    assert all(torch.equal(a, b) for a, b in zip(live, want, strict=True))
+
+
+def test_a_byte_corrupted_in_transit_is_still_caught():
+    src = TrainerSource(_model(), bucket_bytes=400016, arena=True)
+
+    def corrupt(refit, b, wire):
+        if refit == 2 and b == 1:
+            wire[12345] ^= 0x10
+
+    sent, got, targets, _ = _refit(src, corrupt, versions=3)
+    assert not isinstance(sent[0], Exception) and not isinstance(got[0], Exception)
+    assert isinstance(sent[1], RefitError) and isinstance(got[1], RefitError)
+    assert got[1].status == Status.CHECKSUM and got[1].bucket == 1
+    assert not isinstance(sent[2], Exception) and not isinstance(got[2], Exception)
+
+
+def test_wrong_producer_checksums_fail_the_refit():
+    """The sender trusts the producer's checksum only as far as the receivers verify it: an off-by-one value
+    fails the refit (a fused sum that went wrong can never pass)."""
+    src = TrainerSource(_model(), bucket_bytes=400016, arena=True)
+    plan = src.plan
+    ch = InProcessChannel(1, timeout_s=30)
+    receiver = RefitReceiver(ch.endpoint(1), plan, allocate_targets(plan))
+    got = []
+    th = threading.Thread(target=lambda: got.append(pytest.raises(RefitError, receiver.receive).value))
+    th.start()
+    with pytest.raises(RefitError):
+        RefitSender(ch.endpoint(0), plan).send(src.tensors(), checksums=lambda b: src.bucket_checksum(b) + 1)
+    th.join(timeout=60)
+    assert got and got[0].status == Status.CHECKSUM
