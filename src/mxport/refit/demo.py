@@ -109,7 +109,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         train_s = time.perf_counter() - t0
-        stats = sender.send(source.tensors())
+        stats = sender.send(source.tensors(), checksums=source.bucket_checksum)  # summed by the quantize
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
         shape = _ReplyShape(int(_prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
         rows = [_receiver_row(model, tok, r, sent_crc32) for r in _gather_replies(transport, shape, None)[1:]]
