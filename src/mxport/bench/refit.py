@@ -148,6 +148,34 @@ def _unrow(row: torch.Tensor) -> list[tuple[float, float, dict]]:
             for v in (vals[i:i + width] for i in range(0, len(vals), width))]
 
 
+def _bench_model(cfg: dict):
+    """The trainer's model of one refit benchmark: ``cfg["model"]`` "shaped", "large", true (the embedded
+    model) or false (the synthetic one)."""
+    if cfg["model"] == "shaped":
+        return _shaped_model()
+    if cfg["model"] == "large":
+        return _large_model(cfg["layers"])
+    if cfg["model"]:
+        from ..models import load_causal_lm
+
+        return load_causal_lm(None, dtype=torch.float32)[0]
+    return _synthetic_model(cfg["layers"])
+
+
+def _timed(tr, end, fn) -> tuple[float, float, dict | None]:
+    """``fn()`` between a barrier and its return: ``(t0, t1, its stats as a dict)``."""
+    tr.all_gather(torch.zeros(1))  # barrier
+    t0 = _now()
+    stats = fn()
+    t1 = _now()
+    stats = stats.to_dict() if stats is not None else None
+    if not tr.is_sender and stats is not None:
+        # direct mode: the background rollback copy finishes here, outside the timed region and before the
+        # next barrier, so it never overlaps (and slows) the raw-broadcast baseline; its cost is reported
+        stats["backup_after_s"] = end.wait_backup()
+    return t0, t1, stats
+
+
 def _body(rank: int, init: str, cfg: dict) -> dict | None:
     from ..quantize import NATIVE_PATH, kernel_label
     from ..refit import RefitReceiver, RefitSender, TorchDistTransport, TrainerSource, allocate_targets
@@ -159,17 +187,8 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
     tr = TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=300)
     try:
         if rank == 0:
-            if cfg["model"] == "shaped":
-                model = _shaped_model()
-            elif cfg["model"] == "large":
-                model = _large_model(cfg["layers"])
-            elif cfg["model"]:
-                from ..models import load_causal_lm
-
-                model, _ = load_causal_lm(None, dtype=torch.float32)
-            else:
-                model = _synthetic_model(cfg["layers"])
-            src = TrainerSource(model, bucket_bytes=cfg["bucket_bytes"], arena=True, kernel=kernel)
+            src = TrainerSource(_bench_model(cfg), bucket_bytes=cfg["bucket_bytes"], arena=True,
+                                kernel=kernel)
             plan = share_plan(tr, src.plan)
             end = RefitSender(tr, plan)
             tensors = list(src.tensors())
@@ -189,17 +208,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
                 requantize()
 
         def timed(fn):
-            tr.all_gather(torch.zeros(1))  # barrier
-            t0 = _now()
-            stats = fn()
-            t1 = _now()
-            stats = stats.to_dict() if stats is not None else None
-            if rank != 0 and stats is not None:
-                # direct mode: the background rollback copy finishes here, outside the timed region and
-                # before the next barrier, so it never overlaps (and slows) the raw-broadcast baseline;
-                # its cost is reported
-                stats["backup_after_s"] = end.wait_backup()
-            return t0, t1, stats
+            return _timed(tr, end, fn)
 
         def refit_without_checksums():
             end.use_checksum = False  # both sides switch, so the receiver does not expect sums
@@ -234,10 +243,9 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
             return None
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
                 "kernel": kernel or kernel_label(torch.empty(576, 576)).split(" (")[0],
-                "direct": bool(got[1][0][2]["direct"]),
-                "refit_s": refit_s, "commit_s": commit_s, "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e,
-                "nosum_s": nosum_s, "bf16_s": bf16_s, "bf16_bytes": bf16.numel(),
-                "sender_sums_s": sender_sums_s,
+                "direct": bool(got[1][0][2]["direct"]), "refit_s": refit_s, "commit_s": commit_s,
+                "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e, "nosum_s": nosum_s, "bf16_s": bf16_s,
+                "bf16_bytes": bf16.numel(), "sender_sums_s": sender_sums_s,
                 "threads": torch.get_num_threads(), "fused": bool(cfg.get("fused", True))}
     finally:
         tr.close()
