@@ -108,6 +108,7 @@ class Timings:
     engine_quant: list = field(default_factory=list)
     host_copy: list = field(default_factory=list)  # every rank copies, bucket by bucket, at once
     host_checksum: list = field(default_factory=list)  # every rank checksums, bucket by bucket, at once
+    host_commit: list = field(default_factory=list)  # the engine ranks alone copy at once (the commit)
 
 
 PRESETS = {  # name: (sizes, trainers, engines, runs, warmup)
@@ -415,7 +416,7 @@ class EngineSide:
 
 
 KINDS = ("mxport", "baseline", "raw", "raw_all", "quant_solo", "quant_all", "engine_quant", "host_copy",
-         "host_checksum")
+         "host_checksum", "host_commit")
 RAW_TAG = 7  # the calibration's point-to-point messages (the pair streams use mxport.refit's PAIR_TAG)
 
 
@@ -467,7 +468,8 @@ def run_size(r: Rank, size: Size) -> dict | None:
              "quant_all": side.quantize_all if r.is_trainer else idle,
              "engine_quant": idle if r.is_trainer else side.quantize_slices,
              "host_copy": lambda: _host_pass(flat, staged, bucket, True),
-             "host_checksum": lambda: _host_pass(flat, staged, bucket, False)}
+             "host_checksum": lambda: _host_pass(flat, staged, bucket, False),
+             "host_commit": idle if r.is_trainer else lambda: _host_pass(flat, staged, bucket, True)}
     tm = Timings()
     for i in range(r.case.warmup + r.case.runs):
         rows = r.gather_rows([r.timed(steps[k]) for k in KINDS])
@@ -504,6 +506,7 @@ def _collect(tm: Timings, rows: list, trainers: int) -> None:
     tm.engine_quant.append(span(6, en))
     tm.host_copy.append(span(7, world))
     tm.host_checksum.append(span(8, world))
+    tm.host_commit.append(span(9, en))
 
 
 def _worker(rank: int, case: Case, q) -> None:
@@ -582,7 +585,8 @@ def predictions(res: dict, case: Case, cal: dict) -> dict:
     concurrent = Hardware(**{**asdict(solo), "shared_gbps": cal["shared_gbps"],
                              "trainer_quantize_gelems": cal["trainer_quantize_gelems_concurrent"]})
     host = Hardware(**{**asdict(concurrent), "host_copy_gbps": cal["host_copy_gbps"],
-                       "host_checksum_gbps": cal["host_checksum_gbps"]})
+                       "host_checksum_gbps": cal["host_checksum_gbps"],
+                       "host_commit_gbps": cal["host_commit_gbps"]})
     for label, hw in (("solo", solo), ("concurrent", concurrent), ("host", host)):
         p = predict(_entries(size), Layout(fsdp=case.trainers), Layout(tp=case.engines), hw,
                     bucket_bytes=case.bucket_bytes)
@@ -606,7 +610,8 @@ def case_row(res: dict, case: Case, load: tuple) -> dict:
            "trainer_quantize_gelems_concurrent": res["trainer_elements"] / med(tm["quant_all"]) / 1e9,
            "engine_quantize_gelems": res["engine_elements"] / med(tm["engine_quant"]) / 1e9,
            "host_copy_gbps": res["host_pass_bytes"] / med(tm["host_copy"]) / 1e9,
-           "host_checksum_gbps": res["host_pass_bytes"] / med(tm["host_checksum"]) / 1e9}
+           "host_checksum_gbps": res["host_pass_bytes"] / med(tm["host_checksum"]) / 1e9,
+           "host_commit_gbps": res["host_pass_bytes"] / med(tm["host_commit"]) / 1e9}
     mx_s, base_s = med(tm["mxport"]), med(tm["baseline"])
     pred = predictions(res, case, cal)
     for p in pred.values():

@@ -70,7 +70,7 @@ def test_tiny_run_reports_every_key(tiny_report):
                 "quantize_s"} <= set(c["baseline"])
         assert set(c["calibration"]) == {"link_gbps", "shared_gbps", "trainer_quantize_gelems_solo",
                                          "trainer_quantize_gelems_concurrent", "engine_quantize_gelems",
-                                         "host_copy_gbps", "host_checksum_gbps"}
+                                         "host_copy_gbps", "host_checksum_gbps", "host_commit_gbps"}
         assert set(c["predicted"]) == {"solo", "concurrent", "host"}
         for p in c["predicted"].values():
             assert {"mxport_s", "baseline_s", "mxport_over_measured", "baseline_over_measured"} <= set(p)

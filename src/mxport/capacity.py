@@ -66,6 +66,8 @@ class Hardware:
             and scatter copies, :class:`HostPasses`); None: those passes are left out (GPUs: HBM bandwidth).
         host_checksum_gbps: GB/s one rank reads memory for checksums while every rank does; None: the same as
             ``host_copy_gbps``.
+        host_commit_gbps: GB/s one engine rank copies memory while the engine ranks alone do (the commit runs
+            after the vote, the trainers idle); None: the same as ``host_copy_gbps``.
     """
 
     link_gbps: float = 50.0
@@ -75,10 +77,11 @@ class Hardware:
     shared_gbps: float | None = None
     host_copy_gbps: float | None = None
     host_checksum_gbps: float | None = None
+    host_commit_gbps: float | None = None
 
     def __post_init__(self) -> None:
         names = ("link_gbps", "trainer_quantize_gelems", "engine_quantize_gelems")
-        optional = ("shared_gbps", "host_copy_gbps", "host_checksum_gbps")
+        optional = ("shared_gbps", "host_copy_gbps", "host_checksum_gbps", "host_commit_gbps")
         for name in names + tuple(n for n in optional if getattr(self, n) is not None):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -104,8 +107,9 @@ class HostPasses:
             return 0.0, 0.0, 0.0
         copy = hardware.host_copy_gbps * 1e9
         read = (hardware.host_checksum_gbps or hardware.host_copy_gbps) * 1e9
+        commit = (hardware.host_commit_gbps or hardware.host_copy_gbps) * 1e9
         return ((self.pack + self.cut) / copy + self.sender_checksum / read, self.checksum / read,
-                (self.commit + self.scatter) / copy)
+                (self.commit + self.scatter) / commit)
 
     def to_dict(self) -> dict:
         return asdict(self)
