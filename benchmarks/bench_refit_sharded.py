@@ -24,7 +24,10 @@ Per refit, interleaved in every run (medians over ``--runs`` after a warm-up):
   each its 1/T to engine rank ``t mod E`` (the GB/s all links share), trainer rank 0 quantizing its shard
   alone (G elements/s of one rank on a quiet machine), every trainer rank quantizing its shard at once
   (G elements/s per rank when the T ranks share the machine's cores), every engine rank quantizing its slice
-  at once.
+  at once; the protocol's host passes, bucket by bucket over a buffer of the busiest engine rank's bytes:
+  every rank copying (``copy_``) at once, every rank reading for checksums at once (the pack and checksum
+  passes run while buckets are on the wire, in all T + E processes), and the engine ranks alone copying (the
+  commit, after the vote).
 
 Refit seconds run from a barrier to the last rank's end (``CLOCK_MONOTONIC``, shared by the processes).
 After the runs every engine rank checks its bytes of both paths against ``quantize`` of the full tensor, cut
@@ -34,7 +37,9 @@ Capacity model: :func:`mxport.capacity.predict` for the same tensors and layouts
 with a :class:`~mxport.capacity.Hardware` from this run's calibration (``overlap=False``: on 2 cores the
 quantize and the wire do not overlap), once with the quiet (solo) quantize rate and independent links, once
 with the rate measured with all T trainer ranks quantizing at once and the shared bandwidth
-(``Hardware.shared_gbps``); predicted / measured for both paths.
+(``Hardware.shared_gbps``), and once more with the protocol's host passes at the rates measured here
+(``host``: ``Hardware.host_copy_gbps``, ``host_checksum_gbps``, ``host_commit_gbps``); predicted / measured
+for both paths.
 
 Usage (from the repository root; ``PYTHONPATH=src`` when mxport is not installed)::
 
