@@ -24,7 +24,10 @@ Per refit, interleaved in every run (medians over ``--runs`` after a warm-up):
   each its 1/T to engine rank ``t mod E`` (the GB/s all links share), trainer rank 0 quantizing its shard
   alone (G elements/s of one rank on a quiet machine), every trainer rank quantizing its shard at once
   (G elements/s per rank when the T ranks share the machine's cores), every engine rank quantizing its slice
-  at once.
+  at once; the protocol's host passes, bucket by bucket over a buffer of the busiest engine rank's bytes:
+  every rank copying (``copy_``) at once, every rank reading for checksums at once (the pack and checksum
+  passes run while buckets are on the wire, in all T + E processes), and the engine ranks alone copying (the
+  commit, after the vote).
 
 Refit seconds run from a barrier to the last rank's end (``CLOCK_MONOTONIC``, shared by the processes).
 After the runs every engine rank checks its bytes of both paths against ``quantize`` of the full tensor, cut
@@ -34,7 +37,9 @@ Capacity model: :func:`mxport.capacity.predict` for the same tensors and layouts
 with a :class:`~mxport.capacity.Hardware` from this run's calibration (``overlap=False``: on 2 cores the
 quantize and the wire do not overlap), once with the quiet (solo) quantize rate and independent links, once
 with the rate measured with all T trainer ranks quantizing at once and the shared bandwidth
-(``Hardware.shared_gbps``); predicted / measured for both paths.
+(``Hardware.shared_gbps``), and once more with the protocol's host passes at the rates measured here
+(``host``: ``Hardware.host_copy_gbps``, ``host_checksum_gbps``, ``host_commit_gbps``); predicted / measured
+for both paths.
 
 Usage (from the repository root; ``PYTHONPATH=src`` when mxport is not installed)::
 
@@ -106,6 +111,9 @@ class Timings:
     quant_solo: list = field(default_factory=list)
     quant_all: list = field(default_factory=list)
     engine_quant: list = field(default_factory=list)
+    host_copy: list = field(default_factory=list)  # every rank copies, bucket by bucket, at once
+    host_checksum: list = field(default_factory=list)  # every rank checksums, bucket by bucket, at once
+    host_commit: list = field(default_factory=list)  # the engine ranks alone copy at once (the commit)
 
 
 PRESETS = {  # name: (sizes, trainers, engines, runs, warmup)
@@ -412,7 +420,8 @@ class EngineSide:
         return sum(x.numel() for x in self.slices.values())
 
 
-KINDS = ("mxport", "baseline", "raw", "raw_all", "quant_solo", "quant_all", "engine_quant")
+KINDS = ("mxport", "baseline", "raw", "raw_all", "quant_solo", "quant_all", "engine_quant", "host_copy",
+         "host_checksum", "host_commit")
 RAW_TAG = 7  # the calibration's point-to-point messages (the pair streams use mxport.refit's PAIR_TAG)
 
 
@@ -437,16 +446,35 @@ def _raw_all(r: Rank, buf: torch.Tensor) -> None:
         w.wait()
 
 
+def _host_pass(src: torch.Tensor, dst: torch.Tensor, bucket: int, copy: bool) -> None:
+    """One pass of the refit protocol over ``dst``'s bytes, bucket by bucket: a ``copy_`` from ``src`` (pack,
+    commit) or a read for the checksum (mxport.refit.buckets.checksum)."""
+    from mxport.refit.buckets import checksum
+
+    for i in range(0, dst.numel(), bucket):
+        out = dst[i:i + bucket]
+        if copy:
+            out.copy_(src[i:i + out.numel()])
+        else:
+            checksum(out)
+
+
 def run_size(r: Rank, size: Size) -> dict | None:
     """Every run of one model size on this rank; world rank 0 returns the timings and counts."""
     side = TrainerSide(r, size) if r.is_trainer else EngineSide(r, size)
     flat = torch.zeros(size.bf16_bytes, dtype=torch.uint8)
+    # the host passes' buffer: the busiest engine rank's bytes (a multiple of 8, as bucket payloads are)
+    staged = torch.zeros(max(side.mesh.engine_bytes()) // 8 * 8, dtype=torch.uint8)
+    bucket = r.case.bucket_bytes
     idle = lambda: None  # noqa: E731 - a rank with nothing to do in this step
     steps = {"mxport": side.mxport, "baseline": side.baseline,
              "raw": lambda: _raw_one(r, flat), "raw_all": lambda: _raw_all(r, flat),
              "quant_solo": side.quantize_solo if r.is_trainer else idle,
              "quant_all": side.quantize_all if r.is_trainer else idle,
-             "engine_quant": idle if r.is_trainer else side.quantize_slices}
+             "engine_quant": idle if r.is_trainer else side.quantize_slices,
+             "host_copy": lambda: _host_pass(flat, staged, bucket, True),
+             "host_checksum": lambda: _host_pass(flat, staged, bucket, False),
+             "host_commit": idle if r.is_trainer else lambda: _host_pass(flat, staged, bucket, True)}
     tm = Timings()
     for i in range(r.case.warmup + r.case.runs):
         rows = r.gather_rows([r.timed(steps[k]) for k in KINDS])
@@ -459,6 +487,7 @@ def run_size(r: Rank, size: Size) -> dict | None:
     return {"size": asdict(size), "bf16_bytes": size.bf16_bytes, "routes": len(side.mesh.routes),
             "mxport_engine_bytes": side.mesh.engine_bytes(), "timings": asdict(tm),
             "trainer_elements": int(elems[0]), "engine_elements": int(elems[r.T]),
+            "host_pass_bytes": staged.numel(),
             "bit_exact": all(bool(f) for f in flags)}
 
 
@@ -480,6 +509,9 @@ def _collect(tm: Timings, rows: list, trainers: int) -> None:
     tm.quant_solo.append(rows[0][4][1] - rows[0][4][0])
     tm.quant_all.append(span(5, tr))
     tm.engine_quant.append(span(6, en))
+    tm.host_copy.append(span(7, world))
+    tm.host_checksum.append(span(8, world))
+    tm.host_commit.append(span(9, en))
 
 
 def _worker(rank: int, case: Case, q) -> None:
@@ -553,14 +585,19 @@ def predictions(res: dict, case: Case, cal: dict) -> dict:
 
     size = Size(**res["size"])
     out = {}
-    for label, rate in (("solo", cal["trainer_quantize_gelems_solo"]),
-                        ("concurrent", cal["trainer_quantize_gelems_concurrent"])):
-        hw = Hardware(link_gbps=cal["link_gbps"], trainer_quantize_gelems=rate,
-                      engine_quantize_gelems=cal["engine_quantize_gelems"], overlap=False,
-                      shared_gbps=cal["shared_gbps"] if label == "concurrent" else None)
-        p = predict(_entries(size), Layout(fsdp=case.trainers), Layout(tp=case.engines), hw)
+    solo = Hardware(link_gbps=cal["link_gbps"], trainer_quantize_gelems=cal["trainer_quantize_gelems_solo"],
+                    engine_quantize_gelems=cal["engine_quantize_gelems"], overlap=False)
+    concurrent = Hardware(**{**asdict(solo), "shared_gbps": cal["shared_gbps"],
+                             "trainer_quantize_gelems": cal["trainer_quantize_gelems_concurrent"]})
+    host = Hardware(**{**asdict(concurrent), "host_copy_gbps": cal["host_copy_gbps"],
+                       "host_checksum_gbps": cal["host_checksum_gbps"],
+                       "host_commit_gbps": cal["host_commit_gbps"]})
+    for label, hw in (("solo", solo), ("concurrent", concurrent), ("host", host)):
+        p = predict(_entries(size), Layout(fsdp=case.trainers), Layout(tp=case.engines), hw,
+                    bucket_bytes=case.bucket_bytes)
         out[label] = {"mxport_s": p.mxfp8.seconds, "baseline_s": p.bf16.seconds,
                       "mxport_quantize_s": p.mxfp8.quantize_seconds, "mxport_wire_s": p.mxfp8.wire_seconds,
+                      "mxport_host_s": p.mxfp8.host_seconds, "passes": p.passes.to_dict(),
                       "baseline_gather_s": p.bf16.gather_seconds, "baseline_wire_s": p.bf16.wire_seconds,
                       "baseline_quantize_s": p.bf16.quantize_seconds,
                       "bytes_per_engine_rank": p.mxfp8.bytes_per_engine_rank,
@@ -576,7 +613,10 @@ def case_row(res: dict, case: Case, load: tuple) -> dict:
     cal = {"link_gbps": bf16 / med(tm["raw"]) / 1e9, "shared_gbps": share / med(tm["raw_all"]) / 1e9,
            "trainer_quantize_gelems_solo": res["trainer_elements"] / med(tm["quant_solo"]) / 1e9,
            "trainer_quantize_gelems_concurrent": res["trainer_elements"] / med(tm["quant_all"]) / 1e9,
-           "engine_quantize_gelems": res["engine_elements"] / med(tm["engine_quant"]) / 1e9}
+           "engine_quantize_gelems": res["engine_elements"] / med(tm["engine_quant"]) / 1e9,
+           "host_copy_gbps": res["host_pass_bytes"] / med(tm["host_copy"]) / 1e9,
+           "host_checksum_gbps": res["host_pass_bytes"] / med(tm["host_checksum"]) / 1e9,
+           "host_commit_gbps": res["host_pass_bytes"] / med(tm["host_commit"]) / 1e9}
     mx_s, base_s = med(tm["mxport"]), med(tm["baseline"])
     pred = predictions(res, case, cal)
     for p in pred.values():
@@ -619,7 +659,7 @@ def growth(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'T':>2} {'E':>2} {'model BF16':>10} {'mx B/engine':>11} {'bf16 B/engine':>13} {'mxport s':>9} "
-            f"{'baseline s':>10} {'ratio':>6} {'pred mx (solo/conc)':>19} {'pred base':>9} {'exact':>5}")
+            f"{'baseline s':>10} {'ratio':>6} {'pred mx (solo/conc/host)':>24} {'pred base':>9} {'exact':>5}")
     lines = [head]
     for r in rows:
         p = r["predicted"]
@@ -627,7 +667,8 @@ def table(rows: list[dict]) -> str:
             f"{r['trainers']:>2} {r['engines']:>2} {r['bf16_bytes'] / 1e6:>8.1f}MB "
             f"{max(r['mxport']['bytes_per_engine_rank']) / 1e6:>9.1f}MB {r['bf16_bytes'] / 1e6:>11.1f}MB "
             f"{r['mxport']['seconds']:>9.3f} {r['baseline']['seconds']:>10.3f} {r['ratio']:>6.2f} "
-            f"{p['solo']['mxport_over_measured']:>9.2f}/{p['concurrent']['mxport_over_measured']:<9.2f} "
+            f"{p['solo']['mxport_over_measured']:>9.2f}/{p['concurrent']['mxport_over_measured']:.2f}/"
+            f"{p['host']['mxport_over_measured']:<9.2f} "
             f"{p['concurrent']['baseline_over_measured']:>9.2f} {'yes' if r['bit_exact'] else 'NO':>5}")
     return "\n".join(lines)
 

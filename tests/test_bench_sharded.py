@@ -69,8 +69,9 @@ def test_tiny_run_reports_every_key(tiny_report):
         assert {"bytes_per_engine_rank", "bytes_total", "gather_bytes", "seconds", "gather_s",
                 "quantize_s"} <= set(c["baseline"])
         assert set(c["calibration"]) == {"link_gbps", "shared_gbps", "trainer_quantize_gelems_solo",
-                                         "trainer_quantize_gelems_concurrent", "engine_quantize_gelems"}
-        assert set(c["predicted"]) == {"solo", "concurrent"}
+                                         "trainer_quantize_gelems_concurrent", "engine_quantize_gelems",
+                                         "host_copy_gbps", "host_checksum_gbps", "host_commit_gbps"}
+        assert set(c["predicted"]) == {"solo", "concurrent", "host"}
         for p in c["predicted"].values():
             assert {"mxport_s", "baseline_s", "mxport_over_measured", "baseline_over_measured"} <= set(p)
         assert c["bit_exact"] is True  # both paths' engine bytes == quantize of the full tensor
@@ -91,3 +92,8 @@ def test_mxport_bytes_per_engine_rank_are_exact_and_under_0_6_of_bf16(tiny_repor
         assert c["bytes_ratio"] == mxfp8 / (2 * elements) == 0.515625
         # the capacity model counts the same bytes
         assert c["predicted"]["solo"]["bytes_per_engine_rank"] == mxfp8
+        # and the protocol's host passes over them: each trainer packs its half, the engine rank checksums
+        # and commits all (row pieces: no cut, no scatter; pieces under a bucket: no zero-copy bucket)
+        assert c["predicted"]["host"]["passes"] == {"pack": mxfp8 // 2, "cut": 0, "sender_checksum": 0,
+                                                    "checksum": mxfp8, "commit": mxfp8, "scatter": 0}
+        assert c["predicted"]["host"]["mxport_host_s"] > 0 == c["predicted"]["concurrent"]["mxport_host_s"]

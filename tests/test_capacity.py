@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mxport.capacity import Hardware, config_entries, predict
+from mxport.capacity import Hardware, HostPasses, config_entries, predict
 from mxport.cli import app
 from mxport.layout import Layout, engine_shard, mxfp8_bytes
 
@@ -118,6 +118,57 @@ def test_predict_overlap_and_pipeline_stages():
     assert r.mxfp8.bytes_per_engine_rank == -(-full.mxfp8.bytes_per_engine_rank // 2)
 
 
+HOST = dict(host_copy_gbps=1.0, host_checksum_gbps=2.0, host_commit_gbps=4.0)
+
+
+def test_host_passes_are_counted_bytes_over_measured_rates():
+    """The protocol's passes in host memory: every sender byte packed, the o_proj pieces (a column half of
+    the trainer's rows) cut out first; every engine byte read for its checksum and copied at commit."""
+    hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=2.0, overlap=False)
+    off = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw)
+    on = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), Hardware(**{**hw.__dict__, **HOST}))
+    rank, o_proj = 10752, 64 * 32 + 64  # one engine rank's bytes (test above); its o_proj [64, 32] slice
+    want = HostPasses(pack=rank, cut=o_proj, sender_checksum=0, checksum=rank, commit=rank, scatter=0)
+    assert on.passes == off.passes == want  # 2 trainer ranks send 2 engine ranks' bytes: one rank's each
+    send, check, commit = (rank + o_proj) / 1e9, rank / 2e9, rank / 4e9
+    assert on.passes.seconds(on.hardware) == pytest.approx((send, check, commit), rel=1e-12)
+    assert on.mxfp8.host_seconds == pytest.approx(send + check + commit, rel=1e-12)
+    assert on.mxfp8.seconds == pytest.approx(off.mxfp8.seconds + send + check + commit, rel=1e-12)
+    # default off: nothing changes (GPU predictions, `mxport plan` without --host-copy-gbps)
+    assert off.mxfp8.host_seconds == 0.0 and off.passes.seconds(hw) == (0.0, 0.0, 0.0)
+    assert off.mxfp8.seconds == pytest.approx(off.mxfp8.wire_seconds + off.mxfp8.quantize_seconds, rel=1e-12)
+    assert on.bf16 == off.bf16 and on.mxfp8.wire_seconds == off.mxfp8.wire_seconds
+    # overlapped: packing and checksums run while buckets are on the wire; the commit after the vote
+    lap = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), Hardware(**{**hw.__dict__, **HOST, "overlap": True}))
+    assert lap.mxfp8.seconds == pytest.approx(max(lap.mxfp8.quantize_seconds, lap.mxfp8.wire_seconds, send,
+                                                  check) + commit, rel=1e-12)
+    # checksum and commit rates default to the copy rate
+    one = Hardware(host_copy_gbps=1.0)
+    assert on.passes.seconds(one) == pytest.approx(((rank + o_proj) / 1e9, rank / 1e9, rank / 1e9))
+    for name in HOST:
+        with pytest.raises(ValueError, match=name):
+            Hardware(**{name: 0.0})
+
+
+def test_host_passes_scatter_and_zero_copy_buckets():
+    o_proj = [("m.layers.0.self_attn.o_proj.weight", (64, 64), BF16)]
+    # a row-parallel trainer (tp=2: column halves) into one engine rank: each piece is a column half of the
+    # engine's full tensor, received in a buffer and scattered at commit; contiguous on the trainer
+    r = predict(o_proj, Layout(tp=2), Layout(), Hardware(), bucket_bytes=1 << 20)
+    full = 64 * 64 + 64 * 2
+    assert r.passes == HostPasses(pack=full // 2, cut=0, sender_checksum=0, checksum=full, commit=full,
+                                  scatter=full)
+    # one piece of 4096 value bytes in 1024-byte buckets: the expected 3072 bytes go out zero-copy (only
+    # read for their checksum), the rest is packed
+    r = predict(o_proj, Layout(), Layout(), Hardware(host_copy_gbps=1.0, host_checksum_gbps=3.0),
+                bucket_bytes=1024)
+    assert r.passes == HostPasses(pack=full - 3072, cut=0, sender_checksum=3072, checksum=full, commit=full,
+                                  scatter=0)
+    assert r.passes.seconds(r.hardware)[0] == pytest.approx((full - 3072) / 1e9 + 3072 / 3e9, rel=1e-12)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        predict(o_proj, Layout(), Layout(), bucket_bytes=0)
+
+
 def test_config_entries_count_tied_weights_once(tmp_path):
     cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": True}
@@ -137,6 +188,14 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     d = json.loads(res.stdout)
     assert d["trainer"] == "fsdp=2" and d["engine"] == "tp=2" and d["problems"] == []
     assert d["bf16"]["wire_bytes"] > d["mxfp8"]["wire_bytes"] > 0
+    assert d["mxfp8"]["host_seconds"] == 0.0 and d["hardware"]["host_copy_gbps"] is None  # default: off
+    res = run(app, ["plan", str(tmp_path), "--trainer", "fsdp=2", "--engine", "tp=2", "--host-copy-gbps", "1",
+                    "--json", "-"])
+    on = json.loads(res.stdout)
+    assert res.exit_code == 0 and on["passes"] == d["passes"] and on["passes"]["commit"] > 0
+    p = on["passes"]
+    assert on["mxfp8"]["host_seconds"] == pytest.approx(
+        (p["pack"] + p["cut"] + p["sender_checksum"] + p["checksum"] + p["commit"] + p["scatter"]) / 1e9)
     # down_proj K = 96 over tp = 2: 48 per rank straddles MXFP8 blocks -> a failed check (exit 1)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     res = run(app, ["plan", str(tmp_path / "config.json"), "--engine", "tp=2"])

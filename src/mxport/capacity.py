@@ -21,9 +21,18 @@ link, ``t_wire = max(model bytes x replicas / trainer_ranks, stage bytes) / link
 phase also takes at least its total bytes (every rank's transfers together) over that shared bandwidth: ranks
 that share one host's memory (loopback), a NIC, or an oversubscribed fabric. Quantizing and sending overlap
 (the sender quantizes bucket ``b + 1`` while bucket ``b`` is on the wire) unless ``overlap=False``:
-``t = max(t_quantize, t_wire)`` or their sum. Constants it
-does not know (per-message latency, checksums, stragglers) are left out: it is a lower bound shaped like the
-measurements, not a simulator.
+``t = max(t_quantize, t_wire)`` or their sum.
+
+The protocol's own passes over the bytes in host memory (:class:`HostPasses`, counted per tensor; only with
+``host_copy_gbps``, off by default: on GPUs they run at HBM bandwidth, far above any link): the sender
+packs each bucket (its checksum summed while packing; a bucket that lies inside one piece goes out zero-copy
+and is only read for its checksum, the expected ``max(0, piece - bucket_bytes)`` bytes of each piece) and
+first copies a piece that is not contiguous in its shard (``route_tensors``); the engine rank (staging mode)
+reads each bucket for its checksum, then at commit copies staging into the live tensors, and a piece not
+contiguous in its slice once more (``route_targets``' scatter). Packing and the receiver's checksums run while
+buckets are on the wire (with ``overlap``: ``max(t_quantize, t_wire, t_pack, t_checksum)``, else summed); the
+commit copy runs after the vote: ``t = ... + t_commit``. Constants it does not know (per-message latency,
+stragglers) are left out: it is a lower bound shaped like the measurements, not a simulator.
 """
 
 from __future__ import annotations
@@ -53,6 +62,12 @@ class Hardware:
         overlap: quantizing overlaps sending (True) or precedes it (False).
         shared_gbps: GB/s that all ranks' transfers share at once (one host's loopback and memory, a NIC
             several ranks use, an oversubscribed fabric); None: every link is independent.
+        host_copy_gbps: GB/s one rank copies memory while every rank does (the protocol's pack, cut, commit
+            and scatter copies, :class:`HostPasses`); None: those passes are left out (GPUs: HBM bandwidth).
+        host_checksum_gbps: GB/s one rank reads memory for checksums while every rank does; None: the same as
+            ``host_copy_gbps``.
+        host_commit_gbps: GB/s one engine rank copies memory while the engine ranks alone do (the commit runs
+            after the vote, the trainers idle); None: the same as ``host_copy_gbps``.
     """
 
     link_gbps: float = 50.0
@@ -60,13 +75,51 @@ class Hardware:
     engine_quantize_gelems: float = 14.0
     overlap: bool = True
     shared_gbps: float | None = None
+    host_copy_gbps: float | None = None
+    host_checksum_gbps: float | None = None
+    host_commit_gbps: float | None = None
 
     def __post_init__(self) -> None:
         names = ("link_gbps", "trainer_quantize_gelems", "engine_quantize_gelems")
-        for name in names + (("shared_gbps",) if self.shared_gbps is not None else ()):
+        optional = ("shared_gbps", "host_copy_gbps", "host_checksum_gbps", "host_commit_gbps")
+        for name in names + tuple(n for n in optional if getattr(self, n) is not None):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+
+
+@dataclass(frozen=True)
+class HostPasses:
+    """Bytes the refit protocol passes over in host memory besides the wire, per trainer rank (sender) and per
+    engine rank (receiver in staging mode), for one refit of the MXFP8 path (module doc)."""
+
+    pack: int             # sender: copied into pack buffers (checksum summed while packing)
+    cut: int              # sender: pieces not contiguous in the rank's shard, copied out first
+    sender_checksum: int  # sender: zero-copy buckets, read for their checksum
+    checksum: int         # engine: every received byte, read for its bucket's checksum
+    commit: int           # engine: every byte, copied from staging into the live tensors
+    scatter: int          # engine: pieces not contiguous in the rank's slice, copied once more
+
+    def seconds(self, hardware: Hardware) -> tuple[float, float, float]:
+        """``(sender, receiver checksum, commit)`` seconds at ``hardware``'s host rates (zeros without
+        ``host_copy_gbps``)."""
+        if hardware.host_copy_gbps is None:
+            return 0.0, 0.0, 0.0
+        copy = hardware.host_copy_gbps * 1e9
+        read = (hardware.host_checksum_gbps or hardware.host_copy_gbps) * 1e9
+        commit = (hardware.host_commit_gbps or hardware.host_copy_gbps) * 1e9
+        return ((self.pack + self.cut) / copy + self.sender_checksum / read, self.checksum / read,
+                (self.commit + self.scatter) / commit)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _contiguous(piece: Sequence[int], holder: Sequence[int]) -> bool:
+    """Whether a box of shape ``piece`` is one contiguous range of a row-major tensor of shape ``holder``:
+    after its first dimension longer than 1, it spans every later dimension whole."""
+    dims = [i for i, n in enumerate(piece) if n > 1]
+    return not dims or all(piece[j] == holder[j] for j in range(dims[0] + 1, len(piece)))
 
 
 @dataclass(frozen=True)
@@ -80,6 +133,7 @@ class PathEstimate:
     quantize_seconds: float      # trainer ranks (MXFP8) or engine ranks (BF16)
     wire_seconds: float
     seconds: float               # predicted refit time
+    host_seconds: float = 0.0    # MXFP8: the protocol's host passes inside ``seconds`` (HostPasses)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +153,7 @@ class CapacityReport:
     mxfp8: PathEstimate
     bf16: PathEstimate
     problems: tuple[str, ...] = field(default=())
+    passes: HostPasses = HostPasses(0, 0, 0, 0, 0, 0)
 
     @property
     def speedup(self) -> float:
@@ -110,7 +165,7 @@ class CapacityReport:
                 "quantized_parameters": self.quantized_parameters, "trainer": self.trainer,
                 "engine": self.engine, "engine_replicas": self.engine_replicas,
                 "hardware": asdict(self.hardware), "mxfp8": self.mxfp8.to_dict(), "bf16": self.bf16.to_dict(),
-                "speedup": self.speedup, "problems": list(self.problems)}
+                "speedup": self.speedup, "problems": list(self.problems), "passes": self.passes.to_dict()}
 
 
 def _kv_heads(config: dict) -> int | None:
@@ -118,21 +173,42 @@ def _kv_heads(config: dict) -> int | None:
     return int(v) if isinstance(v, int) and v > 0 else None
 
 
+def _piece_passes(name: str, shape: tuple[int, ...], held: tuple[int, ...], nbytes: int, value_bytes: int,
+                  trainer: Layout, kv: int | None, quantized: bool,
+                  bucket_bytes: int) -> tuple[int, int, int]:
+    """``(cut, zero-copy, scatter)`` bytes of one engine rank's slice ``held`` (``nbytes`` on the wire,
+    ``value_bytes`` per element) of tensor ``name``: the pieces one trainer rank sends it are the overlap of
+    the trainer's shard (its tp / ep slice, rows split over fsdp) and the slice."""
+    t_shape = engine_shard(name, shape, Layout(tp=trainer.tp, ep=trainer.ep), kv_heads=kv,
+                           quantized=quantized).shape
+    if t_shape:
+        t_shape = (-(-t_shape[0] // trainer.fsdp), *t_shape[1:])
+    piece = tuple(min(a, b) for a, b in zip(t_shape, held, strict=True))
+    cut = 0 if _contiguous(piece, t_shape) else nbytes
+    scatter = 0 if _contiguous(piece, held) else nbytes
+    piece_bytes = math.prod(piece) * value_bytes  # a bucket inside one piece goes out zero-copy
+    values = math.prod(held) * value_bytes
+    zero = values * max(0, piece_bytes - bucket_bytes) // piece_bytes if piece_bytes else 0
+    return cut, zero, scatter
+
+
 def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: Layout, engine: Layout,
             hardware: Hardware = Hardware(), *, engine_replicas: int = 1, kept_bytes: int = BF16_BYTES,
             config: dict | None = None, policy: PrecisionPolicy | None = None,
-            model: str = "model") -> CapacityReport:
+            model: str = "model", bucket_bytes: int = 32 << 20) -> CapacityReport:
     """Predict the refit of the tensors ``entries`` (``(name, shape, dtype)`` in model order) from a
-    ``trainer`` layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model).
+    ``trainer`` layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model);
+    ``bucket_bytes``: the refit plan's bucket size (the host passes' zero-copy buckets).
 
     Raises:
-        ValueError: ``engine_replicas`` or ``kept_bytes`` below 1.
+        ValueError: ``engine_replicas``, ``kept_bytes`` or ``bucket_bytes`` below 1.
     """
-    if engine_replicas < 1 or kept_bytes < 1:
-        raise ValueError(f"engine_replicas and kept_bytes must be >= 1, got {engine_replicas}, {kept_bytes}")
+    if engine_replicas < 1 or kept_bytes < 1 or bucket_bytes < 1:
+        raise ValueError(f"engine_replicas, kept_bytes and bucket_bytes must be >= 1, got {engine_replicas}, "
+                         f"{kept_bytes}, {bucket_bytes}")
     decisions = (policy or PrecisionPolicy()).decide_all(entries)
     kv = _kv_heads(config or {})
-    mx_rank = 0
+    mx_rank = cut = zero = scatter = 0
     params = quant_params = quant_rank = 0
     problems: list[str] = []
     for d in decisions:
@@ -149,11 +225,15 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
         else:
             mx_held = held * kept_bytes
         mx_rank += mx_held
+        c, z, sc = _piece_passes(d.name, tuple(d.shape), tuple(shard.shape), mx_held,
+                                 1 if d.quantize else kept_bytes, trainer, kv, d.quantize, bucket_bytes)
+        cut, zero, scatter = cut + c, zero + z, scatter + sc
     replicas, t_ranks, link = engine_replicas, trainer.ranks, hardware.link_gbps * 1e9
     shared = (hardware.shared_gbps or math.inf) * 1e9
     stage_ranks = engine.tp * engine.ep  # each holds one slice of every tensor of its stage
     mx_wire = mx_rank * stage_ranks * replicas
     # stages hold their layers; BF16: every engine rank receives its stage's full tensors
+    mx_all = mx_rank  # one rank of each stage together
     mx_rank, bf_rank = math.ceil(mx_rank / engine.pp), math.ceil(params * BF16_BYTES / engine.pp)
     bf_wire, bf_sent = bf_rank * stage_ranks * engine.pp * replicas, params * BF16_BYTES * replicas
     mx_wire_s = max(mx_wire / t_ranks / link, mx_rank / link, mx_wire / shared)
@@ -163,13 +243,19 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
     group = trainer.fsdp * trainer.tp  # the ranks a stage's full_tensor() gathers from
     gather_bytes = params * BF16_BYTES * (group - 1)  # every rank receives (group - 1) / group of its stage
     gather_s = max(gather_bytes / trainer.pp / group / link, gather_bytes / shared)
-    combine = max if hardware.overlap else (lambda a, b: a + b)
+    per_trainer = stage_ranks * replicas / t_ranks  # the senders share every engine rank's pieces equally
+    passes = HostPasses(pack=math.ceil((mx_all - zero) * per_trainer),
+                        cut=math.ceil(cut * per_trainer), sender_checksum=math.ceil(zero * per_trainer),
+                        checksum=mx_rank, commit=mx_rank, scatter=math.ceil(scatter / engine.pp))
+    send_s, check_s, commit_s = passes.seconds(hardware)
+    combine = max if hardware.overlap else (lambda *a: sum(a))
     mx = PathEstimate(mx_wire, math.ceil(mx_wire / t_ranks), mx_rank, 0.0, mx_quant_s, mx_wire_s,
-                      combine(mx_quant_s, mx_wire_s))
+                      combine(mx_quant_s, mx_wire_s, send_s, check_s) + commit_s,
+                      send_s + check_s + commit_s)
     bf = PathEstimate(bf_wire, math.ceil(bf_sent / t_ranks), bf_rank, gather_s, bf_quant_s, bf_wire_s,
                       gather_s + bf_wire_s + bf_quant_s)
     return CapacityReport(model, params, quant_params, str(trainer), str(engine), replicas, hardware, mx, bf,
-                          tuple(dict.fromkeys(problems)))
+                          tuple(dict.fromkeys(problems)), passes)
 
 
 def config_entries(config: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -28,6 +28,17 @@ def plan_cmd(
     shared_gbps: float = typer.Option(None, "--shared-gbps", min=1e-6,
                                       help="GB/s all ranks' transfers share (one host's loopback, a shared "
                                            "NIC); default: independent links."),
+    host_copy_gbps: float = typer.Option(
+        None, "--host-copy-gbps", min=1e-6,
+        help="GB/s one rank copies host memory while every rank does: counts the protocol's pack, checksum "
+             "and commit passes (a CPU transport); default: left out."),
+    host_checksum_gbps: float = typer.Option(
+        None, "--host-checksum-gbps", min=1e-6,
+        help="GB/s one rank reads for checksums (default: the copy rate)."),
+    host_commit_gbps: float = typer.Option(
+        None, "--host-commit-gbps", min=1e-6,
+        help="GB/s one engine rank copies at commit, the engine ranks alone (default: the copy rate)."),
+    bucket_mib: int = typer.Option(32, "--bucket-mib", min=1, help="The refit plan's bucket size in MiB."),
     kept_bytes: int = typer.Option(2, "--kept-bytes", min=1, max=8,
                                    help="Bytes per element of kept tensors on the wire (BF16 engines: 2)."),
     json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
@@ -49,7 +60,9 @@ def plan_cmd(
             raise ValueError(f"--engine {engine!r}: an engine layout takes tp, ep and pp (engines do not "
                              "shard with FSDP)")
         hw = Hardware(link_gbps=link_gbps, trainer_quantize_gelems=trainer_gelems,
-                      engine_quantize_gelems=engine_gelems, overlap=overlap, shared_gbps=shared_gbps)
+                      engine_quantize_gelems=engine_gelems, overlap=overlap, shared_gbps=shared_gbps,
+                      host_copy_gbps=host_copy_gbps, host_checksum_gbps=host_checksum_gbps,
+                      host_commit_gbps=host_commit_gbps)
         if source is None:
             from ..models import resolve_source
 
@@ -58,7 +71,7 @@ def plan_cmd(
         config = read_config(source)
         with console.status("building the model on the meta device"):
             report = predict_config(config, t_layout, e_layout, hw, engine_replicas=replicas,
-                                    kept_bytes=kept_bytes)
+                                    kept_bytes=kept_bytes, bucket_bytes=bucket_mib << 20)
     emit_json(report.to_dict(), json_out)
     if json_out != "-":
         _print(report)
@@ -82,6 +95,7 @@ def _print(r) -> None:
     figures = (("wire GB", "wire_bytes", 1e-9), ("GB per trainer rank", "bytes_per_trainer_rank", 1e-9),
                ("GB per engine rank", "bytes_per_engine_rank", 1e-9), ("gather s", "gather_seconds", 1),
                ("quantize s", "quantize_seconds", 1), ("wire s", "wire_seconds", 1),
+               ("host passes s", "host_seconds", 1),
                ("refit s", "seconds", 1))
     for label, key, scale in figures:
         t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in (r.mxfp8, r.bf16)))
