@@ -175,11 +175,144 @@ INLINE void cast_block8(const __m256 v[4], uint8_t *out, int n, float m, int ele
     }
 }
 
+/* ---- bfloat16 rows: eight blocks at a time in 16-bit lanes -------------------------------------------------
+ * For a bfloat16 x, f32(x * 2^(127-E)) is x's pattern with 127 - E added to its exponent field whenever x and the
+ * product are normal numbers (exact, as the float32 product is), and the FP8 rounding of its 7 mantissa bits is
+ * the float32 rounding above (the 16 low bits of the float32 pattern are zero, so "add half - 1 + lsb, shift" gives
+ * the same code). Sixteen elements per vector instead of eight; the sign bytes come from the raw inputs with one
+ * saturating pack. What this does not cover takes the float32 path above: every block of a group holding a NaN or
+ * an Inf, a block whose scale E <= bias + mbits (a zero or subnormal input could then look normal), and a block with a
+ * product in (2^-3 * min_subnormal, min_normal): a nonzero FP8 subnormal code. Products at or below half the least
+ * subnormal have code 0: their "add, arithmetic shift" is negative and the unsigned pack saturates it to 0. */
+
+/* Eight vectors of sixteen 16-bit magnitudes -> 32-bit lane j = the max over vector j's lanes. */
+INLINE __m256i reduce_max8_u16(const __m256i m[8]) {
+    __m256i l1[4], l2[2];
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane, dwords from vectors 2i, 2i+1, 2i, 2i+1 */
+        l1[i] = _mm256_max_epu16(_mm256_unpacklo_epi32(m[2 * i], m[2 * i + 1]),
+                                 _mm256_unpackhi_epi32(m[2 * i], m[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  /* per 128-bit lane, dwords from vectors 4i .. 4i+3 */
+        l2[i] = _mm256_max_epu16(_mm256_unpacklo_epi64(l1[2 * i], l1[2 * i + 1]),
+                                 _mm256_unpackhi_epi64(l1[2 * i], l1[2 * i + 1]));
+    __m256i r = _mm256_max_epu16(_mm256_permute2x128_si256(l2[0], l2[1], 0x20),
+                                 _mm256_permute2x128_si256(l2[0], l2[1], 0x31));
+    return _mm256_and_si256(_mm256_max_epu16(r, _mm256_srli_epi32(r, 16)), _mm256_set1_epi32(0xFFFF));
+}
+
+/* E8M0 bytes (int32 lanes) from amax bits (non-negative, finite or +Inf): scale_byte1, eight wide. */
+INLINE __m256i scale_bytes8(__m256i amax_bits, int floor_r, float inv_max_norm, int emax) {
+    const __m256i zero = _mm256_setzero_si256(), e254 = _mm256_set1_epi32(254);
+    if (floor_r) {
+        __m256i ex = _mm256_srli_epi32(amax_bits, 23);
+        __m256i e = _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(ex, _mm256_set1_epi32(emax)), zero), e254);
+        return _mm256_blendv_epi8(e, e254, _mm256_cmpeq_epi32(ex, _mm256_set1_epi32(255)));
+    }
+    __m256i vb = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(amax_bits), _mm256_set1_ps(inv_max_norm)));
+    __m256i ex = _mm256_srli_epi32(vb, 23), mant = _mm256_and_si256(vb, _mm256_set1_epi32(0x7FFFFF));
+    __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(mant, zero),
+                                  _mm256_or_si256(_mm256_cmpgt_epi32(ex, zero),
+                                                  _mm256_cmpgt_epi32(mant, _mm256_set1_epi32(0x400000))));
+    return _mm256_min_epi32(_mm256_sub_epi32(ex, up), e254);  /* up is -1 where E rounds up */
+}
+
+/* One full block the float32 way, with its scale byte eb already known. */
+INLINE void cast_block_f32(const char *p, uint8_t *out, uint32_t eb, int in_dt, int elem) {
+    __m256 v[4];
+    load_block8(p, 32, in_dt, v);
+    cast_block8(v, out, 32, multiplier1(eb), elem);
+}
+
+/* One block the float32 way, scale included (n valid elements). */
+INLINE void quantize_block_f32(const char *p, uint8_t *out, uint8_t *e, int n, int in_dt, int elem, int floor_r,
+                               float inv_max_norm, int emax) {
+    __m256 v[4];
+    load_block8(p, n, in_dt, v);
+    uint32_t eb = scale_byte1(block_amax8(v), floor_r, inv_max_norm, emax);
+    *e = (uint8_t)eb;
+    cast_block8(v, out, n, multiplier1(eb), elem);
+}
+
+/* FP8 codes of sixteen bfloat16 magnitudes mag given c = (bias - E) << 7 + half - 1 (16-bit lanes); *low gets the
+ * lanes whose product is a nonzero FP8 subnormal (or the least normal) set. */
+INLINE __m256i bf16_codes(__m256i mag, __m256i c, int elem, __m256i *low) {
+    const int mbits = elem == EL_E4M3 ? 3 : 2, shift = 7 - mbits, half = (1 << (shift - 1)) - 1;
+    __m256i u = _mm256_add_epi16(mag, c);  /* (product pattern) - ((127 - bias) << 7) + half - 1 */
+    /* products in (min_subnormal / 2, min_normal): u in (half - mbits * 128, half + 128) */
+    *low = _mm256_or_si256(*low, _mm256_and_si256(_mm256_cmpgt_epi16(u, _mm256_set1_epi16(half - mbits * 128)),
+                                                  _mm256_cmpgt_epi16(_mm256_set1_epi16(half + 128), u)));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, shift), _mm256_set1_epi16(1));
+    __m256i q = _mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift);
+    return _mm256_min_epi16(q, _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B));
+}
+
+/* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes). */
+INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, int elem, int floor_r,
+                                float inv_max_norm, int emax) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
+    const __m256i mag_mask = _mm256_set1_epi16(0x7FFF);
+    __m256i m[8];
+    for (int j = 0; j < 8; j++) {
+        const __m256i *p = (const __m256i *)(xr + 32 * j);
+        m[j] = j < g ? _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(p), mag_mask),
+                                        _mm256_and_si256(_mm256_loadu_si256(p + 1), mag_mask))
+                     : _mm256_setzero_si256();
+    }
+    __m256i amax = reduce_max8_u16(m);
+    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7F)))) {  /* a NaN or an Inf */
+        for (int j = 0; j < g; j++)
+            quantize_block_f32((const char *)(xr + 32 * j), qr + 32 * j, er + j, 32, IN_BF16, elem, floor_r,
+                               inv_max_norm, emax);
+        return;
+    }
+    __m256i e = scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax);
+    __attribute__((aligned(32))) uint32_t eb[8];
+    _mm256_store_si256((__m256i *)eb, e);
+    for (int j = 0; j < g; j++)
+        er[j] = (uint8_t)eb[j];
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(bias + mbits + 1), e);
+    const int bad = _mm256_movemask_ps(_mm256_castsi256_ps(small));
+    __m256i c = _mm256_sub_epi32(_mm256_set1_epi32((bias << 7) + half), _mm256_slli_epi32(e, 7));
+    c = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
+    for (int j = 0; j < g; j++) {
+        const __m256i *p = (const __m256i *)(xr + 32 * j);
+        __m256i r0 = _mm256_loadu_si256(p), r1 = _mm256_loadu_si256(p + 1);
+        __m256i cj = _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), low = _mm256_setzero_si256();
+        __m256i q0 = bf16_codes(_mm256_and_si256(r0, mag_mask), cj, elem, &low);
+        __m256i q1 = bf16_codes(_mm256_and_si256(r1, mag_mask), cj, elem, &low);
+        if (((bad >> j) & 1) || !_mm256_testz_si256(low, low)) {
+            cast_block_f32((const char *)p, qr + 32 * j, eb[j], IN_BF16, elem);
+            continue;
+        }
+        __m256i sign = _mm256_and_si256(_mm256_packs_epi16(r0, r1), _mm256_set1_epi8((char)0x80));
+        __m256i q = _mm256_or_si256(_mm256_packus_epi16(q0, q1), sign);  /* qwords: 0-7, 16-23, 8-15, 24-31 */
+        _mm256_storeu_si256((__m256i *)(qr + 32 * j), _mm256_permute4x64_epi64(q, _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+}
+
+/* One bfloat16 row of k elements: groups of eight full blocks, then the short last block. */
+INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                              float inv_max_norm, int emax) {
+    const int64_t full = k / 32;
+    int64_t b = 0;
+    for (; b + 8 <= full; b += 8)
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, elem, floor_r, inv_max_norm, emax);
+    if (b < full)
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, (int)(full - b), elem, floor_r, inv_max_norm, emax);
+    if (k % 32)
+        quantize_block_f32((const char *)(xr + 32 * full), qr + 32 * full, er + full, (int)(k % 32), IN_BF16,
+                           elem, floor_r, inv_max_norm, emax);
+}
+
 /* Rows [r0, r0 + nr) share their scales (nr = 1 for 1-D blocks, up to 32 for 32x32 blocks). */
 INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax) {
     const int esize = in_dt == IN_F32 ? 4 : 2;
     const int64_t nb = (k + 31) / 32;
+    if (nr == 1 && in_dt == IN_BF16) {
+        quantize_bf16_row((const uint16_t *)x + r0 * k, k, q + r0 * k, e + r0 * nb, elem, floor_r, inv_max_norm,
+                          emax);
+        return;
+    }
     __m256 v[4];
     for (int64_t b = 0; b < nb; b++) {
         const int64_t start = b * 32;
