@@ -215,11 +215,14 @@ INLINE __m256i scale_bytes8(__m256i amax_bits, int floor_r, float inv_max_norm, 
     return _mm256_min_epi32(_mm256_sub_epi32(ex, up), e254);  /* up is -1 where E rounds up */
 }
 
-/* One full block the float32 way, with its scale byte eb already known. */
-INLINE void cast_block_f32(const char *p, uint8_t *out, uint32_t eb, int in_dt, int elem) {
+/* The float32 path for the blocks the bfloat16 path leaves (out of line: kept out of the hot loop's registers). */
+__attribute__((noinline, cold)) static void cast_block_f32(const char *p, uint8_t *out, uint32_t eb, int elem) {
     __m256 v[4];
-    load_block8(p, 32, in_dt, v);
-    cast_block8(v, out, 32, multiplier1(eb), elem);
+    load_block8(p, 32, IN_BF16, v);
+    if (elem == EL_E4M3)
+        cast_block8(v, out, 32, multiplier1(eb), EL_E4M3);
+    else
+        cast_block8(v, out, 32, multiplier1(eb), EL_E5M2);
 }
 
 /* One block the float32 way, scale included (n valid elements). */
@@ -232,32 +235,70 @@ INLINE void quantize_block_f32(const char *p, uint8_t *out, uint8_t *e, int n, i
     cast_block8(v, out, n, multiplier1(eb), elem);
 }
 
-/* FP8 codes of sixteen bfloat16 magnitudes mag given c = (bias - E) << 7 + half - 1 (16-bit lanes); *low gets the
- * lanes whose product is a nonzero FP8 subnormal (or the least normal) set. */
-INLINE __m256i bf16_codes(__m256i mag, __m256i c, int elem, __m256i *low) {
+/* Constants of the bfloat16 path, hidden from the compiler once made (else GCC rebuilds them in every block, and
+ * turns "u > lo" into "min(u, lo + 1) == lo + 1"). */
+#define OPAQUE(v) __asm__("" : "+x"(v))
+struct bf16_consts {
+    __m256i mag_mask, lo, hi, one, max_code, sign;
+};
+
+INLINE struct bf16_consts bf16_consts_for(int elem) {
     const int mbits = elem == EL_E4M3 ? 3 : 2, shift = 7 - mbits, half = (1 << (shift - 1)) - 1;
-    __m256i u = _mm256_add_epi16(mag, c);  /* (product pattern) - ((127 - bias) << 7) + half - 1 */
-    /* products in (min_subnormal / 2, min_normal): u in (half - mbits * 128, half + 128) */
-    *low = _mm256_or_si256(*low, _mm256_and_si256(_mm256_cmpgt_epi16(u, _mm256_set1_epi16(half - mbits * 128)),
-                                                  _mm256_cmpgt_epi16(_mm256_set1_epi16(half + 128), u)));
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, shift), _mm256_set1_epi16(1));
-    __m256i q = _mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift);
-    return _mm256_min_epi16(q, _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B));
+    struct bf16_consts k = {
+        _mm256_set1_epi16(0x7FFF), _mm256_set1_epi16((short)(half - mbits * 128)), _mm256_set1_epi16(half + 128),
+        _mm256_set1_epi16(1), _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm256_set1_epi8((char)0x80)};
+    OPAQUE(k.mag_mask);
+    OPAQUE(k.lo);
+    OPAQUE(k.hi);
+    OPAQUE(k.one);
+    OPAQUE(k.max_code);
+    OPAQUE(k.sign);
+    return k;
 }
 
-/* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes). */
-INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, int elem, int floor_r,
-                                float inv_max_norm, int emax) {
-    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
+/* FP8 codes of sixteen bfloat16 magnitudes mag given c = (bias - E) << 7 + half - 1 (16-bit lanes); *low gets the
+ * lanes whose product is a nonzero FP8 subnormal set. */
+INLINE __m256i bf16_codes(__m256i mag, __m256i c, int elem, const struct bf16_consts *k, __m256i *low) {
+    const int shift = elem == EL_E4M3 ? 4 : 5;
+    __m256i u = _mm256_add_epi16(mag, c);  /* (product pattern) - ((127 - bias) << 7) + half - 1 */
+    /* products in (min_subnormal / 2, min_normal): u in (half - mbits * 128, half + 128) */
+    *low = _mm256_or_si256(*low, _mm256_and_si256(_mm256_cmpgt_epi16(u, k->lo), _mm256_cmpgt_epi16(k->hi, u)));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, shift), k->one);
+    return _mm256_min_epi16(_mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift), k->max_code);
+}
+
+/* The amaxes of g (1..8) full bfloat16 blocks at xr as magnitude bits, one per 32-bit lane (0 past g). */
+INLINE __m256i bf16_group_amax(const uint16_t *xr, int g) {
     const __m256i mag_mask = _mm256_set1_epi16(0x7FFF);
     __m256i m[8];
+#pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         const __m256i *p = (const __m256i *)(xr + 32 * j);
         m[j] = j < g ? _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(p), mag_mask),
                                         _mm256_and_si256(_mm256_loadu_si256(p + 1), mag_mask))
                      : _mm256_setzero_si256();
     }
-    __m256i amax = reduce_max8_u16(m);
+    return reduce_max8_u16(m);
+}
+
+/* Store the low bytes of the first g (1..8) 32-bit lanes of e at er. */
+INLINE void store_bytes8(uint8_t *er, __m256i e, int g) {
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(e, e), e);  /* lane L: bytes 0-3 = lanes 4L .. 4L+3 */
+    __m128i v = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    if (g == 8) {
+        _mm_storel_epi64((__m128i *)er, v);
+    } else {
+        __attribute__((aligned(16))) uint8_t tmp[16];
+        _mm_store_si128((__m128i *)tmp, v);
+        memcpy(er, tmp, (size_t)g);
+    }
+}
+
+/* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes). */
+INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, int elem, int floor_r,
+                                float inv_max_norm, int emax) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
+    __m256i amax = bf16_group_amax(xr, g);
     if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7F)))) {  /* a NaN or an Inf */
         for (int j = 0; j < g; j++)
             quantize_block_f32((const char *)(xr + 32 * j), qr + 32 * j, er + j, 32, IN_BF16, elem, floor_r,
@@ -265,25 +306,30 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
         return;
     }
     __m256i e = scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax);
-    __attribute__((aligned(32))) uint32_t eb[8];
-    _mm256_store_si256((__m256i *)eb, e);
-    for (int j = 0; j < g; j++)
-        er[j] = (uint8_t)eb[j];
-    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(bias + mbits + 1), e);
-    const int bad = _mm256_movemask_ps(_mm256_castsi256_ps(small));
+    store_bytes8(er, e, g);
+    const int bad = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(bias + mbits + 1),
+                                                                              e)));
     __m256i c = _mm256_sub_epi32(_mm256_set1_epi32((bias << 7) + half), _mm256_slli_epi32(e, 7));
     c = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
-    for (int j = 0; j < g; j++) {
+    const struct bf16_consts k = bf16_consts_for(elem);
+    const __m256i c_lo = _mm256_permute2x128_si256(c, c, 0x00), c_hi = _mm256_permute2x128_si256(c, c, 0x11);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        if (j >= g)
+            break;
         const __m256i *p = (const __m256i *)(xr + 32 * j);
-        __m256i r0 = _mm256_loadu_si256(p), r1 = _mm256_loadu_si256(p + 1);
-        __m256i cj = _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), low = _mm256_setzero_si256();
-        __m256i q0 = bf16_codes(_mm256_and_si256(r0, mag_mask), cj, elem, &low);
-        __m256i q1 = bf16_codes(_mm256_and_si256(r1, mag_mask), cj, elem, &low);
+        __m256i r0 = _mm256_loadu_si256(p), r1 = _mm256_loadu_si256(p + 1), low = _mm256_setzero_si256();
+        __m256i cj = j < 4 ? c_lo : c_hi;  /* c of block j in every lane */
+        cj = (j & 3) == 0 ? _mm256_shuffle_epi32(cj, 0x00) : (j & 3) == 1 ? _mm256_shuffle_epi32(cj, 0x55)
+           : (j & 3) == 2 ? _mm256_shuffle_epi32(cj, 0xAA) : _mm256_shuffle_epi32(cj, 0xFF);
+        __m256i q0 = bf16_codes(_mm256_and_si256(r0, k.mag_mask), cj, elem, &k, &low);
+        __m256i q1 = bf16_codes(_mm256_and_si256(r1, k.mag_mask), cj, elem, &k, &low);
         if (((bad >> j) & 1) || !_mm256_testz_si256(low, low)) {
-            cast_block_f32((const char *)p, qr + 32 * j, eb[j], IN_BF16, elem);
+            cast_block_f32((const char *)p, qr + 32 * j, (uint32_t)_mm256_cvtsi256_si32(
+                               _mm256_permutevar8x32_epi32(e, _mm256_set1_epi32(j))), elem);
             continue;
         }
-        __m256i sign = _mm256_and_si256(_mm256_packs_epi16(r0, r1), _mm256_set1_epi8((char)0x80));
+        __m256i sign = _mm256_and_si256(_mm256_packs_epi16(r0, r1), k.sign);
         __m256i q = _mm256_or_si256(_mm256_packus_epi16(q0, q1), sign);  /* qwords: 0-7, 16-23, 8-15, 24-31 */
         _mm256_storeu_si256((__m256i *)(qr + 32 * j), _mm256_permute4x64_epi64(q, _MM_SHUFFLE(3, 1, 2, 0)));
     }
