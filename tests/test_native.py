@@ -52,6 +52,38 @@ def test_every_16bit_pattern(dtype, fp8_dtype, floor, block_2d):
         _assert_same(x, fp8_dtype, floor, block_2d)
 
 
+def _bf16_blocks_below_their_amax(seed: int) -> torch.Tensor:
+    """bfloat16 blocks of 32 whose first element (the amax) has each exponent field 1..254 and mantissa 0,
+    0x40 or 0x7F (eight blocks each), the other 31 random patterns 0..40 binades below it (never above it; the
+    field clamped at 0: zeros and subnormals), 1 in 32 of them a zero, signs random. Every region of the AVX2
+    kernel's 16-bit-lane bfloat16 path, against every scale: FP8 normal results (saturating ones with floor
+    rounding), nonzero FP8 subnormals (its float32 fallback), results that round to zero (its unsigned-pack
+    saturation), the smallest scales (E <= bias + mbits: zero and subnormal inputs take the fallback)."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.tensor([(ex << 7) | m for ex in range(1, 255) for m in (0, 0x40, 0x7F)]).repeat_interleave(8)
+    n = amax.numel()
+    ex = ((amax >> 7)[:, None] - torch.randint(0, 41, (n, 31), generator=g)).clamp(min=0)
+    rest = torch.minimum((ex << 7) | torch.randint(0, 128, (n, 31), generator=g), amax[:, None])
+    rest = torch.where(torch.randint(0, 32, (n, 31), generator=g) == 0, 0, rest)
+    bits = torch.cat([amax[:, None], rest], dim=1) | (torch.randint(0, 2, (n, 32), generator=g) << 15)
+    return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+@pytest.mark.parametrize("floor", [False, True])
+def test_bf16_every_magnitude_below_every_scale(fp8_dtype, floor):
+    """The bfloat16 fast path (eight blocks at a time in 16-bit lanes) gives the eager bytes on
+    :func:`_bf16_blocks_below_their_amax`: rows of eight blocks of one amax, the same blocks shuffled (eight
+    scales per group), and rows of 18 blocks + 17 elements (a group of two and a short last block)."""
+    blocks = _bf16_blocks_below_their_amax(13)
+    _assert_same(blocks.reshape(-1, 256), fp8_dtype, floor)
+    perm = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(17))
+    _assert_same(blocks[perm].reshape(-1, 256), fp8_dtype, floor)
+    flat = blocks[perm].reshape(-1)
+    rows = flat.numel() // 593
+    _assert_same(flat[:rows * 593].reshape(rows, 593), fp8_dtype, floor)
+
+
 @pytest.mark.parametrize("fp8_dtype,floor,block_2d",
                          list(itertools.product(ELEMENTS, (False, True), (False, True))))
 def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d):
