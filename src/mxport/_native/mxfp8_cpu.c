@@ -239,30 +239,31 @@ INLINE void quantize_block_f32(const char *p, uint8_t *out, uint8_t *e, int n, i
  * turns "u > lo" into "min(u, lo + 1) == lo + 1"). */
 #define OPAQUE(v) __asm__("" : "+x"(v))
 struct bf16_consts {
-    __m256i mag_mask, lo, hi, one, max_code, sign;
+    __m256i mag_mask, low_shift, low_top, one, max_code, sign;
 };
 
 INLINE struct bf16_consts bf16_consts_for(int elem) {
     const int mbits = elem == EL_E4M3 ? 3 : 2, shift = 7 - mbits, half = (1 << (shift - 1)) - 1;
     struct bf16_consts k = {
-        _mm256_set1_epi16(0x7FFF), _mm256_set1_epi16((short)(half - mbits * 128)), _mm256_set1_epi16(half + 128),
-        _mm256_set1_epi16(1), _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm256_set1_epi8((char)0x80)};
+        _mm256_set1_epi16(0x7FFF), _mm256_set1_epi16((short)(mbits * 128 - half - 1)),
+        _mm256_set1_epi16((short)((mbits + 1) * 128 - 2)), _mm256_set1_epi16(1),
+        _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm256_set1_epi8((char)0x80)};
     OPAQUE(k.mag_mask);
-    OPAQUE(k.lo);
-    OPAQUE(k.hi);
+    OPAQUE(k.low_shift);
+    OPAQUE(k.low_top);
     OPAQUE(k.one);
     OPAQUE(k.max_code);
     OPAQUE(k.sign);
     return k;
 }
 
-/* FP8 codes of sixteen bfloat16 magnitudes mag given c = (bias - E) << 7 + half - 1 (16-bit lanes); *low gets the
- * lanes whose product is a nonzero FP8 subnormal set. */
+/* FP8 codes of sixteen bfloat16 magnitudes mag given c = (bias - E) << 7 + half - 1 (16-bit lanes). *low: u moved
+ * so that the products in (min_subnormal / 2, min_normal), u in (half - mbits * 128, half + 128), are the unsigned
+ * values 0 .. low_top (the caller looks for one). */
 INLINE __m256i bf16_codes(__m256i mag, __m256i c, int elem, const struct bf16_consts *k, __m256i *low) {
     const int shift = elem == EL_E4M3 ? 4 : 5;
     __m256i u = _mm256_add_epi16(mag, c);  /* (product pattern) - ((127 - bias) << 7) + half - 1 */
-    /* products in (min_subnormal / 2, min_normal): u in (half - mbits * 128, half + 128) */
-    *low = _mm256_or_si256(*low, _mm256_and_si256(_mm256_cmpgt_epi16(u, k->lo), _mm256_cmpgt_epi16(k->hi, u)));
+    *low = _mm256_add_epi16(u, k->low_shift);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, shift), k->one);
     return _mm256_min_epi16(_mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift), k->max_code);
 }
@@ -294,18 +295,31 @@ INLINE void store_bytes8(uint8_t *er, __m256i e, int g) {
     }
 }
 
-/* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes). */
-INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, int elem, int floor_r,
-                                float inv_max_norm, int emax) {
-    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
+/* A group's scales, worked out a group ahead of its cast (the amax -> scale chain is long; the cast of the group
+ * before runs meanwhile): e (E8M0 bytes, 32-bit lanes), or special when the group holds a NaN or an Inf. */
+struct bf16_plan {
+    __m256i e;
+    int special;
+};
+
+INLINE struct bf16_plan bf16_group_plan(const uint16_t *xr, int g, int floor_r, float inv_max_norm, int emax) {
     __m256i amax = bf16_group_amax(xr, g);
-    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7F)))) {  /* a NaN or an Inf */
+    struct bf16_plan plan = {scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax),
+                             _mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7F)))};
+    return plan;
+}
+
+/* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
+INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, struct bf16_plan plan,
+                                int elem, int floor_r, float inv_max_norm, int emax) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
+    if (plan.special) {
         for (int j = 0; j < g; j++)
             quantize_block_f32((const char *)(xr + 32 * j), qr + 32 * j, er + j, 32, IN_BF16, elem, floor_r,
                                inv_max_norm, emax);
         return;
     }
-    __m256i e = scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax);
+    const __m256i e = plan.e;
     store_bytes8(er, e, g);
     const int bad = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(bias + mbits + 1),
                                                                               e)));
@@ -318,13 +332,16 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
         if (j >= g)
             break;
         const __m256i *p = (const __m256i *)(xr + 32 * j);
-        __m256i r0 = _mm256_loadu_si256(p), r1 = _mm256_loadu_si256(p + 1), low = _mm256_setzero_si256();
+        __m256i r0 = _mm256_loadu_si256(p), r1 = _mm256_loadu_si256(p + 1), low0, low1;
         __m256i cj = j < 4 ? c_lo : c_hi;  /* c of block j in every lane */
         cj = (j & 3) == 0 ? _mm256_shuffle_epi32(cj, 0x00) : (j & 3) == 1 ? _mm256_shuffle_epi32(cj, 0x55)
            : (j & 3) == 2 ? _mm256_shuffle_epi32(cj, 0xAA) : _mm256_shuffle_epi32(cj, 0xFF);
-        __m256i q0 = bf16_codes(_mm256_and_si256(r0, k.mag_mask), cj, elem, &k, &low);
-        __m256i q1 = bf16_codes(_mm256_and_si256(r1, k.mag_mask), cj, elem, &k, &low);
-        if (((bad >> j) & 1) || !_mm256_testz_si256(low, low)) {
+        __m256i q0 = bf16_codes(_mm256_and_si256(r0, k.mag_mask), cj, elem, &k, &low0);
+        __m256i q1 = bf16_codes(_mm256_and_si256(r1, k.mag_mask), cj, elem, &k, &low1);
+        /* a lane with a nonzero FP8 subnormal: unsigned low <= low_top */
+        __m256i sub = _mm256_cmpeq_epi16(_mm256_subs_epu16(_mm256_min_epu16(low0, low1), k.low_top),
+                                         _mm256_setzero_si256());
+        if (((bad >> j) & 1) || !_mm256_testz_si256(sub, sub)) {
             cast_block_f32((const char *)p, qr + 32 * j, (uint32_t)_mm256_cvtsi256_si32(
                                _mm256_permutevar8x32_epi32(e, _mm256_set1_epi32(j))), elem);
             continue;
@@ -338,12 +355,24 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
 /* One bfloat16 row of k elements: groups of eight full blocks, then the short last block. */
 INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
                               float inv_max_norm, int emax) {
-    const int64_t full = k / 32;
-    int64_t b = 0;
-    for (; b + 8 <= full; b += 8)
-        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, elem, floor_r, inv_max_norm, emax);
-    if (b < full)
-        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, (int)(full - b), elem, floor_r, inv_max_norm, emax);
+    const int64_t full = k / 32, groups = full / 8;
+    struct bf16_plan plan = {_mm256_setzero_si256(), 0};
+    if (groups)
+        plan = bf16_group_plan(xr, 8, floor_r, inv_max_norm, emax);
+    for (int64_t i = 0; i < groups; i++) {
+        const int64_t b = 8 * i;
+        struct bf16_plan next = plan;
+        if (i + 1 < groups)
+            next = bf16_group_plan(xr + 32 * (b + 8), 8, floor_r, inv_max_norm, emax);
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, plan, elem, floor_r, inv_max_norm, emax);
+        plan = next;
+    }
+    if (full % 8) {
+        const int64_t b = 8 * groups;
+        const int g = (int)(full % 8);
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, g, bf16_group_plan(xr + 32 * b, g, floor_r,
+                            inv_max_norm, emax), elem, floor_r, inv_max_norm, emax);
+    }
     if (k % 32)
         quantize_block_f32((const char *)(xr + 32 * full), qr + 32 * full, er + full, (int)(k % 32), IN_BF16,
                            elem, floor_r, inv_max_norm, emax);
@@ -390,6 +419,10 @@ INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uin
 INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax, int block_2d) {
     const int group = block_2d ? 32 : 1;
+    if (in_dt == IN_BF16 && !block_2d && k % 32 == 0) {  /* rows of whole blocks: one long row of rows * k */
+        quantize_bf16_row((const uint16_t *)x, rows * k, q, e, elem, floor_r, inv_max_norm, emax);
+        return;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += group)
         quantize_row_group(x, r0, (int)(rows - r0 < group ? rows - r0 : group), k, q, e, in_dt, elem, floor_r,
                            inv_max_norm, emax);
