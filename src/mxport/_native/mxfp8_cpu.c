@@ -352,6 +352,17 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
     }
 }
 
+/* Prefetch for the bfloat16 path, a group at a time: its input 4 KiB ahead (eight groups), its output as far ahead
+ * (for writing). The hardware prefetcher alone leaves a single thread short of the memory bandwidth. A hint: never
+ * faults, so reading past the end is harmless. */
+#define BF16_PREFETCH_GROUPS 8
+INLINE void bf16_prefetch(const uint16_t *x, const uint8_t *q) {
+    for (int l = 0; l < 8; l++)
+        __builtin_prefetch((const char *)(x + 256 * BF16_PREFETCH_GROUPS) + 64 * l, 0, 3);
+    for (int l = 0; l < 4; l++)
+        __builtin_prefetch(q + 256 * BF16_PREFETCH_GROUPS + 64 * l, 1, 3);
+}
+
 /* One bfloat16 row of k elements: groups of eight full blocks, then the short last block. */
 INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
                               float inv_max_norm, int emax) {
@@ -362,6 +373,7 @@ INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_
     for (int64_t i = 0; i < groups; i++) {
         const int64_t b = 8 * i;
         struct bf16_plan next = plan;
+        bf16_prefetch(xr + 32 * b, qr + 32 * b);
         if (i + 1 < groups)
             next = bf16_group_plan(xr + 32 * (b + 8), 8, floor_r, inv_max_norm, emax);
         quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, plan, elem, floor_r, inv_max_norm, emax);
