@@ -17,9 +17,11 @@
  * rows across threads.
  *
  * Without AVX-512 (F, BW, VL, DQ) but with AVX2 and F16C (most x86-64 CPUs since 2013, AMD Zen included) the
- * same algorithm runs eight lanes wide, one block at a time: a block's 32 elements are loaded once as four float32
- * vectors, their amax is reduced to one scalar, the scale computed in scalar code, and the four vectors cast from
- * registers. Built with neither, the library exports only mxport_native_abi() == 0, and Python uses the
+ * same algorithm runs eight lanes wide. bfloat16 rows of 1-D blocks take eight blocks at a time, cast in 16-bit
+ * integer lanes (see "bfloat16 rows" below); other inputs, 32x32 blocks and the blocks that path leaves (NaN / Inf,
+ * FP8 subnormals, tiny scales) one block at a time: its 32 elements loaded once as four float32 vectors, their amax
+ * reduced to one scalar, the scale computed in scalar code, and the four vectors cast from registers. Built with
+ * neither, the library exports only mxport_native_abi() == 0, and Python uses the
  * torch.compile path instead. mxport_native_isa() names the kernel that was built.
  */
 #include <stdint.h>
@@ -178,12 +180,14 @@ INLINE void cast_block8(const __m256 v[4], uint8_t *out, int n, float m, int ele
 /* ---- bfloat16 rows: eight blocks at a time in 16-bit lanes -------------------------------------------------
  * For a bfloat16 x, f32(x * 2^(127-E)) is x's pattern with 127 - E added to its exponent field whenever x and the
  * product are normal numbers (exact, as the float32 product is), and the FP8 rounding of its 7 mantissa bits is
- * the float32 rounding above (the 16 low bits of the float32 pattern are zero, so "add half - 1 + lsb, shift" gives
- * the same code). Sixteen elements per vector instead of eight; the sign bytes come from the raw inputs with one
- * saturating pack. What this does not cover takes the float32 path above: every block of a group holding a NaN or
- * an Inf, a block whose scale E <= bias + mbits (a zero or subnormal input could then look normal), and a block with a
- * product in (2^-3 * min_subnormal, min_normal): a nonzero FP8 subnormal code. Products at or below half the least
- * subnormal have code 0: their "add, arithmetic shift" is negative and the unsigned pack saturates it to 0. */
+ * the float32 rounding above (the 16 low bits of the float32 pattern are zero, so "add half - 1 + lsb, shift"
+ * gives the same code). So the cast runs sixteen elements per vector, in integer ops only; the sign bytes come
+ * from the raw inputs with one saturating pack. Eight blocks share one shuffle-tree amax and one vector of scales,
+ * worked out a group ahead of their cast. Products at or below half the least FP8 subnormal have code 0 (their
+ * "add, arithmetic shift" is negative and the unsigned pack saturates it to 0). What this does not cover takes the
+ * float32 path above, byte for byte the same: every block of a group holding a NaN or an Inf, a block whose scale
+ * E <= bias + mbits (a zero or subnormal input could then look normal), and a block with a product in
+ * (min_subnormal / 2, min_normal): a nonzero FP8 subnormal code. */
 
 /* Eight vectors of sixteen 16-bit magnitudes -> 32-bit lane j = the max over vector j's lanes. */
 INLINE __m256i reduce_max8_u16(const __m256i m[8]) {
