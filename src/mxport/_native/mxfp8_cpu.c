@@ -313,6 +313,49 @@ INLINE struct bf16_plan bf16_group_plan(const uint16_t *xr, int g, int floor_r, 
     return plan;
 }
 
+/* Cast one full block (c: its (bias - E) << 7 + half - 1 in every 16-bit lane) and store its 32 bytes; fold its
+ * subnormal-check lanes into *low (unsigned min: a lane <= low_top marks a nonzero FP8 subnormal). */
+INLINE void bf16_block(const uint16_t *p, uint8_t *out, __m256i c, int elem, const struct bf16_consts *k,
+                       __m256i *low) {
+    __m256i r0 = _mm256_loadu_si256((const __m256i *)p), r1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256i low0, low1;
+    __m256i q0 = bf16_codes(_mm256_and_si256(r0, k->mag_mask), c, elem, k, &low0);
+    __m256i q1 = bf16_codes(_mm256_and_si256(r1, k->mag_mask), c, elem, k, &low1);
+    *low = _mm256_min_epu16(*low, _mm256_min_epu16(low0, low1));
+    __m256i sign = _mm256_and_si256(_mm256_packs_epi16(r0, r1), k->sign);
+    __m256i q = _mm256_or_si256(_mm256_packus_epi16(q0, q1), sign);  /* qwords: 0-7, 16-23, 8-15, 24-31 */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(q, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+INLINE int bf16_has_subnormal(__m256i low, const struct bf16_consts *k) {
+    __m256i sub = _mm256_cmpeq_epi16(_mm256_subs_epu16(low, k->low_top), _mm256_setzero_si256());
+    return !_mm256_testz_si256(sub, sub);
+}
+
+/* The c vector of a group (one 32-bit lane per block, the 16-bit value twice) -> block j's c in every lane. */
+INLINE __m256i bf16_block_c(__m256i c, int j) {
+    c = j < 4 ? _mm256_permute2x128_si256(c, c, 0x00) : _mm256_permute2x128_si256(c, c, 0x11);
+    return (j & 3) == 0 ? _mm256_shuffle_epi32(c, 0x00) : (j & 3) == 1 ? _mm256_shuffle_epi32(c, 0x55)
+         : (j & 3) == 2 ? _mm256_shuffle_epi32(c, 0xAA) : _mm256_shuffle_epi32(c, 0xFF);
+}
+
+/* The blocks of a group that the 16-bit lanes do not cover (a scale E <= bias + mbits, or a nonzero FP8 subnormal
+ * product), found again and cast over the float32 way (rare: out of line). */
+__attribute__((noinline, cold)) static void bf16_group_redo(const uint16_t *xr, uint8_t *qr, int g, __m256i e,
+                                                             __m256i c, int elem) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2;
+    const struct bf16_consts k = bf16_consts_for(elem);
+    __attribute__((aligned(32))) uint32_t eb[8];
+    __attribute__((aligned(32))) uint8_t scratch[32];
+    _mm256_store_si256((__m256i *)eb, e);
+    for (int j = 0; j < g; j++) {
+        __m256i low = _mm256_set1_epi16(-1);
+        bf16_block(xr + 32 * j, scratch, _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), elem, &k, &low);
+        if ((int)eb[j] <= bias + mbits || bf16_has_subnormal(low, &k))
+            cast_block_f32((const char *)(xr + 32 * j), qr + 32 * j, eb[j], elem);
+    }
+}
+
 /* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
 INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, struct bf16_plan plan,
                                 int elem, int floor_r, float inv_max_norm, int emax) {
@@ -330,30 +373,15 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
     __m256i c = _mm256_sub_epi32(_mm256_set1_epi32((bias << 7) + half), _mm256_slli_epi32(e, 7));
     c = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
     const struct bf16_consts k = bf16_consts_for(elem);
-    const __m256i c_lo = _mm256_permute2x128_si256(c, c, 0x00), c_hi = _mm256_permute2x128_si256(c, c, 0x11);
+    __m256i low = _mm256_set1_epi16(-1);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         if (j >= g)
             break;
-        const __m256i *p = (const __m256i *)(xr + 32 * j);
-        __m256i r0 = _mm256_loadu_si256(p), r1 = _mm256_loadu_si256(p + 1), low0, low1;
-        __m256i cj = j < 4 ? c_lo : c_hi;  /* c of block j in every lane */
-        cj = (j & 3) == 0 ? _mm256_shuffle_epi32(cj, 0x00) : (j & 3) == 1 ? _mm256_shuffle_epi32(cj, 0x55)
-           : (j & 3) == 2 ? _mm256_shuffle_epi32(cj, 0xAA) : _mm256_shuffle_epi32(cj, 0xFF);
-        __m256i q0 = bf16_codes(_mm256_and_si256(r0, k.mag_mask), cj, elem, &k, &low0);
-        __m256i q1 = bf16_codes(_mm256_and_si256(r1, k.mag_mask), cj, elem, &k, &low1);
-        /* a lane with a nonzero FP8 subnormal: unsigned low <= low_top */
-        __m256i sub = _mm256_cmpeq_epi16(_mm256_subs_epu16(_mm256_min_epu16(low0, low1), k.low_top),
-                                         _mm256_setzero_si256());
-        if (((bad >> j) & 1) || !_mm256_testz_si256(sub, sub)) {
-            cast_block_f32((const char *)p, qr + 32 * j, (uint32_t)_mm256_cvtsi256_si32(
-                               _mm256_permutevar8x32_epi32(e, _mm256_set1_epi32(j))), elem);
-            continue;
-        }
-        __m256i sign = _mm256_and_si256(_mm256_packs_epi16(r0, r1), k.sign);
-        __m256i q = _mm256_or_si256(_mm256_packus_epi16(q0, q1), sign);  /* qwords: 0-7, 16-23, 8-15, 24-31 */
-        _mm256_storeu_si256((__m256i *)(qr + 32 * j), _mm256_permute4x64_epi64(q, _MM_SHUFFLE(3, 1, 2, 0)));
+        bf16_block(xr + 32 * j, qr + 32 * j, bf16_block_c(c, j), elem, &k, &low);
     }
+    if (bad & ((1 << g) - 1) || bf16_has_subnormal(low, &k))
+        bf16_group_redo(xr, qr, g, e, c, elem);
 }
 
 /* Prefetch for the bfloat16 path, a group at a time: its input 4 KiB ahead (eight groups), its output as far ahead
