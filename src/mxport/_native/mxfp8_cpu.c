@@ -244,14 +244,15 @@ INLINE void quantize_block_f32(const char *p, uint8_t *out, uint8_t *e, int n, i
 #define OPAQUE(v) __asm__("" : "+x"(v))
 struct bf16_consts {
     __m256i mag_mask, low_shift, low_top, one, max_code, sign;
+    int saturate; /* 0: no product can exceed max_norm (see quantize_bf16_row) */
 };
 
-INLINE struct bf16_consts bf16_consts_for(int elem) {
+INLINE struct bf16_consts bf16_consts_for(int elem, int saturate) {
     const int mbits = elem == EL_E4M3 ? 3 : 2, shift = 7 - mbits, half = (1 << (shift - 1)) - 1;
     struct bf16_consts k = {
         _mm256_set1_epi16(0x7FFF), _mm256_set1_epi16((short)(mbits * 128 - half - 1)),
         _mm256_set1_epi16((short)((mbits + 1) * 128 - 2)), _mm256_set1_epi16(1),
-        _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm256_set1_epi8((char)0x80)};
+        _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm256_set1_epi8((char)0x80), saturate};
     OPAQUE(k.mag_mask);
     OPAQUE(k.low_shift);
     OPAQUE(k.low_top);
@@ -269,7 +270,8 @@ INLINE __m256i bf16_codes(__m256i mag, __m256i c, int elem, const struct bf16_co
     __m256i u = _mm256_add_epi16(mag, c);  /* (product pattern) - ((127 - bias) << 7) + half - 1 */
     *low = _mm256_add_epi16(u, k->low_shift);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, shift), k->one);
-    return _mm256_min_epi16(_mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift), k->max_code);
+    __m256i q = _mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift);
+    return k->saturate ? _mm256_min_epi16(q, k->max_code) : q;
 }
 
 /* The amaxes of g (1..8) full bfloat16 blocks at xr as magnitude bits, one per 32-bit lane (0 past g). */
@@ -344,7 +346,7 @@ INLINE __m256i bf16_block_c(__m256i c, int j) {
 __attribute__((noinline, cold)) static void bf16_group_redo(const uint16_t *xr, uint8_t *qr, int g, __m256i e,
                                                              __m256i c, int elem) {
     const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2;
-    const struct bf16_consts k = bf16_consts_for(elem);
+    const struct bf16_consts k = bf16_consts_for(elem, 1);
     __attribute__((aligned(32))) uint32_t eb[8];
     __attribute__((aligned(32))) uint8_t scratch[32];
     _mm256_store_si256((__m256i *)eb, e);
@@ -358,7 +360,7 @@ __attribute__((noinline, cold)) static void bf16_group_redo(const uint16_t *xr, 
 
 /* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
 INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, struct bf16_plan plan,
-                                int elem, int floor_r, float inv_max_norm, int emax) {
+                                int elem, int floor_r, float inv_max_norm, int emax, int saturate) {
     const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
     if (plan.special) {
         for (int j = 0; j < g; j++)
@@ -372,7 +374,7 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
                                                                               e)));
     __m256i c = _mm256_sub_epi32(_mm256_set1_epi32((bias << 7) + half), _mm256_slli_epi32(e, 7));
     c = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
-    const struct bf16_consts k = bf16_consts_for(elem);
+    const struct bf16_consts k = bf16_consts_for(elem, saturate);
     __m256i low = _mm256_set1_epi16(-1);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
@@ -395,9 +397,10 @@ INLINE void bf16_prefetch(const uint16_t *x, const uint8_t *q) {
         __builtin_prefetch(q + 256 * BF16_PREFETCH_GROUPS + 64 * l, 1, 3);
 }
 
-/* One bfloat16 row of k elements: groups of eight full blocks, then the short last block. */
-INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
-                              float inv_max_norm, int emax) {
+/* One bfloat16 row of k elements: groups of eight full blocks, then the short last block; saturate: clamp the
+ * codes to the largest one. */
+INLINE void bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                     float inv_max_norm, int emax, int saturate) {
     const int64_t full = k / 32, groups = full / 8;
     struct bf16_plan plan = {_mm256_setzero_si256(), 0};
     if (groups)
@@ -408,18 +411,30 @@ INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_
         bf16_prefetch(xr + 32 * b, qr + 32 * b);
         if (i + 1 < groups)
             next = bf16_group_plan(xr + 32 * (b + 8), 8, floor_r, inv_max_norm, emax);
-        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, plan, elem, floor_r, inv_max_norm, emax);
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, plan, elem, floor_r, inv_max_norm, emax, saturate);
         plan = next;
     }
     if (full % 8) {
         const int64_t b = 8 * groups;
         const int g = (int)(full % 8);
         quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, g, bf16_group_plan(xr + 32 * b, g, floor_r,
-                            inv_max_norm, emax), elem, floor_r, inv_max_norm, emax);
+                            inv_max_norm, emax), elem, floor_r, inv_max_norm, emax, saturate);
     }
     if (k % 32)
         quantize_block_f32((const char *)(xr + 32 * full), qr + 32 * full, er + full, (int)(k % 32), IN_BF16,
                            elem, floor_r, inv_max_norm, emax);
+}
+
+/* One bfloat16 row of k elements (see bf16_row). With rceil and the exact f32(1/max_norm) no product of the 16-bit
+ * path exceeds max_norm: x * 2^(127-E) <= amax / f32(amax * inv_max_norm) < max_norm * (1 + 2^-22), and the
+ * product is a bfloat16 (normal, exact), whose next value above max_norm is max_norm * (1 + 1/224). The clamp to the
+ * largest code is then left out (it cannot change a byte); floor rounding, or another inv_max_norm, keeps it. */
+INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                              float inv_max_norm, int emax) {
+    if (floor_r || inv_max_norm != 1.0f / (elem == EL_E4M3 ? 448.0f : 57344.0f))
+        bf16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 1);
+    else
+        bf16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 0);
 }
 
 /* Rows [r0, r0 + nr) share their scales (nr = 1 for 1-D blocks, up to 32 for 32x32 blocks). */
