@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -50,6 +51,57 @@ def test_every_16bit_pattern(dtype, fp8_dtype, floor, block_2d):
     for x in (shuffled.reshape(64, 1024), pats.reshape(-1, 32),
               (shuffled.float() * 1e-3).to(dtype).reshape(128, 512)):
         _assert_same(x, fp8_dtype, floor, block_2d)
+
+
+def _bf16_blocks_below_their_amax(seed: int, mantissas=(0, 0x40, 0x7F)) -> torch.Tensor:
+    """bfloat16 blocks of 32 whose first element (the amax) has each exponent field 1..254 and each of
+    ``mantissas`` (eight blocks each), the other 31 random patterns 0..40 binades below it (never above
+    it; the field clamped at 0: zeros and subnormals), 1 in 32 of them a zero, signs random. Every region of
+    the AVX2 kernel's 16-bit-lane bfloat16 path, against every scale: FP8 normal results (saturating ones
+    with floor rounding), nonzero FP8 subnormals (its float32 fallback), results that round to zero (its
+    unsigned-pack saturation), the smallest scales (E <= bias + mbits: zero and subnormal inputs take the
+    fallback)."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.tensor([(ex << 7) | m for ex in range(1, 255) for m in mantissas]).repeat_interleave(8)
+    n = amax.numel()
+    ex = ((amax >> 7)[:, None] - torch.randint(0, 41, (n, 31), generator=g)).clamp(min=0)
+    rest = torch.minimum((ex << 7) | torch.randint(0, 128, (n, 31), generator=g), amax[:, None])
+    rest = torch.where(torch.randint(0, 32, (n, 31), generator=g) == 0, 0, rest)
+    bits = torch.cat([amax[:, None], rest], dim=1) | (torch.randint(0, 2, (n, 32), generator=g) << 15)
+    return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+@pytest.mark.parametrize("floor", [False, True])
+def test_bf16_every_magnitude_below_every_scale(fp8_dtype, floor):
+    """The bfloat16 fast path (eight blocks at a time in 16-bit lanes) gives the eager bytes on
+    :func:`_bf16_blocks_below_their_amax`: rows of eight blocks of one amax, the same blocks shuffled (eight
+    scales per group), and rows of 18 blocks + 17 elements (a group of two and a short last block)."""
+    blocks = _bf16_blocks_below_their_amax(13)
+    _assert_same(blocks.reshape(-1, 256), fp8_dtype, floor)
+    perm = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(17))
+    _assert_same(blocks[perm].reshape(-1, 256), fp8_dtype, floor)
+    flat = blocks[perm].reshape(-1)
+    rows = flat.numel() // 593
+    _assert_same(flat[:rows * 593].reshape(rows, 593), fp8_dtype, floor)
+
+
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+def test_bf16_rceil_with_another_inv_max_norm_saturates(fp8_dtype):
+    """The C entry point takes inv_max_norm from its caller. With f32(1 / max_norm) a rceil product never
+    exceeds max_norm and the bf16 path skips its clamp; with a smaller one, 1 / (max_norm * 8/7) =
+    2^-(emax + 1), products reach 2^(emax + 1) and must saturate, as the eager kernel does with the same
+    argument: amaxes of mantissa 0x6C / 0x7C (1.84 / 1.97 * 2^k) scale to 1.84 / 1.97 * 2^emax, which round
+    above max_norm (E4M3: both, E5M2: the second)."""
+    fmt = element_format(fp8_dtype)
+    inv = float(np.float32(1.0) / np.float32(fmt.max_norm * 8 / 7))
+    x = _bf16_blocks_below_their_amax(19, (0x6C, 0x7C)).reshape(-1, 256)
+    elem = int(fp8_dtype == torch.float8_e5m2)
+    q, e = native.quantize_rows(NATIVE_PATH._lib, x, elem, False, inv, fmt.emax)
+    rq, re = _rowwise_kernel(x, fmt.max_norm, inv, fmt.emax, fp8_dtype, False, False)
+    assert torch.equal(e, re)
+    assert torch.equal(q, rq)
+    assert ((q & 0x7F) == (0x7E if fp8_dtype == torch.float8_e4m3fn else 0x7B)).sum() > 100  # saturated
 
 
 @pytest.mark.parametrize("fp8_dtype,floor,block_2d",

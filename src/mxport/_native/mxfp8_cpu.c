@@ -17,9 +17,11 @@
  * rows across threads.
  *
  * Without AVX-512 (F, BW, VL, DQ) but with AVX2 and F16C (most x86-64 CPUs since 2013, AMD Zen included) the
- * same algorithm runs eight lanes wide, one block at a time: a block's 32 elements are loaded once as four float32
- * vectors, their amax is reduced to one scalar, the scale computed in scalar code, and the four vectors cast from
- * registers. Built with neither, the library exports only mxport_native_abi() == 0, and Python uses the
+ * same algorithm runs eight lanes wide. bfloat16 rows of 1-D blocks take eight blocks at a time, cast in 16-bit
+ * integer lanes (see "bfloat16 rows" below); other inputs, 32x32 blocks and the blocks that path leaves (NaN / Inf,
+ * FP8 subnormals, tiny scales) one block at a time: its 32 elements loaded once as four float32 vectors, their amax
+ * reduced to one scalar, the scale computed in scalar code, and the four vectors cast from registers. Built with
+ * neither, the library exports only mxport_native_abi() == 0, and Python uses the
  * torch.compile path instead. mxport_native_isa() names the kernel that was built.
  */
 #include <stdint.h>
@@ -175,11 +177,276 @@ INLINE void cast_block8(const __m256 v[4], uint8_t *out, int n, float m, int ele
     }
 }
 
+/* ---- bfloat16 rows: eight blocks at a time in 16-bit lanes -------------------------------------------------
+ * For a bfloat16 x, f32(x * 2^(127-E)) is x's pattern with 127 - E added to its exponent field whenever x and the
+ * product are normal numbers (exact, as the float32 product is), and the FP8 rounding of its 7 mantissa bits is
+ * the float32 rounding above (the 16 low bits of the float32 pattern are zero, so "add half - 1 + lsb, shift"
+ * gives the same code). So the cast runs sixteen elements per vector, in integer ops only; the sign bytes come
+ * from the raw inputs with one saturating pack. Eight blocks share one shuffle-tree amax and one vector of scales,
+ * worked out a group ahead of their cast. Products at or below half the least FP8 subnormal have code 0 (their
+ * "add, arithmetic shift" is negative and the unsigned pack saturates it to 0). What this does not cover takes the
+ * float32 path above, byte for byte the same: every block of a group holding a NaN or an Inf, a block whose scale
+ * E <= bias + mbits (a zero or subnormal input could then look normal), and a block with a product in
+ * (min_subnormal / 2, min_normal): a nonzero FP8 subnormal code. */
+
+/* Eight vectors of sixteen 16-bit magnitudes -> 32-bit lane j = the max over vector j's lanes. */
+INLINE __m256i reduce_max8_u16(const __m256i m[8]) {
+    __m256i l1[4], l2[2];
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane, dwords from vectors 2i, 2i+1, 2i, 2i+1 */
+        l1[i] = _mm256_max_epu16(_mm256_unpacklo_epi32(m[2 * i], m[2 * i + 1]),
+                                 _mm256_unpackhi_epi32(m[2 * i], m[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  /* per 128-bit lane, dwords from vectors 4i .. 4i+3 */
+        l2[i] = _mm256_max_epu16(_mm256_unpacklo_epi64(l1[2 * i], l1[2 * i + 1]),
+                                 _mm256_unpackhi_epi64(l1[2 * i], l1[2 * i + 1]));
+    __m256i r = _mm256_max_epu16(_mm256_permute2x128_si256(l2[0], l2[1], 0x20),
+                                 _mm256_permute2x128_si256(l2[0], l2[1], 0x31));
+    return _mm256_and_si256(_mm256_max_epu16(r, _mm256_srli_epi32(r, 16)), _mm256_set1_epi32(0xFFFF));
+}
+
+/* E8M0 bytes (int32 lanes) from amax bits (non-negative, finite or +Inf): scale_byte1, eight wide. */
+INLINE __m256i scale_bytes8(__m256i amax_bits, int floor_r, float inv_max_norm, int emax) {
+    const __m256i zero = _mm256_setzero_si256(), e254 = _mm256_set1_epi32(254);
+    if (floor_r) {
+        __m256i ex = _mm256_srli_epi32(amax_bits, 23);
+        __m256i e = _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(ex, _mm256_set1_epi32(emax)), zero), e254);
+        return _mm256_blendv_epi8(e, e254, _mm256_cmpeq_epi32(ex, _mm256_set1_epi32(255)));
+    }
+    __m256i vb = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(amax_bits), _mm256_set1_ps(inv_max_norm)));
+    __m256i ex = _mm256_srli_epi32(vb, 23), mant = _mm256_and_si256(vb, _mm256_set1_epi32(0x7FFFFF));
+    __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(mant, zero),
+                                  _mm256_or_si256(_mm256_cmpgt_epi32(ex, zero),
+                                                  _mm256_cmpgt_epi32(mant, _mm256_set1_epi32(0x400000))));
+    return _mm256_min_epi32(_mm256_sub_epi32(ex, up), e254);  /* up is -1 where E rounds up */
+}
+
+/* The float32 path for the blocks the bfloat16 path leaves (out of line: kept out of the hot loop's registers). */
+__attribute__((noinline, cold)) static void cast_block_f32(const char *p, uint8_t *out, uint32_t eb, int elem) {
+    __m256 v[4];
+    load_block8(p, 32, IN_BF16, v);
+    if (elem == EL_E4M3)
+        cast_block8(v, out, 32, multiplier1(eb), EL_E4M3);
+    else
+        cast_block8(v, out, 32, multiplier1(eb), EL_E5M2);
+}
+
+/* One block the float32 way, scale included (n valid elements). */
+INLINE void quantize_block_f32(const char *p, uint8_t *out, uint8_t *e, int n, int in_dt, int elem, int floor_r,
+                               float inv_max_norm, int emax) {
+    __m256 v[4];
+    load_block8(p, n, in_dt, v);
+    uint32_t eb = scale_byte1(block_amax8(v), floor_r, inv_max_norm, emax);
+    *e = (uint8_t)eb;
+    cast_block8(v, out, n, multiplier1(eb), elem);
+}
+
+/* Constants of the bfloat16 path, hidden from the compiler once made (else GCC rebuilds them in every block, and
+ * turns "u > lo" into "min(u, lo + 1) == lo + 1"). */
+#define OPAQUE(v) __asm__("" : "+x"(v))
+struct bf16_consts {
+    __m256i mag_mask, low_shift, low_top, one, max_code, sign;
+    int saturate; /* 0: no product can exceed max_norm (see quantize_bf16_row) */
+};
+
+INLINE struct bf16_consts bf16_consts_for(int elem, int saturate) {
+    const int mbits = elem == EL_E4M3 ? 3 : 2, shift = 7 - mbits, half = (1 << (shift - 1)) - 1;
+    struct bf16_consts k = {
+        _mm256_set1_epi16(0x7FFF), _mm256_set1_epi16((short)(mbits * 128 - half - 1)),
+        _mm256_set1_epi16((short)((mbits + 1) * 128 - 2)), _mm256_set1_epi16(1),
+        _mm256_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm256_set1_epi8((char)0x80), saturate};
+    OPAQUE(k.mag_mask);
+    OPAQUE(k.low_shift);
+    OPAQUE(k.low_top);
+    OPAQUE(k.one);
+    OPAQUE(k.max_code);
+    OPAQUE(k.sign);
+    return k;
+}
+
+/* FP8 codes of sixteen bfloat16 magnitudes mag given c = (bias - E) << 7 + half - 1 (16-bit lanes). *low: u moved
+ * so that the products in (min_subnormal / 2, min_normal), u in (half - mbits * 128, half + 128), are the unsigned
+ * values 0 .. low_top (the caller looks for one). */
+INLINE __m256i bf16_codes(__m256i mag, __m256i c, int elem, const struct bf16_consts *k, __m256i *low) {
+    const int shift = elem == EL_E4M3 ? 4 : 5;
+    __m256i u = _mm256_add_epi16(mag, c);  /* (product pattern) - ((127 - bias) << 7) + half - 1 */
+    *low = _mm256_add_epi16(u, k->low_shift);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, shift), k->one);
+    __m256i q = _mm256_srai_epi16(_mm256_add_epi16(u, lsb), shift);
+    return k->saturate ? _mm256_min_epi16(q, k->max_code) : q;
+}
+
+/* The amaxes of g (1..8) full bfloat16 blocks at xr as magnitude bits, one per 32-bit lane (0 past g). */
+INLINE __m256i bf16_group_amax(const uint16_t *xr, int g) {
+    const __m256i mag_mask = _mm256_set1_epi16(0x7FFF);
+    __m256i m[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const __m256i *p = (const __m256i *)(xr + 32 * j);
+        m[j] = j < g ? _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(p), mag_mask),
+                                        _mm256_and_si256(_mm256_loadu_si256(p + 1), mag_mask))
+                     : _mm256_setzero_si256();
+    }
+    return reduce_max8_u16(m);
+}
+
+/* Store the low bytes of the first g (1..8) 32-bit lanes of e at er. */
+INLINE void store_bytes8(uint8_t *er, __m256i e, int g) {
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(e, e), e);  /* lane L: bytes 0-3 = lanes 4L .. 4L+3 */
+    __m128i v = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    if (g == 8) {
+        _mm_storel_epi64((__m128i *)er, v);
+    } else {
+        __attribute__((aligned(16))) uint8_t tmp[16];
+        _mm_store_si128((__m128i *)tmp, v);
+        memcpy(er, tmp, (size_t)g);
+    }
+}
+
+/* A group's scales, worked out a group ahead of its cast (the amax -> scale chain is long; the cast of the group
+ * before runs meanwhile): e (E8M0 bytes, 32-bit lanes), or special when the group holds a NaN or an Inf. */
+struct bf16_plan {
+    __m256i e;
+    int special;
+};
+
+INLINE struct bf16_plan bf16_group_plan(const uint16_t *xr, int g, int floor_r, float inv_max_norm, int emax) {
+    __m256i amax = bf16_group_amax(xr, g);
+    struct bf16_plan plan = {scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax),
+                             _mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7F)))};
+    return plan;
+}
+
+/* Cast one full block (c: its (bias - E) << 7 + half - 1 in every 16-bit lane) and store its 32 bytes; fold its
+ * subnormal-check lanes into *low (unsigned min: a lane <= low_top marks a nonzero FP8 subnormal). */
+INLINE void bf16_block(const uint16_t *p, uint8_t *out, __m256i c, int elem, const struct bf16_consts *k,
+                       __m256i *low) {
+    __m256i r0 = _mm256_loadu_si256((const __m256i *)p), r1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256i low0, low1;
+    __m256i q0 = bf16_codes(_mm256_and_si256(r0, k->mag_mask), c, elem, k, &low0);
+    __m256i q1 = bf16_codes(_mm256_and_si256(r1, k->mag_mask), c, elem, k, &low1);
+    *low = _mm256_min_epu16(*low, _mm256_min_epu16(low0, low1));
+    __m256i sign = _mm256_and_si256(_mm256_packs_epi16(r0, r1), k->sign);
+    __m256i q = _mm256_or_si256(_mm256_packus_epi16(q0, q1), sign);  /* qwords: 0-7, 16-23, 8-15, 24-31 */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(q, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+INLINE int bf16_has_subnormal(__m256i low, const struct bf16_consts *k) {
+    __m256i sub = _mm256_cmpeq_epi16(_mm256_subs_epu16(low, k->low_top), _mm256_setzero_si256());
+    return !_mm256_testz_si256(sub, sub);
+}
+
+/* The c vector of a group (one 32-bit lane per block, the 16-bit value twice) -> block j's c in every lane. */
+INLINE __m256i bf16_block_c(__m256i c, int j) {
+    c = j < 4 ? _mm256_permute2x128_si256(c, c, 0x00) : _mm256_permute2x128_si256(c, c, 0x11);
+    return (j & 3) == 0 ? _mm256_shuffle_epi32(c, 0x00) : (j & 3) == 1 ? _mm256_shuffle_epi32(c, 0x55)
+         : (j & 3) == 2 ? _mm256_shuffle_epi32(c, 0xAA) : _mm256_shuffle_epi32(c, 0xFF);
+}
+
+/* The blocks of a group that the 16-bit lanes do not cover (a scale E <= bias + mbits, or a nonzero FP8 subnormal
+ * product), found again and cast over the float32 way (rare: out of line). */
+__attribute__((noinline, cold)) static void bf16_group_redo(const uint16_t *xr, uint8_t *qr, int g, __m256i e,
+                                                             __m256i c, int elem) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2;
+    const struct bf16_consts k = bf16_consts_for(elem, 1);
+    __attribute__((aligned(32))) uint32_t eb[8];
+    __attribute__((aligned(32))) uint8_t scratch[32];
+    _mm256_store_si256((__m256i *)eb, e);
+    for (int j = 0; j < g; j++) {
+        __m256i low = _mm256_set1_epi16(-1);
+        bf16_block(xr + 32 * j, scratch, _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), elem, &k, &low);
+        if ((int)eb[j] <= bias + mbits || bf16_has_subnormal(low, &k))
+            cast_block_f32((const char *)(xr + 32 * j), qr + 32 * j, eb[j], elem);
+    }
+}
+
+/* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
+INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, struct bf16_plan plan,
+                                int elem, int floor_r, float inv_max_norm, int emax, int saturate) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
+    if (plan.special) {
+        for (int j = 0; j < g; j++)
+            quantize_block_f32((const char *)(xr + 32 * j), qr + 32 * j, er + j, 32, IN_BF16, elem, floor_r,
+                               inv_max_norm, emax);
+        return;
+    }
+    const __m256i e = plan.e;
+    store_bytes8(er, e, g);
+    const int bad = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(bias + mbits + 1),
+                                                                              e)));
+    __m256i c = _mm256_sub_epi32(_mm256_set1_epi32((bias << 7) + half), _mm256_slli_epi32(e, 7));
+    c = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
+    const struct bf16_consts k = bf16_consts_for(elem, saturate);
+    __m256i low = _mm256_set1_epi16(-1);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        if (j >= g)
+            break;
+        bf16_block(xr + 32 * j, qr + 32 * j, bf16_block_c(c, j), elem, &k, &low);
+    }
+    if (bad & ((1 << g) - 1) || bf16_has_subnormal(low, &k))
+        bf16_group_redo(xr, qr, g, e, c, elem);
+}
+
+/* Prefetch for the bfloat16 path, a group at a time: its input 4 KiB ahead (eight groups), its output as far ahead
+ * (for writing). The hardware prefetcher alone leaves a single thread short of the memory bandwidth. A hint: never
+ * faults, so reading past the end is harmless. */
+#define BF16_PREFETCH_GROUPS 8
+INLINE void bf16_prefetch(const uint16_t *x, const uint8_t *q) {
+    for (int l = 0; l < 8; l++)
+        __builtin_prefetch((const char *)(x + 256 * BF16_PREFETCH_GROUPS) + 64 * l, 0, 3);
+    for (int l = 0; l < 4; l++)
+        __builtin_prefetch(q + 256 * BF16_PREFETCH_GROUPS + 64 * l, 1, 3);
+}
+
+/* One bfloat16 row of k elements: groups of eight full blocks, then the short last block; saturate: clamp the
+ * codes to the largest one. */
+INLINE void bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                     float inv_max_norm, int emax, int saturate) {
+    const int64_t full = k / 32, groups = full / 8;
+    struct bf16_plan plan = {_mm256_setzero_si256(), 0};
+    if (groups)
+        plan = bf16_group_plan(xr, 8, floor_r, inv_max_norm, emax);
+    for (int64_t i = 0; i < groups; i++) {
+        const int64_t b = 8 * i;
+        struct bf16_plan next = plan;
+        bf16_prefetch(xr + 32 * b, qr + 32 * b);
+        if (i + 1 < groups)
+            next = bf16_group_plan(xr + 32 * (b + 8), 8, floor_r, inv_max_norm, emax);
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, plan, elem, floor_r, inv_max_norm, emax, saturate);
+        plan = next;
+    }
+    if (full % 8) {
+        const int64_t b = 8 * groups;
+        const int g = (int)(full % 8);
+        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, g, bf16_group_plan(xr + 32 * b, g, floor_r,
+                            inv_max_norm, emax), elem, floor_r, inv_max_norm, emax, saturate);
+    }
+    if (k % 32)
+        quantize_block_f32((const char *)(xr + 32 * full), qr + 32 * full, er + full, (int)(k % 32), IN_BF16,
+                           elem, floor_r, inv_max_norm, emax);
+}
+
+/* One bfloat16 row of k elements (see bf16_row). With rceil and the exact f32(1/max_norm) no product of the 16-bit
+ * path exceeds max_norm: x * 2^(127-E) <= amax / f32(amax * inv_max_norm) < max_norm * (1 + 2^-22), and the
+ * product is a bfloat16 (normal, exact), whose next value above max_norm is max_norm * (1 + 1/224). The clamp to the
+ * largest code is then left out (it cannot change a byte); floor rounding, or another inv_max_norm, keeps it. */
+INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                              float inv_max_norm, int emax) {
+    if (floor_r || inv_max_norm != 1.0f / (elem == EL_E4M3 ? 448.0f : 57344.0f))
+        bf16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 1);
+    else
+        bf16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 0);
+}
+
 /* Rows [r0, r0 + nr) share their scales (nr = 1 for 1-D blocks, up to 32 for 32x32 blocks). */
 INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax) {
     const int esize = in_dt == IN_F32 ? 4 : 2;
     const int64_t nb = (k + 31) / 32;
+    if (nr == 1 && in_dt == IN_BF16) {
+        quantize_bf16_row((const uint16_t *)x + r0 * k, k, q + r0 * k, e + r0 * nb, elem, floor_r, inv_max_norm,
+                          emax);
+        return;
+    }
     __m256 v[4];
     for (int64_t b = 0; b < nb; b++) {
         const int64_t start = b * 32;
@@ -211,6 +478,10 @@ INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uin
 INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax, int block_2d) {
     const int group = block_2d ? 32 : 1;
+    if (in_dt == IN_BF16 && !block_2d && k % 32 == 0) {  /* rows of whole blocks: one long row of rows * k */
+        quantize_bf16_row((const uint16_t *)x, rows * k, q, e, elem, floor_r, inv_max_norm, emax);
+        return;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += group)
         quantize_row_group(x, r0, (int)(rows - r0 < group ? rows - r0 : group), k, q, e, in_dt, elem, floor_r,
                            inv_max_norm, emax);
