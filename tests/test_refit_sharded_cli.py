@@ -77,6 +77,7 @@ def test_cli_sharded_json_and_exit_code(tmp_path, llama):
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["ok"] is True and data["trainer"] == "fsdp=2" and data["engine_layout"] == "tp=2"
+    assert "receivers" not in data  # a one-rank refit's count: the engine ranks are plan["engine_ranks"]
     _check(data, 2, 2)
     assert "engine 3" in r.stdout and "exact" in r.stdout
 
@@ -91,6 +92,23 @@ def test_cli_refuses_layouts_it_cannot_run(llama):
                            env=env)
         assert r.returncode == 2 and msg in r.stdout + r.stderr, (args, r.stdout, r.stderr)
         assert "Traceback" not in r.stdout + r.stderr, (args, r.stderr)
+
+
+def test_trainer_help_examples_are_layouts_the_refit_runs():
+    """Every layout `mxport refit --help` gives as an example of --trainer is one the command accepts."""
+    import re
+
+    import typer
+
+    from mxport.cli import app
+    from mxport.cli.refit import _check_layouts
+    from mxport.layout import Layout
+
+    option = next(p for p in typer.main.get_command(app).commands["refit"].params if p.name == "trainer")
+    examples = re.findall(r"\b(?:fsdp|tp|pp|ep)=\d+(?:,(?:fsdp|tp|pp|ep)=\d+)*", option.help)
+    assert examples
+    for layout in examples:
+        _check_layouts(Layout.parse(layout), Layout.parse("1"), receivers=1)
 
 
 def test_trainer_tp_leaves_what_does_not_divide_replicated(llama):

