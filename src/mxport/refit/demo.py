@@ -12,10 +12,13 @@ can show progress and write JSON.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -349,9 +352,10 @@ def spawn_and_collect(target, world: int, args: tuple, on_event=None, timeout_s:
     procs = [ctx.Process(target=target, args=(r, world, *args, Outbox(pipes[r][1])), daemon=True)
              for r in range(world)]
     try:
-        for p, (_, w) in zip(procs, pipes, strict=True):
-            p.start()
-            w.close()  # the child holds the write end: its exit reads as end of file
+        with _children_ignore_sigint():
+            for p, (_, w) in zip(procs, pipes, strict=True):
+                p.start()
+                w.close()  # the child holds the write end: its exit reads as end of file
         return _collect(procs, [r for r, _ in pipes], on_event, timeout_s)
     finally:
         _reap(procs)
@@ -360,6 +364,25 @@ def spawn_and_collect(target, world: int, args: tuple, on_event=None, timeout_s:
             w.close()
         if own_tracker:
             _stop_tracker()
+
+
+@contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside ignore SIGINT (an ignored signal stays ignored across exec). Ctrl-C in a
+    terminal signals the whole foreground process group: the parent alone handles it, ending and reaping
+    its children (:func:`_reap`), instead of each child printing a KeyboardInterrupt traceback on the
+    terminal (while it imports torch, before its output goes to its log). SIGINT is blocked meanwhile, so a
+    Ctrl-C in that moment reaches the parent once its handler is back rather than being lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed from the main thread
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class Outbox:
