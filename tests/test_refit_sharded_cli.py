@@ -79,7 +79,7 @@ def test_cli_sharded_json_and_exit_code(tmp_path, llama):
     assert data["ok"] is True and data["trainer"] == "fsdp=2" and data["engine_layout"] == "tp=2"
     assert "receivers" not in data  # a one-rank refit's count: the engine ranks are plan["engine_ranks"]
     _check(data, 2, 2)
-    assert "engine 3" in r.stdout and "exact" in r.stdout
+    assert "last step, per rank" in r.stdout and "engine 1" in r.stdout
 
 
 def test_cli_refuses_layouts_it_cannot_run(llama):

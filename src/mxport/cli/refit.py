@@ -139,8 +139,8 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     sharded = t_layout.ranks > 1 or e_layout.ranks > 1
     if sharded and name == "vllm":
         raise ValueError(f"--engine vllm runs one engine rank here (vLLM CPU has no tensor parallelism) "
-                         f"and one trainer rank; a sharded refit (--trainer {t_layout}, --engine "
-                         f"{e_layout}) runs with --engine mxport")
+                         f"and one trainer rank; a sharded refit (--trainer {_ranks(str(t_layout))}, "
+                         f"--engine {e_layout}) runs with --engine mxport")
     if sharded:
         _check_layouts(t_layout, e_layout, receivers)
     if name == "vllm" and receivers != 1:
@@ -321,8 +321,8 @@ def _step_line(row: dict) -> str:
 def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
     rows = out["steps"]
     vllm = engine == "vllm"
-    who = ("a vLLM engine" if vllm else f"trainer {out['trainer']}, engine {out['engine_layout']}"
-           if "trainer" in out else f"{out['receivers']} receiver(s)")
+    who = ("a vLLM engine" if vllm else f"trainer {_ranks(out['trainer'])}, engine "
+           f"{_ranks(out['engine_layout'])}" if "trainer" in out else f"{out['receivers']} receiver(s)")
     table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)")
     extra = ("transfer s", "apply s") if vllm else ("loss", "quant s")
     for col in ("step", "MB", "refit s", "GB/s", *extra, "gen_kl", "exact", "ptrs"):
@@ -343,14 +343,24 @@ def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
                       highlight=False)
 
 
+def _ranks(layout: str) -> str:
+    """A layout as a person reads it: ``"1"`` is one rank."""
+    return "1 rank" if layout == "1" else layout
+
+
 def _print_ranks(row: dict) -> None:
-    """A sharded refit's last step, per rank: bytes moved and, on engine ranks, bit-exactness."""
-    parts = []
+    """A sharded refit's last step, per rank: its role, bytes moved and bit-exactness (group ranks: trainer
+    ranks first, then engine ranks)."""
+    table = Table(title="last step, per rank")
+    for col in ("rank", "role", "MB", "exact"):
+        table.add_column(col, justify="right", no_wrap=True)
+    trainers = sum(r["role"] == "trainer" for r in row["ranks"])
     for r in row["ranks"]:
-        exact = "" if r["role"] == "trainer" else (" exact" if r["bit_exact"] else " [red]NOT EXACT[/]")
-        parts.append(f"{r['role']} {r['rank']}: {r['bytes'] / 1e6:.1f} MB{exact}")
-    console.print("last step per rank: " + "; ".join(parts))
-    console.print(f"generated (engine rank 0, assembled from every engine rank's shards): {row['text']!r}",
+        role = "trainer" if r["role"] == "trainer" else f"engine {r['rank'] - trainers}"
+        table.add_row(str(r["rank"]), role, f"{r['bytes'] / 1e6:.1f}",
+                      "yes" if r["bit_exact"] else "[red]NO[/]")
+    console.print(table)
+    console.print(f"generated (engine 0, assembled from every engine rank's shards): {row['text']!r}",
                   highlight=False)
 
 
