@@ -5,7 +5,9 @@ self-check."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mxport import native, quantize
+from mxport.components import MXFP8Components
 from mxport.formats import element_format
 from mxport.quantize import NATIVE_PATH, _kernel_args, _rowwise_kernel, kernel_for
 
@@ -481,6 +484,98 @@ def test_quantize_many_shapes_and_kernels():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="overlap"):  # out of tensor 1 is tensor 0's input
         quantize_many([x, torch.randn(4, 8)], outs=[None, (x.view(torch.uint8).view(-1)[:32].view(4, 8), e)])
+
+
+def _overlap_cases():
+    """(name, x, (values, scales)) where the output overlaps its own input or itself."""
+    x = torch.randn(4, 32)
+    xb = x.view(torch.uint8).view(-1)
+    buf = torch.zeros(256, dtype=torch.uint8)
+    base = torch.randn(4, 64)
+    gap = base.view(torch.uint8).view(-1)[128:256]  # bytes of base[0, 32:64]: between x's rows, not in them
+    return [
+        ("values on own input", x, (xb[:128].view(4, 32), buf[200:204].view(4, 1))),
+        ("scales on own input", x, (buf[:128].view(4, 32), xb[508:512].view(4, 1))),
+        ("scales on own values", x, (buf[:128].view(4, 32), buf[124:128].view(4, 1))),
+        ("values in a strided input's span", base[:, :32], (gap.view(4, 32), buf[200:204].view(4, 1))),
+    ]
+
+
+@pytest.mark.parametrize("kernel", [None, "native"])
+@pytest.mark.parametrize("case", range(4))
+def test_quantize_many_refuses_outs_on_their_own_input_or_each_other(case, kernel):
+    """Every output quantize refuses for overlapping its input or its other half, quantize_many refuses too,
+    alone or among other tensors, before writing anything; inputs may share memory, and slots packed edge to
+    edge in one buffer (a refit arena) are taken."""
+    from mxport.quantize import quantize_many
+
+    name, x, out = _overlap_cases()[case]
+    with pytest.raises(ValueError, match="overlap"):
+        quantize(x, out=out, kernel=kernel)
+    other = torch.randn(8, 64)
+    snapshot = [t.clone() for t in (x, *out)]
+    for tensors, outs in (([x], [out]), ([other, x, other], [None, out, None])):
+        with pytest.raises(ValueError, match="overlap"):
+            quantize_many(tensors, outs=outs, kernel=kernel)
+        assert all(torch.equal(a, b) for a, b in zip((x, *out), snapshot, strict=True)), name
+    arena = torch.full((2 * (4 * 32 + 4),), 0xAB, dtype=torch.uint8)
+    slots = [(arena[:128].view(4, 32), arena[128:132].view(4, 1)),
+             (arena[132:260].view(4, 32), arena[260:264].view(4, 1))]
+    y = torch.randn(4, 32)
+    got = quantize_many([y, y], outs=slots, kernel=kernel)
+    for c in got:
+        _assert_components_equal(c, _per_tensor(y, torch.float8_e4m3fn, "rceil"))
+
+
+def _bad_outs(x):
+    """Outputs quantize refuses for x (4, 2, 40) for their dtype, shape, layout or form."""
+    def pair(values=None, scales=None):
+        return (torch.empty(4, 2, 40, dtype=torch.uint8) if values is None else values,
+                torch.empty(4, 2, 2, dtype=torch.uint8) if scales is None else scales)
+    return [
+        pair(values=torch.empty(4, 2, 40, dtype=torch.float16)),
+        pair(values=torch.empty(4, 2, 40, dtype=torch.float8_e5m2)),
+        pair(scales=torch.empty(4, 2, 2, dtype=torch.int8)),
+        pair(values=torch.empty(8, 40, dtype=torch.uint8)),
+        pair(values=torch.empty(4, 2, 41, dtype=torch.uint8)),
+        pair(scales=torch.empty(4, 2, 1, dtype=torch.uint8)),
+        pair(scales=torch.empty(8, 2, dtype=torch.uint8)),
+        pair(scales=torch.empty(4, 2, dtype=torch.uint8)),
+        pair(values=torch.empty(4, 40, 2, dtype=torch.uint8).transpose(1, 2)),
+        pair(scales=torch.empty(2, 4, 2, dtype=torch.uint8).transpose(0, 1)),
+        pair(values=torch.empty(4, 2, 40, dtype=torch.uint8, device="meta")),
+        pair()[:1],
+        [pair()[0], pair()[1], pair()[1]],
+        (pair()[0], None),
+    ]
+
+
+@pytest.mark.parametrize("kernel", [None, "native"])
+@pytest.mark.parametrize("case", range(14))
+def test_quantize_many_checks_each_out_as_quantize(case, kernel):
+    """An out of the wrong dtype, shape, layout, device or form gets quantize's own error from
+    quantize_many, alone or in a batch; a good N-d out is written in place with quantize's bytes, and the
+    components returned are those quantize returns, field by field."""
+    from mxport.quantize import quantize_many
+
+    x = torch.randn(4, 2, 40, dtype=torch.bfloat16)
+    bad = _bad_outs(x)[case]
+    with pytest.raises((TypeError, ValueError)) as want:
+        quantize(x, out=bad, kernel=kernel)
+    for tensors, outs in (([x], [bad]), ([torch.randn(3, 64), x], [None, bad])):
+        with pytest.raises(want.type, match=re.escape(str(want.value))):
+            quantize_many(tensors, outs=outs, kernel=kernel)
+    good = (torch.empty(4, 2, 40, dtype=torch.float8_e4m3fn), torch.empty(4, 2, 2, dtype=torch.uint8))
+    got = quantize_many([x], outs=[good], kernel=kernel)[0]
+    ref = quantize(x, out=(torch.empty_like(good[0]), torch.empty_like(good[1])), kernel=kernel)
+    assert got.data.data_ptr() == good[0].data_ptr() and got.scale_inv.data_ptr() == good[1].data_ptr()
+    for f in dataclasses.fields(MXFP8Components):
+        a, b = getattr(got, f.name), getattr(ref, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, f.name
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f.name
+        else:
+            assert a == b, f.name
 
 
 def test_pieces_cover_every_row_once():
