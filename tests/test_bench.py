@@ -180,3 +180,19 @@ def test_goal_met_reads_ratio_goals():
     assert goal_met({"metric": "x", "ratio": 0.04, "goal": "ratio <= 0.05"}) is True
     assert goal_met({"metric": "x", "ratio": 0.06, "goal": "ratio <= 0.05"}) is False
     assert goal_met({"metric": "x", "ratio": 1.0, "goal": "O(1): microseconds"}) is None
+
+
+@pytest.mark.parametrize("script", ["bench_refit.py", "bench_quantize.py", "bench_export.py",
+                                    "bench_checkpoint.py"])
+def test_benchmark_scripts_take_help_and_refuse_unknown_options(script):
+    """--help prints the help and runs nothing; an unknown option exits 2 (both used to run the whole
+    benchmark)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    ok = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "--quick" in ok.stdout
+    bad = subprocess.run([sys.executable, str(path), "--bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments" in bad.stderr

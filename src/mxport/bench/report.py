@@ -150,15 +150,19 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
 def script_main(name: str, argv: list[str] | None = None) -> list[dict]:
     """Entry point of the thin scripts in benchmarks/.
 
-    Run benchmark ``name`` (``--quick`` in ``argv`` for the quick mode), print its table and its rows."""
-    import sys
+    Run benchmark ``name`` (``--quick``: the quick mode), print its table and its rows. Unknown options exit
+    2 (argparse); ``--help`` prints the help and runs nothing."""
+    import argparse
 
     from rich.console import Console
 
     from . import run_benchmark
 
-    argv = sys.argv[1:] if argv is None else argv
-    rows = run_benchmark(name, quick="--quick" in argv)
+    about = f"mxport benchmark: {name} (the rows of `mxport bench --only {name}`)"
+    parser = argparse.ArgumentParser(description=about)
+    parser.add_argument("--quick", action="store_true", help="the quick mode (fewer sizes and runs)")
+    args = parser.parse_args(argv)
+    rows = run_benchmark(name, quick=args.quick)
     Console().print(rows_table(rows, title=f"{name} (medians)"))
     for r in rows:
         print(r)
