@@ -412,3 +412,27 @@ def test_sender_killed_mid_transfer_keeps_weights_then_next_refit_succeeds(tmp_p
     assert f"bucket {res['error']['bucket']}" in res["error"]["msg"]
     assert res["kept_v1"] is True and res["version_after_error"] == 1
     assert res["next_version"] == 6 and res["next_equal"] is True and res["pointers"] is True
+
+
+def test_a_closed_transport_drops_its_group_and_says_so(tmp_path):
+    """close() destroys the group and drops the transport's reference to it (a group left alive until
+    interpreter exit can abort the process there); a closed transport refuses to be used, in one line."""
+    code = f"""
+import torch, torch.distributed as dist
+from mxport.refit import TorchDistTransport
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+tr = TorchDistTransport()
+assert tr.all_gather(torch.ones(1))[0].item() == 1.0
+tr.close()
+assert not dist.is_initialized() and tr.group is None
+try:
+    tr.all_gather(torch.ones(1))
+except RuntimeError as exc:
+    assert "transport is closed" in str(exc), exc
+    print("refused")
+"""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "refused", (r.returncode, r.stdout, r.stderr[-2000:])

@@ -138,17 +138,28 @@ class TorchDistTransport(Transport):
 
     def close(self) -> None:
         """Destroy this transport's group (the default group when none was given; a group
-        ``torch.distributed`` does not know is shut down)."""
-        if self.group is None:
+        ``torch.distributed`` does not know is shut down) and drop this transport's references to it, so the
+        group's threads end now rather than at interpreter exit (where a group still alive can abort the
+        process); using the transport afterwards raises RuntimeError."""
+        group, self.group, self._pg = self.group, None, _ClosedGroup()
+        if group is None:
             if self._dist.is_initialized():
                 self._dist.destroy_process_group()
             return
         try:
-            self._dist.destroy_process_group(self.group)
+            self._dist.destroy_process_group(group)
         except (ValueError, RuntimeError):  # not registered with torch.distributed
-            shutdown = getattr(self.group, "shutdown", None)
+            shutdown = getattr(group, "shutdown", None)
             if callable(shutdown):
                 shutdown()
+
+
+class _ClosedGroup:
+    """Stands for the process group of a closed transport: every use raises RuntimeError."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"this refit transport is closed (its process group was destroyed): cannot "
+                           f"{name}; create a new one")
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
