@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from mxport.bench.quantize import interleaved_medians
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,19 +49,6 @@ def _weights(dtype: torch.dtype) -> list[torch.Tensor]:
     return [m.weight.detach().to(dtype).contiguous() for m in model.modules()
             if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2
             and m.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()]
-
-
-def _medians(fns: dict, runs: int, warmup: int) -> dict[str, float]:
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _checks_only(mod, xs, outs):
@@ -106,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, mod in mods.items():  # the checks alone: quantize_many with its native call stubbed out
         fns[f"{name}-checks"] = _checks_only(mod, xs, outs)
     q.quantize_many(xs[:1], outs=outs[:1])  # build / load / self-check the kernel outside the timing
-    med = _medians(fns, args.runs, args.warmup)
+    med = interleaved_medians(fns, runs=args.runs, warmup=args.warmup)
     numel = flat.numel()
     print(f"{len(xs)} {args.dtype} linear weights of SmolLM2-135M, {numel / 1e6:.2f} M elements, "
           f"{torch.get_num_threads()} thread(s), median of {args.runs}")
