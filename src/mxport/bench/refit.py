@@ -39,8 +39,10 @@ On CPU loopback gloo the "wire" is two kernel copies that keep both of the machi
 extra pass over the bytes (the sender's packing copy, one checksum pass on each side) lengthens the refit
 almost one for one; see docs/benchmarks.md for the figures.
 
-Payload: the embedded SmolLM2-135M (222.9 MB: MXFP8 linears + float32 embedding and norms), or a model of its
-shapes with random weights (:func:`run_shaped`, the same bytes, where the embedded model is not installed);
+Payload: the embedded SmolLM2-135M (float32 master weights, as a trainer keeps them; 166.2 MB on the wire:
+MXFP8 linears + the embedding and norms in BF16, as engines hold them and ``mxport refit`` sends), or a model
+of its shapes with random weights (:func:`run_shaped`, the same bytes, where the embedded model is not
+installed);
 ``quick`` uses random float32 linears with the model's shapes for 4 decoder layers (no model load).
 """
 
@@ -187,8 +189,9 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
     tr = TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=300)
     try:
         if rank == 0:
+            # kept tensors travel as engines hold them (BF16), as in `mxport refit`
             src = TrainerSource(_bench_model(cfg), bucket_bytes=cfg["bucket_bytes"], arena=True,
-                                kernel=kernel)
+                                kernel=kernel, kept_dtype=torch.bfloat16)
             plan = share_plan(tr, src.plan)
             end = RefitSender(tr, plan)
             tensors = list(src.tensors())
@@ -256,8 +259,8 @@ def _bf16_stream(src) -> torch.Tensor:
     quantized weights before quantizing, the kept tensors as they travel), packed once outside the timing."""
     parts = []
     for (_, t), q in zip(src.tensors_by_name, src.quantized, strict=True):
-        parts.append(t.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8) if q else
-                     t.detach().contiguous().reshape(-1).view(torch.uint8))
+        keep = t.dtype if not t.is_floating_point() else torch.bfloat16  # as the refit's kept_dtype
+        parts.append(t.detach().to(torch.bfloat16 if q else keep).contiguous().reshape(-1).view(torch.uint8))
     return torch.cat(parts)
 
 
