@@ -382,36 +382,6 @@ def test_every_isa_branch_compiles(tmp_path, flags):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_large_fresh_outputs_are_advised_onto_huge_pages(monkeypatch):
-    """Fresh outputs from HUGE_PAGE_MIN_BYTES on are madvise(MADV_HUGEPAGE)d over their 2 MiB-aligned interior
-    (above glibc's mmap threshold each fresh output otherwise faults in 4 KiB pages: the 32 MiB cliff);
-    smaller ones are left alone; the bytes are the same either way."""
-    calls = []
-
-    class FakeLibc:
-        def madvise(self, addr, length, advice):
-            calls.append((addr.value, length.value, advice))
-            return 0
-
-    monkeypatch.setattr(native, "_LIBC", [FakeLibc()])
-    small = native.fresh_bytes((native.HUGE_PAGE_MIN_BYTES // 64 - 1, 64))
-    assert calls == [] and small.dtype == torch.uint8
-    big = native.fresh_bytes((1024, 8192))
-    ((addr, length, advice),) = calls
-    p, n = big.data_ptr(), big.numel()
-    assert advice == 14 and addr % (2 << 20) == 0 and length % (2 << 20) == 0
-    assert p <= addr < p + (2 << 20) and addr + length <= p + n and p + n - (addr + length) < (2 << 20)
-    calls.clear()
-    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    got = quantize(x)
-    assert len(calls) == 1   # the 4 MiB values; the 128 KiB scales stay on ordinary pages
-    want = quantize(x, fast=False)
-    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
-    assert torch.equal(got.scale_inv, want.scale_inv)
-
-
-# ---- quantize_many: several tensors per native call ---------------------------------------------------
-
 def _per_tensor(x, fp8_dtype, rounding):
     return quantize(x, fp8_dtype, rounding=rounding, kernel="eager")
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ._env import cache_dir
+from .pages import fresh_bytes
 
 ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
@@ -214,37 +215,6 @@ class StreamSums:
                 if off < 0 or (n and (last // bb) * per + (last % bb) // cb >= out.numel()):
                     raise ValueError(f"stream sums: bytes at stream offset {off} (+{n}) fall outside the "
                                      f"{out.numel()} chunks")
-
-
-#: fresh outputs of at least this many bytes are backed by transparent huge pages where the kernel allows it
-HUGE_PAGE_MIN_BYTES = 4 << 20
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_LIBC: list = []
-
-
-def _madvise_huge(ptr: int, nbytes: int) -> None:
-    """Ask Linux to back the 2 MiB-aligned pages inside ``[ptr, ptr + nbytes)`` with transparent huge pages.
-    Best effort: a failure (another OS, THP off) changes nothing but speed."""
-    if not _LIBC:
-        try:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True) if platform.system() == "Linux" else None)
-        except OSError:
-            _LIBC.append(None)
-    libc = _LIBC[0]
-    start, end = (ptr + _HUGE - 1) // _HUGE * _HUGE, (ptr + nbytes) // _HUGE * _HUGE
-    if libc is not None and end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-
-
-def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
-    """A new uint8 CPU tensor for a kernel to fill. Large ones (from :data:`HUGE_PAGE_MIN_BYTES`) are advised
-    onto transparent huge pages: above glibc's 32 MiB mmap threshold every allocation maps fresh pages, and
-    faulting them in 4 KiB at a time cost more than quantizing (8192 x 8192: 16,385 faults, 544 with THP)."""
-    t = torch.empty(shape, dtype=torch.uint8)
-    if t.numel() >= HUGE_PAGE_MIN_BYTES:
-        _madvise_huge(t.data_ptr(), t.numel())
-    return t
 
 
 def isa(lib: ctypes.CDLL) -> str:

@@ -41,6 +41,7 @@ from .formats import (
     numel_of,
     saturating_cast,
 )
+from .pages import fresh_bytes
 
 ROUNDINGS = ("rceil", "floor")
 # : tensors with fewer elements than this use the eager path under ``fast=None`` (compiled launch overhead
@@ -608,8 +609,8 @@ def quantize_many(
         _check_input(x)
         if x.dtype != torch.float64 and x.numel() and _batchable(x, kernel, native_for):
             if out is None:
-                out = (native.fresh_bytes(tuple(x.shape)).view(fmt.dtype),
-                       native.fresh_bytes(compact_scale_shape(tuple(x.shape), "rowwise")))
+                out = (fresh_bytes(tuple(x.shape)).view(fmt.dtype),
+                       fresh_bytes(compact_scale_shape(tuple(x.shape), "rowwise")))
             q, e = _check_out_layout(out, x, fmt, "rowwise")  # overlaps: _check_disjoint, for all at once
             x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
             batch.append((i, x, x2, q, e))

@@ -1,0 +1,125 @@
+"""Fresh output buffers (mxport.pages): huge-page mappings for large outputs, reused once freed, never while
+any view of them is alive, and the bytes of every quantize the same on a reused (dirty) buffer."""
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxport import pages
+from mxport.quantize import quantize, quantize_many
+
+BIG = (1024, 8192)  # 8 MiB: above HUGE_PAGE_MIN_BYTES
+
+
+@pytest.fixture(autouse=True)
+def _empty_pool(monkeypatch):
+    monkeypatch.delenv(pages.ENV_SPARE_MIB, raising=False)
+    pages.release_spares()
+    yield
+    gc.collect()
+    pages.release_spares()
+
+
+def _vma_fields(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding address ``ptr``."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            if lo <= ptr < hi:
+                fields = {}
+                for f in lines[i + 1:]:
+                    if ":" not in f.split()[0]:
+                        break
+                    key, _, val = f.partition(":")
+                    fields[key] = val.strip()
+                return fields
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_small_outputs_come_from_torch():
+    t = pages.fresh_bytes((pages.HUGE_PAGE_MIN_BYTES // 64 - 1, 64))
+    assert t.dtype == torch.uint8 and t.is_contiguous()
+    del t
+    gc.collect()
+    assert pages.spare_bytes() == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
+def test_large_outputs_are_aligned_and_advised_onto_huge_pages():
+    t = pages.fresh_bytes(BIG)
+    assert t.shape == BIG and t.dtype == torch.uint8 and t.is_contiguous()
+    assert t.data_ptr() % pages.HUGE_PAGE == 0
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _vma_fields(t.data_ptr()).get("THPeligible") == "1"
+
+
+def test_a_freed_output_is_reused():
+    t = pages.fresh_bytes(BIG)
+    ptr = t.data_ptr()
+    del t
+    assert pages.spare_bytes() == 8 << 20
+    u = pages.fresh_bytes(BIG)
+    assert u.data_ptr() == ptr and pages.spare_bytes() == 0
+    v = pages.fresh_bytes(BIG)  # the pool is empty again: a new mapping
+    assert v.data_ptr() != ptr
+
+
+def test_never_reused_while_a_view_lives():
+    t = pages.fresh_bytes(BIG)
+    t.fill_(7)
+    view = t[100:].view(torch.float8_e4m3fn)  # another tensor on the same storage
+    storage = t.untyped_storage()
+    ptr = t.data_ptr()
+    del t
+    assert pages.spare_bytes() == 0
+    u = pages.fresh_bytes(BIG)
+    u.fill_(9)
+    assert u.data_ptr() != ptr and bool((view.view(torch.uint8) == 7).all())
+    del view
+    assert pages.spare_bytes() == 0  # the storage still holds it
+    del storage
+    assert pages.spare_bytes() == 8 << 20
+
+
+def test_limit_and_release(monkeypatch):
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "0")
+    t = pages.fresh_bytes(BIG)
+    del t
+    assert pages.spare_bytes() == 0
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "12")  # room for one 8 MiB buffer, not two
+    a, b = pages.fresh_bytes(BIG), pages.fresh_bytes(BIG)
+    del a, b
+    assert pages.spare_bytes() == 8 << 20
+    assert pages.release_spares() == 8 << 20 and pages.spare_bytes() == 0
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "lots")
+    with pytest.raises(ValueError, match="MXPORT_SPARE_MIB"):
+        pages.spare_limit()
+
+
+def test_default_limit_is_bounded():
+    assert 0 < pages.spare_limit() <= 1 << 30
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_into_dirty_reused_buffers_gives_the_same_bytes(dtype):
+    """A reused buffer holds the previous output's bytes (here all 0xFF, then a different tensor's): every
+    quantize still writes every byte, identical to the eager kernel's fresh output."""
+    x = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[3, 64:96] = 0  # a zero block: its bytes are 0 and must overwrite the old ones
+    dirty = [pages.fresh_bytes(BIG) for _ in range(4)]
+    for d in dirty:
+        d.fill_(0xFF)
+    del dirty, d
+    want = quantize(x, kernel="eager")
+    for _ in range(2):
+        got = quantize(x)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale_inv, want.scale_inv)
+        (many,) = quantize_many([x])
+        assert torch.equal(many.data.view(torch.uint8), want.data.view(torch.uint8))
+        del got, many
