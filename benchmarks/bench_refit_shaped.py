@@ -1,7 +1,8 @@
 """The refit benchmark (refit throughput vs a raw dist.broadcast of the same bytes) on a SmolLM2-135M-shaped
-model with random weights: the same 272 tensors and 222.9 MB as the embedded model, for machines where it is
-not installed (it needs only torch and transformers; run from the repository root with ``PYTHONPATH=src`` if
-mxport is not installed). The rows are those of ``mxport bench --only refit``.
+model with random weights: the same 272 tensors and bytes as the embedded model (166.2 MB, kept tensors in
+BF16), for machines where it is not installed (it needs only torch and transformers; run from the
+repository root with ``PYTHONPATH=src`` if mxport is not installed).
+The rows are those of ``mxport bench --only refit``.
 
 Usage: ``.venv/bin/python benchmarks/bench_refit_shaped.py [RUNS] [BUCKET_MB]`` (defaults 7 and 32).
 """

@@ -53,6 +53,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -102,8 +103,8 @@ def _synthetic_model(layers: int) -> torch.nn.Module:
 
 
 #: SmolLM2-135M's architecture (the embedded model's config): a model of these shapes with random
-#: weights moves exactly the embedded model's refit stream (272 tensors, 222.9 MB) on machines
-#: where its weights are not installed
+#: weights moves exactly the embedded model's refit stream (272 tensors; 166.2 MB with the kept tensors in
+#: BF16) on machines where its weights are not installed
 SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
                 "max_position_embeddings": 2048}
@@ -178,95 +179,150 @@ def _timed(tr, end, fn) -> tuple[float, float, dict | None]:
     return t0, t1, stats
 
 
+def _sender_fns(tr, cfg: dict, kernel) -> tuple[dict[str, Callable], object, dict]:
+    """Rank 0's timed steps (in :func:`_steps` order), its end and facts for the result."""
+    from ..refit import RefitSender, TrainerSource
+    from ..refit.handshake import share_plan
+
+    # kept tensors travel as engines hold them (BF16), as in `mxport refit`
+    src = TrainerSource(_bench_model(cfg), bucket_bytes=cfg["bucket_bytes"], arena=True, kernel=kernel,
+                        kept_dtype=torch.bfloat16)
+    plan = share_plan(tr, src.plan)
+    end = RefitSender(tr, plan)
+    tensors = list(src.tensors())
+    bf16, refresh = _bf16_stream(src)
+    flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    sums = {"checksums": src.bucket_checksum} if cfg.get("fused", True) else {}
+
+    def bf16_baseline():
+        refresh()
+        tr.broadcast(bf16)
+
+    fns = {"refit": lambda: end.send(tensors, **sums), "raw": lambda: tr.broadcast(flat),
+           "e2e": lambda: end.send(src.tensors(), **sums), "nosum": lambda: end.send(tensors),
+           "bf16": bf16_baseline, "sender_sums": lambda: end.send(tensors), "engine": bf16_baseline}
+    return fns, end, {"bf16_bytes": bf16.numel(), "plan": plan}
+
+
+def _receiver_fns(tr, cfg: dict) -> tuple[dict[str, Callable], object, dict]:
+    """Rank 1's timed steps, matching :func:`_sender_fns` one for one."""
+    from ..refit import RefitReceiver, allocate_targets
+    from ..refit.handshake import share_plan
+
+    plan = share_plan(tr)
+    end = RefitReceiver(tr, plan, allocate_targets(plan))
+    flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    bf16, requantize, engine = _bf16_receiver(plan, _engine_quantize() if cfg.get("engine") else None)
+
+    def then(fn):
+        def step():
+            tr.broadcast(bf16)
+            fn()
+        return step
+
+    fns = {"refit": end.receive, "raw": lambda: tr.broadcast(flat), "e2e": end.receive,
+           "nosum": end.receive, "bf16": then(requantize), "sender_sums": end.receive,
+           "engine": then(engine) if engine is not None else None}
+    return fns, end, {"plan": plan}
+
+
+def _without_checksums(end, fn: Callable) -> Callable:
+    def step():
+        end.use_checksum = False  # both sides switch, so the receiver does not expect sums
+        try:
+            return fn()
+        finally:
+            end.use_checksum = True
+    return step
+
+
 def _body(rank: int, init: str, cfg: dict) -> dict | None:
     from ..quantize import NATIVE_PATH, kernel_label
-    from ..refit import RefitReceiver, RefitSender, TorchDistTransport, TrainerSource, allocate_targets
-    from ..refit.handshake import share_plan
+    from ..refit import TorchDistTransport
 
     # quick mode: a compile would cost more than the whole quick run
     kernel = "eager" if not cfg["model"] and not NATIVE_PATH.available else None
     torch.set_num_threads(cfg.get("threads", 1))
     tr = TorchDistTransport.init(rank=rank, world_size=2, init_method=init, timeout_s=300)
     try:
-        if rank == 0:
-            # kept tensors travel as engines hold them (BF16), as in `mxport refit`
-            src = TrainerSource(_bench_model(cfg), bucket_bytes=cfg["bucket_bytes"], arena=True,
-                                kernel=kernel, kept_dtype=torch.bfloat16)
-            plan = share_plan(tr, src.plan)
-            end = RefitSender(tr, plan)
-            tensors = list(src.tensors())
-            bf16 = _bf16_stream(src)
-        else:
-            plan = share_plan(tr)
-            end = RefitReceiver(tr, plan, allocate_targets(plan))
+        fns, end, facts = _sender_fns(tr, cfg, kernel) if rank == 0 else _receiver_fns(tr, cfg)
         end.handshake()
-        flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
-        if rank != 0:
-            bf16, requantize = _bf16_receiver(plan)
-        sums = {"checksums": src.bucket_checksum} if rank == 0 and cfg.get("fused", True) else {}
-
-        def bf16_baseline():
-            tr.broadcast(bf16)
-            if rank != 0:
-                requantize()
-
-        def timed(fn):
-            return _timed(tr, end, fn)
-
-        def refit_without_checksums():
-            end.use_checksum = False  # both sides switch, so the receiver does not expect sums
-            try:
-                return end.send(tensors) if rank == 0 else end.receive()
-            finally:
-                end.use_checksum = True
-
-        refit_s, commit_s, raw_s, backup_s, e2e, nosum_s, bf16_s, sender_sums_s = ([] for _ in range(8))
+        fns["nosum"] = _without_checksums(end, fns["nosum"])
+        if not cfg.get("engine"):
+            del fns["engine"]
+        times: dict[str, list] = {k: [] for k in fns}
         for i in range(cfg["warmup"] + cfg["runs"]):
-            a = timed(lambda: end.send(tensors, **sums) if rank == 0 else end.receive())
-            b = timed(lambda: tr.broadcast(flat))
-            c = timed(lambda: end.send(src.tensors(), **sums) if rank == 0 else end.receive())
-            d = timed(refit_without_checksums)
-            f = timed(bf16_baseline)
-            g = timed(lambda: end.send(tensors) if rank == 0 else end.receive())  # the sender sums
-            got = [_unrow(x) for x in tr.all_gather(_row(a, b, c, d, f, g))]
-            if i < cfg["warmup"]:
-                continue
-            (sa, sb, sc, sd, sf, sg), (ra, rb, rc, rd, rf, rg) = got
-            bf16_s.append(rf[1] - sf[0])
-            sender_sums_s.append(rg[1] - sg[0])
-            nosum_s.append(rd[1] - sd[0])
-            refit_s.append(ra[1] - sa[0])
-            commit_s.append(ra[2]["commit_s"])
-            backup_s.append(ra[2]["backup_after_s"])
-            raw_s.append(rb[1] - sb[0])
-            e2e.append({"seconds": rc[1] - sc[0], "quantize_s": sc[2]["produce_s"],
-                        "pack_s": sc[2]["pack_s"] + sc[2]["checksum_s"], "unpack_s": rc[2]["commit_s"],
-                        "wait_s": sc[2]["wait_s"]})
+            mine = [_timed(tr, end, fn) for fn in fns.values()]
+            sides = [_unrow(x) for x in tr.all_gather(_row(*mine))]
+            if i >= cfg["warmup"]:
+                for k, snd, rcv in zip(fns, *sides, strict=True):
+                    times[k].append((snd, rcv))
         if rank != 0:
             return None
+        plan = facts["plan"]
         return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
                 "kernel": kernel or kernel_label(torch.empty(576, 576)).split(" (")[0],
-                "direct": bool(got[1][0][2]["direct"]), "refit_s": refit_s, "commit_s": commit_s,
-                "raw_s": raw_s, "backup_s": backup_s, "e2e": e2e, "nosum_s": nosum_s, "bf16_s": bf16_s,
-                "bf16_bytes": bf16.numel(), "sender_sums_s": sender_sums_s,
-                "threads": torch.get_num_threads(), "fused": bool(cfg.get("fused", True))}
+                "direct": bool(times["refit"][0][1][2]["direct"]), "bf16_bytes": facts["bf16_bytes"],
+                "threads": torch.get_num_threads(), "fused": bool(cfg.get("fused", True)), **_spans(times)}
     finally:
         tr.close()
 
 
-def _bf16_stream(src) -> torch.Tensor:
-    """The baseline's payload on the sender: every tensor of the refit as the trainer holds it in BF16 (the
-    quantized weights before quantizing, the kept tensors as they travel), packed once outside the timing."""
-    parts = []
-    for (_, t), q in zip(src.tensors_by_name, src.quantized, strict=True):
-        keep = t.dtype if not t.is_floating_point() else torch.bfloat16  # as the refit's kept_dtype
-        parts.append(t.detach().to(torch.bfloat16 if q else keep).contiguous().reshape(-1).view(torch.uint8))
-    return torch.cat(parts)
+def _spans(times: dict[str, list]) -> dict:
+    """Seconds of every timed step (the sender's start to the receiver's end) and the e2e split."""
+    def span(k):
+        return [r[1] - s[0] for s, r in times[k]]
+    out = {"refit_s": span("refit"), "raw_s": span("raw"), "nosum_s": span("nosum"), "bf16_s": span("bf16"),
+           "sender_sums_s": span("sender_sums"),
+           "commit_s": [r[2]["commit_s"] for _, r in times["refit"]],
+           "backup_s": [r[2]["backup_after_s"] for _, r in times["refit"]],
+           "e2e": [{"seconds": r[1] - s[0], "quantize_s": s[2]["produce_s"],
+                    "pack_s": s[2]["pack_s"] + s[2]["checksum_s"], "unpack_s": r[2]["commit_s"],
+                    "wait_s": s[2]["wait_s"]} for s, r in times["e2e"]]}
+    if "engine" in times:
+        out["engine_s"] = span("engine")
+    return out
 
 
-def _bf16_receiver(plan):
-    """The baseline's receiver: a buffer for :func:`_bf16_stream`'s bytes and the step that quantizes its
-    weights into the engine's MXFP8 tensors (``quantize_many``, as a receiver-side quantize would)."""
+def _bf16_stream(src) -> tuple[torch.Tensor, Callable[[], None]]:
+    """The baseline's payload on the sender: every tensor of the refit in BF16 as it travels (the quantized
+    weights before quantizing, the kept tensors as the refit's ``kept_dtype``), packed once, and the step that
+    refreshes it from the trainer's weights inside the baseline's timing: the casts of the tensors the trainer
+    does not hold in BF16 (float32 master weights: what sending BF16 costs such a trainer; BF16 ones travel
+    as they are, as a per-tensor broadcast would send them)."""
+    held = [(t.detach().reshape(-1), torch.bfloat16 if q or t.is_floating_point() else t.dtype)
+            for (_, t), q in zip(src.tensors_by_name, src.quantized, strict=True)]
+    buf = torch.empty(sum(t.numel() * want.itemsize for t, want in held), dtype=torch.uint8)
+    casts, pos = [], 0
+    for t, want in held:
+        view = buf[pos:pos + t.numel() * want.itemsize].view(want)
+        view.copy_(t)
+        if t.dtype != want:
+            casts.append((view, t))
+        pos += view.nbytes
+
+    def refresh() -> None:
+        for view, t in casts:
+            view.copy_(t)
+    return buf, refresh
+
+
+def _engine_quantize() -> Callable | None:
+    """vLLM's online MXFP8 quantize (``mxfp8_e4m3_quantize``, what its ``process_weights_after_loading``
+    runs on BF16 weights for ``quantization="mxfp8"``; a torch-ops path on CPU) when vLLM is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
+
+    return mxfp8_e4m3_quantize
+
+
+def _bf16_receiver(plan, engine_quantize: Callable | None = None):
+    """The baseline's receiver: a buffer for :func:`_bf16_stream`'s bytes and the steps that quantize its
+    weights into the engine's MXFP8 tensors: with mxport's kernel (``quantize_many``), and, when given, with
+    the engine's own ``engine_quantize`` (values and scales copied into the same tensors)."""
     import math
 
     from ..quantize import quantize_many
@@ -286,17 +342,27 @@ def _bf16_receiver(plan):
         elif e.role == "kept":
             pos += e.nbytes
         i += 1
-    return buf, lambda: quantize_many(xs, outs=outs)
+
+    def engine() -> None:
+        for x, (values, scales) in zip(xs, outs, strict=True):
+            q, sc = engine_quantize(x)
+            values.view(torch.uint8).copy_(q.view(torch.uint8))
+            scales.view(torch.uint8).copy_(sc.view(torch.uint8).view(scales.shape))
+    return buf, lambda: quantize_many(xs, outs=outs), (engine if engine_quantize is not None else None)
 
 
 def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 << 20, runs: int = 5,
-                  warmup: int = 1, timeout_s: float = 900.0, threads: int = 1, fused: bool = True) -> dict:
+                  warmup: int = 1, timeout_s: float = 900.0, threads: int = 1, fused: bool = True,
+                  engine: bool | None = None) -> dict:
     """Run the two benchmark processes and return rank 0's raw timings (see module doc). ``model``: True for
     the embedded SmolLM2-135M, ``"shaped"`` for a model of its shapes with random weights
     (:data:`SMOLLM2_135M`: the same bytes, for machines without the embedded model), ``"large"`` for
     ``layers`` BF16 layers of :data:`LARGE_LAYER` shapes, False for ``layers`` synthetic layers. ``threads``:
     torch threads of each process (the quantize kernels'); ``fused``: the sender takes the trainer's fused
-    bucket checksums (``TrainerSource.bucket_checksum``) instead of summing the buckets itself."""
+    bucket checksums (``TrainerSource.bucket_checksum``) instead of summing the buckets itself. ``engine``:
+    also time the baseline with the engine's own quantize (vLLM's online MXFP8; default: when vLLM is
+    installed)."""
+    import importlib.util
     import queue as queue_mod
 
     import torch.multiprocessing as mp
@@ -306,7 +372,8 @@ def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 
     with tempfile.TemporaryDirectory(prefix="mxport-bench-refit-") as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         cfg = {"model": model, "layers": layers, "bucket_bytes": bucket_bytes, "runs": runs, "warmup": warmup,
-               "threads": threads, "fused": fused}
+               "threads": threads, "fused": fused,
+               "engine": importlib.util.find_spec("vllm") is not None if engine is None else engine}
         procs = [ctx.Process(target=_worker, args=(r, init, cfg, q), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
@@ -376,8 +443,17 @@ def rows_from(res: dict, label: str) -> list[dict]:
                      "ratio": bf16 / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
                      "note": f"baseline: one dist.broadcast of the weights in BF16 "
                              f"({res['bf16_bytes'] / 1e6:.1f} MB, kept tensors as they travel), then the "
-                             f"receiver quantizes them (quantize_many into its live tensors); ratio = "
-                             f"speed-up of the refit step"})
+                             f"receiver quantizes them with mxport's own kernel (quantize_many into its live "
+                             f"tensors; the trainer's casts to BF16, if its weights are not BF16, inside "
+                             f"the timing); ratio = speed-up of the refit step"})
+    if res.get("engine_s"):
+        eng = statistics.median(res["engine_s"])
+        rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + engine's own quantize",
+                     "value": e2e, "baseline": f"BF16 broadcast + vLLM online MXFP8 quantize {eng:.3f} s "
+                     "(same run)", "ratio": eng / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
+                     "note": "the same BF16 broadcast, then the receiver quantizes as a vLLM engine with "
+                             "quantization='mxfp8' does after loading BF16 weights (vLLM's "
+                             "mxfp8_e4m3_quantize, per weight, on this device), into the same tensors"})
     if res.get("backup_s"):
         backup = statistics.median(res["backup_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "receiver rollback copy", "value": backup,
