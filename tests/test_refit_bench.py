@@ -24,3 +24,36 @@ def test_rows_from_timings():
     assert split == pytest.approx([1.0, 0.2, 0.5, 0.3])  # transfer = the remainder of the median step
     assert sum(rows[f"e2e split: {k}"]["ratio"] for k in ("quantize", "pack", "transfer", "unpack")) == \
         pytest.approx(1.0)
+
+
+def test_engine_baseline_row():
+    res = {"bytes": 1_000, "buckets": 1, "tensors": 3, "refit_s": [0.5], "commit_s": [0.1], "raw_s": [0.2],
+           "nosum_s": [0.3], "bf16_s": [1.5], "bf16_bytes": 1_900, "engine_s": [6.0],
+           "e2e": [{"seconds": 2.0, "quantize_s": 1.0, "pack_s": 0.2, "unpack_s": 0.3}]}
+    rows = {r["metric"]: check_row(r, "refit") for r in rows_from(res, "test")}
+    assert rows["end-to-end vs BF16 + receiver quantize"]["ratio"] == pytest.approx(0.75)
+    assert rows["end-to-end vs BF16 + engine's own quantize"]["ratio"] == pytest.approx(3.0)
+    del res["engine_s"]
+    assert "end-to-end vs BF16 + engine's own quantize" not in {r["metric"] for r in rows_from(res, "t")}
+
+
+def test_bf16_baseline_casts_inside_its_step():
+    """The BF16 baseline's payload holds every tensor as it travels in BF16; its refresh re-casts the float32
+    master weights (the trainer's cost of sending BF16), and BF16 ones are sent as they are."""
+    import torch
+
+    from mxport.bench.refit import _bf16_stream
+    from mxport.refit import TrainerSource
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.LayerNorm(32))
+    model[0].to(torch.bfloat16)
+    src = TrainerSource(model, bucket_bytes=1 << 20, kept_dtype=torch.bfloat16)
+    buf, refresh = _bf16_stream(src)
+    parts = [t.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8) for _, t in src.tensors_by_name]
+    assert torch.equal(buf, torch.cat(parts))
+    with torch.no_grad():
+        model[1].weight.add_(1.0)  # float32: re-cast by refresh
+    refresh()
+    parts = [t.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8) for _, t in src.tensors_by_name]
+    assert torch.equal(buf, torch.cat(parts))
