@@ -108,11 +108,11 @@ def test_bf16_rceil_with_another_inv_max_norm_saturates(fp8_dtype):
 
 
 def _f32_round_mantissas() -> list[int]:
-    """23-bit mantissas at each rounding position s = 20..23 (E4M3 / E5M2 normals keep the 3 / 2 bits above
-    s = 20 / 21, FP8 subnormals fewer): a tie (bit s - 1 alone below s), just below and just above it, each
-    with the kept bits 0, the kept lsb alone, every kept bit 1 (a round-up carries into the exponent) and every
-    kept bit but the lsb 1 (1.75 = 448 / 2^8 = 57344 / 2^15 among them: the saturation boundary); plus 0, 1
-    and all ones (position 24: ties at the FP8 subnormal half, just above and just below it)."""
+    """23-bit mantissas at each rounding position s = 20..23 (E4M3 / E5M2 normals keep the 3 / 2 bits
+    above s = 20 / 21, FP8 subnormals fewer): a tie (bit s - 1 alone below s), just below and just above it,
+    each with the kept bits 0, the kept lsb alone, every kept bit 1 (a round-up carries into the exponent)
+    and every kept bit but the lsb 1 (1.75 = 448 / 2^8 = 57344 / 2^15 among them: the saturation boundary);
+    plus 0, 1 and all ones (position 24: ties at the FP8 subnormal half, just above and just below it)."""
     ms = {0, 1, 0x7FFFFF}
     for s in range(20, 24):
         half, kept = 1 << (s - 1), 0x7FFFFF >> s << s
@@ -126,9 +126,9 @@ _F32_AMAX_MANTISSAS = (0, 0x7FFFFF, 0x600000, 0x5FFFFF, 0x600001, 0x400000)
 
 
 def _f32_blocks_below_their_amax(seed: int) -> torch.Tensor:
-    """float32 blocks of 32 whose first element (the amax) has each exponent field fa = 1..254 (mantissa from
-    ``_F32_AMAX_MANTISSAS``, cycling over the blocks of one fa), the other 31 together taking every pair (fa - d,
-    m) for d = 0..40 and m in :func:`_f32_round_mantissas` (the field clamped at 0: zeros and float32
+    """float32 blocks of 32 whose first element (the amax) has each exponent field fa = 1..254 (mantissa
+    from ``_F32_AMAX_MANTISSAS``, cycling over the blocks of one fa), the other 31 together taking every pair
+    (fa - d, m) for d = 0..40 and m in :func:`_f32_round_mantissas` (the field clamped at 0: zeros and float32
     subnormals), clamped to the amax, in random order; 1 in 32 of them a zero, 1 in 64 a random float32
     subnormal, signs random; 1 block in 40 holds a NaN, +Inf or -Inf. So, against every scale the amaxes give:
     FP8 normal results at every rounding position (ties, just off them, carries into the next binade, the
@@ -160,9 +160,9 @@ def _f32_blocks_below_their_amax(seed: int) -> torch.Tensor:
 
 
 def _f32_layouts(blocks: torch.Tensor) -> list[torch.Tensor]:
-    """The blocks as rows of eight blocks of one amax exponent (whole groups of the long-row path), shuffled as
-    rows of 3 blocks (eight scales per group; groups across rows; a last group of 5 blocks), and as rows of 593
-    elements (the per-row path: groups of 8, 8, 2 and a short last block of 17)."""
+    """The blocks as rows of eight blocks of one amax exponent (whole groups of the long-row path),
+    shuffled as rows of 3 blocks (eight scales per group; groups across rows; a last group of 5 blocks), and
+    as rows of 593 elements (the per-row path: groups of 8, 8, 2 and a short last block of 17)."""
     perm = blocks[torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(23))]
     n3 = perm.shape[0] // 24 * 24 - 3
     flat = perm.reshape(-1)
@@ -197,6 +197,31 @@ def test_f32_rceil_with_another_inv_max_norm(fp8_dtype, which):
         rq, re = _rowwise_kernel(x, fmt.max_norm, inv, fmt.emax, fp8_dtype, False, False)
         assert torch.equal(e, re), f"scales differ at {(e != re).nonzero()[:5].tolist()}"
         assert torch.equal(q, rq), f"values differ at {(q != rq).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_f32_quantize_many_with_sums(rounding):
+    """quantize_many with fused sums (the native kernel sums its output tile by tile, through the same row
+    functions) on the float32 layouts of :func:`_f32_blocks_below_their_amax`: each tensor gets the eager
+    bytes, and the sums are the eager kernel's (summed with torch ops)."""
+    from mxport.quantize import quantize_many
+    from mxport.refit.buckets import ChunkSums
+    from mxport.refit.plan import RefitPlan
+
+    xs = _f32_layouts(_f32_blocks_below_their_amax(37))
+    offsets, pos = [], 5
+    for x in xs:
+        offsets.append((pos, pos + x.numel() + 3))
+        pos += x.numel() + 3 + x.shape[0] * -(-x.shape[1] // 32) + 1
+    plan = RefitPlan([("s", "kept", torch.uint8, (pos,))], 700016)
+    got = {}
+    for kernel in ("native", "eager"):
+        sums = ChunkSums(plan)
+        got[kernel] = quantize_many(xs, rounding=rounding, kernel=kernel, sums=sums, offsets=offsets)
+        got[kernel + " sums"] = [sums.checksum(b) for b in range(plan.num_buckets)]
+    assert got["native sums"] == got["eager sums"]
+    for c, x in zip(got["native"], xs, strict=True):
+        _assert_components_equal(c, _per_tensor(x, torch.float8_e4m3fn, rounding))
 
 
 @pytest.mark.parametrize("fp8_dtype,floor,block_2d",
