@@ -107,6 +107,123 @@ def test_bf16_rceil_with_another_inv_max_norm_saturates(fp8_dtype):
     assert ((q & 0x7F) == (0x7E if fp8_dtype == torch.float8_e4m3fn else 0x7B)).sum() > 100  # saturated
 
 
+def _f32_round_mantissas() -> list[int]:
+    """23-bit mantissas at each rounding position s = 20..23 (E4M3 / E5M2 normals keep the 3 / 2 bits
+    above s = 20 / 21, FP8 subnormals fewer): a tie (bit s - 1 alone below s), just below and just above it,
+    each with the kept bits 0, the kept lsb alone, every kept bit 1 (a round-up carries into the exponent)
+    and every kept bit but the lsb 1 (1.75 = 448 / 2^8 = 57344 / 2^15 among them: the saturation boundary);
+    plus 0, 1 and all ones (position 24: ties at the FP8 subnormal half, just above and just below it)."""
+    ms = {0, 1, 0x7FFFFF}
+    for s in range(20, 24):
+        half, kept = 1 << (s - 1), 0x7FFFFF >> s << s
+        for top in (0, 1 << s, kept, kept & ~(1 << s)):
+            ms.update(((top | low) & 0x7FFFFF) for low in (half - 1, half, half + 1))
+    return sorted(ms)
+
+
+# block amax mantissas: 0, all ones, and 1.75 (= max_norm / 2^emax) and its neighbours (the rceil boundary)
+_F32_AMAX_MANTISSAS = (0, 0x7FFFFF, 0x600000, 0x5FFFFF, 0x600001, 0x400000)
+
+
+def _f32_blocks_below_their_amax(seed: int) -> torch.Tensor:
+    """float32 blocks of 32 whose first element (the amax) has each exponent field fa = 1..254 (mantissa
+    from ``_F32_AMAX_MANTISSAS``, cycling over the blocks of one fa), the other 31 together taking every pair
+    (fa - d, m) for d = 0..40 and m in :func:`_f32_round_mantissas` (the field clamped at 0: zeros and float32
+    subnormals), clamped to the amax, in random order; 1 in 32 of them a zero, 1 in 64 a random float32
+    subnormal, signs random; 1 block in 40 holds a NaN, +Inf or -Inf. So, against every scale the amaxes give:
+    FP8 normal results at every rounding position (ties, just off them, carries into the next binade, the
+    saturation boundary), nonzero FP8 subnormals, results flushed to zero, float32-subnormal and zero inputs,
+    the smallest scales (E <= bias + mbits), and groups the AVX2 fast path leaves to its float path."""
+    g = torch.Generator().manual_seed(seed)
+    ms = torch.tensor(_f32_round_mantissas())
+    fa = torch.arange(1, 255)
+    ex = (fa[:, None] - torch.arange(41)[None, :]).clamp(min=0)
+    pairs = ((ex[:, :, None] << 23) | ms[None, None, :]).reshape(fa.numel(), -1)
+    nb = -(-pairs.shape[1] // 31)
+    extra = torch.randint(0, pairs.shape[1], (fa.numel(), nb * 31 - pairs.shape[1]), generator=g)
+    pairs = torch.cat([pairs, pairs.gather(1, extra)], dim=1)
+    pairs = pairs.gather(1, torch.rand(pairs.shape, generator=g).argsort(dim=1)).reshape(-1, 31)
+    am = torch.tensor(_F32_AMAX_MANTISSAS)[torch.arange(nb) % len(_F32_AMAX_MANTISSAS)]
+    amax = ((fa[:, None] << 23) | am[None, :]).reshape(-1, 1)
+    n = amax.shape[0]
+    rest = torch.minimum(pairs, amax)
+    rest = torch.where(torch.randint(0, 32, (n, 31), generator=g) == 0, 0, rest)
+    sub = torch.randint(1, 1 << 23, (n, 31), generator=g)
+    rest = torch.where(torch.randint(0, 64, (n, 31), generator=g) == 0, sub, rest)
+    bits = torch.cat([amax, rest], dim=1) | (torch.randint(0, 2, (n, 32), generator=g) << 31)
+    x = bits.to(torch.int32).view(torch.float32)  # bits >= 2^31 wrap to the same 32-bit pattern
+    special = torch.nonzero(torch.randint(0, 40, (n,), generator=g) == 0).flatten()
+    vals = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    x[special, torch.randint(0, 32, (special.numel(),), generator=g)] = vals[
+        torch.randint(0, 3, (special.numel(),), generator=g)]
+    return x
+
+
+def _f32_layouts(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """The blocks as rows of eight blocks of one amax exponent (whole groups of the long-row path),
+    shuffled as rows of 3 blocks (eight scales per group; groups across rows; a last group of 5 blocks), and
+    as rows of 593 elements (the per-row path: groups of 8, 8, 2 and a short last block of 17)."""
+    perm = blocks[torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(23))]
+    n3 = perm.shape[0] // 24 * 24 - 3
+    flat = perm.reshape(-1)
+    rows = flat.numel() // 593
+    return [blocks.reshape(-1, 256), perm[:n3].reshape(-1, 96), flat[:rows * 593].reshape(rows, 593)]
+
+
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+@pytest.mark.parametrize("floor", [False, True])
+def test_f32_every_rounding_below_every_scale(fp8_dtype, floor):
+    """The float32 fast path (eight blocks at a time in 32-bit lanes, exponent-add scaling, integer RNE) gives
+    the eager bytes on :func:`_f32_blocks_below_their_amax` in each of :func:`_f32_layouts`."""
+    blocks = _f32_blocks_below_their_amax(29)
+    for x in _f32_layouts(blocks):
+        _assert_same(x, fp8_dtype, floor)
+
+
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+@pytest.mark.parametrize("which", ["saturating", "high", "tiny"])
+def test_f32_rceil_with_another_inv_max_norm(fp8_dtype, which):
+    """rceil on :func:`_f32_blocks_below_their_amax` with an inv_max_norm other than f32(1 / max_norm), as the
+    eager kernel takes it: 1 / (max_norm * 8/7) (products up to 8/7 max_norm, the ones rounding above it
+    saturated), 2^20 / max_norm (scales 20 binades up, clamped at 254 for the largest amaxes: products far
+    below 1, FP8 subnormals and zeros), and 2^-149, a float32 subnormal (small scales clamped at 0 and large
+    ones whose products pass float32 max: Inf, saturated)."""
+    fmt = element_format(fp8_dtype)
+    inv = {"saturating": float(np.float32(1.0) / np.float32(fmt.max_norm * 8 / 7)),
+           "high": float(np.float32(2.0**20) / np.float32(fmt.max_norm)), "tiny": 2.0**-149}[which]
+    elem = int(fp8_dtype == torch.float8_e5m2)
+    for x in _f32_layouts(_f32_blocks_below_their_amax(31)):
+        q, e = native.quantize_rows(NATIVE_PATH._lib, x, elem, False, inv, fmt.emax)
+        rq, re = _rowwise_kernel(x, fmt.max_norm, inv, fmt.emax, fp8_dtype, False, False)
+        assert torch.equal(e, re), f"scales differ at {(e != re).nonzero()[:5].tolist()}"
+        assert torch.equal(q, rq), f"values differ at {(q != rq).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_f32_quantize_many_with_sums(rounding):
+    """quantize_many with fused sums (the native kernel sums its output tile by tile, through the same row
+    functions) on the float32 layouts of :func:`_f32_blocks_below_their_amax`: each tensor gets the eager
+    bytes, and the sums are the eager kernel's (summed with torch ops)."""
+    from mxport.quantize import quantize_many
+    from mxport.refit.buckets import ChunkSums
+    from mxport.refit.plan import RefitPlan
+
+    xs = _f32_layouts(_f32_blocks_below_their_amax(37))
+    offsets, pos = [], 5
+    for x in xs:
+        offsets.append((pos, pos + x.numel() + 3))
+        pos += x.numel() + 3 + x.shape[0] * -(-x.shape[1] // 32) + 1
+    plan = RefitPlan([("s", "kept", torch.uint8, (pos,))], 700016)
+    got = {}
+    for kernel in ("native", "eager"):
+        sums = ChunkSums(plan)
+        got[kernel] = quantize_many(xs, rounding=rounding, kernel=kernel, sums=sums, offsets=offsets)
+        got[kernel + " sums"] = [sums.checksum(b) for b in range(plan.num_buckets)]
+    assert got["native sums"] == got["eager sums"]
+    for c, x in zip(got["native"], xs, strict=True):
+        _assert_components_equal(c, _per_tensor(x, torch.float8_e4m3fn, rounding))
+
+
 @pytest.mark.parametrize("fp8_dtype,floor,block_2d",
                          list(itertools.product(ELEMENTS, (False, True), (False, True))))
 def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d):

@@ -17,12 +17,13 @@
  * rows across threads.
  *
  * Without AVX-512 (F, BW, VL, DQ) but with AVX2 and F16C (most x86-64 CPUs since 2013, AMD Zen included) the
- * same algorithm runs eight lanes wide. bfloat16 rows of 1-D blocks take eight blocks at a time, cast in 16-bit
- * integer lanes (see "bfloat16 rows" below); other inputs, 32x32 blocks and the blocks that path leaves (NaN / Inf,
- * FP8 subnormals, tiny scales) one block at a time: its 32 elements loaded once as four float32 vectors, their amax
- * reduced to one scalar, the scale computed in scalar code, and the four vectors cast from registers. Built with
- * neither, the library exports only mxport_native_abi() == 0, and Python uses the
- * torch.compile path instead. mxport_native_isa() names the kernel that was built.
+ * same algorithm runs eight lanes wide. bfloat16 and float32 rows of 1-D blocks take eight blocks at a time,
+ * cast in 16-bit / 32-bit integer lanes (see "bfloat16 rows" and "float32 rows" below); float16 inputs, 32x32
+ * blocks and the blocks those paths leave (NaN / Inf, FP8 subnormals, tiny scales) one block at a time: its
+ * 32 elements loaded once as four float32 vectors, their amax reduced to one scalar, the scale computed in
+ * scalar code, and the four vectors cast from registers. Built with neither, the library exports only
+ * mxport_native_abi() == 0, and Python uses the torch.compile path instead. mxport_native_isa() names the
+ * kernel that was built.
  */
 #include <stdint.h>
 #include <string.h>
@@ -219,10 +220,12 @@ INLINE __m256i scale_bytes8(__m256i amax_bits, int floor_r, float inv_max_norm, 
     return _mm256_min_epi32(_mm256_sub_epi32(ex, up), e254);  /* up is -1 where E rounds up */
 }
 
-/* The float32 path for the blocks the bfloat16 path leaves (out of line: kept out of the hot loop's registers). */
-__attribute__((noinline, cold)) static void cast_block_f32(const char *p, uint8_t *out, uint32_t eb, int elem) {
+/* The float32 path for the full blocks the bfloat16 / float32 paths leave (out of line: kept out of the hot
+ * loop's registers). */
+__attribute__((noinline, cold)) static void cast_block_f32(const char *p, uint8_t *out, uint32_t eb,
+                                                           int in_dt, int elem) {
     __m256 v[4];
-    load_block8(p, 32, IN_BF16, v);
+    load_block8(p, 32, in_dt, v);
     if (elem == EL_E4M3)
         cast_block8(v, out, 32, multiplier1(eb), EL_E4M3);
     else
@@ -303,14 +306,15 @@ INLINE void store_bytes8(uint8_t *er, __m256i e, int g) {
 
 /* A group's scales, worked out a group ahead of its cast (the amax -> scale chain is long; the cast of the group
  * before runs meanwhile): e (E8M0 bytes, 32-bit lanes), or special when the group holds a NaN or an Inf. */
-struct bf16_plan {
+struct group_plan {
     __m256i e;
     int special;
 };
 
-INLINE struct bf16_plan bf16_group_plan(const uint16_t *xr, int g, int floor_r, float inv_max_norm, int emax) {
+INLINE struct group_plan bf16_group_plan(const uint16_t *xr, int g, int floor_r, float inv_max_norm,
+                                         int emax) {
     __m256i amax = bf16_group_amax(xr, g);
-    struct bf16_plan plan = {scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax),
+    struct group_plan plan = {scale_bytes8(_mm256_slli_epi32(amax, 16), floor_r, inv_max_norm, emax),
                              _mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7F)))};
     return plan;
 }
@@ -354,12 +358,12 @@ __attribute__((noinline, cold)) static void bf16_group_redo(const uint16_t *xr, 
         __m256i low = _mm256_set1_epi16(-1);
         bf16_block(xr + 32 * j, scratch, _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), elem, &k, &low);
         if ((int)eb[j] <= bias + mbits || bf16_has_subnormal(low, &k))
-            cast_block_f32((const char *)(xr + 32 * j), qr + 32 * j, eb[j], elem);
+            cast_block_f32((const char *)(xr + 32 * j), qr + 32 * j, eb[j], IN_BF16, elem);
     }
 }
 
 /* g (1..8) full blocks of a bfloat16 row from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
-INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, struct bf16_plan plan,
+INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, int g, struct group_plan plan,
                                 int elem, int floor_r, float inv_max_norm, int emax, int saturate) {
     const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = (1 << (6 - mbits)) - 1;
     if (plan.special) {
@@ -386,55 +390,233 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
         bf16_group_redo(xr, qr, g, e, c, elem);
 }
 
-/* Prefetch for the bfloat16 path, a group at a time: its input 4 KiB ahead (eight groups), its output as far ahead
- * (for writing). The hardware prefetcher alone leaves a single thread short of the memory bandwidth. A hint: never
- * faults, so reading past the end is harmless. */
-#define BF16_PREFETCH_GROUPS 8
-INLINE void bf16_prefetch(const uint16_t *x, const uint8_t *q) {
-    for (int l = 0; l < 8; l++)
-        __builtin_prefetch((const char *)(x + 256 * BF16_PREFETCH_GROUPS) + 64 * l, 0, 3);
-    for (int l = 0; l < 4; l++)
-        __builtin_prefetch(q + 256 * BF16_PREFETCH_GROUPS + 64 * l, 1, 3);
+/* ---- float32 rows: eight blocks at a time in 32-bit lanes -------------------------------------------------
+ * For a float32 x and a scale E with bias + mbits < E <= 254, the cast of f32(x * 2^(127-E)) above is
+ * computed on x's own bits. (1) x and the product normal: the product's pattern is x's with 127 - E added to
+ * its exponent field (the float32 product is exact; the mantissa is x's), so cast_fp8_8's integer rounding of
+ * the product bits (subtract (127 - bias) << 23, add half - 1 + lsb, arithmetic shift by 23 - mbits: RNE,
+ * ties to even through lsb, a round-up carrying into the exponent field) is one add of c = ((bias - E) << 23)
+ * + half - 1 to x's magnitude bits, then the same "+ lsb, shift". (2) x zero or float32-subnormal (x <
+ * 2^-126), or a product below 2^-126: the product is below 2^(1-E) or 2^-126, both <= 2^(-bias-mbits) =
+ * min_subnormal / 2, code 0 in the float path; the sum mag + ((127 - E) << 23) is below the pattern of the
+ * same bound (or negative), so the shift gives a code <= 0, packed to 0. (3) Saturation: bias - E < 0, so no
+ * sum overflows 32 bits; a product above max_norm (Inf included) gives a code above the largest one, and a
+ * clamp min(|y|, max_norm) before a monotone rounding is a clamp of the code after it. Signs come from x (a
+ * float32 product keeps its sign, zero included) through two signed saturating packs. The rest takes the
+ * float32 path, byte for byte: every block of a group holding a NaN or an Inf, a block with E <= bias +
+ * mbits, and a block with a product in (min_subnormal / 2, min_normal) (a nonzero FP8 subnormal, rounded at a
+ * position that depends on its exponent). As for bfloat16, the scales come a group ahead of the cast. */
+
+struct f32_consts {
+    __m256i mag_mask, one, low_shift, low_top, max_code, sign, pack_order;
+    int saturate; /* 0: no product can exceed max_norm (see quantize_fast_row) */
+};
+
+INLINE struct f32_consts f32_consts_for(int elem, int saturate) {
+    const int mbits = elem == EL_E4M3 ? 3 : 2, half = 1 << (22 - mbits);
+    struct f32_consts k = {
+        _mm256_set1_epi32(0x7FFFFFFF), _mm256_set1_epi32(1), _mm256_set1_epi32((mbits << 23) - half),
+        _mm256_set1_epi32(((mbits + 1) << 23) - 2), _mm256_set1_epi32(elem == EL_E4M3 ? 0x7E : 0x7B),
+        _mm256_set1_epi8((char)0x80), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), saturate};
+    OPAQUE(k.mag_mask);
+    OPAQUE(k.one);
+    OPAQUE(k.low_shift);
+    OPAQUE(k.low_top);
+    OPAQUE(k.max_code);
+    OPAQUE(k.sign);
+    OPAQUE(k.pack_order);
+    return k;
 }
 
-/* One bfloat16 row of k elements: groups of eight full blocks, then the short last block; saturate: clamp the
- * codes to the largest one. */
-INLINE void bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+/* FP8 codes (int32 lanes, <= 0 for code 0) of eight float32 magnitudes mag given c = ((bias - E) << 23) +
+ * half - 1. *low: u moved so that the products in (min_subnormal / 2, min_normal), u in (half - 1 - (mbits <<
+ * 23), half - 1 + (1 << 23)), are the unsigned values 0 .. low_top (the caller looks for one). */
+INLINE __m256i f32_codes(__m256i mag, __m256i c, int elem, const struct f32_consts *k, __m256i *low) {
+    const int shift = elem == EL_E4M3 ? 20 : 21;
+    __m256i u = _mm256_add_epi32(mag, c);  /* (product pattern) - ((127 - bias) << 23) + half - 1 */
+    *low = _mm256_add_epi32(u, k->low_shift);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, shift), k->one);
+    __m256i q = _mm256_srai_epi32(_mm256_add_epi32(u, lsb), shift);
+    return k->saturate ? _mm256_min_epi32(q, k->max_code) : q;
+}
+
+/* Cast one full float32 block (c: its ((bias - E) << 23) + half - 1 in every lane) and store its 32 bytes;
+ * fold its subnormal-check lanes into *low (unsigned min: a lane <= low_top marks a nonzero FP8 subnormal).
+ */
+INLINE void f32_block(const float *p, uint8_t *out, __m256i c, int elem, const struct f32_consts *k,
+                      __m256i *low) {
+    __m256i r[4], q[4], l[4];
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_loadu_si256((const __m256i *)(p + 8 * i));
+        q[i] = f32_codes(_mm256_and_si256(r[i], k->mag_mask), c, elem, k, &l[i]);
+    }
+    __m256i l4 = _mm256_min_epu32(_mm256_min_epu32(l[0], l[1]), _mm256_min_epu32(l[2], l[3]));
+    *low = _mm256_min_epu32(*low, l4);
+    /* codes <= 0 pack to 0, the others are 1..0x7E: the packs are exact; the signed packs keep each sign bit
+     */
+    __m256i v = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+    __m256i sign = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    v = _mm256_or_si256(v, _mm256_and_si256(sign, k->sign));  /* dwords: 0-3, 8-11, 16-19, 24-27, 4-7, ... */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(v, k->pack_order));
+}
+
+INLINE int f32_has_subnormal(__m256i low, const struct f32_consts *k) {
+    __m256i sub = _mm256_cmpeq_epi32(_mm256_max_epu32(low, k->low_top), k->low_top);
+    return !_mm256_testz_si256(sub, sub);
+}
+
+/* Eight vectors of eight int32 lanes -> lane j = the max over vector j's lanes. */
+INLINE __m256i reduce_max8_i32(const __m256i m[8]) {
+    __m256i l1[4], l2[2];
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane, dwords from vectors 2i, 2i+1, 2i, 2i+1 */
+        l1[i] = _mm256_max_epi32(_mm256_unpacklo_epi32(m[2 * i], m[2 * i + 1]),
+                                 _mm256_unpackhi_epi32(m[2 * i], m[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  /* per 128-bit lane, dwords from vectors 4i .. 4i+3 */
+        l2[i] = _mm256_max_epi32(_mm256_unpacklo_epi64(l1[2 * i], l1[2 * i + 1]),
+                                 _mm256_unpackhi_epi64(l1[2 * i], l1[2 * i + 1]));
+    return _mm256_max_epi32(_mm256_permute2x128_si256(l2[0], l2[1], 0x20),
+                            _mm256_permute2x128_si256(l2[0], l2[1], 0x31));
+}
+
+/* The amaxes of g (1..8) full float32 blocks at xr as magnitude bits (NaN: above 0x7F800000), one per lane (0
+ * past g). */
+INLINE __m256i f32_group_amax(const float *xr, int g) {
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i m[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const __m256i *p = (const __m256i *)(xr + 32 * j);
+        m[j] = _mm256_setzero_si256();
+        if (j < g)
+            for (int i = 0; i < 4; i++)
+                m[j] = _mm256_max_epi32(m[j], _mm256_and_si256(_mm256_loadu_si256(p + i), mag_mask));
+    }
+    return reduce_max8_i32(m);
+}
+
+INLINE struct group_plan f32_group_plan(const float *xr, int g, int floor_r, float inv_max_norm, int emax) {
+    __m256i amax = f32_group_amax(xr, g);
+    struct group_plan plan = {scale_bytes8(amax, floor_r, inv_max_norm, emax),
+                              _mm256_movemask_epi8(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F7FFFFF)))};
+    return plan;
+}
+
+/* The blocks of a group that the 32-bit lanes do not cover (a scale E <= bias + mbits, or a nonzero FP8
+ * subnormal product), found again and cast over the float32 way (rare: out of line). */
+__attribute__((noinline, cold)) static void f32_group_redo(const float *xr, uint8_t *qr, int g, __m256i e,
+                                                            __m256i c, int elem) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2;
+    const struct f32_consts k = f32_consts_for(elem, 1);
+    __attribute__((aligned(32))) uint32_t eb[8];
+    __attribute__((aligned(32))) uint8_t scratch[32];
+    _mm256_store_si256((__m256i *)eb, e);
+    for (int j = 0; j < g; j++) {
+        __m256i low = _mm256_set1_epi32(-1);
+        f32_block(xr + 32 * j, scratch, _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), elem, &k, &low);
+        if ((int)eb[j] <= bias + mbits || f32_has_subnormal(low, &k))
+            cast_block_f32((const char *)(xr + 32 * j), qr + 32 * j, eb[j], IN_F32, elem);
+    }
+}
+
+/* g (1..8) full blocks of a float32 row from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
+INLINE void quantize_f32_group(const float *xr, uint8_t *qr, uint8_t *er, int g, struct group_plan plan,
+                               int elem, int floor_r, float inv_max_norm, int emax, int saturate) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = 1 << (22 - mbits);
+    if (plan.special) {
+        for (int j = 0; j < g; j++)
+            quantize_block_f32((const char *)(xr + 32 * j), qr + 32 * j, er + j, 32, IN_F32, elem, floor_r,
+                               inv_max_norm, emax);
+        return;
+    }
+    const __m256i e = plan.e;
+    store_bytes8(er, e, g);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(bias + mbits + 1), e);
+    const int bad = _mm256_movemask_ps(_mm256_castsi256_ps(small));
+    /* E <= 254: E << 23 fits in int32 */
+    const __m256i c = _mm256_sub_epi32(_mm256_set1_epi32((bias << 23) + half - 1), _mm256_slli_epi32(e, 23));
+    const struct f32_consts k = f32_consts_for(elem, saturate);
+    __m256i low = _mm256_set1_epi32(-1);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        if (j >= g)
+            break;
+        f32_block(xr + 32 * j, qr + 32 * j, _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), elem, &k,
+                  &low);
+    }
+    if (bad & ((1 << g) - 1) || f32_has_subnormal(low, &k))
+        f32_group_redo(xr, qr, g, e, c, elem);
+}
+
+/* ---- the rows of the two fast paths (in_dt IN_BF16 or IN_F32, a constant once inlined) ----------------- */
+
+INLINE struct group_plan group_plan(const char *xr, int g, int in_dt, int floor_r, float inv_max_norm,
+                                    int emax) {
+    return in_dt == IN_F32 ? f32_group_plan((const float *)xr, g, floor_r, inv_max_norm, emax)
+                           : bf16_group_plan((const uint16_t *)xr, g, floor_r, inv_max_norm, emax);
+}
+
+INLINE void quantize_group(const char *xr, uint8_t *qr, uint8_t *er, int g, struct group_plan plan, int in_dt,
+                           int elem, int floor_r, float inv_max_norm, int emax, int saturate) {
+    if (in_dt == IN_F32)
+        quantize_f32_group((const float *)xr, qr, er, g, plan, elem, floor_r, inv_max_norm, emax, saturate);
+    else
+        quantize_bf16_group((const uint16_t *)xr, qr, er, g, plan, elem, floor_r, inv_max_norm, emax,
+                            saturate);
+}
+
+/* Prefetch, a group at a time: its input FAST_PREFETCH_BYTES ahead, its output as many groups ahead (for
+ * writing). The hardware prefetcher alone leaves a single thread short of the memory bandwidth. A hint: never
+ * faults, so reading past the end is harmless. */
+#define FAST_PREFETCH_BYTES 4096
+INLINE void group_prefetch(const char *x, const uint8_t *q, int esize) {
+    for (int l = 0; l < 4 * esize; l++)
+        __builtin_prefetch(x + FAST_PREFETCH_BYTES + 64 * l, 0, 3);
+    for (int l = 0; l < 4; l++)
+        __builtin_prefetch(q + FAST_PREFETCH_BYTES / esize + 64 * l, 1, 3);
+}
+
+/* One row of k elements: groups of eight full blocks, then the short last block; saturate: clamp the codes to
+ * the largest one. */
+INLINE void fast_row(const char *xr, int64_t k, uint8_t *qr, uint8_t *er, int in_dt, int elem, int floor_r,
                      float inv_max_norm, int emax, int saturate) {
+    const int esize = in_dt == IN_F32 ? 4 : 2;
     const int64_t full = k / 32, groups = full / 8;
-    struct bf16_plan plan = {_mm256_setzero_si256(), 0};
+    struct group_plan plan = {_mm256_setzero_si256(), 0};
     if (groups)
-        plan = bf16_group_plan(xr, 8, floor_r, inv_max_norm, emax);
+        plan = group_plan(xr, 8, in_dt, floor_r, inv_max_norm, emax);
     for (int64_t i = 0; i < groups; i++) {
         const int64_t b = 8 * i;
-        struct bf16_plan next = plan;
-        bf16_prefetch(xr + 32 * b, qr + 32 * b);
+        struct group_plan next = plan;
+        group_prefetch(xr + 32 * b * esize, qr + 32 * b, esize);
         if (i + 1 < groups)
-            next = bf16_group_plan(xr + 32 * (b + 8), 8, floor_r, inv_max_norm, emax);
-        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, 8, plan, elem, floor_r, inv_max_norm, emax, saturate);
+            next = group_plan(xr + 32 * (b + 8) * esize, 8, in_dt, floor_r, inv_max_norm, emax);
+        quantize_group(xr + 32 * b * esize, qr + 32 * b, er + b, 8, plan, in_dt, elem, floor_r, inv_max_norm,
+                       emax, saturate);
         plan = next;
     }
     if (full % 8) {
         const int64_t b = 8 * groups;
         const int g = (int)(full % 8);
-        quantize_bf16_group(xr + 32 * b, qr + 32 * b, er + b, g, bf16_group_plan(xr + 32 * b, g, floor_r,
-                            inv_max_norm, emax), elem, floor_r, inv_max_norm, emax, saturate);
+        quantize_group(xr + 32 * b * esize, qr + 32 * b, er + b, g, group_plan(xr + 32 * b * esize, g, in_dt,
+                       floor_r, inv_max_norm, emax), in_dt, elem, floor_r, inv_max_norm, emax, saturate);
     }
     if (k % 32)
-        quantize_block_f32((const char *)(xr + 32 * full), qr + 32 * full, er + full, (int)(k % 32), IN_BF16,
-                           elem, floor_r, inv_max_norm, emax);
+        quantize_block_f32(xr + 32 * full * esize, qr + 32 * full, er + full, (int)(k % 32), in_dt, elem,
+                           floor_r, inv_max_norm, emax);
 }
 
-/* One bfloat16 row of k elements (see bf16_row). With rceil and the exact f32(1/max_norm) no product of the 16-bit
- * path exceeds max_norm: x * 2^(127-E) <= amax / f32(amax * inv_max_norm) < max_norm * (1 + 2^-22), and the
- * product is a bfloat16 (normal, exact), whose next value above max_norm is max_norm * (1 + 1/224). The clamp to the
- * largest code is then left out (it cannot change a byte); floor rounding, or another inv_max_norm, keeps it. */
-INLINE void quantize_bf16_row(const uint16_t *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
-                              float inv_max_norm, int emax) {
+/* One bfloat16 or float32 row of k elements (see fast_row). With rceil and the exact f32(1/max_norm) no
+ * product of the fast paths rounds above max_norm: x * 2^(127-E) <= amax / f32(amax * inv_max_norm) <
+ * max_norm * (1 + 2^-22) (E > bias + mbits: f32(amax * inv_max_norm) is normal), below the midpoint max_norm
+ * * (1 + 1/28) between max_norm and the next FP8 magnitude (448 / 480, 57344 / 61440): the rounding gives at
+ * most the largest code. The clamp to it is then left out (it cannot change a byte); floor rounding, or
+ * another inv_max_norm, keeps it. */
+INLINE void quantize_fast_row(const char *xr, int64_t k, uint8_t *qr, uint8_t *er, int in_dt, int elem,
+                              int floor_r, float inv_max_norm, int emax) {
     if (floor_r || inv_max_norm != 1.0f / (elem == EL_E4M3 ? 448.0f : 57344.0f))
-        bf16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 1);
+        fast_row(xr, k, qr, er, in_dt, elem, floor_r, inv_max_norm, emax, 1);
     else
-        bf16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 0);
+        fast_row(xr, k, qr, er, in_dt, elem, floor_r, inv_max_norm, emax, 0);
 }
 
 /* Rows [r0, r0 + nr) share their scales (nr = 1 for 1-D blocks, up to 32 for 32x32 blocks). */
@@ -442,8 +624,8 @@ INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uin
                                int elem, int floor_r, float inv_max_norm, int emax) {
     const int esize = in_dt == IN_F32 ? 4 : 2;
     const int64_t nb = (k + 31) / 32;
-    if (nr == 1 && in_dt == IN_BF16) {
-        quantize_bf16_row((const uint16_t *)x + r0 * k, k, q + r0 * k, e + r0 * nb, elem, floor_r, inv_max_norm,
+    if (nr == 1 && in_dt != IN_F16) {
+        quantize_fast_row(x + r0 * k * esize, k, q + r0 * k, e + r0 * nb, in_dt, elem, floor_r, inv_max_norm,
                           emax);
         return;
     }
@@ -478,8 +660,8 @@ INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uin
 INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax, int block_2d) {
     const int group = block_2d ? 32 : 1;
-    if (in_dt == IN_BF16 && !block_2d && k % 32 == 0) {  /* rows of whole blocks: one long row of rows * k */
-        quantize_bf16_row((const uint16_t *)x, rows * k, q, e, elem, floor_r, inv_max_norm, emax);
+    if (in_dt != IN_F16 && !block_2d && k % 32 == 0) {  /* rows of whole blocks: one long row of rows * k */
+        quantize_fast_row(x, rows * k, q, e, in_dt, elem, floor_r, inv_max_norm, emax);
         return;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += group)
