@@ -2,6 +2,9 @@
 any view of them is alive, and the bytes of every quantize the same on a reused (dirty) buffer."""
 
 import gc
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,31 @@ def test_quantize_into_dirty_reused_buffers_gives_the_same_bytes(dtype):
         (many,) = quantize_many([x])
         assert torch.equal(many.data.view(torch.uint8), want.data.view(torch.uint8))
         del got, many
+
+
+_EXIT_SCRIPT = """
+import atexit
+
+def late():  # registered before weakref.finalize's own exit hook, so it runs after it
+    y = torch.full((1024, 8192), 3.0, dtype=torch.bfloat16)
+    again = quantize(y)
+    print(torch.equal(kept.data.view(torch.uint8), want), again.data.data_ptr() == kept.data.data_ptr())
+
+atexit.register(late)
+import torch
+from mxport.quantize import quantize
+torch.set_num_threads(1)  # no worker pool: concurrent.futures refuses new work once exit has begun
+x = torch.full((1024, 8192), 1.0, dtype=torch.bfloat16)
+kept = quantize(x)
+want = kept.data.view(torch.uint8).clone()
+"""
+
+
+def test_outputs_alive_at_exit_are_not_reused_by_exit_handlers():
+    """weakref.finalize runs its callbacks at exit by default (atexit=True): every buffer still in use was
+    given to the pool then, and an exit handler's quantize wrote over an output it still held."""
+    env = {**os.environ, "PYTHONPATH": str(Path(pages.__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False"] and proc.stderr == ""

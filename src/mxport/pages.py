@@ -126,5 +126,7 @@ def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
     size = -(-n // HUGE_PAGE) * HUGE_PAGE
     m = _SPARES.take(size) or _new_mapping(size)
     view = memoryview(m.mm)[m.start:m.start + n]
-    weakref.finalize(view, _SPARES.give, m)  # runs when the tensor's storage, the last user, releases it
+    # runs when the tensor's storage, the last user, releases it; never at exit (finalize's default), when
+    # the buffers still in use would join the pool and an exit handler's quantize write over them
+    weakref.finalize(view, _SPARES.give, m).atexit = False
     return torch.frombuffer(view, dtype=torch.uint8).view(shape)
