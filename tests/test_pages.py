@@ -3,8 +3,11 @@ any view of them is alive, and the bytes of every quantize the same on a reused 
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,52 @@ def test_outputs_alive_at_exit_are_not_reused_by_exit_handlers():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "False"] and proc.stderr == ""
+
+
+def _wait_child(pid: int, timeout: float) -> int | None:
+    """The exit status of child ``pid``, or None (the child killed) when it runs past ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX only")
+def test_fork_while_another_thread_is_in_the_pool():
+    """A fork while another thread is inside the pool (its lock held: a tensor freed there) left the child's
+    lock owned by a thread the child does not have: its first large output waited forever. The child also
+    frees the buffers it inherited and reuses them, without touching the parent's (private mappings)."""
+    kept = pages.fresh_bytes(BIG).fill_(1)
+    ptr = kept.data_ptr()
+    spare = pages.fresh_bytes(BIG).fill_(2)
+    del spare  # a spare in the pool at the fork
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with pages._SPARES._lock:
+            inside.set()
+            leave.wait(0.5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when all went well
+        ok = False
+        try:
+            torch.set_num_threads(1)  # torch's OpenMP pool does not survive a fork (as in DataLoader workers)
+            a = pages.fresh_bytes(BIG).fill_(7)  # the inherited spare
+            del kept  # the child's copy of it goes to the child's pool ...
+            b = pages.fresh_bytes(BIG).fill_(7)  # ... and is reused
+            ok = b.data_ptr() == ptr and bool((a == 7).all()) and bool((b == 7).all())
+        finally:
+            os._exit(0 if ok else 1)
+    leave.set()
+    holder.join()
+    assert _wait_child(pid, 20) == 0
+    assert bool((kept == 1).all())

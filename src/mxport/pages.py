@@ -74,6 +74,13 @@ class _Spares:
 
 _SPARES = _Spares()
 
+if hasattr(os, "register_at_fork"):
+    # a fork while another thread is inside the pool would leave the child's lock owned by a thread the child
+    # does not have (its first large output, or freeing one, would wait forever): the forking thread holds
+    # the lock across the fork (the child's pool is whole) and each side releases it
+    os.register_at_fork(before=_SPARES._lock.acquire, after_in_parent=_SPARES._lock.release,
+                        after_in_child=_SPARES._lock.release)
+
 
 def spare_limit() -> int:
     """Bytes of freed output buffers kept for reuse: ``MXPORT_SPARE_MIB`` MiB, else min(1 GiB, memory /
