@@ -1,6 +1,7 @@
 """Fresh output buffers (mxport.pages): huge-page mappings for large outputs, reused once freed, never while
 any view of them is alive, and the bytes of every quantize the same on a reused (dirty) buffer."""
 
+import ctypes
 import gc
 import os
 import signal
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from mxport import pages
-from mxport.quantize import quantize, quantize_many
+from mxport.quantize import NATIVE_PATH, quantize, quantize_many
 
 BIG = (1024, 8192)  # 8 MiB: above HUGE_PAGE_MIN_BYTES
 
@@ -206,3 +207,50 @@ def test_fork_while_another_thread_is_in_the_pool():
     holder.join()
     assert _wait_child(pid, 20) == 0
     assert bool((kept == 1).all())
+
+
+class _LateWorkerLib:
+    """A stand-in native library: the main thread's share is interrupted (a Ctrl-C delivered as its native
+    call returns), the worker thread's share writes 0xAB over its rows once ``proceed`` is set (1 s at
+    most), then sets ``wrote``."""
+
+    def __init__(self):
+        self.main = threading.get_ident()
+        self.proceed, self.wrote = threading.Event(), threading.Event()
+
+    def _share(self, q: int, n: int) -> int:
+        if threading.get_ident() == self.main:
+            raise KeyboardInterrupt
+        self.proceed.wait(1)
+        ctypes.memset(q, 0xAB, n)
+        self.wrote.set()
+        return 0
+
+    def mxport_quantize_rows(self, x, rows, k, q, *args):
+        return self._share(q, rows * k)
+
+    def mxport_quantize_many(self, n, jobs, *args):
+        return self._share(jobs[0].q, jobs[0].rows * jobs[0].k)
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_an_interrupted_quantize_lets_go_of_its_outputs_only_once_every_thread_is_done(monkeypatch, many):
+    """An exception in the main thread's share of a split quantize (Ctrl-C) left the other threads writing
+    into outputs already freed: reused by the next output (here: filled with 0 and then overwritten). The
+    batched path was safe already (its worker's closure holds the output tensors): kept as a guard."""
+    x = torch.zeros(1024, 8192, dtype=torch.bfloat16)
+    assert NATIVE_PATH.available and quantize(x[:1]) is not None  # loaded before the stand-in goes in
+    lib = _LateWorkerLib()
+    monkeypatch.setattr(NATIVE_PATH, "_lib", lib)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            quantize_many([x]) if many else quantize(x)
+    finally:
+        torch.set_num_threads(threads)
+    gc.collect()
+    reused = pages.fresh_bytes(tuple(x.shape)).fill_(0)
+    lib.proceed.set()
+    assert lib.wrote.wait(5)
+    assert bool((reused == 0).all())
