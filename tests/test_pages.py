@@ -254,3 +254,19 @@ def test_an_interrupted_quantize_lets_go_of_its_outputs_only_once_every_thread_i
     lib.proceed.set()
     assert lib.wrote.wait(5)
     assert bool((reused == 0).all())
+
+
+def test_a_bad_spare_limit_fails_the_call_not_every_free(monkeypatch):
+    """MXPORT_SPARE_MIB=lots raised inside the finalizer of every large output, never to the caller: a
+    traceback printed (sys.unraisablehook) at each free and reuse silently off."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "lots")
+    with pytest.raises(ValueError, match="MXPORT_SPARE_MIB='lots'"):
+        quantize(torch.ones(BIG, dtype=torch.bfloat16))
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "64")
+    t = pages.fresh_bytes(BIG)
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "lots")  # changed while a buffer is in use: it is not kept
+    del t
+    gc.collect()
+    assert unraisable == [] and pages.spare_bytes() == 0

@@ -61,8 +61,12 @@ class _Spares:
     def give(self, m: _Mapping) -> None:
         """Called as the last buffer export of ``m`` is released: keep it if there is room (otherwise the
         mapping is unmapped once the releasing view is gone)."""
+        try:
+            limit = spare_limit()
+        except ValueError:  # set wrong since the buffer was made (fresh_bytes raises then): keep nothing
+            limit = 0
         with self._lock:
-            if self.held + m.size <= spare_limit():
+            if self.held + m.size <= limit:
                 self._free.setdefault(m.size, []).append(m)
                 self.held += m.size
 
@@ -130,6 +134,7 @@ def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
     n = math.prod(shape)
     if n < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):  # small, or not a POSIX system
         return torch.empty(shape, dtype=torch.uint8)
+    spare_limit()  # a bad MXPORT_SPARE_MIB fails here, not in the finalizer of every output (never raised)
     size = -(-n // HUGE_PAGE) * HUGE_PAGE
     m = _SPARES.take(size) or _new_mapping(size)
     view = memoryview(m.mm)[m.start:m.start + n]
