@@ -3,6 +3,7 @@ any view of them is alive, and the bytes of every quantize the same on a reused 
 
 import ctypes
 import gc
+import math
 import os
 import signal
 import subprocess
@@ -270,3 +271,36 @@ def test_a_bad_spare_limit_fails_the_call_not_every_free(monkeypatch):
     del t
     gc.collect()
     assert unraisable == [] and pages.spare_bytes() == 0
+
+
+def _quantize_over(fill: int, x: torch.Tensor, many: bool, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize(x, **kw) (quantize_many([x]) with ``many``) into spares every byte of which is ``fill``:
+    the value and scale bytes."""
+    shapes = [tuple(x.shape), (x.numel() // x.shape[-1], -(-x.shape[-1] // 32))]
+    if kw.get("direction") == "columnwise":
+        shapes = [(x.shape[-1], x.numel() // x.shape[-1]), (x.shape[-1], -(-x.numel() // x.shape[-1] // 32))]
+    dirty = [pages.fresh_bytes(s).fill_(fill) for s in shapes if math.prod(s) >= pages.HUGE_PAGE_MIN_BYTES]
+    assert dirty, "no output is large enough to come from the pool"
+    held, used = pages.spare_bytes(), sum(-(-t.numel() // pages.HUGE_PAGE) * pages.HUGE_PAGE for t in dirty)
+    del dirty
+    assert pages.spare_bytes() == held + used
+    c = quantize_many([x], **kw)[0] if many else quantize(x, **kw)
+    assert pages.spare_bytes() == held + (used if kw.get("direction") == "columnwise" else 0)  # all reused
+    return c.data.view(torch.uint8).clone(), c.scale_inv.clone()
+
+
+@pytest.mark.parametrize(("shape", "many", "kw"), [
+    ((1 << 22, 1), False, {}),  # K=1: one padded block a row; the 4 MiB of scales reused too
+    ((2, 1 << 16, 33), True, {"fp8_dtype": torch.float8_e5m2, "rounding": "floor"}),  # 3-D, a partial block
+    ((65541, 64), False, {"block_2d": True}),  # a last 32-row group of 5 rows
+    ((64, 65541), False, {"direction": "columnwise"}),
+])
+def test_every_output_byte_is_written_over_a_reused_buffer(shape, many, kw):
+    """The same bytes over spares full of 0xFF as over spares full of 0x00: no byte of a value or scale
+    output (padded blocks, partial row groups, NaN / Inf / zero blocks) is left as the spare held it."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    flat = x.view(-1)
+    flat[:64] = 0
+    flat[64:96:3], flat[96:128:5], flat[128:160:7] = float("nan"), float("inf"), -float("inf")
+    ones, zeros = _quantize_over(0xFF, x, many, kw), _quantize_over(0x00, x, many, kw)
+    assert torch.equal(ones[0], zeros[0]) and torch.equal(ones[1], zeros[1])
