@@ -304,3 +304,37 @@ def test_every_output_byte_is_written_over_a_reused_buffer(shape, many, kw):
     flat[64:96:3], flat[96:128:5], flat[128:160:7] = float("nan"), float("inf"), -float("inf")
     ones, zeros = _quantize_over(0xFF, x, many, kw), _quantize_over(0x00, x, many, kw)
     assert torch.equal(ones[0], zeros[0]) and torch.equal(ones[1], zeros[1])
+
+
+def test_threads_quantizing_at_once_never_share_a_buffer():
+    """Two threads quantize (and free) at once, their outputs taken from and given to one pool: each result
+    is its input's, unchanged until freed."""
+    xs = [torch.full(BIG, v, dtype=torch.bfloat16) for v in (1.0, -3.0)]
+    wants = [quantize(x).data.view(torch.uint8)[0, 0].item() for x in xs]
+    bad = []
+
+    def work(i: int) -> None:
+        for _ in range(6):
+            c = quantize(xs[i])
+            c2 = quantize_many([xs[i]])[0]
+            for got in (c.data.view(torch.uint8), c2.data.view(torch.uint8)):
+                if not bool((got == wants[i]).all()):
+                    bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert bad == [] and wants[0] != wants[1]
+
+
+def test_share_memory_moves_an_output_off_its_buffer():
+    """share_memory_ (as a torch.multiprocessing queue does to what it sends) copies the storage into shared
+    memory and releases the buffer: reused at once, the moved tensor keeps its bytes."""
+    t = pages.fresh_bytes(BIG).fill_(5)
+    ptr = t.data_ptr()
+    t.share_memory_()
+    assert t.is_shared() and t.data_ptr() != ptr and pages.spare_bytes() == 8 << 20
+    u = pages.fresh_bytes(BIG).fill_(6)
+    assert u.data_ptr() == ptr and bool((t == 5).all())
