@@ -28,7 +28,8 @@ import shlex
 import shutil
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -247,6 +248,21 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+def _run_split(run: Callable[[int], int], n: int) -> list[int]:
+    """``run(0)`` in this thread and ``run(1)`` ... ``run(n - 1)`` on the pool: their results, returned or
+    raised only once every run has returned, even when this thread's raises (a Ctrl-C as its native call
+    returns): until then the other threads still write the outputs, which the caller may free (and
+    :mod:`mxport.pages` hand out again) as soon as this returns or raises."""
+    futures = []
+    try:
+        for t in range(1, n):
+            futures.append(_pool(n - 1).submit(run, t))
+        first = run(0)
+    finally:
+        wait(futures)
+    return [first] + [f.result() for f in futures]
+
+
 def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, inv_max_norm: float,
                   emax: int, *, block_2d: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,13 +294,9 @@ def quantize_rows(lib: ctypes.CDLL, x2: torch.Tensor, elem: int, floor: bool, in
                   inv_max_norm, emax, int(block_2d))
 
     threads = max(1, min(torch.get_num_threads(), m, x2.numel() // MIN_NUMEL_PER_THREAD))
-    if threads == 1:
-        rcs = [run(0, m)]
-    else:
-        step = 32 if block_2d else 1  # 32x32 blocks: split between row groups
-        bounds = [min(m, (m * i // threads + step - 1) // step * step) for i in range(threads + 1)]
-        futures = [_pool(threads - 1).submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        rcs = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
+    step = 32 if block_2d else 1  # 32x32 blocks: split between row groups
+    bounds = [min(m, (m * i // threads + step - 1) // step * step) for i in range(threads + 1)]
+    rcs = _run_split(lambda t: run(bounds[t], bounds[t + 1]), threads)
     if any(rcs):
         raise RuntimeError(f"mxport native kernel rejected its arguments (dtype {x2.dtype}, K={k})")
     return q, e
@@ -353,11 +365,7 @@ def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Te
                                      partial[t].data_ptr()))
         return fn(len(pieces), arr, elem, int(floor), inv_max_norm, emax, int(block_2d), spec)
 
-    if len(runs) == 1:
-        rcs = [run(0)]
-    else:
-        futures = [_pool(len(runs) - 1).submit(run, t) for t in range(1, len(runs))]
-        rcs = [run(0)] + [f.result() for f in futures]
+    rcs = _run_split(run, len(runs))
     if any(rcs):
         raise RuntimeError(f"mxport native kernel rejected the arguments of a batch of {len(jobs)} tensors")
     if partial is not None:

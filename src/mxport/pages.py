@@ -61,8 +61,12 @@ class _Spares:
     def give(self, m: _Mapping) -> None:
         """Called as the last buffer export of ``m`` is released: keep it if there is room (otherwise the
         mapping is unmapped once the releasing view is gone)."""
+        try:
+            limit = spare_limit()
+        except ValueError:  # set wrong since the buffer was made (fresh_bytes raises then): keep nothing
+            limit = 0
         with self._lock:
-            if self.held + m.size <= spare_limit():
+            if self.held + m.size <= limit:
                 self._free.setdefault(m.size, []).append(m)
                 self.held += m.size
 
@@ -73,6 +77,13 @@ class _Spares:
 
 
 _SPARES = _Spares()
+
+if hasattr(os, "register_at_fork"):
+    # a fork while another thread is inside the pool would leave the child's lock owned by a thread the child
+    # does not have (its first large output, or freeing one, would wait forever): the forking thread holds
+    # the lock across the fork (the child's pool is whole) and each side releases it
+    os.register_at_fork(before=_SPARES._lock.acquire, after_in_parent=_SPARES._lock.release,
+                        after_in_child=_SPARES._lock.release)
 
 
 def spare_limit() -> int:
@@ -123,8 +134,11 @@ def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
     n = math.prod(shape)
     if n < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):  # small, or not a POSIX system
         return torch.empty(shape, dtype=torch.uint8)
+    spare_limit()  # a bad MXPORT_SPARE_MIB fails here, not in the finalizer of every output (never raised)
     size = -(-n // HUGE_PAGE) * HUGE_PAGE
     m = _SPARES.take(size) or _new_mapping(size)
     view = memoryview(m.mm)[m.start:m.start + n]
-    weakref.finalize(view, _SPARES.give, m)  # runs when the tensor's storage, the last user, releases it
+    # runs when the tensor's storage, the last user, releases it; never at exit (finalize's default), when
+    # the buffers still in use would join the pool and an exit handler's quantize write over them
+    weakref.finalize(view, _SPARES.give, m).atexit = False
     return torch.frombuffer(view, dtype=torch.uint8).view(shape)
