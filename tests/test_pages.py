@@ -109,6 +109,24 @@ def test_limit_and_release(monkeypatch):
         pages.spare_limit()
 
 
+def test_the_oldest_spare_makes_room(monkeypatch):
+    """A buffer freed when the pool is full evicts the oldest spares (a shape that never comes back does not
+    keep the pool from the shapes in use)."""
+    monkeypatch.setenv(pages.ENV_SPARE_MIB, "12")
+    old, new = pages.fresh_bytes(BIG), pages.fresh_bytes((6, 1 << 20))
+    new_ptr = new.data_ptr()
+    del old
+    assert pages.spare_bytes() == 8 << 20
+    del new  # 8 + 6 MiB > 12: the 8 MiB spare goes
+    assert pages.spare_bytes() == 6 << 20
+    again = pages.fresh_bytes((6, 1 << 20))
+    assert again.data_ptr() == new_ptr
+    del again
+    huge = pages.fresh_bytes((16, 1 << 20))  # larger than the whole pool: not kept, evicts nothing
+    del huge
+    assert pages.spare_bytes() == 6 << 20
+
+
 def test_default_limit_is_bounded():
     assert 0 < pages.spare_limit() <= 1 << 30
 

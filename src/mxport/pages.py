@@ -11,7 +11,7 @@ deleter releases the buffer) the mapping goes back to a small pool of spares, re
 the same rounded size with its pages already in place. Every byte of an output is written by the kernel, so a
 reused buffer's old contents never show.
 
-The pool holds at most :func:`spare_limit` bytes (``MXPORT_SPARE_MIB``; default the smaller of 1 GiB and 1/16
+The pool holds at most :func:`spare_limit` bytes (``MXPORT_SPARE_MIB``; default the smaller of 1 GiB and 1/32
 of the machine's memory; ``0`` turns reuse off); :func:`release_spares` unmaps them now.
 """
 
@@ -41,38 +41,42 @@ class _Mapping:
 
 
 class _Spares:
-    """Freed mappings by size, at most ``limit()`` bytes in all. Thread-safe; ``give`` may run inside
-    ``take`` on the same thread (a garbage collection there), hence the re-entrant lock."""
+    """Freed mappings, oldest first, at most ``spare_limit()`` bytes in all: a new one evicts the oldest
+    (shapes that never come back do not hold the pool). Thread-safe; ``give`` may run inside ``take`` on the
+    same thread (a garbage collection there), hence the re-entrant lock."""
 
     def __init__(self):
         self._lock = threading.RLock()
-        self._free: dict[int, list[_Mapping]] = {}
+        self._free: list[_Mapping] = []
         self.held = 0
 
     def take(self, size: int) -> _Mapping | None:
+        """The most recently freed spare of exactly ``size`` bytes, if any."""
         with self._lock:
-            maps = self._free.get(size)
-            if not maps:
-                return None
-            m = maps.pop()
-            self.held -= size
-            return m
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i].size == size:
+                    self.held -= size
+                    return self._free.pop(i)
+            return None
 
     def give(self, m: _Mapping) -> None:
-        """Called as the last buffer export of ``m`` is released: keep it if there is room (otherwise the
-        mapping is unmapped once the releasing view is gone)."""
+        """Called as the last buffer export of ``m`` is released: keep it, evicting the oldest spares to make
+        room (a mapping dropped from the pool is unmapped once nothing uses it)."""
         try:
             limit = spare_limit()
         except ValueError:  # set wrong since the buffer was made (fresh_bytes raises then): keep nothing
             limit = 0
         with self._lock:
-            if self.held + m.size <= limit:
-                self._free.setdefault(m.size, []).append(m)
-                self.held += m.size
+            if m.size > limit:
+                return
+            while self._free and self.held + m.size > limit:
+                self.held -= self._free.pop(0).size
+            self._free.append(m)
+            self.held += m.size
 
     def clear(self) -> int:
         with self._lock:
-            n, self._free, self.held = self.held, {}, 0
+            n, self._free, self.held = self.held, [], 0
             return n
 
 
@@ -88,7 +92,7 @@ if hasattr(os, "register_at_fork"):
 
 def spare_limit() -> int:
     """Bytes of freed output buffers kept for reuse: ``MXPORT_SPARE_MIB`` MiB, else min(1 GiB, memory /
-    16)."""
+    32) (per process: eight ranks on a node hold at most a quarter of its memory)."""
     env = os.environ.get(ENV_SPARE_MIB, "").strip()
     if env:
         try:
@@ -99,7 +103,7 @@ def spare_limit() -> int:
         mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         mem = 16 << 30
-    return min(1 << 30, mem // 16)
+    return min(1 << 30, mem // 32)
 
 
 def spare_bytes() -> int:
@@ -136,7 +140,13 @@ def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.uint8)
     spare_limit()  # a bad MXPORT_SPARE_MIB fails here, not in the finalizer of every output (never raised)
     size = -(-n // HUGE_PAGE) * HUGE_PAGE
-    m = _SPARES.take(size) or _new_mapping(size)
+    m = _SPARES.take(size)
+    if m is None:
+        try:
+            m = _new_mapping(size)
+        except OSError:  # out of memory (or mappings): the spares go back to the system, then one more try
+            release_spares()
+            m = _new_mapping(size)
     view = memoryview(m.mm)[m.start:m.start + n]
     # runs when the tensor's storage, the last user, releases it; never at exit (finalize's default), when
     # the buffers still in use would join the pool and an exit handler's quantize write over them
