@@ -26,13 +26,14 @@ def test_rows_from_timings():
         pytest.approx(1.0)
 
 
-def test_engine_baseline_row():
+def test_baseline_rows():
     res = {"bytes": 1_000, "buckets": 1, "tensors": 3, "refit_s": [0.5], "commit_s": [0.1], "raw_s": [0.2],
-           "nosum_s": [0.3], "bf16_s": [1.5], "bf16_bytes": 1_900, "engine_s": [6.0],
+           "nosum_s": [0.3], "bf16_s": [1.5], "bf16_bytes": 1_900, "engine_s": [6.0], "raw_buckets_s": [0.4],
            "e2e": [{"seconds": 2.0, "quantize_s": 1.0, "pack_s": 0.2, "unpack_s": 0.3}]}
     rows = {r["metric"]: check_row(r, "refit") for r in rows_from(res, "test")}
     assert rows["end-to-end vs BF16 + receiver quantize"]["ratio"] == pytest.approx(0.75)
     assert rows["end-to-end vs BF16 + engine's own quantize"]["ratio"] == pytest.approx(3.0)
+    assert rows["refit throughput vs bucketed raw broadcast"]["ratio"] == pytest.approx(0.8)
     del res["engine_s"]
     assert "end-to-end vs BF16 + engine's own quantize" not in {r["metric"] for r in rows_from(res, "t")}
 

@@ -199,6 +199,7 @@ def _sender_fns(tr, cfg: dict, kernel) -> tuple[dict[str, Callable], object, dic
         tr.broadcast(bf16)
 
     fns = {"refit": lambda: end.send(tensors, **sums), "raw": lambda: tr.broadcast(flat),
+           "raw_buckets": _bucketed(tr, flat, plan.bucket_bytes),
            "e2e": lambda: end.send(src.tensors(), **sums), "nosum": lambda: end.send(tensors),
            "bf16": bf16_baseline, "sender_sums": lambda: end.send(tensors), "engine": bf16_baseline}
     return fns, end, {"bf16_bytes": bf16.numel(), "plan": plan}
@@ -220,10 +221,22 @@ def _receiver_fns(tr, cfg: dict) -> tuple[dict[str, Callable], object, dict]:
             fn()
         return step
 
-    fns = {"refit": end.receive, "raw": lambda: tr.broadcast(flat), "e2e": end.receive,
+    fns = {"refit": end.receive, "raw": lambda: tr.broadcast(flat),
+           "raw_buckets": _bucketed(tr, flat, plan.bucket_bytes), "e2e": end.receive,
            "nosum": end.receive, "bf16": then(requantize), "sender_sums": end.receive,
            "engine": then(engine) if engine is not None else None}
     return fns, end, {"plan": plan}
+
+
+def _bucketed(tr, flat: torch.Tensor, bucket_bytes: int) -> Callable:
+    """The raw broadcast of ``flat`` in bucket-sized pieces, all posted at once (the refit's wire pattern
+    without its checks, checksums, trailer and vote)."""
+    pieces = list(flat.split(bucket_bytes))
+
+    def step():
+        for h in [tr.broadcast(p, async_op=True) for p in pieces]:
+            h.wait()
+    return step
 
 
 def _without_checksums(end, fn: Callable) -> Callable:
@@ -273,6 +286,7 @@ def _spans(times: dict[str, list]) -> dict:
     def span(k):
         return [r[1] - s[0] for s, r in times[k]]
     out = {"refit_s": span("refit"), "raw_s": span("raw"), "nosum_s": span("nosum"), "bf16_s": span("bf16"),
+           "raw_buckets_s": span("raw_buckets"),
            "sender_sums_s": span("sender_sums"),
            "commit_s": [r[2]["commit_s"] for _, r in times["refit"]],
            "backup_s": [r[2]["backup_after_s"] for _, r in times["refit"]],
@@ -396,6 +410,47 @@ def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 
     return out
 
 
+def _more_rows(res: dict, refit: float, e2e: float, base_raw: str) -> list[dict]:
+    """The optional rows of :func:`rows_from`: the bucketed raw broadcast, sender-side checksums, and the
+    end-to-end baselines (BF16 + receiver quantize with mxport's kernel, and with the engine's own)."""
+    nbytes, raw, rows = res["bytes"], statistics.median(res["raw_s"]), []
+    if res.get("raw_buckets_s"):
+        rb = statistics.median(res["raw_buckets_s"])
+        rows.append({"benchmark": BENCHMARK, "metric": "refit throughput vs bucketed raw broadcast",
+                     "value": nbytes / refit / 1e9, "baseline": f"raw broadcast in bucket-sized pieces "
+                     f"{nbytes / rb / 1e9:.2f} GB/s (same run)", "ratio": rb / refit, "unit": "GB/s",
+                     "goal": "informational",
+                     "note": "the same bytes broadcast as the refit's buckets, all posted at once, without "
+                             "checks, checksums, trailer or vote: what the refit's own work costs (one flat "
+                             "broadcast's time over gloo loopback is bimodal on this machine)"})
+    if res.get("sender_sums_s") and res.get("fused"):
+        ss = statistics.median(res["sender_sums_s"])
+        rows.append({"benchmark": BENCHMARK, "metric": "refit throughput, sender-side checksums",
+                     "value": nbytes / ss / 1e9, "baseline": base_raw, "ratio": raw / ss, "unit": "GB/s",
+                     "goal": "informational",
+                     "note": "the same refits with the sender summing every bucket itself (no fused "
+                             "checksums), interleaved with the others"})
+    if res.get("bf16_s"):
+        bf16 = statistics.median(res["bf16_s"])
+        rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + receiver quantize", "value": e2e,
+                     "baseline": f"BF16 broadcast + receiver quantize {bf16:.3f} s (same run)",
+                     "ratio": bf16 / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
+                     "note": f"baseline: one dist.broadcast of the weights in BF16 "
+                             f"({res['bf16_bytes'] / 1e6:.1f} MB, kept tensors as they travel), then the "
+                             f"receiver quantizes them with mxport's own kernel (quantize_many into its live "
+                             f"tensors; the trainer's casts to BF16, if its weights are not BF16, inside "
+                             f"the timing); ratio = speed-up of the refit step"})
+    if res.get("engine_s"):
+        eng = statistics.median(res["engine_s"])
+        rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + engine's own quantize",
+                     "value": e2e, "baseline": f"BF16 broadcast + vLLM online MXFP8 quantize {eng:.3f} s "
+                     "(same run)", "ratio": eng / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
+                     "note": "the same BF16 broadcast, then the receiver quantizes as a vLLM engine with "
+                             "quantization='mxfp8' does after loading BF16 weights (vLLM's "
+                             "mxfp8_e4m3_quantize, per weight, on this device), into the same tensors"})
+    return rows
+
+
 def rows_from(res: dict, label: str) -> list[dict]:
     """Benchmark rows from :func:`measure_refit`'s timings."""
     nbytes = res["bytes"]
@@ -429,31 +484,7 @@ def rows_from(res: dict, label: str) -> list[dict]:
          "ratio": e2e / raw, "unit": "s", "goal": "informational (quantize + pack + transfer + unpack)",
          "note": note},
     ]
-    if res.get("sender_sums_s") and res.get("fused"):
-        ss = statistics.median(res["sender_sums_s"])
-        rows.append({"benchmark": BENCHMARK, "metric": "refit throughput, sender-side checksums",
-                     "value": nbytes / ss / 1e9, "baseline": base_raw, "ratio": raw / ss, "unit": "GB/s",
-                     "goal": "informational",
-                     "note": "the same refits with the sender summing every bucket itself (no fused "
-                             "checksums), interleaved with the others"})
-    if res.get("bf16_s"):
-        bf16 = statistics.median(res["bf16_s"])
-        rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + receiver quantize", "value": e2e,
-                     "baseline": f"BF16 broadcast + receiver quantize {bf16:.3f} s (same run)",
-                     "ratio": bf16 / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
-                     "note": f"baseline: one dist.broadcast of the weights in BF16 "
-                             f"({res['bf16_bytes'] / 1e6:.1f} MB, kept tensors as they travel), then the "
-                             f"receiver quantizes them with mxport's own kernel (quantize_many into its live "
-                             f"tensors; the trainer's casts to BF16, if its weights are not BF16, inside "
-                             f"the timing); ratio = speed-up of the refit step"})
-    if res.get("engine_s"):
-        eng = statistics.median(res["engine_s"])
-        rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + engine's own quantize",
-                     "value": e2e, "baseline": f"BF16 broadcast + vLLM online MXFP8 quantize {eng:.3f} s "
-                     "(same run)", "ratio": eng / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
-                     "note": "the same BF16 broadcast, then the receiver quantizes as a vLLM engine with "
-                             "quantization='mxfp8' does after loading BF16 weights (vLLM's "
-                             "mxfp8_e4m3_quantize, per weight, on this device), into the same tensors"})
+    rows += _more_rows(res, refit, e2e, base_raw)
     if res.get("backup_s"):
         backup = statistics.median(res["backup_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "receiver rollback copy", "value": backup,
