@@ -102,6 +102,9 @@ def target(rank, world, outbox):
     outbox.put(("done", rank, None))
 
 if __name__ == "__main__":
+    # as in a terminal: a job started in the background of a non-interactive shell (a CI runner's `cmd &`)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     seen = []
 
     def on_event(kind, rank, payload):
