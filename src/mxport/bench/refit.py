@@ -180,7 +180,8 @@ def _timed(tr, end, fn) -> tuple[float, float, dict | None]:
 
 
 def _sender_fns(tr, cfg: dict, kernel) -> tuple[dict[str, Callable], object, dict]:
-    """Rank 0's timed steps (in :func:`_steps` order), its end and facts for the result."""
+    """Rank 0's timed steps (the keys and order of :func:`_receiver_fns`; ``nosum`` runs with checksums off,
+    see :func:`_body`), its end, and facts for the result."""
     from ..refit import RefitSender, TrainerSource
     from ..refit.handshake import share_plan
 
