@@ -58,3 +58,22 @@ def test_bf16_baseline_casts_inside_its_step():
     refresh()
     parts = [t.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8) for _, t in src.tensors_by_name]
     assert torch.equal(buf, torch.cat(parts))
+
+
+def test_a_worker_that_dies_fails_the_benchmark_at_once(tmp_path):
+    """A worker that exits without reporting (here: a caller's unguarded ``__main__`` under spawn, so the
+    children fail while bootstrapping) fails ``measure_refit`` naming its exit code, instead of waiting out
+    the whole timeout (it used to hang for ``timeout_s``)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from mxport.bench.refit import measure_refit\n"
+                      "measure_refit(model=False, layers=1, runs=1, warmup=0, engine=False, timeout_s=600)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0
+    assert "exited with code 1 without reporting" in proc.stderr
+    assert time.monotonic() - t0 < 200  # far below the 600 s timeout it would wait without the check

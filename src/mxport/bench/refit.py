@@ -378,7 +378,6 @@ def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 
     also time the baseline with the engine's own quantize (vLLM's online MXFP8; default: when vLLM is
     installed)."""
     import importlib.util
-    import queue as queue_mod
 
     import torch.multiprocessing as mp
 
@@ -392,22 +391,40 @@ def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 
         procs = [ctx.Process(target=_worker, args=(r, init, cfg, q), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
-        out = None
         try:
-            for _ in range(2):
-                try:
-                    status, rank, val = q.get(timeout=timeout_s)
-                except queue_mod.Empty:
-                    raise RuntimeError(f"refit benchmark timed out after {timeout_s:.0f} s") from None
-                if status != "ok":
-                    raise RuntimeError(f"refit benchmark rank {rank} failed: {val}")
-                if rank == 0:
-                    out = val
+            return _collect(q, procs, timeout_s)
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.terminate()
+
+
+def _collect(q, procs, timeout_s: float) -> dict:
+    """Rank 0's result from the workers' queue, once both reported. A worker that exits without reporting (it
+    died, or failed before :func:`_worker` ran, e.g. a caller's unguarded ``__main__`` under spawn) fails at
+    once, naming its exit code, instead of waiting out ``timeout_s``."""
+    import queue as queue_mod
+
+    out, reported, deadline = None, set(), time.monotonic() + timeout_s
+    while len(reported) < len(procs):
+        # a worker's report is in the pipe before it exits: a worker seen dead gets one more look
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+        try:
+            status, rank, val = q.get(timeout=1.0)
+        except queue_mod.Empty:
+            if dead:
+                r = dead[0]
+                raise RuntimeError(f"refit benchmark rank {r} exited with code {procs[r].exitcode} without "
+                                   "reporting") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"refit benchmark timed out after {timeout_s:.0f} s") from None
+            continue
+        if status != "ok":
+            raise RuntimeError(f"refit benchmark rank {rank} failed: {val}")
+        reported.add(rank)
+        if rank == 0:
+            out = val
     return out
 
 
