@@ -228,3 +228,61 @@ def test_wrong_producer_checksums_fail_the_refit():
         RefitSender(ch.endpoint(0), plan).send(src.tensors(), checksums=lambda b: src.bucket_checksum(b) + 1)
     th.join(timeout=60)
     assert got and got[0].status == Status.CHECKSUM
+
+
+def _bucket_of(src: TrainerSource, name: str) -> tuple[int, int]:
+    """(entry index, bucket of its first byte) of plan entry ``name``."""
+    i = next(j for j, e in enumerate(src.plan.entries) if e.name == name)
+    return i, src.plan.entries[i].offset // src.plan.bucket_bytes
+
+
+def test_kept_tensors_cast_in_are_summed_as_they_are_copied():
+    """A kept tensor cast into the send buffer is summed while it is copied in: bucket_checksum() gives the
+    sums of the bytes tensors() wrote and never reads them again, so a byte changed in the buffer afterwards
+    (memory corruption) no longer matches, and the receivers reject it."""
+    src = TrainerSource(_model(2), bucket_bytes=65536, arena=True, kept_dtype=torch.bfloat16)
+    tensors = list(src.tensors())
+    i, b = _bucket_of(src, "embed_tokens.weight")
+    assert src._summed[i]
+    before = _packed_checksums(src, tensors)
+    assert src.bucket_checksum(b) == before[b]
+    byte_view(tensors[i])[5] ^= 0x40
+    after = _packed_checksums(src, tensors)
+    assert after[b] != before[b]
+    assert src.bucket_checksum(b) == before[b]
+
+
+def test_adopted_kept_tensors_are_summed_when_asked():
+    """An adopted kept tensor is the trainer's own parameter (the optimizer changes it in place): its bytes
+    are summed when bucket_checksum() is asked, as they are then."""
+    model = _model(2)
+    src = TrainerSource(model, bucket_bytes=65536, arena=True)
+    tensors = list(src.tensors())
+    i, b = _bucket_of(src, "embed_tokens.weight")
+    assert not src._summed[i]
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(0.5)  # an optimizer step, after tensors() and before the send
+    assert src.bucket_checksum(b) == _packed_checksums(src, tensors)[b]
+
+
+@pytest.mark.parametrize("offset", [0, 16, 1 << 20, (1 << 20) - 48, 3])
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), [(torch.float32, torch.bfloat16),
+                                                       (torch.float32, torch.float32),
+                                                       (torch.uint8, torch.uint8)])
+def test_copy_in_equals_a_copy_then_its_sums(offset, src_dtype, dst_dtype):
+    """ChunkSums.copy_in: the bytes of dst.copy_(src), and the sums of adding them after the copy, for a
+    tensor across checksum chunks and buckets, at aligned offsets and at one not aligned to its elements
+    (offset 3: copied whole, then summed)."""
+    g = torch.Generator().manual_seed(offset)
+    n = 700_001
+    x = (torch.randn(n, generator=g) * 100).to(src_dtype)
+    total = (offset + n * dst_dtype.itemsize + 15) // 16 * 16
+    plan = RefitPlan([("s", "kept", torch.uint8, (total,))], 3 * CHUNK_BYTES // 2 + 16)
+    fused, plain = ChunkSums(plan), ChunkSums(plan)
+    dst, want = torch.empty(n, dtype=dst_dtype), torch.empty(n, dtype=dst_dtype)
+    fused.copy_in(dst, x, offset)
+    want.copy_(x)
+    plain.add(want, offset)
+    assert torch.equal(byte_view(dst), byte_view(want))
+    assert torch.equal(fused.sums, plain.sums)
+    assert fused.sums.any()

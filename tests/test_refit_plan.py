@@ -785,6 +785,42 @@ def test_a_failing_producer_aborts_the_refit():
     assert [float(t[0]) for t in targets] == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_the_sender_drops_each_produced_tensor_once_its_bytes_are_on_the_wire():
+    """A generator's tensors are freed bucket by bucket: when the sender asks for a tensor of a later bucket,
+    every tensor whose bytes all lie in buckets already posted is gone (the sender keeps no view of its
+    memory), and those still needed are alive."""
+    import weakref
+
+    import numpy as np
+
+    items = _items([((100,), torch.float32)] * 12)  # 400 bytes each, 3-4 to a 1024-byte bucket
+    plan = RefitPlan(items, 1024)
+    refs: list = []
+    leaks: list = []
+
+    def gen():
+        for i, e in enumerate(plan.entries):
+            posted_end = e.offset // plan.bucket_bytes * plan.bucket_bytes  # buckets before e's are posted
+            for j, r in enumerate(refs):
+                ended = plan.entries[j].offset + plan.entries[j].nbytes
+                if ended <= posted_end and r() is not None:
+                    leaks.append((i, j))
+                if ended > posted_end + plan.bucket_bytes:  # reaches past e's bucket: still to be packed
+                    assert r() is not None
+            arr = np.full(100, float(i), dtype=np.float32)  # lives as long as any view of its storage
+            refs.append(weakref.ref(arr))
+            t = torch.from_numpy(arr)
+            del arr
+            yield t
+            del t
+
+    targets = [torch.zeros(100) for _ in range(12)]
+    sent, got, _ = _refit_in_process(plan, [gen()], targets)
+    assert not isinstance(sent[0], Exception) and not isinstance(got[0], Exception)
+    assert [float(t[0]) for t in targets] == [float(i) for i in range(12)]
+    assert not leaks
+
+
 # ---- the canonical form: what a peer's plan is rebuilt from ------------------------------------------------
 def test_from_canonical_round_trips_with_the_same_digest():
     plan = RefitPlan([("w", "values", torch.float8_e4m3fn, (4, 64)),

@@ -163,6 +163,30 @@ class ChunkSums:
         if parts:
             sums.index_add_(0, torch.tensor(index, device=sums.device), torch.cat(parts))
 
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
+        """``dst.copy_(src)`` (casting as ``copy_`` does; ``dst``: a contiguous tensor whose bytes sit at
+        stream ``offset``), one checksum chunk's piece at a time, each piece's words added to :attr:`sums`
+        right after it is written, while it is still in cache: a tensor copied or cast into the send buffer is
+        summed without a pass of its own over memory."""
+        d, s = dst.view(-1), src.reshape(-1)
+        size, B = d.element_size(), self.plan.bucket_bytes
+        n, pos, index, parts = d.numel() * size, 0, [], []
+        while pos < n:
+            off = offset + pos
+            b, within = divmod(off, B)
+            take = min(n - pos, b * B + min((within // CHUNK_BYTES + 1) * CHUNK_BYTES, B) - off)
+            if take % size:  # a piece boundary inside an element (never for the plan's aligned offsets)
+                dst.copy_(src)
+                self.add(dst, offset)
+                return
+            piece = d[pos // size:(pos + take) // size]
+            piece.copy_(s[pos // size:(pos + take) // size])
+            parts.append(_span_words(piece.view(torch.uint8), off % 8).view(1))
+            index.append(b * self.per_bucket + within // CHUNK_BYTES)
+            pos += take
+        if parts:
+            self.sums.index_add_(0, torch.tensor(index, device=self.sums.device), torch.cat(parts))
+
     def add(self, data: torch.Tensor, offset: int) -> None:
         """Add the bytes of ``data`` (a contiguous tensor, read as its bytes) at stream ``offset``."""
         self._add(self.sums, [(byte_view(data, argname="data"), offset)])

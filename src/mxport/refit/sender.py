@@ -68,6 +68,7 @@ class _Run:
     stream_crc: int = 0
     zero_copy: int = 0
     posted: int = 0  # bucket broadcasts posted
+    released: int = 0  # sources before it are handed to the wire and dropped
     reason: AbortReason = AbortReason.INTERNAL  # what the step under way would abort for
     entry: int = -1  # the plan entry it concerns
 
@@ -295,11 +296,13 @@ class RefitSender:
             with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
                 crc = checksum(payload) if run.checksums is None else run.checksums(b)
         run.crcs.append(crc if crc is not None else 0)
-        # release sources that are fully handed to the wire (a generator's tensors can then be freed)
-        bucket_end = b * self.plan.bucket_bytes + size
-        for i, e in enumerate(self.plan.entries[:len(run.sources)]):
-            if e.offset + e.nbytes <= bucket_end:
-                run.sources[i] = None
+        # release sources that are fully handed to the wire (a generator's tensors can then be freed); entries
+        # lie in stream order, so those not released yet start at run.released
+        bucket_end, entries, i = b * self.plan.bucket_bytes + size, self.plan.entries, run.released
+        while i < len(run.sources) and entries[i].offset + entries[i].nbytes <= bucket_end:
+            run.sources[i] = None
+            i += 1
+        run.released = i
 
     def _produce(self, run: _Run, b: int) -> None:
         """Take the items bucket ``b`` needs from the iterator, each checked against its plan entry."""

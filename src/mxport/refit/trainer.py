@@ -182,7 +182,7 @@ class TrainerSource:
                     for j, part in ((i, c.data), (i + 1, c.scale_inv)):
                         if (slots is not None and part.dtype == slots[j].dtype
                                 and part.shape == slots[j].shape):
-                            part = slots[j].copy_(part)  # native storage: into the send buffer too (one copy)
+                            part = self._copy_in(j, part)  # native storage: into the send buffer too
                         self._yielded = j + 1
                         yield part.contiguous()
                 i += 2
@@ -193,7 +193,7 @@ class TrainerSource:
                     slot = slots[i]
                     # not adopted: copy (and cast) in
                     if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:
-                        slot.copy_(x)
+                        self._copy_in(i, x)
                     self._yielded = i + 1
                     yield slot
                 else:
@@ -203,6 +203,13 @@ class TrainerSource:
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
         self._complete = True
+
+    def _copy_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Copy (and cast) ``x`` into entry ``i``'s slot of the send buffer, summing its bytes as they are
+        written (:meth:`ChunkSums.copy_in`): :meth:`bucket_checksum` then never reads them again."""
+        self._sums.copy_in(self._slots[i], x, self.plan.entries[i].offset)
+        self._summed[i] = True
+        return self._slots[i]
 
     def _quantize_run(self, idx: int, i: int) -> int:
         """Quantize entry ``idx`` (a plain-float weight, send-buffer slots ``i``, ``i + 1``) and the
@@ -229,10 +236,11 @@ class TrainerSource:
         """The refit checksum (:func:`~mxport.refit.buckets.checksum`) of bucket ``b`` of the stream the
         current :meth:`tensors` call yields, once it has yielded every tensor with bytes in bucket ``b``,
         without reading the bucket: the quantized weights' bytes were summed by the quantize kernel as it
-        wrote them (native: in cache, no pass of its own); the other tensors' bytes in the bucket (kept
-        tensors, native MXFP8 storage: copied or adopted, not quantized) are summed now, from the send buffer,
+        wrote them (native: in cache, no pass of its own), and the tensors copied or cast into the send buffer
+        (kept tensors, native MXFP8 storage) as they were copied in; only the adopted kept tensors' bytes (the
+        trainer's own parameters, which the optimizer changes in place) are summed now, from the send buffer,
         as they are. For ``RefitSender.send(source.tensors(), checksums=source.bucket_checksum)``: the
-        sender asks after posting the bucket, so the kept tensors are summed while it is on the wire.
+        sender asks after posting the bucket, so the adopted tensors are summed while it is on the wire.
 
         Raises:
             ValueError: without ``arena=True``. RuntimeError: some tensor of bucket ``b`` not yielded yet.
