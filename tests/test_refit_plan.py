@@ -446,6 +446,12 @@ def test_trainer_arena_takes_native_mxfp8_storage_too():
     sent, _, receiver = _refit_in_process(src.plan, [src.tensors()], targets)
     assert sent[0]["zero_copy_buckets"] == src.plan.num_buckets
     assert receiver.live_crc32() == src.stream_crc32()
+    # its values and scales were summed as they were copied in: the fused checksums are the buckets' own
+    assert [e.name for e in src.plan.entries] == ["norm", "lin.weight", "lin.weight_scale"]
+    assert src._summed == [False, True, True]  # the norm is adopted: summed when its bucket is sent
+    stream = stream_arena(src.plan, src._slots)
+    assert [src.bucket_checksum(b) for b in range(src.plan.num_buckets)] == [
+        checksum(stream[b * 256:b * 256 + src.plan.bucket_size(b)]) for b in range(src.plan.num_buckets)]
 
 
 def test_checkpoint_tensors_names_per_format():
