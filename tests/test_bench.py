@@ -1,5 +1,6 @@
 """``mxport bench``: the registry, row checks, the quantize benchmark's rows, JSON, plot and exit codes."""
 
+import io
 import json
 import math
 import os
@@ -196,3 +197,31 @@ def test_benchmark_scripts_take_help_and_refuse_unknown_options(script):
     assert ok.returncode == 0 and "--quick" in ok.stdout
     bad = subprocess.run([sys.executable, str(path), "--bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments" in bad.stderr
+
+
+def test_rows_table_leaves_the_baseline_out_of_a_narrow_terminal():
+    """In an 80-column terminal the 8-column table folded every cell into a few characters a line (the
+    baseline and its note are long); below WIDE_TABLE_COLUMNS the baseline column is left out, a caption
+    says where it is, and a skipped row keeps its reason."""
+    from rich.console import Console
+
+    from mxport.bench.report import WIDE_TABLE_COLUMNS, rows_table
+
+    rows = [{"benchmark": "refit", "metric": "refit throughput", "value": 1.75, "unit": "GB/s",
+             "baseline": "raw dist.broadcast of one flat buffer, same bytes, same run (gloo loopback)",
+             "ratio": 1.05, "goal": "ratio >= 0.9", "note": "n"},
+            {"benchmark": "vllm", "metric": "skipped", "value": 0.0, "unit": "", "baseline": "", "ratio": 0.0,
+             "goal": "", "note": "vllm is not installed"}]
+
+    def render(width):
+        console = Console(width=width, record=True, file=io.StringIO())
+        console.print(rows_table(rows, width=width))
+        return console.export_text()
+
+    narrow, wide = render(80), render(WIDE_TABLE_COLUMNS)
+    assert "┃ baseline" not in narrow and "raw dist.broadcast" not in narrow
+    assert f"{WIDE_TABLE_COLUMNS}+ columns, or with --json" in narrow
+    assert "refit throughput" in narrow and "1.75" in narrow and "yes" in narrow
+    assert "skipped" in narrow and "installed" in narrow  # the reason, folded into the metric column
+    assert "┃ baseline" in wide and "raw dist.broadcast" in wide and "columns, or with --json" not in wide
+    assert max(len(line) for line in narrow.splitlines()) <= 80

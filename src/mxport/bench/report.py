@@ -60,20 +60,35 @@ def goal_met(row: dict) -> bool | None:
     return row["ratio"] >= bound if m.group(1) == ">=" else row["ratio"] <= bound
 
 
-def rows_table(rows: list[dict], title: str = "mxport bench (medians)") -> Table:
-    """One table of rows: benchmark, metric, value, unit, baseline, ratio (= value / baseline), goal, met."""
-    table = Table(title=title)
+#: terminals narrower than this get the table without its baseline column (it would fold every row into a
+#: column a few characters wide)
+WIDE_TABLE_COLUMNS = 150
+
+
+def rows_table(rows: list[dict], title: str = "mxport bench (medians)", width: int | None = None) -> Table:
+    """One table of rows: benchmark, metric, value, unit, baseline, ratio (= value / baseline), goal, met.
+    ``width``: the terminal's columns; below :data:`WIDE_TABLE_COLUMNS` the baseline column is left out (a
+    caption says where to find it: a wider terminal, or ``--json``)."""
+    wide = width is None or width >= WIDE_TABLE_COLUMNS
+    table = Table(title=title, caption=None if wide else
+                  f"baselines: in a terminal of {WIDE_TABLE_COLUMNS}+ columns, or with --json")
     for col, justify in (("benchmark", "left"), ("metric", "left"), ("value", "right"), ("unit", "left"),
                          ("baseline", "left"), ("ratio", "right"), ("goal", "left"), ("met", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+        if wide or col != "baseline":
+            table.add_column(col, justify=justify, overflow="fold")
     for r in rows:
         if r["metric"] in ("skipped", "error"):
             style = "yellow" if r["metric"] == "skipped" else "bold red"
-            table.add_row(r["benchmark"], f"[{style}]{r['metric']}[/]", "", "", r["note"], "", "", "")
-            continue
-        met = goal_met(r)
-        table.add_row(r["benchmark"], r["metric"], _fmt(r["value"]), r["unit"], r["baseline"],
-                      _fmt(r["ratio"]), r["goal"], "" if met is None else ("yes" if met else "[red]no[/]"))
+            label = f"[{style}]{r['metric']}[/]"
+            cells = ([r["benchmark"], label, "", "", r["note"], "", "", ""] if wide else
+                     [r["benchmark"], f"{label}: {r['note']}", "", "", "", "", ""])
+        else:
+            met = goal_met(r)
+            cells = [r["benchmark"], r["metric"], _fmt(r["value"]), r["unit"], r["baseline"],
+                     _fmt(r["ratio"]), r["goal"], "" if met is None else ("yes" if met else "[red]no[/]")]
+            if not wide:
+                del cells[4]
+        table.add_row(*cells)
     return table
 
 

@@ -60,7 +60,7 @@ def bench(
     if json_out:
         emit_json({"rows": rows, "machine": machine(), "quick": quick, "seconds": elapsed}, json_out)
     console.print(rows_table(rows, title=f"mxport bench{' --quick' if quick else ''} "
-                                         f"(medians, {elapsed:.0f} s)"))
+                                         f"(medians, {elapsed:.0f} s)", width=console.width))
     if plot is not None:
         if not any(r["benchmark"] == "quantize" and r["metric"].startswith("throughput") for r in rows):
             raise fail("--plot: the quantize benchmark gave no throughput rows (see its row)",
