@@ -79,15 +79,15 @@ def rows_table(rows: list[dict], title: str = "mxport bench (medians)", width: i
     for r in rows:
         if r["metric"] in ("skipped", "error"):
             style = "yellow" if r["metric"] == "skipped" else "bold red"
-            label = f"[{style}]{r['metric']}[/]"
-            cells = ([r["benchmark"], label, "", "", r["note"], "", "", ""] if wide else
-                     [r["benchmark"], f"{label}: {r['note']}", "", "", "", "", ""])
+            label = f"[{style}]{r['metric']}[/]"  # its reason in the baseline column, or after it when narrow
+            label = label if wide else f"{label}: {r['note']}"
+            cells = [r["benchmark"], label, "", "", r["note"], "", "", ""]
         else:
             met = goal_met(r)
             cells = [r["benchmark"], r["metric"], _fmt(r["value"]), r["unit"], r["baseline"],
                      _fmt(r["ratio"]), r["goal"], "" if met is None else ("yes" if met else "[red]no[/]")]
-            if not wide:
-                del cells[4]
+        if not wide:
+            del cells[4]  # the baseline column
         table.add_row(*cells)
     return table
 

@@ -135,6 +135,14 @@ class ChunkSums:
 
         return StreamSums(offsets, self.plan.bucket_bytes, CHUNK_BYTES, self.sums)
 
+    def _piece(self, off: int, left: int) -> tuple[int, int]:
+        """The checksum chunk holding stream byte ``off`` (its index in :attr:`sums`), and how many of the
+        ``left`` bytes from there lie inside that chunk."""
+        B = self.plan.bucket_bytes
+        b, within = divmod(off, B)
+        c = within // CHUNK_BYTES
+        return b * self.per_bucket + c, min(left, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
+
     def _add(self, sums: torch.Tensor, pieces: list[tuple[torch.Tensor, int]], first: int = 0) -> None:
         """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (entry ``first`` = ``sums[0]``), in
         one ``index_add_``."""
@@ -145,19 +153,17 @@ class ChunkSums:
                 raise ValueError(f"{n} bytes at stream offset {offset} fall outside the plan's stream")
             while pos < n:
                 off = offset + pos
-                b, within = divmod(off, B)
-                c = within // CHUNK_BYTES
-                take = min(n - pos, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
-                full = min(n - pos, b * B + B - off) // CHUNK_BYTES
+                chunk, take = self._piece(off, n - pos)
+                within = off % B
+                full = min(n - pos, B - within) // CHUNK_BYTES
                 if within % CHUNK_BYTES == 0 and full > 1 and data[pos:].storage_offset() % 8 == 0:
                     # whole chunks of one bucket in one op (one parallel region, not one per chunk)
                     take = full * CHUNK_BYTES
                     words = data[pos:pos + take].view(torch.int64).view(full, CHUNK_BYTES // 8)
-                    start = b * self.per_bucket + c - first
-                    index += range(start, start + full)
+                    index += range(chunk - first, chunk - first + full)
                     parts.append(words.sum(dim=1))
                 else:
-                    index.append(b * self.per_bucket + c - first)
+                    index.append(chunk - first)
                     parts.append(_span_words(data[pos:pos + take], off % 8).view(1))
                 pos += take
         if parts:
@@ -169,12 +175,11 @@ class ChunkSums:
         right after it is written, while it is still in cache: a tensor copied or cast into the send buffer is
         summed without a pass of its own over memory."""
         d, s = dst.view(-1), src.reshape(-1)
-        size, B = d.element_size(), self.plan.bucket_bytes
+        size = d.element_size()
         n, pos, index, parts = d.numel() * size, 0, [], []
         while pos < n:
             off = offset + pos
-            b, within = divmod(off, B)
-            take = min(n - pos, b * B + min((within // CHUNK_BYTES + 1) * CHUNK_BYTES, B) - off)
+            chunk, take = self._piece(off, n - pos)
             if take % size:  # a piece boundary inside an element (never for the plan's aligned offsets)
                 dst.copy_(src)
                 self.add(dst, offset)
@@ -182,7 +187,7 @@ class ChunkSums:
             piece = d[pos // size:(pos + take) // size]
             piece.copy_(s[pos // size:(pos + take) // size])
             parts.append(_span_words(piece.view(torch.uint8), off % 8).view(1))
-            index.append(b * self.per_bucket + within // CHUNK_BYTES)
+            index.append(chunk)
             pos += take
         if parts:
             self.sums.index_add_(0, torch.tensor(index, device=self.sums.device), torch.cat(parts))
