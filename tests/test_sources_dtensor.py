@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import mxport
 from mxport.sources.dtensor import LocalMXFP8, gather_dims, quantize_local
+from mxport.testing import spawn_world
 
 PG_TIMEOUT = datetime.timedelta(seconds=30)
 WAIT_S = 120.0
@@ -240,44 +238,13 @@ def _four_ranks(rank, init):
         dist.destroy_process_group()
 
 
-def _entry(fn, rank, init, q):
-    try:
-        q.put((rank, "ok", fn(rank, init)))
-    except BaseException as exc:  # noqa: BLE001
-        q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
 def _spawn(fn, world, tmp_path):
     """Run ``fn(rank, init)`` on ``world`` spawned processes; their results by rank (bounded by WAIT_S)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"file://{tmp_path}/store"
-    env = {"OMP_NUM_THREADS": "1", "MXPORT_DISABLE_COMPILE": os.environ.get("MXPORT_DISABLE_COMPILE", "1")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = [ctx.Process(target=_entry, args=(fn, r, init, q), daemon=True) for r in range(world)]
+    env = {"MXPORT_DISABLE_COMPILE": os.environ.get("MXPORT_DISABLE_COMPILE", "1")}
     try:
-        for p in procs:
-            p.start()
-        results = {}
-        while len(results) < world:
-            try:
-                rank, status, val = q.get(timeout=WAIT_S)
-            except queue.Empty:
-                pytest.fail(f"timed out waiting for ranks {set(range(world)) - set(results)}")
-            assert status == "ok", f"rank {rank} failed: {val}"
-            results[rank] = val
-        return results
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+        return spawn_world(fn, world, tmp_path, wait_s=WAIT_S, env=env)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 def _assert_exact(rows, want_gathered):

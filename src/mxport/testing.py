@@ -22,12 +22,14 @@ def _save(model, path: Path, dtype: torch.dtype, max_shard_size: str | None) -> 
 def make_tiny_llama(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64, layers: int = 2,
                     intermediate: int = 96, vocab: int = 256, heads: int = 4, kv_heads: int = 2,
                     tie_word_embeddings: bool = False, dtype: torch.dtype = torch.bfloat16,
-                    max_shard_size: str | None = None, with_tokenizer: bool = True) -> Path:
+                    max_shard_size: str | None = None, with_tokenizer: bool = True,
+                    max_positions: int = 256) -> Path:
     """Write a random Llama-architecture causal LM (``LlamaForCausalLM``) to ``path`` and return ``path``.
 
     Shapes: q/o [hidden, hidden], k/v [hidden*kv_heads/heads, hidden], gate/up [intermediate, hidden],
     down [hidden, intermediate]. ``max_shard_size`` (e.g. "50KB") writes several shards with an index. With
-    ``with_tokenizer`` a small byte-level tokenizer (vocab 256 + specials) is saved too.
+    ``with_tokenizer`` a small byte-level tokenizer (vocab 256 + specials) is saved too. ``max_positions``:
+    the context length (``max_position_embeddings``).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -35,7 +37,7 @@ def make_tiny_llama(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64,
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
+                      max_position_embeddings=max_positions, tie_word_embeddings=tie_word_embeddings,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(cfg)
     _save(model, path, dtype, max_shard_size)
@@ -206,3 +208,59 @@ class FaultyReceiverTransport(_WrappedTransport):
             return handle
         handle.wait()
         return None
+
+
+def _world_entry(fn, rank: int, init: str, q) -> None:
+    import traceback
+
+    try:
+        q.put((rank, "ok", fn(rank, init)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def spawn_world(fn, world: int, store_dir: str | os.PathLike, *, wait_s: float = 120.0,
+                env: dict[str, str] | None = None) -> dict[int, object]:
+    """Run ``fn(rank, init)`` in ``world`` spawned processes and return their results by rank; ``init`` is a
+    ``file://`` init method under ``store_dir`` for ``torch.distributed.init_process_group``. ``fn`` must be
+    importable (a module-level function) and its result picklable (it comes back on a multiprocessing queue
+    from processes the caller started). ``env`` is set in the children (OMP_NUM_THREADS=1 by default).
+
+    Raises:
+        RuntimeError: a rank raised (its traceback in the message), or no result within ``wait_s`` seconds.
+    """
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"file://{Path(store_dir).resolve()}/store"
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    procs = [ctx.Process(target=_world_entry, args=(fn, r, init, q), daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        while len(results) < world:
+            try:
+                rank, status, val = q.get(timeout=wait_s)
+            except queue.Empty:
+                missing = set(range(world)) - set(results)
+                raise RuntimeError(f"timed out waiting for ranks {missing}") from None
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed: {val}")
+            results[rank] = val
+        return results
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()

