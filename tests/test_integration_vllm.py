@@ -529,6 +529,82 @@ def test_trainer_killed_mid_transfer_keeps_previous_weights(session):
 
 
 @pytest.mark.slow
+@needs_engine
+def test_refit_never_serves_kv_of_the_previous_weights(session):
+    """A prompt of more than two KV blocks, served before a refit, is answered after it exactly as by a fresh
+    engine on the export (vLLM keeps prefix caching on; the trainer engine resets it after every refit)."""
+    harness.generate(session.llm, LONG, full=False)  # served with whatever weights are live now
+    _refit_ok(session, 1)
+    at1 = harness.generate(session.llm, LONG, full=False)
+    session.llm.reset_prefix_cache()
+    _same_generation(at1, harness.generate(session.llm, LONG, full=False))  # as with an empty cache
+    assert [r["logprobs"] for r in at1] != [r["logprobs"] for r in session.long0]
+    _refit_ok(session, 0)  # the cache holds step 1's keys and values now
+    _same_generation(harness.generate(session.llm, LONG, full=False), session.long0)  # the fresh engine's
+
+
+def _export_step(session, step, out):
+    """An ``mxport export`` of the trainer's step-``step`` weights (what vLLM's own reload takes)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from mxport.checkpoint.export import export_checkpoint
+
+    hf = out / f"step{step}-bf16"
+    shutil.copytree(session.src_dir, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file({n: t.contiguous() for n, t in harness.trainer_weights(session.src_dir, step).items()},
+              str(hf / "model.safetensors"))
+    export_checkpoint(str(hf), out / f"step{step}-mx")
+    return str(out / f"step{step}-mx")
+
+
+MISFITS = {  # what a trainer changes, its tiny-Llama arguments, and the first misfit the engine names
+    "intermediate 256 -> 384": ({"intermediate": 384},
+                                "model.layers.0.mlp.gate_up_proj.weight: the plan gives (768, 128) "
+                                "(model.layers.0.mlp.gate_proj.weight (384, 128) + model.layers.0.mlp.up_proj"
+                                ".weight (384, 128)), the engine takes (512, 128)"),
+    "one layer fewer": ({"layers": 1},
+                        "model.layers.1.self_attn.qkv_proj.weight: the engine's (256, 128) float8_e4m3fn "
+                        "parameter gets no tensor from the plan (it would keep its old weights)"),
+    "hidden 128 -> 160": ({"hidden": 160},
+                          "model.embed_tokens.weight: the plan gives (256, 160) (model.embed_tokens.weight "
+                          "(256, 160)), the engine takes (256, 128)"),
+}
+
+
+@pytest.mark.slow
+@needs_engine
+def test_misfit_trainers_are_refused_at_init_and_the_engine_stays_refittable(session, tmp_path):
+    """Trainers whose model does not fit the engine are refused at init, before anything moves, with both
+    shapes named; the engine keeps its weights and its working trainer, whose next refit equals vLLM's own
+    ``reload_weights`` of an export of the same weights."""
+    from mxport.testing import make_tiny_llama
+
+    base = dict(hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2, max_positions=1024)
+    _refit_ok(session, 1)
+    held = harness.engine_tensors(session.llm)
+    for i, (label, (change, first)) in enumerate(MISFITS.items()):
+        src = make_tiny_llama(tmp_path / f"misfit{i}", **{**base, **change})
+        with pytest.raises(RuntimeError, match="refit plan does not fit the vLLM model") as err:
+            session.connect(src)
+        assert first in str(err.value), (label, str(err.value)[:600])
+        now = harness.engine_tensors(session.llm)
+        assert all(torch.equal(now[n].view(torch.uint8), held[n].view(torch.uint8)) for n in held), label
+    _refit_ok(session, 2)  # the working trainer was never disturbed
+    _assert_engine_holds(session, 2)
+    ours, gen = harness.engine_tensors(session.llm), harness.generate(session.llm, PROMPTS)
+    session.llm.collective_rpc("reload_weights", kwargs={"weights_path": _export_step(session, 2, tmp_path),
+                                                          "is_checkpoint_format": True})
+    session.llm.reset_prefix_cache()
+    theirs = harness.engine_tensors(session.llm)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n].view(torch.uint8), theirs[n].view(torch.uint8)) for n in ours)
+    _same_generation(harness.generate(session.llm, PROMPTS), gen)
+    assert harness.engine_pointers(session.llm) == session.ptr0
+
+
+@pytest.mark.slow
 def test_trainer_weights_are_the_same_bytes_whatever_the_thread_count():
     """Every process rebuilds the same weights, whatever its thread count.
 

@@ -215,7 +215,8 @@ def trainer_main(conn, cfg_dict: dict) -> None:
         engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
     except Exception as exc:  # noqa: BLE001 - reported to the parent (the engine refused the plan, say)
         _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
-        return
+        conn.close()
+        os._exit(2)  # not return: the group's rendezvous thread waits for the engine (until its timeout)
     _send(conn, {"ok": True, "plan": source.plan.summary()})
     while True:
         try:
