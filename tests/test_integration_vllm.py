@@ -604,6 +604,137 @@ def test_misfit_trainers_are_refused_at_init_and_the_engine_stays_refittable(ses
     assert harness.engine_pointers(session.llm) == session.ptr0
 
 
+def _guide_block(marker: str) -> str:
+    """The python block of docs/guide-refit.md that contains ``marker``, as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide-refit.md").read_text()
+    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if marker in b]
+    assert len(blocks) == 1, f"{len(blocks)} python blocks of the guide contain {marker!r}"
+    return blocks[0]
+
+
+@pytest.fixture
+def server(session, tmp_path):
+    """vLLM's OpenAI server (a process of its own, the RL routes on) on the session's export, with the
+    "mxport" backend: started as the guide says."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "MXPORT_VLLM_CPU_EMULATION": "1",
+           "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD": "0"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                             session.mx_dir, "--port", str(port), "--weight-transfer-config",
+                             '{"backend": "mxport"}', "--max-model-len", "512", "--enforce-eager", "--dtype",
+                             "bfloat16", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "vLLM's server did not come up in 300 s"
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def _complete(url, prompt):
+    import requests
+
+    r = requests.post(f"{url}/v1/completions", timeout=120, json={
+        "model": requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"], "prompt": prompt,
+        "max_tokens": 8, "temperature": 0, "logprobs": 1})
+    r.raise_for_status()
+    c = r.json()["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"]
+
+
+def _unprefixed(checksums: dict) -> dict:
+    """vLLM's per-tensor weight checksums by tensor name (its keys carry a worker prefix)."""
+    return {k.split(":", 1)[-1]: v for k, v in checksums.items()}
+
+
+def _server_checksums(url) -> dict:
+    import requests
+
+    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
+    r.raise_for_status()
+    return _unprefixed(r.json()["checksums"])
+
+
+@pytest.mark.slow
+@needs_engine
+def test_guide_example_refits_vllms_openai_server(session, server, tmp_path):
+    """The guide's trainer example, as written, against vLLM's OpenAI server driven by vLLM's own
+    ``HTTPVLLMWeightSyncClient``: after two refits the server's live weights equal (vLLM's own per-tensor
+    checksums) those of the in-process engine refitted to the same weights; a long prompt served before is
+    answered as after an explicit prefix-cache reset; a misfit trainer is refused over HTTP with mxport's
+    message, and the example's engine refits on after it."""
+    import requests
+    from transformers import AutoModelForCausalLM
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # isort: skip
+    from mxport.testing import make_tiny_llama
+
+    long_prompt = LONG[0]
+    _complete(server, long_prompt)  # served with the step-0 weights
+    before = _server_checksums(server)
+    trainer_model = AutoModelForCausalLM.from_pretrained(session.src_dir, dtype=torch.bfloat16)
+    steps = iter(range(1, 3))
+
+    def train_step(model):
+        harness._load_step(model, session.src_dir, next(steps))
+
+    ns = {"url": server, "trainer_address": "127.0.0.1", "trainer_model": trainer_model,
+          "train_step": train_step, "steps": 2}
+    exec(compile(_guide_block("HTTPVLLMWeightSyncClient(url)"), "guide-refit.md", "exec"), ns)
+    after = _complete(server, long_prompt)
+    assert requests.post(f"{server}/reset_prefix_cache", timeout=30).json()["success"] is True
+    assert _complete(server, long_prompt) == after
+    _refit_ok(session, 2)
+    want = _unprefixed(session.llm.collective_rpc("compute_weight_checksums")[0])
+    got = _server_checksums(server)
+    assert got == want and len(got) > 10 and got != before
+
+    misfit = AutoModelForCausalLM.from_pretrained(
+        make_tiny_llama(tmp_path / "misfit", hidden=128, heads=2, kv_heads=1, intermediate=384, layers=2),
+        dtype=torch.bfloat16)
+    info = mxv.MxportTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
+                                     world_size=2, rank=0, timeout_s=10)
+    with pytest.raises(RuntimeError, match=r"vLLM init_weight_transfer_engine failed \(HTTP \d+\): .*refit "
+                                           r"plan does not fit the vLLM model: model.layers.0.mlp.gate_up"):
+        WeightTransferTrainerFactory.trainer_init(info, client=ns["client"],
+                                                  source=mxv.MxportWeightSource(misfit))
+    info = mxv.MxportTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
+                                     world_size=2, rank=0, timeout_s=30)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=ns["client"],
+                                                       source=mxv.MxportWeightSource(trainer_model))
+    engine.send_weights()  # the server took the refused trainer's init without leaving its session stuck
+    assert engine.last_stats["prefix_cache_reset"] is True
+    engine.shutdown()
+
+
 @pytest.mark.slow
 def test_trainer_weights_are_the_same_bytes_whatever_the_thread_count():
     """Every process rebuilds the same weights, whatever its thread count.
