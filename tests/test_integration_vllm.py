@@ -801,8 +801,8 @@ def test_entry_point_reaches_vllm_worker_processes(session):
 def test_mxport_refit_engine_vllm_cli(tmp_path):
     """`mxport refit SRC --engine vllm --json -` as a user runs it (a subprocess).
 
-    Exit 0, the per-step keys the issue names plus engine "vllm", every step bit-exact with stable pointers,
-    and the CPU emulation announced."""
+    Exit 0, the per-step keys the issue names plus engine "vllm", every step bit-exact with stable pointers
+    and no KV of the previous weights served, and the CPU emulation announced."""
     import json
     import os
     import subprocess
@@ -822,6 +822,7 @@ def test_mxport_refit_engine_vllm_cli(tmp_path):
         assert {"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
                 "pointers_stable"} <= set(row)
         assert row["engine"] == "vllm" and row["bit_exact"] is True and row["pointers_stable"] is True
+        assert row["kv_fresh"] is True and row["prefix_cache_reset"] is True and row["apply_s"] > 0
         assert row["bytes"] == out["plan"]["bytes"] and row["gen_kl_error"] >= 0
     assert out["bf16_bytes"] > out["plan"]["bytes"] and out["raw_broadcast_s"] > 0
     if out["cpu_emulation"]:

@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import typer
+from rich import box
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -89,10 +90,13 @@ def refit(
 
     --engine vllm: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it with
     weight_transfer_config={"backend": "mxport"}; a trainer process refits it through vLLM's own
-    init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update calls (the whole
-    refit is validated before vLLM's layerwise reload applies it). The trainer's step is a seeded perturbation
-    of its weights. On a CPU-only machine vLLM has no MXFP8 kernel: mxport adds vLLM's own emulation kernel
-    for the CPU platform in the engine's process, and says so.
+    init_weight_transfer_engine (the engine checks the trainer's plan against its model first) /
+    start_weight_update / update_weights (the whole refit is validated, then applied by vLLM's layerwise
+    reload) / finish_weight_update calls, then resets the engine's prefix cache. The trainer's step is a
+    seeded perturbation of its weights. Each step checks that a prompt longer than two KV blocks, served
+    before the refit, is answered as after emptying the cache by hand (kv_fresh). On a CPU-only machine vLLM
+    has no MXFP8 kernel: mxport adds vLLM's own emulation kernel for the CPU platform in the engine's process,
+    and says so.
 
     --trainer fsdp=N|tp=N|pp=N|ep=N and/or --engine tp=N[,ep=N]: a sharded refit. Trainer ranks (FSDP2 or
     tensor-parallel DTensors taking real AdamW steps; pipeline / expert-parallel ranks handing over their
@@ -106,7 +110,8 @@ def refit(
     JSON (--json): {"engine": ..., "steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
 
-    Exit 0 on success; 1 if a step is not bit-exact, pointers moved, or a process failed; 2 on bad input.
+    Exit 0 on success; 1 if a step is not bit-exact, pointers moved, a vLLM engine served KV of the previous
+    weights, or a process failed; 2 on bad input.
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -121,13 +126,15 @@ def refit(
     else:
         out = _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
     rows = out["steps"]
-    out.update(ok=bool(rows) and all(r["bit_exact"] and r["pointers_stable"] for r in rows),
+    out.update(ok=bool(rows) and all(r["bit_exact"] and r["pointers_stable"] and r.get("kv_fresh", True)
+                                     for r in rows),
                seconds=time.perf_counter() - t0,
                median_refit_seconds=statistics.median(r["seconds"] for r in rows) if rows else None)
     emit_json(out, json_out)
     _print_result(out, name, bucket_bytes)
     if not out["ok"]:
-        raise fail("refit check failed: a step was not bit-exact or buffer pointers moved", EXIT_CHECK_FAILED)
+        raise fail("refit check failed: a step was not bit-exact, buffer pointers moved or the engine served "
+                   "KV of the previous weights", EXIT_CHECK_FAILED)
 
 
 def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
@@ -298,8 +305,7 @@ def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     rows: list[dict] = []
     with _progress() as progress:
-        task = progress.add_task(f"exporting {src.label}, starting vLLM (about a minute) and the trainer",
-                                 total=steps)
+        task = progress.add_task(f"vLLM on {src.label}: exporting, starting (about a minute)", total=steps)
 
         def on_row(row: dict) -> None:
             rows.append(row)
@@ -323,16 +329,20 @@ def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
     vllm = engine == "vllm"
     who = ("a vLLM engine" if vllm else f"trainer {_ranks(out['trainer'])}, engine "
            f"{_ranks(out['engine_layout'])}" if "trainer" in out else f"{out['receivers']} receiver(s)")
-    table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)")
-    extra = ("transfer s", "apply s") if vllm else ("loss", "quant s")
-    for col in ("step", "MB", "refit s", "GB/s", *extra, "gen_kl", "exact", "ptrs"):
+    # no vertical rules: the vLLM table's ten columns fit an 80-column terminal
+    table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)",
+                  box=box.SIMPLE_HEAD)
+    extra = ("xfer s", "apply s") if vllm else ("loss", "quant s")
+    kv_col = ("KV",) if vllm else ()
+    for col in ("step", "MB", "refit s", "GB/s", *extra, "gen_kl", "exact", "ptrs", *kv_col):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         mid = ((f"{r['transfer_s']:.3f}", f"{r['apply_s']:.3f}") if vllm
                else (f"{r['loss']:.3f}", f"{r['quantize_s']:.3f}"))
+        kv = ("fresh" if r["kv_fresh"] else "[red]STALE[/]",) if vllm else ()
         table.add_row(str(r["step"]), f"{r['bytes'] / 1e6:.1f}", f"{r['seconds']:.3f}", f"{r['gbps']:.2f}",
-                      *mid, f"{r['gen_kl_error']:.2e}", "yes" if r["bit_exact"] else "[red]NO[/]",
-                      "same" if r["pointers_stable"] else "[red]MOVED[/]")
+                      *mid, f"{r['gen_kl_error']:.1e}", "yes" if r["bit_exact"] else "[red]NO[/]",
+                      "same" if r["pointers_stable"] else "[red]MOVED[/]", *kv)
     console.print(table)
     if vllm:
         _print_vllm_notes(out)
