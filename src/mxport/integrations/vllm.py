@@ -198,7 +198,7 @@ def _dtype(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _expected_piece(plan: RefitPlan, i: int, layout: Layout, kv_heads: int | None, model) -> tuple[int, ...]:
+def _expected_piece(plan: RefitPlan, i: int, layout: Layout, kv_heads: int | None) -> tuple[int, ...]:
     """The shape of plan entry ``i`` as one engine rank's loader takes it: vLLM's tensor-parallel slice
     (:func:`mxport.layout.engine_shard`); scales follow their values' slice; a vocabulary keeps its rows (the
     loader checks them against the embedding's ``org_vocab_size``)."""
@@ -252,7 +252,7 @@ def plan_misfits(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
         parts.setdefault(target, []).append(i)
     for target, idx in parts.items():
         p, entries = params[target], [plan.entries[i] for i in idx]
-        pieces = [_expected_piece(plan, i, layout, kv_heads, model) for i in idx]
+        pieces = [_expected_piece(plan, i, layout, kv_heads) for i in idx]
         got = pieces[0] if len(pieces) == 1 else (sum(s[0] for s in pieces), *pieces[0][1:])
         want = _want_shape(target, p, model)
         names = " + ".join(f"{e.name} {_shape(s)}" for e, s in zip(entries, pieces, strict=True))
