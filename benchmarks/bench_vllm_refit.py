@@ -24,6 +24,7 @@ from pathlib import Path
 
 
 def _export_step(src: str, step: int, out: Path) -> str:
+    import torch
     from safetensors.torch import save_file
 
     from mxport.checkpoint.export import export_checkpoint
@@ -31,7 +32,9 @@ def _export_step(src: str, step: int, out: Path) -> str:
 
     hf = out / f"step{step}-hf"
     shutil.copytree(src, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
-    weights = {n: t.contiguous() for n, t in trainer_weights(src, step).items()}
+    # the harness trainer holds BF16 weights (it quantizes those): export the same
+    weights = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+               for n, t in trainer_weights(src, step).items()}
     save_file(weights, str(hf / "model.safetensors"))
     export_checkpoint(str(hf), out / f"step{step}-mx")
     shutil.rmtree(hf)
