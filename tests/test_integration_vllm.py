@@ -530,6 +530,19 @@ def test_trainer_killed_mid_transfer_keeps_previous_weights(session):
 
 @pytest.mark.slow
 @needs_engine
+def test_a_session_left_open_by_a_dead_trainer_does_not_block_the_next_refit(session):
+    """A trainer that died between start_weight_update and update_weights leaves vLLM's update session open
+    (its next start_weight_update would raise "already active"): the next refit ends it and goes through, and
+    the engine held its weights meanwhile."""
+    _refit_ok(session, 1)
+    session.llm.start_weight_update()  # what the dead trainer's first call did
+    _assert_engine_holds(session, 1)
+    _refit_ok(session, 2)
+    _assert_engine_holds(session, 2)
+
+
+@pytest.mark.slow
+@needs_engine
 def test_refit_never_serves_kv_of_the_previous_weights(session):
     """A prompt of more than two KV blocks, served before a refit, is answered after it exactly as by a fresh
     engine on the export (vLLM keeps prefix caching on; the trainer engine resets it after every refit)."""

@@ -746,7 +746,7 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         plan, client = self.plan, self.client
         self.cache.pause()
         try:
-            _rpc("start_weight_update", client.start_weight_update)
+            _start(client)
             tensors = _in_plan_order(iter_full(self.source), plan)
             stats = _together(lambda: self.sender.send(tensors),
                               lambda: _rpc("update_weights", client.update_weights,
@@ -762,6 +762,22 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         if self.sender is not None:
             self.sender.transport.close()
             self.sender = None
+
+
+def _start(client) -> None:
+    """``start_weight_update``; where vLLM answers that an update session is already active (a trainer that
+    died between ``start_weight_update`` and ``update_weights`` leaves it so: vLLM ends a session only in
+    ``update_weights`` or ``finish_weight_update``), end that session first. The "mxport" worker engine
+    applies nothing in ``finish_weight_update``, so ending a session that never received a refit changes no
+    weight."""
+    try:
+        _rpc("start_weight_update", client.start_weight_update)
+    except Exception as exc:  # noqa: BLE001 - raised again below unless it is the stale-session case
+        if "already active" not in str(exc):
+            raise
+        log.warning("mxport: vLLM had an update session open (a previous trainer died mid-refit?); ending it")
+        _rpc("finish_weight_update", client.finish_weight_update)
+        _rpc("start_weight_update", client.start_weight_update)
 
 
 def _in_plan_order(source: Iterable[tuple[str, torch.Tensor]], plan: RefitPlan) -> Iterator[torch.Tensor]:
