@@ -292,6 +292,25 @@ def test_check_plan_against_model_names_the_misfits():
     k48 = mxv.plan_misfits(_plan(q_proj=(64, 64), k_proj=(32, 64), v_proj=(32, 64), o_proj=(64, 48)),
                            _Engine())
     assert k48[0] == "attn.o_proj.weight: K=48 is not a multiple of 32 (vLLM's MXFP8 loader rejects it)"
+    # every part of a fused parameter, in vLLM's order: q (96 rows) + v fill qkv's 128 rows, but k is missing
+    parts = mxv.plan_misfits(_plan(q_proj=(96, 64), v_proj=(32, 64), o_proj=(64, 64)), _Engine())
+    assert parts[0] == ("attn.qkv_proj.weight: the plan gives the parts ['q_proj', 'v_proj'], vLLM loads "
+                        "['q_proj', 'k_proj', 'v_proj'] in this order")
+    # an engine that ties lm_head to the embedding cannot take an untied trainer's lm_head
+    tied = _Engine()
+    tied.config = type("Config", (), {"tie_word_embeddings": True})()
+    untied = RefitPlan([*[(e.name, e.role, e.dtype, e.shape) for e in _plan(**fits).entries],
+                        ("lm_head.weight", "kept", torch.bfloat16, (256, 64))], 4096)
+    assert mxv.plan_misfits(untied, tied) == [
+        "lm_head.weight: the engine ties lm_head to embed_tokens (tie_word_embeddings); a separate lm_head "
+        "from the trainer would be dropped"]
+    # a bias is a weight the refit must cover; calibration constants (an attention layer's k_scale) are not
+    biased = _Engine()
+    biased.attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16), requires_grad=False)
+    biased.attn.k_scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+    assert mxv.plan_misfits(_plan(**fits), biased) == [
+        "attn.o_proj.bias: the engine's (64,) bfloat16 parameter gets no tensor from the plan (it would keep "
+        "its old weights)"]
     with pytest.raises(ValueError, match=r"refit plan does not fit the vLLM model: attn.x_proj.weight: the "
                                          r"engine has no parameter"):
         mxv.check_plan_against_model(_plan(**fits, x_proj=(64, 64)), _Engine())
@@ -523,6 +542,26 @@ def test_trainer_killed_mid_transfer_keeps_previous_weights(session):
     _same_generation(harness.generate(session.llm, PROMPTS), before)
     _assert_engine_holds(session, 1)
     session.connect()  # a new trainer; vLLM's init_weight_transfer_engine re-creates the group
+    _refit_ok(session, 2)
+    _assert_engine_holds(session, 2)
+    assert harness.engine_pointers(session.llm) == session.ptr0
+
+
+@pytest.mark.slow
+@needs_engine
+def test_a_refit_refused_before_its_stream_is_read_never_desyncs_the_group(session):
+    """The engine refuses an update naming another plan before it reads a byte, while the trainer sends: it
+    closes the trainer's group (read later, those buckets would pass for the next refit's, and gloo aborts the
+    worker on the size mismatch); the trainer's next send_weights says the group is out of step instead of
+    sending on it; a new trainer then refits the engine, which kept its weights throughout."""
+    _refit_ok(session, 1)
+    ans = session.refit(2, fault="digest")
+    assert "is not the plan agreed at init" in ans.get("error", ""), ans
+    _assert_engine_holds(session, 1)
+    ans = session.refit(2)
+    assert "out of step" in ans.get("error", "") and "trainer_init again" in ans["error"], ans
+    _assert_engine_holds(session, 1)
+    session.connect()
     _refit_ok(session, 2)
     _assert_engine_holds(session, 2)
     assert harness.engine_pointers(session.llm) == session.ptr0
@@ -807,6 +846,29 @@ def test_entry_point_reaches_vllm_worker_processes(session):
     worker = [line for line in out.splitlines()
               if "Creating weight transfer engine: MxportWeightTransferEngine" in line]
     assert worker and "Worker" in worker[0]
+
+
+@pytest.mark.slow
+@needs_engine
+def test_refit_of_a_model_with_biases_covers_them(tmp_path):
+    """Qwen2 (q / k / v biases, which vLLM creates after the layerwise record it checks plans against): a
+    Qwen2 trainer refits a vLLM engine on its export bit-exactly, biases included (`mxport refit --engine
+    vllm`, a subprocess)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mxport.testing import make_tiny_qwen2
+
+    src = make_tiny_qwen2(tmp_path / "qwen2")
+    proc = subprocess.run([sys.executable, "-m", "mxport.cli", "refit", str(src), "--engine", "vllm",
+                           "--steps", "1", "--timeout", "60", "--json", "-"],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout)["steps"][0]
+    assert row["bit_exact"] is True and row["kv_fresh"] is True, row
 
 
 @pytest.mark.slow

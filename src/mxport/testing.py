@@ -145,6 +145,30 @@ class FaultyTransport(_WrappedTransport):
         return self.inner.broadcast(buf, async_op)
 
 
+def make_tiny_qwen2(path: str | os.PathLike, *, seed: int = 0, hidden: int = 128, layers: int = 2,
+                    intermediate: int = 256, vocab: int = 256, heads: int = 2, kv_heads: int = 1,
+                    dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True) -> Path:
+    """Write a random Qwen2 causal LM (``Qwen2ForCausalLM``: q / k / v projections with biases) to ``path``
+    with ``save_pretrained``; shapes as :func:`make_tiny_llama`'s."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # nonzero biases, so that a refit that skipped them would show
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+    _save(model, path, dtype, None)
+    if with_tokenizer:
+        save_byte_tokenizer(path, vocab)
+    return path
+
+
 def make_tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0, hidden: int = 64, layers: int = 2,
                         moe_intermediate: int = 48, experts: int = 4, vocab: int = 256,
                         dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True) -> Path:

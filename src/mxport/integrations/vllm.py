@@ -32,10 +32,11 @@ has an MXFP8 kernel. Set ``MXPORT_VLLM_CPU_EMULATION=1`` to have the plugin do i
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import inspect
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -71,6 +72,7 @@ from ..refit import (
     checkpoint_tensors,
 )
 from ..refit.plan import dtype_from_name
+from ..refit.results import RefitError
 from ..refit.transport import open_group
 
 BACKEND = "mxport"
@@ -184,14 +186,40 @@ def engine_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for prefix, mod in model.named_modules():
         recorded = get_layerwise_info(mod).restore_metadata[0] if get_layerwise_info is not None else {}
-        own = recorded or dict(mod.named_parameters(recurse=False))
+        own = dict(recorded)
+        for n, t in mod.named_parameters(recurse=False):  # a bias is made after the record: never on it
+            if not recorded or (n == "bias" and n not in own):
+                own[n] = t
         for n, t in own.items():
             out[f"{prefix}.{n}" if prefix else n] = t
     return out
 
 
+#: the engine parameters a refit must cover: what a checkpoint carries for a layer (calibration constants
+#: such as an attention layer's ``k_scale`` / ``zero_point`` are not sent)
+REFIT_PARAMS = ("weight", "weight_scale", "bias")
+
+
+def _fused_parts(target: str, entries, pieces, model) -> str:
+    """Why the plan tensors loading into fused parameter ``target`` (q / k / v into ``qkv_proj``, ...) are not
+    the parts vLLM loads, in its order and, where the layer says (``output_partition_sizes``), with its rows
+    per rank (``pieces``: each part's slice on this rank); or ""."""
+    fused = target.split(".")[-2]
+    want = list((getattr(model, "packed_modules_mapping", {}) or {}).get(fused, []))
+    if not want:
+        return ""
+    got = [next(c for c in e.name.split(".") if c in want) for e in entries]
+    if got != want:
+        return f"{target}: the plan gives the parts {got}, vLLM loads {want} in this order"
+    sizes = getattr(model.get_submodule(target.rsplit(".", 1)[0]), "output_partition_sizes", None)
+    rows = [int(s[-2]) for s in pieces if len(s) >= 2]
+    if sizes is not None and len(rows) == len(want) and rows != [int(x) for x in sizes]:
+        return f"{target}: the plan's parts {want} have {rows} rows here, the engine's {list(sizes)}"
+    return ""
+
+
 def _shape(t) -> str:
-    return "(" + ", ".join(str(int(d)) for d in t) + ")"
+    return str(tuple(int(d) for d in t))
 
 
 def _dtype(dt: torch.dtype) -> str:
@@ -227,10 +255,12 @@ def _want_shape(name: str, param: torch.Tensor, model) -> tuple[int, ...]:
 def plan_misfits(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
                  kv_heads: int | None = None) -> list[str]:
     """Why ``plan`` does not fit one tensor-parallel rank (of ``tp``) of the vLLM ``model``, one line per
-    tensor (empty when it fits): a plan tensor with no engine parameter; an engine parameter (at least 1-D)
-    that no plan tensor covers (a tied ``lm_head`` excepted); a dtype or shape that differs from what the
-    engine's weight loader takes, after vLLM's fused naming (``q_proj`` + ``k_proj`` + ``v_proj`` ->
-    ``qkv_proj``, rows concatenated) and tensor-parallel slicing; K, or K per rank, not a multiple of 32."""
+    tensor (empty when it fits): a plan tensor with no engine parameter, or an ``lm_head`` for an engine that
+    ties it to the embedding; an engine weight, weight scale or bias (:data:`REFIT_PARAMS`) that no plan
+    tensor covers (a tied ``lm_head`` excepted); a dtype or shape that differs from what the engine's weight
+    loader takes, after vLLM's fused naming (``q_proj`` + ``k_proj`` + ``v_proj`` -> ``qkv_proj``, rows
+    concatenated, every part there in vLLM's order with the layer's row counts) and tensor-parallel slicing;
+    K, or K per rank, not a multiple of 32."""
     params = engine_parameters(model)
     layout = Layout(tp=tp)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
@@ -238,9 +268,12 @@ def plan_misfits(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
     parts: dict[str, list[int]] = {}
     for i, e in enumerate(plan.entries):
         target = _param_name(e.name, model)
+        if tied and e.name.startswith("lm_head."):
+            bad.append(f"{e.name}: the engine ties lm_head to embed_tokens (tie_word_embeddings); a separate "
+                       "lm_head from the trainer would be dropped")
+            continue
         if target not in params:
-            if not (tied and e.name.startswith("lm_head.")):
-                bad.append(f"{e.name}: the engine has no parameter {target!r}")
+            bad.append(f"{e.name}: the engine has no parameter {target!r}")
             continue
         if e.role == "values" and e.shape[-1] % 32:
             bad.append(f"{e.name}: K={e.shape[-1]} is not a multiple of 32 (vLLM's MXFP8 loader rejects it)")
@@ -256,12 +289,16 @@ def plan_misfits(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
         got = pieces[0] if len(pieces) == 1 else (sum(s[0] for s in pieces), *pieces[0][1:])
         want = _want_shape(target, p, model)
         names = " + ".join(f"{e.name} {_shape(s)}" for e, s in zip(entries, pieces, strict=True))
+        fused = _fused_parts(target, entries, pieces, model) if target != entries[0].name else ""
         if any(dtype_from_name(e.dtype) != p.dtype for e in entries):
             bad.append(f"{target}: the plan sends {entries[0].dtype}, the engine takes {_dtype(p.dtype)}")
         elif got != want or (len(pieces) > 1 and len({s[1:] for s in pieces}) > 1):
             bad.append(f"{target}: the plan gives {_shape(got)} ({names}), the engine takes {_shape(want)}")
+        elif fused:
+            bad.append(fused)
     for name, p in params.items():
-        if name not in parts and p.dim() >= 1 and not (tied and name.startswith("lm_head.")):
+        if (name not in parts and name.rsplit(".", 1)[-1] in REFIT_PARAMS
+                and not (tied and name.startswith("lm_head."))):
             bad.append(f"{name}: the engine's {_shape(p.shape)} {_dtype(p.dtype)} parameter gets no tensor "
                        "from the plan (it would keep its old weights)")
     return bad
@@ -387,9 +424,17 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
             raise RuntimeError("mxport weight transfer not initialized: "
                                "call init_weight_transfer_engine first")
         if update_info.plan_digest != self.plan.digest:
-            raise ValueError(f"update plan digest {update_info.plan_digest[:12]} is not the plan agreed "
-                             f"at init ({self.plan.digest[:12]}); re-run init_weight_transfer_engine")
-        stats = self.receiver.receive()  # RefitError: nothing applied, previous weights stay live
+            agreed = self.plan.digest[:12]
+            self._drop()
+            raise ValueError(f"update plan digest {update_info.plan_digest[:12]} is not the plan agreed at "
+                             f"init ({agreed}); the trainer's group is closed: re-run "
+                             "init_weight_transfer_engine")
+        try:
+            stats = self.receiver.receive()  # RefitError: nothing applied, previous weights stay live
+        except RefitError as exc:
+            if not exc.receivers:  # no vote (a dead or slow trainer): buckets may still come on this group
+                self._drop()
+            raise
         t0 = time.perf_counter()
         try:
             apply_checkpoint_weights(self.model, self.model_config,
@@ -403,6 +448,14 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: :meth:`receive_weights` applied the validated refit."""
+
+    def _drop(self) -> None:
+        """Close the trainer's group when this side may be out of step with it (a refit refused before its
+        stream was read, or a receive that ended without a vote): read later, the old refit's buckets would
+        pass for the next one's -- gloo aborts the worker on the size mismatch. The trainer's next broadcast
+        then fails at once, and a new ``init_weight_transfer_engine`` opens a new group."""
+        log.warning("mxport: closing the trainer's group (out of step); the trainer must initialize again")
+        self.shutdown()
 
     def shutdown(self) -> None:
         if self._transport is not None:
@@ -661,6 +714,14 @@ class EngineCache:
         except ValueError:
             return {}
 
+    def reset_quietly(self) -> None:
+        """After a failed refit, which may still have reached the engine's weights: reset the cache if the
+        engine lets us; its failure is not the error to report."""
+        try:
+            self.reset(tries=1)
+        except Exception as exc:  # noqa: BLE001 - best effort, logged
+            log.warning("mxport: resetting vLLM's prefix cache after a failed refit failed too: %s", exc)
+
     def pause(self) -> None:
         if self.http and self.pause_mode is not None:
             self._post("pause", mode=self.pause_mode, clear_cache="true")
@@ -696,12 +757,12 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
     init_info_cls = MxportTrainerInitInfo
 
     def __init__(self, *, client, source: WeightSource, plan: RefitPlan, is_sender: bool = True,
-                 rank: int = 0, pause_mode: str | None = "wait"):
+                 rank: int = 0, pause_mode: str | None = "wait", timeout_s: float = 60.0):
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.rank = rank
-        self.plan = plan
+        self.rank, self.plan, self.timeout_s = rank, plan, timeout_s
         self.sender: RefitSender | None = None
         self.cache = EngineCache(client, pause_mode) if is_sender else None
+        self._job: _SendJob | None = None  # the last refit's send (see _check_in_step)
         self.last_stats: dict = {}
 
     @classmethod
@@ -712,7 +773,7 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         plan = getattr(source, "plan", None) or plan_from_metadata(source_metadata(source),
                                                                    init_info.bucket_bytes)
         engine = cls(client=client, source=source, plan=plan, is_sender=init_info.is_sender,
-                     rank=init_info.rank, pause_mode=init_info.pause_mode)
+                     rank=init_info.rank, pause_mode=init_info.pause_mode, timeout_s=init_info.timeout_s)
         if not engine.is_sender:
             return engine
         worker_info = {"master_address": init_info.master_address, "master_port": init_info.master_port,
@@ -738,25 +799,49 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         """One refit: pause the engine (vLLM's HTTP server, ``pause_mode``), ``start_weight_update`` ->
         ``update_weights`` while the buckets go out (the engine validates the whole refit, then applies it)
         -> ``finish_weight_update``, reset the engine's prefix cache, resume. Raises with the engine's
-        message when any step fails; the engine then keeps its previous weights and takes the next refit."""
+        message when any step fails; the engine then keeps its previous weights and takes the next refit.
+
+        A failure that leaves the two sides of the group out of step (the engine failed or stopped answering
+        while buckets were still going out, and the send did not end in a vote) makes every later call raise:
+        run ``trainer_init`` again (a new group). Sending on such a group would have the engine read the old
+        refit's buckets as the new one's."""
         if self.sender is None:  # non-sender ranks only take part in the source's own collectives
             for _ in iter_full(self.source):
                 pass
             return
+        self._check_in_step()
         plan, client = self.plan, self.client
+        started = False
         self.cache.pause()
         try:
             _start(client)
-            tensors = _in_plan_order(iter_full(self.source), plan)
-            stats = _together(lambda: self.sender.send(tensors),
-                              lambda: _rpc("update_weights", client.update_weights,
-                                           {"plan_digest": plan.digest}))[0]
+            started = True
+            self._job = _SendJob(self.sender, _in_plan_order(iter_full(self.source), plan))
+            _rpc("update_weights", client.update_weights, {"plan_digest": plan.digest})
+            stats = self._job.result()
             _rpc("finish_weight_update", client.finish_weight_update)
             reset = self.cache.reset()
+        except BaseException:
+            if started:  # a refit may have reached the engine's weights before the failure reached us
+                self.cache.reset_quietly()
+            raise
         finally:
             self.cache.resume()
         self.last_stats = {**(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)),
                            "prefix_cache_reset": reset}
+
+    def _check_in_step(self) -> None:
+        """Wait for the previous refit's send if it is still going (at most the group's timeout); raise if it
+        ended out of step with the engine."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        if not job.wait(self.timeout_s + 5.0) or not job.in_step:
+            self._job = job
+            why = ("it is still sending" if not job.done.is_set()
+                   else f"{type(job.error).__name__}: {job.error}")
+            raise RuntimeError("the previous refit ended with the trainer and the engine out of step (" + why
+                               + "): run WeightTransferTrainerFactory.trainer_init again to open a new group")
 
     def shutdown(self) -> None:
         if self.sender is not None:
@@ -788,25 +873,65 @@ def _in_plan_order(source: Iterable[tuple[str, torch.Tensor]], plan: RefitPlan) 
         yield t
 
 
-def _together(local, remote) -> tuple[Any, Any]:
-    """Run ``remote`` (an RPC into the engine) on a thread while ``local`` runs here; return both results.
+class _SendJob:
+    """The sender's side of one refit, on a daemon thread: ``in_step`` once it has ended in step with the
+    engine (sent and voted on, accepted or not; a sender that failed before the vote leaves it False)."""
 
-    ``local`` is this side of the same collective. If ``remote`` fails first, its error is raised at once --
-    not after ``local`` has waited out the group's timeout for a peer that is gone. If ``local`` fails (e.g.
-    the engine rejected the refit and the sender learned it), the RPC is still waited for before the error is
-    raised: its answer must not be left on the client's channel for the next call to read."""
-    exe = cf.ThreadPoolExecutor(max_workers=2)
-    try:
-        fr, fl = exe.submit(remote), exe.submit(local)
-        done, _ = cf.wait([fr, fl], return_when=cf.FIRST_EXCEPTION)
-        if fr in done and fr.exception() is not None:
-            raise fr.exception()
-        cf.wait([fr])
-        if fl.exception() is not None:
-            raise fl.exception()
-        return fl.result(), fr.result()
-    finally:
-        exe.shutdown(wait=False)
+    def __init__(self, sender: RefitSender, tensors: Iterator[torch.Tensor]):
+        self.done = threading.Event()
+        self.in_step, self.error, self._stats = False, None, None
+        threading.Thread(target=self._run, args=(sender, tensors), daemon=True, name="mxport-send").start()
+
+    def _run(self, sender: RefitSender, tensors) -> None:
+        try:
+            self._stats = sender.send(tensors)
+            self.in_step = True
+        except RefitError as exc:
+            self.error, self.in_step = exc, bool(exc.receivers)  # receivers: the ranks voted
+        except BaseException as exc:  # noqa: BLE001 - raised again by result()
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.done.wait(timeout_s)
+
+    def result(self):
+        """The send's stats once it ends (the engine answered its update call, so it ends with the vote);
+        its error raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self._stats
+
+
+def _together(local, remote) -> tuple[Any, Any]:
+    """Run ``remote`` (an RPC into the engine) and ``local`` (this side of the same rendezvous) on daemon
+    threads; return both results.
+
+    If ``remote`` fails first, its error is raised at once -- not after ``local`` has waited out the group's
+    timeout for a peer that is gone (its daemon thread ends with that timeout and never keeps the process
+    alive). If ``local`` fails first, the RPC is still waited for before the local error is raised: its answer
+    must not be left on the client's channel for the next call to read."""
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(key, fn):
+        try:
+            answers.put((key, None, fn()))
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            answers.put((key, exc, None))
+
+    for key, fn in (("remote", remote), ("local", local)):
+        threading.Thread(target=run, args=(key, fn), daemon=True, name=f"mxport-{key}").start()
+    results, errors = {}, {}
+    while len(results) + len(errors) < 2:
+        key, exc, value = answers.get()
+        if exc is not None and key == "remote" and "local" not in errors:
+            raise exc
+        (errors if exc is not None else results)[key] = exc if exc is not None else value
+    if errors:
+        raise errors.get("local", errors.get("remote"))
+    return results["local"], results["remote"]
 
 
 def run_vllm_refit_demo(source: str, **kwargs) -> dict:

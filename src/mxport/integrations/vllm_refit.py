@@ -155,14 +155,33 @@ def _load_step(model, src: str, step: int) -> None:
                 p.copy_(w[name])
 
 
+class _ForgedDigest:
+    """A client whose ``update_weights`` names another plan: the engine refuses it before reading the stream
+    while the trainer sends (what a confused or hostile trainer does)."""
+
+    def __init__(self, client):
+        self.inner = client
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info):
+        return self.inner.update_weights({**update_info, "plan_digest": "0" * 64})
+
+
 def _set_fault(engine, fault: str | None) -> None:
-    """Tests' faults on the wire (:class:`mxport.testing.FaultyTransport`, which tampers with a copy of each
-    outgoing bucket): "corrupt" flips a bit of bucket 0, "kill" ends the trainer process at bucket 1."""
+    """Tests' faults: on the wire (:class:`mxport.testing.FaultyTransport`, which tampers with a copy of each
+    outgoing bucket) "corrupt" flips a bit of bucket 0, "kill" ends the trainer process at bucket 1; "digest"
+    has the engine's update call name another plan."""
     from ..testing import FaultyTransport
 
     inner = getattr(engine.sender.transport, "inner", engine.sender.transport)
+    engine.client = getattr(engine.client, "inner", engine.client)
     if fault is None:
         engine.sender.transport = inner
+        return
+    if fault == "digest":
+        engine.client = _ForgedDigest(engine.client)
         return
     if fault == "corrupt":
         def fn(refit, bucket, wire):
