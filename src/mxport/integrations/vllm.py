@@ -353,6 +353,9 @@ class MxportInitInfo(WeightTransferInitInfo):
     transport: str = "gloo"
     timeout_s: float = 60.0
     use_checksum: bool = True
+    #: only check the plan against the model and return (the trainer asks this first, before it opens its
+    #: end of the group: a refused trainer then holds no port and no thread)
+    check_only: bool = False
 
 
 @dataclass
@@ -400,6 +403,8 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
             raise ValueError(f"init_info plan digest {init_info.plan_digest[:12]} does not match its plan "
                              f"({plan.digest[:12]})")
         self._check(plan)  # ValueError: nothing joined, the working trainer's connection untouched
+        if init_info.check_only:
+            return
         rank = init_info.rank_offset + worker_rank(self.parallel_config)
         pg = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                         backend=init_info.transport, timeout_s=init_info.timeout_s)
@@ -791,6 +796,9 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             sender.handshake()
             return sender
 
+        # the engine checks the plan first, before this side listens: a refused trainer holds no port
+        _rpc("init_weight_transfer_engine", client.init_weight_transfer_engine,
+             {**worker_info, "check_only": True})
         engine.sender = _together(connect, lambda: _rpc("init_weight_transfer_engine",
                                                          client.init_weight_transfer_engine, worker_info))[0]
         return engine
