@@ -1,28 +1,31 @@
-"""mxport as vLLM's weight-transfer backend ``"mxport"``, and an mxport ``WeightSource`` for vLLM's engines.
+"""mxport as vLLM's weight-transfer backend ``"mxport"``, and an mxport ``WeightSource`` for vLLM's engines
+(vLLM 0.32 and 0.33).
 
 Inference side (:class:`MxportWeightTransferEngine`, registered with vLLM's
 ``WeightTransferEngineFactory.register_engine("mxport", ...)`` by :func:`register`, the
-``vllm.general_plugins`` entry point, so every vLLM worker process has it)::
+``vllm.general_plugins`` entry point, so every vLLM worker process has it; importing this module registers it
+too)::
 
     llm = LLM(model=mxfp8_checkpoint, weight_transfer_config={"backend": "mxport"})
-    llm.init_weight_transfer_engine({"init_info": ...})   # joins the trainer's group, checks the plan
+    llm.init_weight_transfer_engine({"init_info": ...})   # checks the plan, then joins the trainer's group
     llm.start_weight_update(); llm.update_weights({"update_info": {"plan_digest": ...}});
     llm.finish_weight_update()
 
-``update_weights`` receives the whole refit (plan-checked, checksummed buckets over gloo / NCCL) into buffers
-of the worker's own; nothing of the model is touched until every byte has been validated.
-``finish_weight_update`` then applies the validated checkpoint-format tensors through vLLM's layerwise reload
+``init_weight_transfer_engine`` refuses a plan that does not fit the model (:func:`plan_misfits`) before it
+joins anything. ``update_weights`` receives the whole refit (plan-checked, checksummed buckets over gloo /
+NCCL) into buffers of the worker's own -- nothing of the model is touched until every byte has been validated
+-- then applies the validated checkpoint-format tensors through vLLM's layerwise reload
 (``initialize_layerwise_reload`` -> ``model.load_weights`` -> ``finalize_layerwise_reload``), which re-runs
 each layer's ``process_weights_after_loading`` (swizzled scales, emulation layouts) and copies the results
 back into the original tensors (pointers stable). A refit that fails (corrupt bucket, dead trainer, wrong
-plan) raises from ``update_weights``; the engine keeps generating with its previous weights, and the next
-refit can succeed.
+plan) raises from ``update_weights``, where vLLM also ends its update session; the engine keeps generating
+with its previous weights, and the next refit can succeed.
 
 Trainer side: :class:`MxportTrainerWeightTransferEngine` (``WeightTransferTrainerFactory`` backend
-``"mxport"``, init info :class:`MxportTrainerInitInfo`) drives the same four calls through any
-``VLLMWeightSyncClient``; and :class:`MxportWeightSource` yields MXFP8 checkpoint-format ``(name, tensor)``
-pairs (FP8 values + uint8 E8M0 ``weight_scale`` under HF names) that also feed vLLM's own NCCL / IPC trainer
-engines unchanged.
+``"mxport"``, init info :class:`MxportTrainerInitInfo`) drives the same calls through any
+``VLLMWeightSyncClient`` and resets the engine's prefix cache after each refit (:class:`EngineCache`); and
+:class:`MxportWeightSource` yields MXFP8 checkpoint-format ``(name, tensor)`` pairs (FP8 values + uint8 E8M0
+``weight_scale`` under HF names) that also feed vLLM's own NCCL / IPC trainer engines unchanged.
 
 CPU: vLLM has no native MXFP8 linear kernel for the CPU platform. :func:`enable_cpu_emulation` adds vLLM's own
 ``EmulationMxfp8LinearKernel`` to the CPU entry of vLLM's kernel table (``register_linear_kernel``) in the
