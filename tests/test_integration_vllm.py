@@ -311,6 +311,15 @@ def test_check_plan_against_model_names_the_misfits():
     assert mxv.plan_misfits(_plan(**fits), biased) == [
         "attn.o_proj.bias: the engine's (64,) bfloat16 parameter gets no tensor from the plan (it would keep "
         "its old weights)"]
+    # a scale tensor must be the compact scales of its values (vLLM's reload would fail half-way)
+    half = RefitPlan([(e.name, e.role, e.dtype, (64, 1) if e.name == "attn.o_proj.weight_scale" else e.shape)
+                      for e in _plan(**fits).entries], 4096)
+    assert mxv.plan_misfits(half, _Engine())[0] == ("attn.o_proj.weight_scale: the plan gives (64, 1), not "
+                                                     "the compact scales (64, 2) of its values")
+    # a plan naming the fused parameter beside its parts is refused with words, not a bare StopIteration
+    both = RefitPlan([(e.name, e.role, e.dtype, e.shape) for e in _plan(**fits).entries]
+                     + [("attn.qkv_proj.weight", "kept", torch.bfloat16, (128, 64))], 4096)
+    assert mxv.plan_misfits(both, _Engine())[0].startswith("attn.qkv_proj.weight: the plan sends")
     with pytest.raises(ValueError, match=r"refit plan does not fit the vLLM model: attn.x_proj.weight: the "
                                          r"engine has no parameter"):
         mxv.check_plan_against_model(_plan(**fits, x_proj=(64, 64)), _Engine())
@@ -374,6 +383,33 @@ def test_http_errors_carry_the_engines_message():
     with pytest.raises(KeyError):  # anything else goes through as it is
         mxv._rpc("start_weight_update", lambda: {}["x"])
     assert mxv._rpc("start_weight_update", lambda: 7) == 7
+
+
+def test_a_failing_source_leaves_the_group_in_step():
+    """The trainer's WeightSource raising mid-refit: the sender aborts with its trailer and the ranks vote, so
+    the next refit may go on the same group (a send that failed any other way before a vote may not)."""
+
+    class Sender:  # takes what RefitSender.send takes; the abort-and-vote protocol is the sender's own test
+        def __init__(self, fail):
+            self.fail = fail
+
+        def send(self, tensors):
+            for _ in tensors:
+                pass
+            if self.fail:
+                raise RuntimeError("the transport failed")
+            return "stats"
+
+    def source():
+        yield torch.zeros(1)
+        raise OSError("the producer failed")
+
+    job = mxv._SendJob(Sender(False), source())
+    assert job.wait(10) and job.in_step and isinstance(job.error, OSError)
+    job = mxv._SendJob(Sender(True), iter([torch.zeros(1)]))
+    assert job.wait(10) and not job.in_step
+    job = mxv._SendJob(Sender(False), iter([torch.zeros(1)]))
+    assert job.wait(10) and job.in_step and job.result() == "stats"
 
 
 def test_engine_cache_resets_through_the_client(caplog):

@@ -211,7 +211,7 @@ def _fused_parts(target: str, entries, pieces, model) -> str:
     want = list((getattr(model, "packed_modules_mapping", {}) or {}).get(fused, []))
     if not want:
         return ""
-    got = [next(c for c in e.name.split(".") if c in want) for e in entries]
+    got = [next((c for c in e.name.split(".") if c in want), e.name) for e in entries]
     if got != want:
         return f"{target}: the plan gives the parts {got}, vLLM loads {want} in this order"
     sizes = getattr(model.get_submodule(target.rsplit(".", 1)[0]), "output_partition_sizes", None)
@@ -280,6 +280,10 @@ def plan_misfits(plan: RefitPlan, model: torch.nn.Module, *, tp: int = 1,
             continue
         if e.role == "values" and e.shape[-1] % 32:
             bad.append(f"{e.name}: K={e.shape[-1]} is not a multiple of 32 (vLLM's MXFP8 loader rejects it)")
+            continue
+        if e.role == "scales" and tuple(e.shape) != compact_scale_shape(plan.entries[i - 1].shape):
+            bad.append(f"{e.name}: the plan gives {_shape(e.shape)}, not the compact scales "
+                       f"{_shape(compact_scale_shape(plan.entries[i - 1].shape))} of its values")
             continue
         shard = engine_shard(e.name, e.shape, layout, kv_heads=kv_heads, quantized=e.role == "values")
         if shard.problem:
@@ -450,8 +454,8 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         except Exception as exc:
             raise RuntimeError(
                 f"vLLM's layerwise reload failed on a validated refit ({type(exc).__name__}: {exc}); layers "
-                "reloaded before the failure hold the new weights, the others their previous ones: the next "
-                "refit rewrites every layer") from exc
+                "reloaded before the failure hold the new weights, the others may not be usable: restart the "
+                "engine") from exc
         self.last_stats = {**stats.to_dict(), "apply_s": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
@@ -804,6 +808,9 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
              {**worker_info, "check_only": True})
         engine.sender = _together(connect, lambda: _rpc("init_weight_transfer_engine",
                                                          client.init_weight_transfer_engine, worker_info))[0]
+        # a trainer that died mid-refit may have left the server paused, or KV of weights it applied cached
+        engine.cache.resume()
+        engine.cache.reset_quietly()
         return engine
 
     def send_weights(self) -> None:
@@ -823,8 +830,8 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         self._check_in_step()
         plan, client = self.plan, self.client
         started = False
-        self.cache.pause()
         try:
+            self.cache.pause()
             _start(client)
             started = True
             self._job = _SendJob(self.sender, _in_plan_order(iter_full(self.source), plan))
@@ -890,8 +897,16 @@ class _SendJob:
 
     def __init__(self, sender: RefitSender, tensors: Iterator[torch.Tensor]):
         self.done = threading.Event()
-        self.in_step, self.error, self._stats = False, None, None
-        threading.Thread(target=self._run, args=(sender, tensors), daemon=True, name="mxport-send").start()
+        self.in_step, self.error, self._stats, self._producer_error = False, None, None, None
+        threading.Thread(target=self._run, args=(sender, self._watched(tensors)), daemon=True,
+                         name="mxport-send").start()
+
+    def _watched(self, tensors: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+        try:
+            yield from tensors
+        except BaseException as exc:
+            self._producer_error = exc
+            raise
 
     def _run(self, sender: RefitSender, tensors) -> None:
         try:
@@ -900,7 +915,8 @@ class _SendJob:
         except RefitError as exc:
             self.error, self.in_step = exc, bool(exc.receivers)  # receivers: the ranks voted
         except BaseException as exc:  # noqa: BLE001 - raised again by result()
-            self.error = exc
+            # the source's own error: the sender aborted the refit with its trailer and the ranks voted
+            self.error, self.in_step = exc, exc is self._producer_error
         finally:
             self.done.set()
 
