@@ -235,7 +235,7 @@ def trainer_main(conn, cfg_dict: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent (the engine refused the plan, say)
         _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
         conn.close()
-        os._exit(2)  # not return: the group's rendezvous thread waits for the engine (until its timeout)
+        os._exit(2)  # at once, whatever the refused init left behind
     _send(conn, {"ok": True, "plan": source.plan.summary()})
     while True:
         try:
