@@ -16,29 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
-
-
-def _export_step(src: str, step: int, out: Path) -> str:
-    import torch
-    from safetensors.torch import save_file
-
-    from mxport.checkpoint.export import export_checkpoint
-    from mxport.integrations.vllm_refit import trainer_weights
-
-    hf = out / f"step{step}-hf"
-    shutil.copytree(src, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
-    # the harness trainer holds BF16 weights (it quantizes those): export the same
-    weights = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
-               for n, t in trainer_weights(src, step).items()}
-    save_file(weights, str(hf / "model.safetensors"))
-    export_checkpoint(str(hf), out / f"step{step}-mx")
-    shutil.rmtree(hf)
-    return str(out / f"step{step}-mx")
 
 
 def run(source: str | None = None, steps: int = 5) -> dict:
@@ -53,7 +34,7 @@ def run(source: str | None = None, steps: int = 5) -> dict:
     with tempfile.TemporaryDirectory(prefix="mxport-bench-vllm-") as tmp:
         out = Path(tmp)
         export_checkpoint(src, out / "step0-mx")
-        exports = {k: _export_step(src, k, out) for k in range(1, steps + 1)}
+        exports = {k: h.export_step(src, k, out) for k in range(1, steps + 1)}
         session = h.VllmRefitSession(src, str(out / "step0-mx"), timeout_s=120, bucket_bytes=32 << 20)
         try:
             for k in range(1, steps + 1):

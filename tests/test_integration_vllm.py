@@ -631,22 +631,6 @@ def test_refit_never_serves_kv_of_the_previous_weights(session):
     _same_generation(harness.generate(session.llm, LONG, full=False), session.long0)  # the fresh engine's
 
 
-def _export_step(session, step, out):
-    """An ``mxport export`` of the trainer's step-``step`` weights (what vLLM's own reload takes)."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from mxport.checkpoint.export import export_checkpoint
-
-    hf = out / f"step{step}-bf16"
-    shutil.copytree(session.src_dir, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
-    save_file({n: t.contiguous() for n, t in harness.trainer_weights(session.src_dir, step).items()},
-              str(hf / "model.safetensors"))
-    export_checkpoint(str(hf), out / f"step{step}-mx")
-    return str(out / f"step{step}-mx")
-
-
 MISFITS = {  # what a trainer changes, its tiny-Llama arguments, and the first misfit the engine names
     "intermediate 256 -> 384": ({"intermediate": 384},
                                 "model.layers.0.mlp.gate_up_proj.weight: the plan gives (768, 128) "
@@ -682,8 +666,9 @@ def test_misfit_trainers_are_refused_at_init_and_the_engine_stays_refittable(ses
     _refit_ok(session, 2)  # the working trainer was never disturbed
     _assert_engine_holds(session, 2)
     ours, gen = harness.engine_tensors(session.llm), harness.generate(session.llm, PROMPTS)
-    session.llm.collective_rpc("reload_weights", kwargs={"weights_path": _export_step(session, 2, tmp_path),
-                                                          "is_checkpoint_format": True})
+    exported = harness.export_step(session.src_dir, 2, tmp_path)
+    session.llm.collective_rpc("reload_weights",
+                               kwargs={"weights_path": exported, "is_checkpoint_format": True})
     session.llm.reset_prefix_cache()
     theirs = harness.engine_tensors(session.llm)
     assert ours.keys() == theirs.keys()

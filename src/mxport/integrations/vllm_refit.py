@@ -49,6 +49,27 @@ def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) 
     return out
 
 
+def export_step(src_dir: str | os.PathLike, step: int, out: str | os.PathLike) -> str:
+    """An ``mxport export`` (modelopt) of the trainer's step-``step`` weights as the harness trainer holds
+    them (:func:`trainer_weights` in BF16), under ``out/step<k>-mx``: what vLLM's own ``reload_weights`` takes
+    to reach the same bytes as a refit of that step. Returns the export's directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ..checkpoint.export import export_checkpoint
+
+    out = Path(out)
+    hf = out / f"step{step}-hf"
+    shutil.copytree(src_dir, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
+    weights = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+               for n, t in trainer_weights(src_dir, step).items()}
+    save_file(weights, str(hf / "model.safetensors"))
+    export_checkpoint(str(hf), out / f"step{step}-mx")
+    shutil.rmtree(hf)
+    return str(out / f"step{step}-mx")
+
+
 # -- pipe RPC
 # ---------------------------------------------------------------------------------------------------------
 def _send(conn, obj: dict) -> None:
