@@ -26,7 +26,7 @@ def run(source: str | None = None, steps: int = 5) -> dict:
     import torch
 
     from mxport.checkpoint.export import export_checkpoint
-    from mxport.integrations import vllm_refit as h
+    from mxport.demo import vllm as h
     from mxport.models import default_model_dir
 
     src = str(source or default_model_dir())

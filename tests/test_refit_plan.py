@@ -941,7 +941,7 @@ def test_demo_replies_cross_the_wire_exactly_and_out_of_range_ones_are_refused()
     """The demo's per-step replies travel as fixed-size tensors (no pickle): numbers exact (a CRC-32 near
     2**32 included), the sequence and log-probs cut back to their length; a reply with a token id outside
     the vocab is refused."""
-    from mxport.refit.demo import _gather_replies, _Reply, _ReplyShape
+    from mxport.demo.single import _gather_replies, _Reply, _ReplyShape
 
     shape = _ReplyShape(prompt_len=3, max_new=4, vocab=10)
     seq = torch.tensor([[1, 2, 3, 9, 0]])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mxport.refit.mesh_demo import MeshConfig, rank_entries, run_mesh_demo
+from mxport.demo.mesh import MeshConfig, rank_entries, run_mesh_demo
 from mxport.testing import make_tiny_llama, make_tiny_qwen3_moe
 
 MXPORT = [str(Path(sys.executable).parent / "mxport")]
@@ -99,7 +99,7 @@ def test_cli_refuses_engine_layout_of_a_gguf_before_starting(monkeypatch):
     metadata): exit 2 and one line, no process started."""
     from typer.testing import CliRunner
 
-    import mxport.refit.mesh_demo as mesh_demo
+    import mxport.demo.mesh as mesh_demo
     from mxport._env import default_model_file
     from mxport.cli import app
 
@@ -136,7 +136,7 @@ def test_trainer_help_examples_are_layouts_the_refit_runs():
 def test_trainer_tp_leaves_what_does_not_divide_replicated(llama):
     """intermediate 256 over tp=3 would be uneven DTensor shards, which fail in the forward: replicated."""
     from mxport.models import load_causal_lm
-    from mxport.refit.mesh_demo import _tp_plan
+    from mxport.demo.mesh import _tp_plan
 
     model = load_causal_lm(str(llama))[0]
     assert sorted(k for k in _tp_plan(model, 2) if k.startswith("model.layers.0.")) == [

@@ -223,8 +223,8 @@ def _progress() -> Progress:
 
 
 def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout) -> dict:
-    """Today's demo: a trainer and R mxport receiver processes (mxport.refit.demo)."""
-    from ..refit.demo import DemoConfig, DemoFailed, run_demo
+    """Today's demo: a trainer and R mxport receiver processes (mxport.demo.single)."""
+    from ..demo.single import DemoConfig, DemoFailed, run_demo
 
     model_path = _model_path(src)
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
@@ -262,8 +262,8 @@ def _model_path(src) -> str:
 
 
 def _run_sharded(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout) -> dict:
-    """Trainer ranks and engine ranks on loopback gloo, shard to shard (mxport.refit.mesh_demo)."""
-    from ..refit.mesh_demo import DemoFailed, MeshConfig, run_mesh_demo
+    """Trainer ranks and engine ranks on loopback gloo, shard to shard (mxport.demo.mesh)."""
+    from ..demo.mesh import DemoFailed, MeshConfig, run_mesh_demo
 
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
     cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=steps,
@@ -297,7 +297,7 @@ def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.integrations)."""
     import os
 
-    from ..integrations.vllm_refit import run_vllm_refit_demo
+    from ..demo.vllm import run_vllm_refit_demo
 
     # vLLM logs to stdout at INFO by default: stdout holds the report or the JSON (--json -), and the command
     # line is quiet unless asked (set these variables to change it)

@@ -961,13 +961,4 @@ def _together(local, remote) -> tuple[Any, Any]:
     return results["local"], results["remote"]
 
 
-def run_vllm_refit_demo(source: str, **kwargs) -> dict:
-    """``mxport refit SOURCE --engine vllm``.
-
-    See :func:`mxport.integrations.vllm_refit.run_vllm_refit_demo`."""
-    from .vllm_refit import run_vllm_refit_demo as run
-
-    return run(source, **kwargs)
-
-
 _register_backend()  # a trainer process that only imports this module can use the "mxport" backend

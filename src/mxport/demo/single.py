@@ -12,16 +12,14 @@ can show progress and write JSON.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from .procs import DemoFailed, free_port, redirect_output, spawn_and_collect
 
 TEXT = ("Mixed precision training keeps master weights in high precision while the inference engine runs in "
         "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values "
@@ -52,18 +50,11 @@ class DemoConfig:
     log_dir: str | None = None  # per-process stdout/stderr logs (rank<i>.log); None = inherit the terminal
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _threads(world: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
-def _prompt_ids(tok) -> torch.Tensor:
+def prompt_ids(tok) -> torch.Tensor:
     if getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                        add_generation_prompt=True)
@@ -73,13 +64,13 @@ def _prompt_ids(tok) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
+def logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """float32 logits [T, V] predicting the tokens after the prompt."""
     logits = model(seq).logits[0].float()
     return logits[prompt_len - 1:seq.shape[1] - 1]
 
 
-def _kernel(steps: int) -> str | None:
+def trainer_kernel(steps: int) -> str | None:
     """The trainer's quantize kernel.
 
     Where the native CPU kernel is unavailable, compiling the fast kernel costs 6-30 s of CPU and saves ~0.8 s
@@ -92,12 +83,12 @@ def _kernel(steps: int) -> str | None:
 
 def _trainer(cfg: DemoConfig, transport, q) -> None:
     from ..models import load_causal_lm
-    from .sender import RefitSender
-    from .trainer import TrainerSource
+    from ..refit.sender import RefitSender
+    from ..refit.trainer import TrainerSource
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True,  # quantize into the send buffer
-                           kernel=_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
+                           kernel=trainer_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
     sender = RefitSender(transport, source.plan)
     sender.handshake()
     q.put(("plan", 0, source.plan.summary()))
@@ -114,7 +105,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         train_s = time.perf_counter() - t0
         stats = sender.send(source.tensors(), checksums=source.bucket_checksum)  # summed by the quantize
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
-        shape = _ReplyShape(int(_prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
+        shape = _ReplyShape(int(prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
         rows = [_receiver_row(model, tok, r, sent_crc32) for r in _gather_replies(transport, shape, None)[1:]]
         # end to end: quantize + pack + transfer (sender) up to every receiver's commit and report
         q.put(("step", 0, StepRow(
@@ -201,7 +192,7 @@ def _receiver_row(model, tok, r: _Reply, sent_crc32: int) -> ReceiverRow:
     """The trainer's view of a reply: its generation scored against the trainer's own logits."""
     from ..metrics import gen_kl_error, greedy_agreement
 
-    logits_train = _logits_on(model, r.seq, r.prompt_len)
+    logits_train = logits_on(model, r.seq, r.prompt_len)
     kl = gen_kl_error(r.logits, logits_train)
     return ReceiverRow(
         rank=r.rank, version=r.version, seconds=r.seconds, recv_s=r.recv_s, commit_s=r.commit_s,
@@ -255,8 +246,8 @@ def _gather_replies(transport, shape: _ReplyShape, mine: _Reply | None) -> list[
 def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
-    from .inference import receiver_plan
-    from .receiver import RefitReceiver
+    from ..refit.inference import receiver_plan
+    from ..refit.receiver import RefitReceiver
 
     model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE)  # kept tensors in BF16, as engines run
     quantize_model(model)
@@ -264,7 +255,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     receiver = RefitReceiver(transport, plan, targets)
     ptrs0 = [t.data_ptr() for t in targets]
     receiver.handshake()
-    prompt = _prompt_ids(tok)
+    prompt = prompt_ids(tok)
     eos = tok.eos_token_id
     for _step in range(1, cfg.steps + 1):
         stats = receiver.receive()
@@ -278,7 +269,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
             seq = model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                  max_new_tokens=cfg.max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id, eos_token_id=eos)
-        logits = _logits_on(model, seq, prompt.shape[1])
+        logits = logits_on(model, seq, prompt.shape[1])
         gen_s = time.perf_counter() - t0
         shape = _ReplyShape(int(prompt.shape[1]), cfg.max_new_tokens, _vocab(model))
         _gather_replies(transport, shape, _Reply(
@@ -287,20 +278,10 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
             gen_s=gen_s, prompt_len=int(prompt.shape[1]), seq=seq, logits=logits))
 
 
-def redirect_output(log_dir: str | None, rank: int) -> None:
-    """Send this process's stdout and stderr to ``log_dir/rank<rank>.log`` (keeps the parent's terminal for
-    its progress display: library chatter goes to a log file); nothing when ``log_dir`` is None."""
-    if log_dir:
-        fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-
-
 def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
     """Entry point of one spawned process: rank 0 trains and sends, ranks >= 1 receive and generate."""
     from .._env import quiet_third_party_logs
-    from .transport import TorchDistTransport
+    from ..refit.transport import TorchDistTransport
 
     quiet_third_party_logs()
     cfg = DemoConfig(**cfg_dict)
@@ -326,10 +307,6 @@ def worker(rank: int, world: int, port: int, cfg_dict: dict, q) -> None:
                 pass
 
 
-class DemoFailed(RuntimeError):
-    """A process of the refit demo failed; the message holds its error."""
-
-
 def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | None = None,
              timeout_s: float = 1800.0) -> dict:
     """Start the trainer and ``cfg.receivers`` inference processes, collect their messages, and return
@@ -339,125 +316,3 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[str, int, object], None] | Non
     return spawn_and_collect(worker, cfg.receivers + 1, (free_port(), asdict(cfg)), on_event, timeout_s)
 
 
-def spawn_and_collect(target, world: int, args: tuple, on_event=None, timeout_s: float = 1800.0) -> dict:
-    """Spawn ``world`` processes ``target(rank, world, *args, outbox)``, collect their messages until each
-    says "done" and return ``{"plan": ..., "steps": [...]}``; raise :class:`DemoFailed` when one reports an
-    error or dies, or after ``timeout_s``. Every process is reaped and the resource tracker stopped on every
-    path."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    own_tracker = not _tracker_running()  # spawning starts multiprocessing's resource tracker on first use
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # one per process: no semaphores to track
-    procs = [ctx.Process(target=target, args=(r, world, *args, Outbox(pipes[r][1])), daemon=True)
-             for r in range(world)]
-    try:
-        with _children_ignore_sigint():
-            for p, (_, w) in zip(procs, pipes, strict=True):
-                p.start()
-                w.close()  # the child holds the write end: its exit reads as end of file
-        return _collect(procs, [r for r, _ in pipes], on_event, timeout_s)
-    finally:
-        _reap(procs)
-        for r, w in pipes:
-            r.close()
-            w.close()
-        if own_tracker:
-            _stop_tracker()
-
-
-@contextmanager
-def _children_ignore_sigint() -> Iterator[None]:
-    """Processes started inside ignore SIGINT (an ignored signal stays ignored across exec). Ctrl-C in a
-    terminal signals the whole foreground process group: the parent alone handles it, ending and reaping
-    its children (:func:`_reap`), instead of each child printing a KeyboardInterrupt traceback on the
-    terminal (while it imports torch, before its output goes to its log). SIGINT is blocked meanwhile, so a
-    Ctrl-C in that moment reaches the parent once its handler is back rather than being lost."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be changed from the main thread
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-class Outbox:
-    """A process's way to the parent (the write end of its pipe): ``put(message)``."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def put(self, message: tuple) -> None:
-        self.conn.send(message)
-
-
-def _collect(procs, readers, on_event, timeout_s: float) -> dict:
-    """The parent's loop of :func:`run_demo`: the processes' messages until every one is done."""
-    from multiprocessing.connection import wait
-
-    result: dict = {"plan": None, "steps": []}
-    done: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while len(done) < len(procs):
-        if time.monotonic() > deadline:
-            raise DemoFailed(f"refit demo did not finish within {timeout_s:.0f} s")
-        for conn in wait([c for r, c in enumerate(readers) if r not in done], timeout=1.0):
-            try:
-                kind, rank, payload = conn.recv()
-            except EOFError:  # the process exited without saying done
-                r = readers.index(conn)
-                procs[r].join(timeout=5)
-                raise DemoFailed(f"process {r} exited with code {procs[r].exitcode}") from None
-            if kind == "error":
-                raise DemoFailed(f"{'trainer' if rank == 0 else f'inference process {rank}'} failed: "
-                                 f"{payload}")
-            if kind == "plan":
-                result["plan"] = payload
-            elif kind == "step":
-                result["steps"].append(payload)
-            elif kind == "done":
-                done.add(rank)
-            if on_event is not None:
-                on_event(kind, rank, payload)
-    for p in procs:
-        p.join(timeout=30)
-    return result
-
-
-def _reap(procs) -> None:
-    """End and reap every started process (SIGTERM, then SIGKILL after 5 s): nothing the demo started
-    outlives it, on success, error or KeyboardInterrupt alike."""
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.terminate()
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-
-
-def _tracker_running() -> bool:
-    from multiprocessing import resource_tracker
-
-    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None) is not None
-
-
-def _stop_tracker() -> None:
-    """Stop multiprocessing's resource tracker process, which starting a spawn child launches and which
-    otherwise lives as long as this process (and past it, until it notices the exit): :func:`run_demo` started
-    it, its children are reaped, so nothing is registered there any more. The next spawn starts a new one."""
-    from multiprocessing import resource_tracker
-
-    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
-    if stop is not None:
-        try:
-            stop()  # closes our end of its pipe and waits for it to exit
-        except (OSError, ChildProcessError):
-            pass

@@ -240,7 +240,7 @@ def trainer_main(conn, cfg_dict: dict) -> None:
     """Entry point of the trainer child process."""
     from transformers import AutoModelForCausalLM
 
-    from .vllm import MxportTrainerInitInfo, MxportWeightSource, register
+    from ..integrations.vllm import MxportTrainerInitInfo, MxportWeightSource, register
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # isort: skip
 
@@ -346,7 +346,7 @@ def start_engine(mx_dir: str, *, max_model_len: int | None = None, full_logprobs
         os.environ.setdefault(k, v)
     from vllm import LLM
 
-    from .vllm import enable_cpu_emulation, register
+    from ..integrations.vllm import enable_cpu_emulation, register
 
     register()
     emulated = enable_cpu_emulation()
@@ -398,7 +398,7 @@ class VllmRefitSession:
 
     def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
                  max_model_len: int | None = None):
-        from ..refit.demo import free_port
+        from .procs import free_port
 
         self.src_dir, self.timeout_s, self.bucket_bytes = src_dir, timeout_s, bucket_bytes
         self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len)
@@ -514,7 +514,7 @@ def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
 def _prompts(session: VllmRefitSession, max_new_tokens: int) -> tuple[list[int], list[int]]:
     """The demo's prompts: the refit demo's question (at most 48 tokens), and a long one spanning more than
     two CPU KV blocks (the question's tokens repeated; shorter where the model's context is)."""
-    from ..refit.demo import PROMPT
+    from .single import PROMPT
 
     short = list(session.llm.get_tokenizer()(PROMPT)["input_ids"])[:48]
     room = session.llm.llm_engine.model_config.max_model_len - max_new_tokens  # a model of a short context

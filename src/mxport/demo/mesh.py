@@ -32,17 +32,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .demo import (
-    ENGINE_DTYPE,
-    TEXT,
-    DemoFailed,
-    _kernel,
-    _logits_on,
-    _prompt_ids,
-    free_port,
-    spawn_and_collect,
-)
-from .mesh import Holding, agree, local_items, local_part
+from ..refit.mesh import Holding, agree, local_items, local_part
+from .procs import DemoFailed, free_port, spawn_and_collect
+from .single import ENGINE_DTYPE, TEXT, logits_on, prompt_ids, trainer_kernel
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
 _TAG_SHARDS, _TAG_REPLY = 901, 902
@@ -75,7 +67,7 @@ def _layouts(cfg: MeshConfig):
 def _shard_trainer(model, layout, rank: int, kernel: str | None):
     """Apply the trainer layout to ``model`` (in its own default group); returns the source of its shards
     (quantizing with ``kernel``)."""
-    from .shards import HeldTensorsSource, ShardedTrainerSource
+    from ..refit.shards import HeldTensorsSource, ShardedTrainerSource
 
     if layout.fsdp > 1 or layout.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -117,7 +109,7 @@ def _tp_plan(model, tp: int) -> dict:
 
 
 def _full_items(model):
-    from .items import model_tensors
+    from ..refit.items import model_tensors
 
     return model_tensors(model)
 
@@ -160,7 +152,7 @@ def _full_weights(model) -> dict:
 def _reference(cfg: MeshConfig, full: dict, reference):
     """Trainer rank 0: the unsharded reference model with the gathered weights, and its refit tensors
     (quantize of every full tensor, the kept ones in the engine's dtype) by name."""
-    from .trainer import TrainerSource
+    from ..refit.trainer import TrainerSource
 
     with torch.no_grad():
         for n, p in reference.named_parameters():
@@ -185,15 +177,15 @@ def _expected_crcs(mesh, ref: dict) -> list[int]:
 
 def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     from ..models import load_causal_lm
-    from .sharded import ShardedSender
-    from .transport import TorchDistTransport
+    from ..refit.sharded import ShardedSender
+    from ..refit.transport import TorchDistTransport
 
     t_layout, _ = _layouts(cfg)
     T = t_layout.ranks
     torch.manual_seed(0)
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
     reference = load_causal_lm(cfg.source, dtype=torch.float32)[0] if rank == 0 else None
-    source = _shard_trainer(model, t_layout, rank, _kernel(cfg.steps))
+    source = _shard_trainer(model, t_layout, rank, trainer_kernel(cfg.steps))
     world = TorchDistTransport.from_group(pg)
     mesh = agree(world, T, source.holdings)
     routes = _ordered_routes(mesh, rank)
@@ -204,7 +196,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
         q.put(("plan", 0, mesh.summary()))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     batch = tok(TEXT, return_tensors="pt", truncation=True, max_length=cfg.seq_len)
-    prompt = _prompt_ids(tok)
+    prompt = prompt_ids(tok)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
@@ -229,7 +221,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
 
 def _ordered_routes(mesh, rank: int) -> list:
     """This rank's routes in :func:`~mxport.refit.sharded.pair_order` (every rank follows it: no cycles)."""
-    from .sharded import pair_order
+    from ..refit.sharded import pair_order
 
     T = mesh.num_trainers
     order = {pair: i for i, pair in enumerate(pair_order(range(T), range(T, T + mesh.num_engines)))}
@@ -237,7 +229,7 @@ def _ordered_routes(mesh, rank: int) -> list:
 
 
 def _route_tensors(rt, local):
-    from .mesh import route_tensors
+    from ..refit.mesh import route_tensors
 
     return route_tensors(rt, local)
 
@@ -246,10 +238,10 @@ def _route_tensors(rt, local):
 def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
-    from .mesh import route_targets
-    from .sharded import ShardedReceiver
-    from .shards import engine_buffers, engine_holdings
-    from .transport import TorchDistTransport
+    from ..refit.mesh import route_targets
+    from ..refit.sharded import ShardedReceiver
+    from ..refit.shards import engine_buffers, engine_holdings
+    from ..refit.transport import TorchDistTransport
 
     t_layout, e_layout = _layouts(cfg)
     T, e = t_layout.ranks, rank - t_layout.ranks
@@ -268,7 +260,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     receiver = ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T))
     receiver.handshake()
     ptrs = _pointers(live)
-    prompt = _prompt_ids(tok)
+    prompt = prompt_ids(tok)
     for _step in range(1, cfg.steps + 1):
         stats = receiver.receive()
         stable = _pointers(live) == ptrs
@@ -286,7 +278,7 @@ def _pointers(live: dict) -> list[int]:
 
 def _load_initial(model, holdings: list[Holding], live: dict) -> None:
     """The engine rank's shard of the model it loaded (its first weights, kept until the first refit)."""
-    from .inference import receiver_plan
+    from ..refit.inference import receiver_plan
 
     plan, targets = receiver_plan(model, 1 << 20)
     full = {en.name: t for en, t in zip(plan.entries, targets, strict=True)}
@@ -297,7 +289,7 @@ def _load_initial(model, holdings: list[Holding], live: dict) -> None:
 
 def _assemble(pg, mesh, e: int, model, holdings, live) -> None:
     """Engine rank 0 gathers every engine rank's shards into its full model (for generation only)."""
-    from .inference import receiver_plan
+    from ..refit.inference import receiver_plan
 
     if e != 0:
         for h in holdings:
@@ -333,7 +325,7 @@ def _send_reply(pg, model, tok, prompt, max_new: int, version: int) -> None:
     with torch.no_grad():
         seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new,
                              do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    logits = _logits_on(model, seq, prompt.shape[1])
+    logits = logits_on(model, seq, prompt.shape[1])
     n_seq = prompt.shape[1] + max_new
     row = torch.tensor([version, time.perf_counter() - t0, seq.shape[1]], dtype=torch.float64)
     seq_buf = torch.zeros(n_seq, dtype=torch.int64)
@@ -387,7 +379,7 @@ def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, repl
     pointers_stable)."""
     from ..metrics import gen_kl_error, greedy_agreement
 
-    logits_train = _logits_on(reference, reply["seq"], reply["prompt_len"])
+    logits_train = logits_on(reference, reply["seq"], reply["prompt_len"])
     kl = gen_kl_error(reply["logits"], logits_train)
     ranks = rank_entries(rows, mesh.num_trainers, expected)
     engines = [r for r in ranks if r["role"] == "engine"]
@@ -410,8 +402,8 @@ def worker(rank: int, world_size: int, ports: tuple[int, int], cfg_dict: dict, q
     import torch.distributed as dist
 
     from .._env import quiet_third_party_logs
-    from .demo import redirect_output
-    from .transport import open_group
+    from .procs import redirect_output
+    from ..refit.transport import open_group
 
     quiet_third_party_logs()
     cfg = MeshConfig(**cfg_dict)
@@ -446,4 +438,3 @@ def run_mesh_demo(cfg: MeshConfig, on_event=None, timeout_s: float = 1800.0) -> 
     return spawn_and_collect(worker, world, (ports, asdict(cfg)), on_event, timeout_s)
 
 
-__all__ = ["DemoFailed", "MeshConfig", "run_mesh_demo"]
