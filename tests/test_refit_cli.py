@@ -96,6 +96,52 @@ def test_refit_exit_1_when_a_step_is_not_bit_exact(tmp_path, llama, monkeypatch)
     assert data["ok"] is False and data["steps"][0]["bit_exact"] is False
 
 
+def _fake_step(step: int, bit_exact: bool = True) -> dict:
+    return {"step": step, "version": step, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1,
+            "seconds": 0.5, "gbps": 2e-7, "send_s": 0.4, "quantize_s": 0.1, "pack_s": 0.1, "checksum_s": 0.0,
+            "receivers": [{"rank": 1, "version": step, "seconds": 0.5, "recv_s": 0.4, "commit_s": 0.1,
+                           "bit_exact": bit_exact, "pointers_stable": True, "gen_s": 0.1, "prompt_len": 3,
+                           "text": "x", "gen_kl_error": 0.0, "gen_kl_error_max": 0.0,
+                           "greedy_agreement": 1.0}]}
+
+
+def test_refit_ctrl_c_prints_the_steps_done_and_exits_130(llama, monkeypatch):
+    """Ctrl-C after step 1 of 3: the table holds step 1, a line says how far the run got, exit code 130
+    (the command printed nothing of the steps done before)."""
+    import mxport.demo.single as demo
+
+    def interrupted(cfg, on_event, timeout_s):
+        on_event("plan", 0, {"tensors": 2, "bytes": 100, "buckets": 1})
+        on_event("step", 0, _fake_step(1))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    r = runner.invoke(app, ["refit", str(llama), "--steps", "3"])
+    assert r.exit_code == 130, (r.output, r.exception)
+    assert "interrupted after 1 of 3 steps" in r.output
+    assert "mxport refit" in r.output and "refit s" in r.output  # the table of the step done
+
+
+def test_engine_output_goes_to_the_log_not_the_terminal(tmp_path):
+    """What an in-process engine and its children write to file descriptors 1 and 2 (gloo's connection
+    lines, a spawned engine core) lands in the log; the command's own ``sys.stdout`` / ``sys.stderr``
+    writes still reach the terminal, and both descriptors are restored afterwards."""
+    code = f"""
+import os, subprocess, sys
+from mxport.cli.refit import _fds_to
+with _fds_to({str(tmp_path / "engine.log")!r}):
+    os.write(1, b"fd1 chatter\\n"); os.write(2, b"fd2 chatter\\n")
+    subprocess.run([sys.executable, "-c", "import os; os.write(2, b'child chatter' + bytes([10]))"], check=True)
+    print("report line"); print("report err", file=sys.stderr)
+os.write(1, b"after\\n")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "engine.log").read_text()
+    assert log.splitlines() == ["fd1 chatter", "fd2 chatter", "child chatter"]
+    assert r.stdout.splitlines() == ["report line", "after"] and r.stderr.strip() == "report err"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--steps", "0"], "--steps"),
     (["--receivers", "0"], "--receivers"),

@@ -5,10 +5,15 @@ The weights are synced step by step: one refit after each training step.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import typer
 from rich import box
@@ -111,7 +116,7 @@ def refit(
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
 
     Exit 0 on success; 1 if a step is not bit-exact, pointers moved, a vLLM engine served KV of the previous
-    weights, or a process failed; 2 on bad input.
+    weights, or a process failed; 2 on bad input; 130 on Ctrl-C (after printing the steps done).
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -119,19 +124,20 @@ def refit(
         trainer_layout, engine_layout = Layout.parse(trainer), parse_engine(engine)[1]
     t0 = time.perf_counter()
     if name == "vllm":
-        out = _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout)
+        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout)
     elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
-        out = _run_sharded(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
+        job = _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
                            lr, timeout)
     else:
-        out = _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
+        job = _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
+    out = _drive(job, steps)
     rows = out["steps"]
     out.update(ok=bool(rows) and all(r["bit_exact"] and r["pointers_stable"] and r.get("kv_fresh", True)
                                      for r in rows),
                seconds=time.perf_counter() - t0,
                median_refit_seconds=statistics.median(r["seconds"] for r in rows) if rows else None)
     emit_json(out, json_out)
-    _print_result(out, name, bucket_bytes)
+    _print_result(out)
     if not out["ok"]:
         raise fail("refit check failed: a step was not bit-exact, buffer pointers moved or the engine served "
                    "KV of the previous weights", EXIT_CHECK_FAILED)
@@ -217,43 +223,123 @@ def _check_layouts(t_layout, e_layout, receivers: int) -> None:
                          f"{MAX_SHARDED_RANKS} processes here")
 
 
-def _progress() -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(), console=console)
+@dataclass(frozen=True)
+class _Job:
+    """One engine's processes as the command drives them: ``start(on_event)`` runs them and returns their
+    result (``{"plan": ..., "steps": [...], ...}``), reporting ``("plan", rank, summary)`` and ``("step",
+    rank, row)`` as they come."""
+
+    title: str  # the progress line until the plan arrives
+    failed: str  # what a failure message starts with
+    start: Callable[[str, Callable], dict]  # (log dir, on_event) -> result
+    header: dict  # the JSON's top-level keys besides plan and steps
+    summarize: Callable[[dict], dict] = lambda row: row
+    engine_in_process: bool = False  # the engine runs in this process (vLLM): its output goes to a log
 
 
-def _run_mxport(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout) -> dict:
-    """Today's demo: a trainer and R mxport receiver processes (mxport.demo.single)."""
-    from ..demo.single import DemoConfig, DemoFailed, run_demo
+def _plan_line(plan: dict) -> str:
+    routes = f"{plan['routes']} routes, " if "routes" in plan else ""
+    buckets = f" in {plan['buckets']} buckets" if "buckets" in plan else ""
+    return f"plan: {plan['tensors']} tensors, {routes}{plan['bytes'] / 1e6:.1f} MB{buckets}; step 1 ..."
 
-    model_path = _model_path(src)
+
+def _drive(job: _Job, steps: int) -> dict:
+    """Run ``job`` under one progress display; the processes' output goes to log files (kept when a process
+    fails, named in the error). Ctrl-C prints the steps already done, then ends with exit code 130."""
+    from ..demo.procs import DemoFailed
+
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
-    cfg = DemoConfig(source=model_path, steps=steps, bucket_bytes=bucket_bytes, receivers=receivers,
-                     max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir)
     rows: list[dict] = []
-    with _progress() as progress:
-        task = progress.add_task(f"starting trainer + {receivers} inference process(es) on {src.label}",
-                                 total=steps)
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
+                        console=console)
 
-        def on_event(kind: str, rank: int, payload) -> None:
-            if kind == "plan":
-                progress.update(task, description=f"plan: {payload['tensors']} tensors, "
-                                f"{payload['bytes'] / 1e6:.1f} MB in {payload['buckets']} buckets; "
-                                "step 1 ...")
-            elif kind == "step":
-                rows.append(summarize_step(payload))
-                progress.update(task, advance=1, description=_step_line(rows[-1]))
+    def on_event(kind: str, rank: int, payload) -> None:
+        if kind == "plan":
+            progress.update(task, description=_plan_line(payload))
+        elif kind == "step":
+            rows.append(job.summarize(payload))
+            progress.update(task, advance=1, description=_step_line(rows[-1]))
 
-        try:
-            result = run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
-        except DemoFailed as exc:  # the processes' logs stay for the user to read
-            raise fail(f"{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
-        except BaseException:  # Ctrl-C, SIGTERM (see mxport.cli.main): nothing left behind
-            shutil.rmtree(log_dir, ignore_errors=True)
-            raise
+    try:
+        with progress, _engine_output(log_dir if job.engine_in_process else None):
+            task = progress.add_task(job.title, total=steps)
+            result = job.start(log_dir, on_event)
+    except (DemoFailed, RuntimeError) as exc:  # the processes' logs stay for the user to read
+        raise fail(f"{job.failed}{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
+    except KeyboardInterrupt:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        _print_interrupted(job, rows, steps)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except BaseException:  # SIGTERM (see mxport.cli.main): nothing left behind
+        shutil.rmtree(log_dir, ignore_errors=True)
+        raise
     shutil.rmtree(log_dir, ignore_errors=True)
-    return {"engine": "mxport", "model": src.label, "receivers": receivers, "bucket_bytes": bucket_bytes,
-            "plan": result["plan"], "steps": rows}
+    return {**job.header, **{k: v for k, v in result.items() if k != "steps"}, "steps": rows}
+
+
+#: the exit code of a run ended by Ctrl-C (128 + SIGINT, as shells report it)
+EXIT_INTERRUPTED = 130
+
+
+def _print_interrupted(job: _Job, rows: list[dict], steps: int) -> None:
+    if rows:
+        _print_result({**job.header, "steps": rows})
+    console.print(f"interrupted after {len(rows)} of {steps} steps; every process was stopped",
+                  highlight=False)
+
+
+@contextmanager
+def _engine_output(log_dir: str | None) -> Iterator[None]:
+    """While an engine runs in this process on a terminal, what it and its children write to file
+    descriptors 1 and 2 (gloo's connection lines, vLLM's engine-core process, C++ warnings) goes to
+    ``log_dir/engine.log`` instead of breaking into the progress line; the command's own output (Python's
+    ``sys.stdout`` / ``sys.stderr``) stays on the terminal. Nothing changes off a terminal or without a
+    log dir."""
+    if log_dir is None or not (sys.stdout.isatty() or sys.stderr.isatty()):
+        yield
+        return
+    with _fds_to(os.path.join(log_dir, "engine.log")):
+        yield
+
+
+@contextmanager
+def _fds_to(path: str) -> Iterator[None]:
+    """File descriptors 1 and 2 to ``path``, ``sys.stdout`` / ``sys.stderr`` on copies of what they were."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    streams = (sys.stdout, sys.stderr)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout = os.fdopen(saved[0], "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(saved[1], "w", buffering=1, closefd=False)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    try:
+        yield
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            f.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        sys.stdout, sys.stderr = streams
+        for fd in saved:
+            os.close(fd)
+
+
+def _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout) -> _Job:
+    """One trainer and R mxport receiver processes (mxport.demo.single)."""
+    from ..demo.single import DemoConfig, run_demo
+
+    def start(log_dir: str, on_event) -> dict:
+        cfg = DemoConfig(source=_model_path(src), steps=steps, bucket_bytes=bucket_bytes, receivers=receivers,
+                         max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir)
+        return run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
+
+    return _Job(f"starting trainer + {receivers} inference process(es) on {src.label}", "", start,
+                {"engine": "mxport", "model": src.label, "receivers": receivers,
+                 "bucket_bytes": bucket_bytes}, summarize=summarize_step)
 
 
 def _model_path(src) -> str:
@@ -261,62 +347,36 @@ def _model_path(src) -> str:
     return str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
 
 
-def _run_sharded(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout) -> dict:
+def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout) -> _Job:
     """Trainer ranks and engine ranks on loopback gloo, shard to shard (mxport.demo.mesh)."""
-    from ..demo.mesh import DemoFailed, MeshConfig, run_mesh_demo
+    from ..demo.mesh import MeshConfig, run_mesh_demo
 
-    log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
-    cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=steps,
-                     bucket_bytes=bucket_bytes, max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout,
-                     log_dir=log_dir)
-    rows: list[dict] = []
-    with _progress() as progress:
-        task = progress.add_task(f"starting trainer {trainer} + engine {engine} on {src.label}", total=steps)
+    def start(log_dir: str, on_event) -> dict:
+        cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=steps,
+                         bucket_bytes=bucket_bytes, max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout,
+                         log_dir=log_dir)
+        return run_mesh_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
 
-        def on_event(kind: str, rank: int, payload) -> None:
-            if kind == "plan":
-                progress.update(task, description=f"plan: {payload['tensors']} tensors, {payload['routes']} "
-                                f"routes, {payload['bytes'] / 1e6:.1f} MB; step 1 ...")
-            elif kind == "step":
-                rows.append(payload)
-                progress.update(task, advance=1, description=_step_line(payload))
-
-        try:
-            result = run_mesh_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
-        except DemoFailed as exc:
-            raise fail(f"{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
-        except BaseException:
-            shutil.rmtree(log_dir, ignore_errors=True)
-            raise
-    shutil.rmtree(log_dir, ignore_errors=True)
-    return {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
-            "bucket_bytes": bucket_bytes, "plan": result["plan"], "steps": rows}
+    return _Job(f"starting trainer {trainer} + engine {engine} on {src.label}", "", start,
+                {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
+                 "bucket_bytes": bucket_bytes})
 
 
-def _run_vllm(src, steps, bucket_bytes, max_new_tokens, timeout) -> dict:
-    """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.integrations)."""
-    import os
-
+def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout) -> _Job:
+    """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.demo.vllm)."""
     from ..demo.vllm import run_vllm_refit_demo
 
     # vLLM logs to stdout at INFO by default: stdout holds the report or the JSON (--json -), and the command
     # line is quiet unless asked (set these variables to change it)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    rows: list[dict] = []
-    with _progress() as progress:
-        task = progress.add_task("vLLM: export, start (~1 min)", total=steps)
 
-        def on_row(row: dict) -> None:
-            rows.append(row)
-            progress.update(task, advance=1, description=_step_line(row))
+    def start(log_dir: str, on_event) -> dict:
+        return run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
+                                   max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event)
 
-        try:
-            result = run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
-                                         max_new_tokens=max_new_tokens, timeout_s=timeout, on_row=on_row)
-        except RuntimeError as exc:
-            raise fail(f"vLLM refit failed: {exc}", EXIT_CHECK_FAILED) from None
-    return {"model": src.label, "bucket_bytes": bucket_bytes, **result}
+    return _Job("vLLM: export, start (~1 min)", "vLLM refit failed: ", start,
+                {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes}, engine_in_process=True)
 
 
 def _step_line(row: dict) -> str:
@@ -324,9 +384,9 @@ def _step_line(row: dict) -> str:
             f"{'exact' if row['bit_exact'] else 'NOT EXACT'}")
 
 
-def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
-    rows = out["steps"]
-    vllm = engine == "vllm"
+def _print_result(out: dict) -> None:
+    rows, bucket_bytes = out["steps"], out["bucket_bytes"]
+    vllm = out["engine"] == "vllm"
     who = ("a vLLM engine" if vllm else f"trainer {_ranks(out['trainer'])}, engine "
            f"{_ranks(out['engine_layout'])}" if "trainer" in out else f"{out['receivers']} receiver(s)")
     # no vertical rules: the vLLM table's ten columns fit an 80-column terminal
@@ -344,7 +404,7 @@ def _print_result(out: dict, engine: str, bucket_bytes: int) -> None:
                       *mid, f"{r['gen_kl_error']:.1e}", "yes" if r["bit_exact"] else "[red]NO[/]",
                       "same" if r["pointers_stable"] else "[red]MOVED[/]", *kv)
     console.print(table)
-    if vllm:
+    if vllm and "plan" in out:
         _print_vllm_notes(out)
     elif rows and "ranks" in rows[-1]:
         _print_ranks(rows[-1])

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..refit.mesh import Holding, agree, local_items, local_part
-from .procs import DemoFailed, free_port, spawn_and_collect
+from .procs import free_port, spawn_and_collect
 from .single import ENGINE_DTYPE, TEXT, logits_on, prompt_ids, trainer_kernel
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
@@ -402,8 +402,8 @@ def worker(rank: int, world_size: int, ports: tuple[int, int], cfg_dict: dict, q
     import torch.distributed as dist
 
     from .._env import quiet_third_party_logs
-    from .procs import redirect_output
     from ..refit.transport import open_group
+    from .procs import redirect_output
 
     quiet_third_party_logs()
     cfg = MeshConfig(**cfg_dict)

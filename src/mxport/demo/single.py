@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .procs import DemoFailed, free_port, redirect_output, spawn_and_collect
+from .procs import free_port, redirect_output, spawn_and_collect
 
 TEXT = ("Mixed precision training keeps master weights in high precision while the inference engine runs in "
         "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values "

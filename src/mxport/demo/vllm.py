@@ -554,14 +554,15 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
                         max_new_tokens: int = 16, timeout_s: float = 120.0, workdir: str | None = None,
-                        on_row=None) -> dict:
+                        on_event=None) -> dict:
     """``mxport refit SOURCE --engine vllm``: export ``source`` (an HF model directory) as MXFP8, start a real
     vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel
     added for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer
     calls.
 
     The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
-    optimizer step). Per step (``on_row(row)`` as each finishes): ``step``, ``bytes`` (refit payload),
+    optimizer step). ``on_event(kind, rank, payload)`` sees the plan (``"plan"``) and each step as it finishes
+    (``"step"``), as the other demos report them. Per step: ``step``, ``bytes`` (refit payload),
     ``seconds`` (from vLLM's ``start_weight_update`` to the end of the prefix-cache reset after
     ``finish_weight_update``: transfer, checks, layerwise reload, reset; the trainer's weight update before it
     is not counted), ``gbps``, ``transfer_s`` (the sender's bucketed broadcast alone, quantize included),
@@ -581,7 +582,9 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
         mx = str(Path(tmp) / "mxfp8")
         export_checkpoint(source, mx)
         session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        say = on_event or (lambda kind, rank, payload: None)
         try:
+            say("plan", 0, session.plan_summary)
             ptr0, prompts, rows = engine_pointers(session.llm), _prompts(session, max_new_tokens), []
             generate(session.llm, [prompts[1]], max_tokens=max_new_tokens, full=False)  # cached at step 0
             for k in range(1, steps + 1):
@@ -589,8 +592,7 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
                 if not ans.get("ok"):
                     raise RuntimeError(f"refit step {k} failed: {ans.get('error')}")
                 rows.append(_step_row(session, k, ans, prompts, max_new_tokens, ptr0))
-                if on_row is not None:
-                    on_row(rows[-1])
+                say("step", 0, rows[-1])
             plan = session.plan_summary
             raw = session.raw_broadcast_s(plan["bytes"])
         finally:
