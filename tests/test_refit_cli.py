@@ -78,13 +78,7 @@ def test_refit_exit_1_when_a_step_is_not_bit_exact(tmp_path, llama, monkeypatch)
     import mxport.demo.single as demo
 
     def fake_run_demo(cfg, on_event, timeout_s):
-        step = {"step": 1, "version": 1, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1,
-                "seconds": 0.5, "gbps": 2e-7, "send_s": 0.4, "quantize_s": 0.1, "pack_s": 0.1,
-                "checksum_s": 0.0,
-                "receivers": [{"rank": 1, "version": 1, "seconds": 0.5, "recv_s": 0.4, "commit_s": 0.1,
-                               "bit_exact": False, "pointers_stable": True, "gen_s": 0.1, "prompt_len": 3,
-                               "text": "x", "gen_kl_error": 0.0, "gen_kl_error_max": 0.0,
-                               "greedy_agreement": 1.0}]}
+        step = _fake_step(1, bit_exact=False)
         on_event("step", 0, step)
         return {"plan": {"bytes": 100}, "steps": [step]}
 
@@ -97,12 +91,16 @@ def test_refit_exit_1_when_a_step_is_not_bit_exact(tmp_path, llama, monkeypatch)
 
 
 def _fake_step(step: int, bit_exact: bool = True) -> dict:
-    return {"step": step, "version": step, "loss": 1.0, "train_s": 0.1, "bytes": 100, "buckets": 1,
-            "seconds": 0.5, "gbps": 2e-7, "send_s": 0.4, "quantize_s": 0.1, "pack_s": 0.1, "checksum_s": 0.0,
-            "receivers": [{"rank": 1, "version": step, "seconds": 0.5, "recv_s": 0.4, "commit_s": 0.1,
-                           "bit_exact": bit_exact, "pointers_stable": True, "gen_s": 0.1, "prompt_len": 3,
-                           "text": "x", "gen_kl_error": 0.0, "gen_kl_error_max": 0.0,
-                           "greedy_agreement": 1.0}]}
+    """A step as the one-rank demo reports it (:class:`mxport.demo.report.StepReport`)."""
+    from mxport.demo.report import StepReport
+
+    receiver = {"rank": 1, "version": step, "seconds": 0.5, "recv_s": 0.4, "commit_s": 0.1,
+                "bit_exact": bit_exact, "pointers_stable": True, "gen_s": 0.1, "prompt_len": 3, "text": "x",
+                "gen_kl_error": 0.0, "gen_kl_error_max": 0.0, "greedy_agreement": 1.0}
+    return StepReport(step=step, bytes=100, seconds=0.5, gbps=2e-7, gen_kl_error=0.0, bit_exact=bit_exact,
+                      pointers_stable=True,
+                      details={"version": step, "loss": 1.0, "train_s": 0.1, "quantize_s": 0.1,
+                               "receivers": [receiver]}).to_dict()
 
 
 def test_refit_ctrl_c_prints_the_steps_done_and_exits_130(llama, monkeypatch):
@@ -123,23 +121,27 @@ def test_refit_ctrl_c_prints_the_steps_done_and_exits_130(llama, monkeypatch):
 
 
 def test_engine_output_goes_to_the_log_not_the_terminal(tmp_path):
-    """What an in-process engine and its children write to file descriptors 1 and 2 (gloo's connection
-    lines, a spawned engine core) lands in the log; the command's own ``sys.stdout`` / ``sys.stderr``
-    writes still reach the terminal, and both descriptors are restored afterwards."""
+    """What an in-process engine, its libraries and its children write (to file descriptors 1 and 2, or to
+    Python's ``sys.stdout`` / ``sys.stderr``: gloo's connection lines, a spawned engine core, warnings) lands
+    in the log; the command's consoles still reach the terminal, and everything is restored afterwards."""
     code = f"""
 import os, subprocess, sys
+from mxport.cli._common import console, console_streams, err_console
 from mxport.cli.refit import _fds_to
-with _fds_to({str(tmp_path / "engine.log")!r}):
-    os.write(1, b"fd1 chatter\\n"); os.write(2, b"fd2 chatter\\n")
-    subprocess.run([sys.executable, "-c", "import os; os.write(2, b'child chatter' + bytes([10]))"], check=True)
-    print("report line"); print("report err", file=sys.stderr)
-os.write(1, b"after\\n")
+with _fds_to({str(tmp_path / "engine.log")!r}) as (out, err), console_streams(out, err):
+    os.write(1, b"fd1 chatter" + bytes([10])); os.write(2, b"fd2 chatter" + bytes([10]))
+    subprocess.run([sys.executable, "-c", "import os; os.write(2, b'child chatter' + bytes([10]))"])
+    print("python chatter"); print("python warning", file=sys.stderr)
+    console.print("report line"); err_console.print("report err")
+os.write(1, b"after" + bytes([10])); print("print after")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     log = (tmp_path / "engine.log").read_text()
-    assert log.splitlines() == ["fd1 chatter", "fd2 chatter", "child chatter"]
-    assert r.stdout.splitlines() == ["report line", "after"] and r.stderr.strip() == "report err"
+    assert log.splitlines() == ["fd1 chatter", "fd2 chatter", "child chatter", "python chatter",
+                                "python warning"]
+    assert r.stdout.splitlines() == ["report line", "after", "print after"]
+    assert r.stderr.strip() == "report err"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -18,7 +18,8 @@ from mxport.testing import make_tiny_llama
 # of its session (every process it started, however far down, stays in it unless it calls setsid).
 CHILD = r"""
 import json, os, sys
-from mxport.demo.single import DemoConfig, DemoFailed, run_demo
+from mxport.demo.procs import DemoFailed
+from mxport.demo.single import DemoConfig, run_demo
 
 def session_others():
     sid, me, out = os.getsid(0), os.getpid(), []

@@ -70,14 +70,35 @@ class _StreamConsole(Console):
         Console.size.fset(self, new_size)
 
 
+#: while set, the (stdout, stderr) streams the consoles write to instead of ``sys.stdout`` / ``sys.stderr``
+#: (see :func:`console_streams`)
+_STREAMS: list = [None]
+
+
+def _streams():
+    return _STREAMS[0] or (sys.stdout, sys.stderr)
+
+
 def _report_stream():
     """Reports (tables, progress) go to stdout, except while a command writes its JSON to stdout
     (``--json -``): then to stderr, so stdout holds JSON only."""
-    return sys.stderr if _REPORTS_TO_STDERR[0] else sys.stdout
+    return _streams()[1] if _REPORTS_TO_STDERR[0] else _streams()[0]
 
 
 console = _StreamConsole(_report_stream)
-err_console = _StreamConsole(lambda: sys.stderr)
+err_console = _StreamConsole(lambda: _streams()[1])
+
+
+@contextlib.contextmanager
+def console_streams(out, err) -> Iterator[None]:
+    """The consoles write to ``out`` / ``err`` meanwhile (the terminal, while file descriptors 1 and 2 and
+    Python's own streams go to a log)."""
+    before = _STREAMS[0]
+    _STREAMS[0] = (out, err)
+    try:
+        yield
+    finally:
+        _STREAMS[0] = before
 
 
 def json_to_stdout(json_out: str | None) -> None:

@@ -20,9 +20,19 @@ from rich import box
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..demo.report import StepReport
 from ..layout import Layout, parse_engine
 from ._choices import positive
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, require, user_errors
+from ._common import (
+    EXIT_CHECK_FAILED,
+    console,
+    console_streams,
+    emit_json,
+    fail,
+    json_to_stdout,
+    require,
+    user_errors,
+)
 from .app import app
 
 MAX_RECEIVERS = 8
@@ -38,24 +48,6 @@ def default_bucket_mb() -> int:
     except (ValueError, OSError, AttributeError):
         ram = 0
     return 32 if ram >= 8 << 30 else 8
-
-
-def summarize_step(s: dict) -> dict:
-    """One JSON step: the issue's keys (``step``, ``bytes``, ``seconds``, ``gbps``, ``gen_kl_error``,
-    ``bit_exact``, ``pointers_stable``) first, then the time split and per-receiver details."""
-    recv = s["receivers"]
-    return {
-        "step": s["step"], "bytes": s["bytes"], "seconds": s["seconds"], "gbps": s["gbps"],
-        "gen_kl_error": max(r["gen_kl_error"] for r in recv),
-        "bit_exact": all(r["bit_exact"] for r in recv),
-        "pointers_stable": all(r["pointers_stable"] for r in recv),
-        "version": s["version"], "loss": s["loss"], "buckets": s["buckets"],
-        "train_s": s["train_s"], "quantize_s": s["quantize_s"], "pack_s": s["pack_s"],
-        "checksum_s": s["checksum_s"], "send_s": s["send_s"],
-        "commit_s": max(r["commit_s"] for r in recv),
-        "greedy_agreement": min(r["greedy_agreement"] for r in recv),
-        "receivers": recv,
-    }
 
 
 @app.command()
@@ -132,8 +124,7 @@ def refit(
         job = _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
     out = _drive(job, steps)
     rows = out["steps"]
-    out.update(ok=bool(rows) and all(r["bit_exact"] and r["pointers_stable"] and r.get("kv_fresh", True)
-                                     for r in rows),
+    out.update(ok=bool(rows) and all(StepReport.from_dict(r).ok for r in rows),
                seconds=time.perf_counter() - t0,
                median_refit_seconds=statistics.median(r["seconds"] for r in rows) if rows else None)
     emit_json(out, json_out)
@@ -233,7 +224,6 @@ class _Job:
     failed: str  # what a failure message starts with
     start: Callable[[str, Callable], dict]  # (log dir, on_event) -> result
     header: dict  # the JSON's top-level keys besides plan and steps
-    summarize: Callable[[dict], dict] = lambda row: row
     engine_in_process: bool = False  # the engine runs in this process (vLLM): its output goes to a log
 
 
@@ -250,21 +240,23 @@ def _drive(job: _Job, steps: int) -> dict:
 
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
     rows: list[dict] = []
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                        TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
-                        console=console)
 
     def on_event(kind: str, rank: int, payload) -> None:
         if kind == "plan":
             progress.update(task, description=_plan_line(payload))
         elif kind == "step":
-            rows.append(job.summarize(payload))
+            rows.append(payload)
             progress.update(task, advance=1, description=_step_line(rows[-1]))
 
     try:
-        with progress, _engine_output(log_dir if job.engine_in_process else None):
-            task = progress.add_task(job.title, total=steps)
-            result = job.start(log_dir, on_event)
+        with _engine_output(log_dir if job.engine_in_process else None) as diverted:
+            # rich's own redirect of sys.stdout / sys.stderr would bring diverted output back on screen
+            progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
+                                console=console, redirect_stdout=not diverted, redirect_stderr=not diverted)
+            with progress:
+                task = progress.add_task(job.title, total=steps)
+                result = job.start(log_dir, on_event)
     except (DemoFailed, RuntimeError) as exc:  # the processes' logs stay for the user to read
         raise fail(f"{job.failed}{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
     except KeyboardInterrupt:
@@ -290,40 +282,37 @@ def _print_interrupted(job: _Job, rows: list[dict], steps: int) -> None:
 
 
 @contextmanager
-def _engine_output(log_dir: str | None) -> Iterator[None]:
-    """While an engine runs in this process on a terminal, what it and its children write to file
-    descriptors 1 and 2 (gloo's connection lines, vLLM's engine-core process, C++ warnings) goes to
-    ``log_dir/engine.log`` instead of breaking into the progress line; the command's own output (Python's
-    ``sys.stdout`` / ``sys.stderr``) stays on the terminal. Nothing changes off a terminal or without a
-    log dir."""
+def _engine_output(log_dir: str | None) -> Iterator[bool]:
+    """While an engine runs in this process on a terminal, everything it and its children write (gloo's
+    connection lines, vLLM's engine-core process, C++ and Python warnings, library prints) goes to
+    ``log_dir/engine.log`` instead of breaking into the progress line; the command's consoles keep the
+    terminal. Yields whether output is diverted (nothing changes off a terminal or without a log dir)."""
     if log_dir is None or not (sys.stdout.isatty() or sys.stderr.isatty()):
-        yield
+        yield False
         return
-    with _fds_to(os.path.join(log_dir, "engine.log")):
-        yield
+    with _fds_to(os.path.join(log_dir, "engine.log")) as (out, err), console_streams(out, err):
+        yield True
 
 
 @contextmanager
-def _fds_to(path: str) -> Iterator[None]:
-    """File descriptors 1 and 2 to ``path``, ``sys.stdout`` / ``sys.stderr`` on copies of what they were."""
+def _fds_to(path: str) -> Iterator[tuple]:
+    """File descriptors 1 and 2 (so ``sys.stdout`` / ``sys.stderr`` and child processes too) to ``path``;
+    yields text streams on copies of what they were."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = (os.dup(1), os.dup(2))
-    streams = (sys.stdout, sys.stderr)
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout = os.fdopen(saved[0], "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(saved[1], "w", buffering=1, closefd=False)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    out, err = (os.fdopen(fd, "w", buffering=1, closefd=False) for fd in saved)
     try:
-        yield
+        yield out, err
     finally:
-        for f in (sys.stdout, sys.stderr):
+        for f in (sys.stdout, sys.stderr, out, err):
             f.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        sys.stdout, sys.stderr = streams
         for fd in saved:
             os.close(fd)
 
@@ -339,7 +328,7 @@ def _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
 
     return _Job(f"starting trainer + {receivers} inference process(es) on {src.label}", "", start,
                 {"engine": "mxport", "model": src.label, "receivers": receivers,
-                 "bucket_bytes": bucket_bytes}, summarize=summarize_step)
+                 "bucket_bytes": bucket_bytes})
 
 
 def _model_path(src) -> str:

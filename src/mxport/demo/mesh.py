@@ -34,6 +34,7 @@ import torch
 
 from ..refit.mesh import Holding, agree, local_items, local_part
 from .procs import free_port, spawn_and_collect
+from .report import StepReport
 from .single import ENGINE_DTYPE, TEXT, logits_on, prompt_ids, trainer_kernel
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
@@ -386,13 +387,15 @@ def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, repl
     seconds = max(r["seconds"] for r in ranks if r["role"] == "trainer")
     nbytes = sum(r["bytes"] for r in engines)
     gbps = nbytes / seconds / 1e9 if seconds else 0.0
-    return {"step": step, "bytes": nbytes, "seconds": seconds, "gbps": gbps,
-            "gen_kl_error": kl["mean"], "bit_exact": all(r["bit_exact"] for r in ranks),
-            "pointers_stable": all(r["pointers_stable"] for r in engines), "version": stats.version,
-            "loss": loss, "train_s": train_s, "quantize_s": quantize_s, "gen_kl_error_max": kl["max"],
-            "greedy_agreement": greedy_agreement(reply["logits"], logits_train),
-            "text": tok.decode(reply["seq"][0, reply["prompt_len"]:], skip_special_tokens=True),
-            "ranks": ranks}
+    return StepReport(
+        step=step, bytes=nbytes, seconds=seconds, gbps=gbps, gen_kl_error=kl["mean"],
+        bit_exact=all(r["bit_exact"] for r in ranks),
+        pointers_stable=all(r["pointers_stable"] for r in engines),
+        details={"version": stats.version, "loss": loss, "train_s": train_s, "quantize_s": quantize_s,
+                 "gen_kl_error_max": kl["max"],
+                 "greedy_agreement": greedy_agreement(reply["logits"], logits_train),
+                 "text": tok.decode(reply["seq"][0, reply["prompt_len"]:], skip_special_tokens=True),
+                 "ranks": ranks}).to_dict()
 
 
 # -- processes -----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .procs import free_port, redirect_output, spawn_and_collect
+from .report import StepReport
 
 TEXT = ("Mixed precision training keeps master weights in high precision while the inference engine runs in "
         "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values "
@@ -108,11 +109,11 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         shape = _ReplyShape(int(prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
         rows = [_receiver_row(model, tok, r, sent_crc32) for r in _gather_replies(transport, shape, None)[1:]]
         # end to end: quantize + pack + transfer (sender) up to every receiver's commit and report
-        q.put(("step", 0, StepRow(
+        q.put(("step", 0, _report(StepRow(
             step=step, version=stats.version, loss=loss, train_s=train_s, bytes=stats.bytes,
             buckets=stats.buckets, seconds=stats.seconds, gbps=stats.bytes / stats.seconds / 1e9,
             send_s=stats.seconds, quantize_s=stats.produce_s, pack_s=stats.pack_s,
-            checksum_s=stats.checksum_s, stream_crc32=sent_crc32, receivers=tuple(rows)).to_dict()))
+            checksum_s=stats.checksum_s, stream_crc32=sent_crc32, receivers=tuple(rows))).to_dict()))
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,20 @@ class StepRow:
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "receivers"},
                 "receivers": [r.to_dict() for r in self.receivers]}
+
+
+def _report(row: StepRow) -> StepReport:
+    """A step as every engine reports it: the worst receiver's gen_kl_error, bit-exact and pointers stable on
+    every receiver; then the time split and the per-receiver rows."""
+    recv = [r.to_dict() for r in row.receivers]
+    return StepReport(
+        step=row.step, bytes=row.bytes, seconds=row.seconds, gbps=row.gbps,
+        gen_kl_error=max(r["gen_kl_error"] for r in recv), bit_exact=all(r["bit_exact"] for r in recv),
+        pointers_stable=all(r["pointers_stable"] for r in recv),
+        details={"version": row.version, "loss": row.loss, "buckets": row.buckets, "train_s": row.train_s,
+                 "quantize_s": row.quantize_s, "pack_s": row.pack_s, "checksum_s": row.checksum_s,
+                 "send_s": row.send_s, "commit_s": max(r["commit_s"] for r in recv),
+                 "greedy_agreement": min(r["greedy_agreement"] for r in recv), "receivers": recv})
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .report import StepReport
+
 #: messages on the pipe are JSON (never pickle); tensors travel as raw bytes after a JSON header
 _RPC = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
         "reset_prefix_cache")
@@ -542,14 +544,14 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
     st, bad, calls = ans["stats"], engine_mismatches(session, step), ans["engine_calls_s"]
     seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. prefix cache reset
-    return {"step": step, "bytes": int(st["bytes"]), "seconds": seconds,
-            "gbps": st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-            "transfer_s": st["seconds"], "apply_s": float(session.engine_stats().get("apply_s", 0.0)),
-            "gen_kl_error": kl["mean"], "gen_kl_error_max": kl["max"],
-            "bit_exact": not bad, "mismatches": bad[:8],
-            "pointers_stable": engine_pointers(session.llm) == ptr0,
-            "kv_fresh": _same(seen, fresh), "prefix_cache_reset": bool(st.get("prefix_cache_reset")),
-            "long_prompt_tokens": len(long), "tokens": gen["tokens"], "engine": "vllm"}
+    return StepReport(
+        step=step, bytes=int(st["bytes"]), seconds=seconds,
+        gbps=st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0, gen_kl_error=kl["mean"], bit_exact=not bad,
+        pointers_stable=engine_pointers(session.llm) == ptr0,
+        details={"transfer_s": st["seconds"], "apply_s": float(session.engine_stats().get("apply_s", 0.0)),
+                 "gen_kl_error_max": kl["max"], "mismatches": bad[:8], "kv_fresh": _same(seen, fresh),
+                 "prefix_cache_reset": bool(st.get("prefix_cache_reset")), "long_prompt_tokens": len(long),
+                 "tokens": gen["tokens"], "engine": "vllm"}).to_dict()
 
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
