@@ -65,6 +65,24 @@ def test_help_paragraphs_are_wrapped_once():
     assert unwrap_paragraphs("a\n  b\n\n  c\nd\n") == "a b\n\nc d"
 
 
+@pytest.mark.parametrize("columns", ["80", "100"])
+@pytest.mark.parametrize("command", ["plan", *COMMANDS, None])
+def test_help_shows_every_option_name_whole_in_narrow_terminals(command, columns):
+    """At 80-100 columns typer's six-column options panel cut long names (``--trainer-quantiz…``): every
+    option name (and its negative, ``--no-overlap``) appears whole, and no line is wider than the terminal."""
+    args = [command, "--help"] if command else ["--help"]
+    r = runner.invoke(app, args, env={"COLUMNS": columns, "TERMINAL_WIDTH": columns})
+    assert r.exit_code == 0, r.output
+    root = typer.main.get_command(app)
+    cmd = root.commands[command] if command else root
+    names = [o for p in cmd.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)]
+    assert names
+    for name in names:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", r.stdout), (name, r.stdout)
+    assert "\u2026" not in r.stdout
+    assert max(len(x) for x in r.stdout.splitlines()) <= int(columns)
+
+
 @pytest.mark.parametrize("args, message", [
     (["exprt"], "No such command 'exprt'. Did you mean 'export'?"),
     (["--bogus"], "No such option: --bogus"),
