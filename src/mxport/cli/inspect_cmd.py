@@ -7,15 +7,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..checkpoint.inspect import inspect_checkpoint
-from ._common import EXIT_CHECK_FAILED, console, emit_json, json_to_stdout, user_errors
+from ._common import EXIT_CHECK_FAILED, JsonOut, console, emit_json, json_to_stdout, user_errors
 from .app import app
 
 
 @app.command("inspect")
 def inspect_cmd(
     path: str = typer.Argument(..., metavar="PATH", help="Checkpoint directory (or one .safetensors file)."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                 help="Write the report as JSON to FILE ('-': stdout)."),
+    json_out: JsonOut = None,
     no_stats: bool = typer.Option(False, "--no-stats",
                                   help="Skip decoding the values (faster on big models)."),
 ):
