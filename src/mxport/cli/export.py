@@ -12,7 +12,7 @@ from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_sour
 from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
-from ._choices import Dtype, Format, Fp8Dtype
+from ._choices import EXPORT_FP8, Dtype, Format, Fp8Dtype, export_fp8
 from ._common import ExcludeOpt, ModelSourceArg, console, emit_json, json_option, json_to_stdout, user_errors
 from .app import app
 
@@ -25,7 +25,8 @@ def export_cmd(
     out: str = typer.Option(None, "-o", "--out", metavar="OUT",
                             help="Output directory (required unless --dry-run)."),
     fmt: Format = typer.Option(DEFAULT_FORMAT, "--format", help="Checkpoint format."),
-    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype",
+    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", metavar="<" + "|".join(EXPORT_FP8) + ">",
+                                       callback=export_fp8,
                                        help="FP8 element type. Every format's consumers read E4M3 values "
                                             "(vLLM's loaders; SGLang 0.5.23 registers E4M3 whatever the "
                                             "config says), so e5m2 is refused."),
