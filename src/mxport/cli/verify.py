@@ -138,6 +138,8 @@ def verify(
                                 progress=progress)
     if json_out:
         emit_json(report, json_out)
+    if report.get("prompt_note"):
+        console.print(report["prompt_note"], highlight=False, markup=False, soft_wrap=True)
     if json_out != "-":
         _print_report(report, source, exclude or [], fp8_dtype)
     if not report["passed"]:
