@@ -1,13 +1,17 @@
 """Test-wide settings: the compiled quantize path is off for the automatic choice (compiling costs tens of
 seconds on a 2-core machine); tests of the compiled path ask for it with ``quantize(..., kernel="compiled")``.
 The native CPU kernel stays on where it builds (AVX-512; about a second, once per machine): most quantize
-tests run through it; the ``no_native`` fixture turns it off for the automatic choice in one test."""
+tests run through it; the ``no_native`` fixture turns it off for the automatic choice in one test. Compiler
+runs have no time limit (``MXPORT_COMPILE_TIMEOUT=0``)."""
 
 import os
 
 os.environ.setdefault("MXPORT_DISABLE_COMPILE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# compiler runs (the native kernel's build, the ISA-branch check) wait as long as they take: no check may
+# depend on the machine's load (a busy machine took past a 120 s compile limit)
+os.environ.setdefault("MXPORT_COMPILE_TIMEOUT", "0")
 
 import pytest  # noqa: E402
 

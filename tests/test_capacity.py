@@ -252,3 +252,21 @@ def test_guide_capacity_tp_claim_holds():
     problems = predict_config(config, Layout.parse("fsdp=8"), Layout(tp=tp)).problems
     assert problems and all(f"K={k} split over tp={tp} gives {per_rank} per rank" in p for p in problems)
     assert not predict_config(config, Layout.parse("fsdp=8"), Layout(tp=tp // 2)).problems
+
+
+@pytest.mark.parametrize("cfg, missing", [
+    ({"model_type": "llama"},
+     "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size"),
+    ({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "vocab_size": 128, "moe_intermediate_size": 32}, "num_experts"),
+])
+def test_plan_refuses_a_config_without_its_sizes(tmp_path, cfg, missing):
+    """A config with only ``model_type`` (or an MoE one without its expert count) was planned with
+    transformers' default sizes: refused, one line naming the missing fields, exit 2."""
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["plan", str(tmp_path)])
+    assert res.exit_code == 2 and res.stdout == ""
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(f"error: config gives no {missing}: the model's sizes are needed"), line
+    with pytest.raises(ValueError, match=f"config gives no {missing}:"):
+        config_entries(cfg)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import typer.main
 from typer.testing import CliRunner
 
+import mxport.cli
 from mxport import __version__
 from mxport.cli import app
 from mxport.cli.app import unwrap_paragraphs
@@ -19,7 +21,7 @@ from mxport.cli.verify import export_command
 from mxport.testing import make_tiny_llama
 
 runner = CliRunner()
-COMMANDS = ("bench", "export", "info", "inspect", "refit", "verify")
+COMMANDS = ("bench", "export", "info", "inspect", "plan", "refit", "verify")
 WIDE = {"COLUMNS": "400", "TERMINAL_WIDTH": "400"}
 
 
@@ -55,6 +57,19 @@ def test_json_takes_a_file_or_dash_everywhere(command):
     assert "FILE|-" in line
 
 
+@pytest.mark.parametrize("option", ["--json", "--exclude", "--max-new-tokens"])
+def test_shared_options_are_declared_once(option):
+    """An option several commands take is declared once, in cli/_common.py (``--json`` was declared seven
+    times, and plan's had no FILE|-), and the commands take the same option."""
+    cli = Path(mxport.cli.__file__).parent
+    decl = re.compile(rf'typer\.Option\((?:\s*[^,()]+,)?\s*"{option}"')
+    assert [p.name for p in sorted(cli.glob("*.py")) if decl.search(p.read_text())] == ["_common.py"]
+    root = typer.main.get_command(app)
+    taking = [[p for p in cmd.params if option in p.opts] for cmd in root.commands.values()]
+    taking = [p for ps in taking for p in ps]
+    assert len(taking) >= 2 and len({(p.metavar, p.help.split(" as JSON")[-1]) for p in taking}) == 1
+
+
 def test_help_paragraphs_are_wrapped_once():
     """On a wide terminal a paragraph of a command's docstring is one line: the source's own line breaks are
     not kept on top of the renderer's wrapping."""
@@ -63,6 +78,24 @@ def test_help_paragraphs_are_wrapped_once():
     line = next(x for x in r.stdout.splitlines() if "Linear-layer weights" in x)
     assert line.rstrip().endswith("Exit 0 ok, 2 bad input.")
     assert unwrap_paragraphs("a\n  b\n\n  c\nd\n") == "a b\n\nc d"
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+@pytest.mark.parametrize("command", [*COMMANDS, None])
+def test_help_shows_every_option_name_whole_in_narrow_terminals(command, columns):
+    """At 80-100 columns typer's six-column options panel cut long names (``--trainer-quantiz…``): every
+    option name (and its negative, ``--no-overlap``) appears whole, and no line is wider than the terminal."""
+    args = [command, "--help"] if command else ["--help"]
+    r = runner.invoke(app, args, env={"COLUMNS": columns, "TERMINAL_WIDTH": columns})
+    assert r.exit_code == 0, r.output
+    root = typer.main.get_command(app)
+    cmd = root.commands[command] if command else root
+    names = [o for p in cmd.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)]
+    assert names
+    for name in names:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", r.stdout), (name, r.stdout)
+    assert "\u2026" not in r.stdout
+    assert max(len(x) for x in r.stdout.splitlines()) <= int(columns)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -153,3 +153,18 @@ def test_export_of_an_mxfp8_checkpoint_is_refused(tmp_path, llama, fmt):
         assert res.exit_code == 2, res.output
         assert "already holds FP8 tensors" in res.output and "Traceback" not in res.output
         assert not (tmp_path / "again").exists()
+
+
+def test_fp8_dtype_offers_e4m3_only_and_refuses_e5m2_while_parsing(tmp_path):
+    """Every format refuses E5M2 values: --help offers e4m3 alone, and e5m2 is refused while the command line
+    is parsed (before the source or -o are looked at), in one line that says why."""
+    import re
+
+    r = runner.invoke(app, ["export", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    (row,) = [x for x in r.stdout.splitlines() if re.match(r"^\W*--fp8-dtype\s", x)]
+    assert "<e4m3>" in row and "e4m3|e5m2" not in row
+    r = runner.invoke(app, ["export", str(tmp_path / "nope"), "--fp8-dtype", "e5m2"])  # no -o either
+    assert r.exit_code == 2 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: Invalid value for '--fp8-dtype': e5m2: every format stores MXFP8 values "
+                           "as E4M3 only (")

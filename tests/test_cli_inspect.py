@@ -2,6 +2,7 @@
 a missing scale, a padded scale, a float-stored scale, orphan scales (exit 1); bad paths exit 2."""
 
 import json
+import re
 import struct
 
 import pytest
@@ -141,3 +142,28 @@ def test_bad_paths_exit_2(tmp_path):
     (bad / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{oops")
     r = runner.invoke(app, ["inspect", str(bad)])
     assert r.exit_code == 2 and "corrupt safetensors header" in " ".join(r.stderr.split())
+
+
+def test_every_column_survives_80_columns(tmp_path, monkeypatch):
+    """At 80 columns the MXFP8 pairs table dropped its last columns (``zero blocks`` first): every column of
+    both tables stays, names fold, no line is wider than the terminal."""
+    import io
+
+    from rich.console import Console
+
+    from mxport.cli import inspect_cmd
+    from mxport.testing import make_tiny_llama
+
+    export_checkpoint(make_tiny_llama(tmp_path / "src"), tmp_path / "out")
+    report = inspect_checkpoint(tmp_path / "out")
+    out = io.StringIO()
+    monkeypatch.setattr(inspect_cmd, "console", Console(file=out, width=80, color_system=None))
+    inspect_cmd._print(report)
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for header in ("name", "shape", "dtype", "role", "values", "scale", "min..max", "absmax", "mean |x|",
+                   "zero", "blocks"):
+        assert header in text, header
+    rows = [line for line in text.splitlines() if "%" in line and line.startswith("│")]
+    assert len(rows) == len(report["pairs"]) > 0  # the zero blocks column: one percentage per pair
+    assert all(re.search(r"\d%\s*│$", line) for line in rows)

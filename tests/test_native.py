@@ -488,15 +488,39 @@ def test_kernel_isa_matches_the_cpu():
 def test_every_isa_branch_compiles(tmp_path, flags):
     """Each branch of the C source (AVX-512, AVX2 + F16C, none) compiles warning-free, whichever this CPU
     runs."""
-    import subprocess
-
     src = tmp_path / "k.c"
     src.write_text(native.source_text())
     cc = native.find_compiler()
-    proc = subprocess.run([*cc, "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", *flags,
-                           "-o", str(tmp_path / "k.so"), str(src)],
-                          capture_output=True, text=True, timeout=120)
+    proc = native.run_compiler([*cc, "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+                                *flags, "-o", str(tmp_path / "k.so"), str(src)])  # no time limit in tests
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_compiler_runs_have_no_time_limit_in_tests(tmp_path, monkeypatch):
+    """A compile on a busy machine took past the 120 s limit of the ISA-branch test and failed it: in the test
+    suite (conftest sets $MXPORT_COMPILE_TIMEOUT=0) every compiler run of the build waits as long as it
+    takes; elsewhere the limit is COMPILE_TIMEOUT_S, or the variable's."""
+    import os
+    import subprocess
+
+    limits = []
+
+    def run(args, **kwargs):
+        limits.append(kwargs.get("timeout", "none given"))
+        return subprocess.CompletedProcess(args, 3, "cc 1.0\n", "no compiler here")
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    with pytest.raises(native.NativeUnavailable, match="exit 3"):
+        native.build(tmp_path / native.LIB_NAME)
+    native.build_key(native.source_text(), ["cc"])  # runs `cc --version`
+    assert os.environ[native.ENV_COMPILE_TIMEOUT] == "0" and limits == [None, None]  # compile, --version
+    monkeypatch.delenv(native.ENV_COMPILE_TIMEOUT)
+    assert native.compile_timeout() == native.COMPILE_TIMEOUT_S
+    monkeypatch.setenv(native.ENV_COMPILE_TIMEOUT, "45")
+    assert native.compile_timeout() == 45.0
+    monkeypatch.setenv(native.ENV_COMPILE_TIMEOUT, "soon")
+    with pytest.raises(native.NativeUnavailable, match="not a number"):
+        native.compile_timeout()
 
 
 def _per_tensor(x, fp8_dtype, rounding):

@@ -232,3 +232,51 @@ def test_cli_verify_bad_device_is_one_line_before_loading(tiny, two_prompts):
                                        device])
         assert res.exit_code == 2, res.output
         assert f"device {device!r}" in res.output and "Traceback" not in res.output
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tiny, tmp_path_factory):
+    """The tiny model as a trainer's checkpoint often is: weights and config, no tokenizer files."""
+    import shutil
+
+    from mxport.models import TOKENIZER_FILES
+
+    path = tmp_path_factory.mktemp("notok") / "tiny"
+    shutil.copytree(tiny, path, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "*.jinja"))
+    return path
+
+
+def test_cli_verify_without_a_tokenizer_draws_prompts_from_the_vocabulary(no_tokenizer):
+    """A model folder without tokenizer files ended in "install sentencepiece": it works, its prompts drawn
+    from the vocabulary with a fixed seed (the same report twice), and the output says so in one line."""
+    from mxport.models import vocabulary_prompts_note
+
+    note = vocabulary_prompts_note(no_tokenizer, len(BUILTIN_PROMPTS))
+    assert note == (f"no tokenizer in {no_tokenizer}: prompts are {len(BUILTIN_PROMPTS)} x 16 token ids "
+                    "drawn from the vocabulary (seed 0)")
+    res = CliRunner().invoke(app, ["verify", str(no_tokenizer), "--max-new-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    assert note in res.stdout.splitlines()
+    runs = [CliRunner().invoke(app, ["verify", str(no_tokenizer), "--max-new-tokens", "2", "--json", "-"])
+            for _ in range(2)]
+    reports = [json.loads(r.stdout) for r in runs]
+    assert reports[0]["prompt_note"] == note and reports[0]["samples"] == reports[1]["samples"]
+    assert reports[0]["samples"][0]["prompt"].startswith("token ids [")
+
+
+def test_verify_without_a_tokenizer_refuses_a_prompts_file(no_tokenizer, two_prompts):
+    res = CliRunner().invoke(app, ["verify", str(no_tokenizer), "--prompts", str(two_prompts)])
+    assert res.exit_code == 2
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(f"error: no tokenizer in {no_tokenizer}: a prompts file needs one")
+
+
+def test_vocabulary_prompts_are_seeded_and_in_range():
+    from mxport.models import vocabulary_prompts
+
+    a = vocabulary_prompts(50, 3, length=7, seed=5)
+    assert a.shape == (3, 7) and a.dtype == torch.long and 0 <= int(a.min()) and int(a.max()) < 50
+    assert torch.equal(a, vocabulary_prompts(50, 3, length=7, seed=5))
+    assert not torch.equal(a, vocabulary_prompts(50, 3, length=7, seed=6))
+    with pytest.raises(ValueError):
+        vocabulary_prompts(0)

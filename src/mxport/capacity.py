@@ -258,12 +258,35 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
                           tuple(dict.fromkeys(problems)), passes)
 
 
+#: the config fields that size a causal LM's tensors (those its config class has; some are aliases of others)
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+               "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_sizes_given(model_type: str, config: dict, defaults) -> None:
+    """Raise ValueError naming the :data:`SIZE_FIELDS` the ``defaults`` config (the class's own) has and
+    ``config`` does not give (under the name or an alias): ``transformers`` would fill them with its default
+    sizes, which are not this model's."""
+    aliases = getattr(defaults, "attribute_map", {}) or {}
+    missing: dict[str, str] = {}  # real attribute -> the name to tell the user
+    for name in SIZE_FIELDS:
+        real = aliases.get(name, name)
+        if getattr(defaults, name, None) is None or real in missing:
+            continue
+        if not ({name, real} | {k for k, v in aliases.items() if v == real}) & config.keys():
+            missing[real] = name
+    if missing:
+        raise ValueError(f"config gives no {', '.join(missing.values())}: the model's sizes are needed "
+                         f"(transformers would use its defaults for a {model_type!r} model)")
+
+
 def config_entries(config: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """The ``(name, shape, dtype)`` of every tensor of the causal LM a ``config.json`` describes, built on the
     meta device (no memory, a second even for a 1T-parameter MoE), with ``transformers``.
 
     Raises:
-        ValueError: a config ``transformers`` cannot build a causal LM from.
+        ValueError: a config ``transformers`` cannot build a causal LM from, or one that leaves out sizes
+            (:data:`SIZE_FIELDS`) ``transformers`` would fill with its defaults.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -271,6 +294,11 @@ def config_entries(config: dict) -> list[tuple[str, tuple[int, ...], torch.dtype
     model_type = cfg_dict.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ValueError("config has no model_type (e.g. \"llama\", \"qwen3_moe\", \"deepseek_v3\")")
+    try:
+        defaults = AutoConfig.for_model(model_type)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot build a {model_type!r} causal LM from this config: {exc}") from None
+    _check_sizes_given(model_type, cfg_dict, defaults)
     try:
         cfg = AutoConfig.for_model(model_type, **cfg_dict)
         with torch.device("meta"):

@@ -25,6 +25,11 @@ from ._fs import default_file_mode, replace_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_LAYOUT = 3  # bump when the converted folder's contents change, so stale caches are rebuilt
+#: files a model folder's tokenizer is read from (any one of them makes a tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
+#: prompts of a model without a tokenizer: this many token ids each, drawn with this seed
+PROMPT_TOKENS, PROMPT_SEED = 16, 0
 
 
 @dataclass(frozen=True)
@@ -149,12 +154,39 @@ def _convert_gguf_to_hf_dir(gguf: Path, target: Path) -> None:
         raise
 
 
+def has_tokenizer(source: ModelSource) -> bool:
+    """Whether ``source`` carries a tokenizer: a GGUF file always does, a folder when it holds one of
+    :data:`TOKENIZER_FILES` (trainers' checkpoints often have none)."""
+    return source.kind == "gguf" or any((source.path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def vocabulary_prompts(vocab_size: int, count: int = 1, *, length: int = PROMPT_TOKENS,
+                       seed: int = PROMPT_SEED) -> torch.Tensor:
+    """Prompts for a model without a tokenizer: ``[count, length]`` int64 token ids drawn uniformly from the
+    vocabulary ``[0, vocab_size)`` by a CPU generator seeded with ``seed`` (the same arguments give the same
+    ids). Say so with :func:`vocabulary_prompts_note`."""
+    if vocab_size < 1 or count < 1 or length < 1:
+        raise ValueError(f"vocab_size, count and length must be >= 1, got {vocab_size}, {count}, {length}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=gen, dtype=torch.long)
+
+
+def vocabulary_prompts_note(where, count: int = 1, *, length: int = PROMPT_TOKENS,
+                            seed: int = PROMPT_SEED) -> str:
+    """The line a command prints when its prompts are :func:`vocabulary_prompts` (``where``: the model
+    folder)."""
+    what = f"the prompt is {length}" if count == 1 else f"prompts are {count} x {length}"
+    return f"no tokenizer in {where}: {what} token ids drawn from the vocabulary (seed {seed})"
+
+
 def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
-                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   require_tokenizer: bool = True):
     """Load ``(model, tokenizer)`` with ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
 
     ``source`` as in :func:`resolve_source`. The model is put in eval mode on ``device`` in ``dtype``. Offline
-    only: ``local_files_only=True``.
+    only: ``local_files_only=True``. With ``require_tokenizer=False`` a folder without tokenizer files
+    (:func:`has_tokenizer`) gives ``(model, None)``: draw prompts with :func:`vocabulary_prompts`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,9 +194,11 @@ def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
     kwargs = {"local_files_only": True}
     if src.kind == "gguf":
         kwargs["gguf_file"] = src.gguf_file
-    tok = AutoTokenizer.from_pretrained(str(src.path), **kwargs)
+    tok = None
+    if require_tokenizer or has_tokenizer(src):
+        tok = AutoTokenizer.from_pretrained(str(src.path), **kwargs)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype, **kwargs)
     model.to(device).eval()
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
     return model, tok

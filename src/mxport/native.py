@@ -40,6 +40,11 @@ from ._env import cache_dir
 from .pages import fresh_bytes
 
 ENV_DISABLE = "MXPORT_DISABLE_NATIVE"
+ENV_COMPILE_TIMEOUT = "MXPORT_COMPILE_TIMEOUT"
+#: seconds a compiler run may take before the native kernel is given up (quantize then takes another path);
+#: ``$MXPORT_COMPILE_TIMEOUT`` sets it, 0 waits as long as the compiler takes (the test suite's setting: a
+#: check must not depend on the machine's load)
+COMPILE_TIMEOUT_S = 300.0
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C); 3 added
@@ -92,10 +97,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def compile_timeout() -> float | None:
+    """Seconds a compiler run may take: ``$MXPORT_COMPILE_TIMEOUT`` (0 or less: no limit, None) or
+    :data:`COMPILE_TIMEOUT_S`.
+
+    Raises NativeUnavailable when the variable is not a number."""
+    raw = os.environ.get(ENV_COMPILE_TIMEOUT, "").strip()
+    if not raw:
+        return COMPILE_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise NativeUnavailable(f"{ENV_COMPILE_TIMEOUT}={raw!r} is not a number of seconds") from None
+    return seconds if seconds > 0 else None
+
+
+def run_compiler(args: list[str]) -> subprocess.CompletedProcess:
+    """Run a compiler command line (``[*find_compiler(), ...]``), its output captured as text, for at most
+    :func:`compile_timeout` seconds (``subprocess.TimeoutExpired`` past it)."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=compile_timeout())
+
+
 def build_key(source: str, cc: list[str]) -> str:
     """Cache key of a build: source, compiler command (and its version line), flags, machine and CPU flags."""
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = run_compiler([*cc, "--version"]).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"C compiler {' '.join(cc)!r} does not run: {exc}") from exc
     h = hashlib.sha256()
@@ -126,8 +152,7 @@ def build(target: Path | None = None) -> Path:
     try:
         tmp_src.write_text(source)
         os.replace(tmp_src, src)
-        proc = subprocess.run([*cc, *CFLAGS, "-o", str(tmp_lib), str(src)], capture_output=True, text=True,
-                              timeout=300)
+        proc = run_compiler([*cc, *CFLAGS, "-o", str(tmp_lib), str(src)])
         if proc.returncode != 0 or not tmp_lib.is_file():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or "(no output)"
             raise NativeUnavailable(f"compiling {src} with {' '.join(cc)} failed "

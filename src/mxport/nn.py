@@ -579,7 +579,9 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
     replaced weight lands in the new module).
 
     Returns ``{"mxfp8": [...], "replaced": [...], "tensors": [...], "unexpected": [...], "missing": [...]}``
-    (``missing``: ``state_dict`` entries of the model the checkpoint did not fill; tied aliases count as one).
+    (``mxfp8``: MXFP8 modules filled in place; ``replaced``: plain modules made MXFP8, so the MXFP8 weights
+    loaded are ``mxfp8 + replaced``; ``missing``: ``state_dict`` entries of the model the checkpoint did not
+    fill; tied aliases count as one).
 
     Raises:
         ValueError: a checkpoint that cannot be read or is inconsistent

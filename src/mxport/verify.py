@@ -320,7 +320,9 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     ``greedy_agreement``, ``tokens``, ``weight_sqnr_db_min``, ``weight_sqnr_db_mean``, ``weight_sqnr_db`` (per
     tensor), ``mxfp8_layers`` (MXFP8 modules: linears and MoE experts modules), ``mxfp8_experts`` (experts
     modules), ``mxfp8_tensors`` (quantized weight tensors), ``passed``, ``failures``, ``per_layer`` (when
-    asked), ``samples`` (first decoded generations) and the settings.
+    asked), ``samples`` (first decoded generations) and the settings. A model folder without a tokenizer
+    works: its prompts are token ids drawn from the vocabulary (:func:`mxport.models.vocabulary_prompts`,
+    one per built-in prompt), and ``prompt_note`` says so (None otherwise).
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
@@ -329,14 +331,13 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     device = check_device(device)
     fp8 = _fp8(fp8_dtype)
     conversations = load_prompts(prompts)
-    model, tok, label = _load_source(source, device)
+    model, tok, label, where = _load_source(source, device)
     progress("load", 1, 1)
+    prompt_ids, note = _prompt_ids(model, tok, conversations, where, prompts)
     twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
                       progress=progress)
-    prompt_ids = encode_prompts(tok, conversations)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress,
-                                pad_id=pad_id, batch_size=batch_size)
+                                pad_id=_pad_id(model, tok), batch_size=batch_size)
     rollouts = Rollouts(prompt_ids, generated)
     ref = score(model, rollouts, batch_size)
     progress("score", 1, 2)
@@ -344,11 +345,13 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     progress("score", 2, 2)
     report = {**figures, **_weight_report(model, twin), "model": label,
               "checkpoint": None if checkpoint is None else str(checkpoint), "activation": activation,
-              "prompts": len(conversations), "max_new_tokens": max_new_tokens, "max_kl": max_kl}
+              "prompts": len(conversations), "prompt_note": note, "max_new_tokens": max_new_tokens,
+              "max_kl": max_kl}
     failures = failed_checks(figures, max_kl)
-    pairs = list(zip(conversations, generated, strict=True))[:samples]
-    samples_out = [{"prompt": c[-1]["content"], "mxfp8_output": tok.decode(g, skip_special_tokens=True)}
-                   for c, g in pairs]
+    pairs = list(zip(conversations, prompt_ids, generated, strict=True))[:samples]
+    samples_out = [{"prompt": c[-1]["content"] if tok is not None else f"token ids {p.tolist()}",
+                    "mxfp8_output": tok.decode(g, skip_special_tokens=True) if tok is not None
+                    else f"token ids {g.tolist()}"} for c, p, g in pairs]
     report.update(passed=not failures, failures=failures, samples=samples_out)
     if per_layer:
         report["per_layer"] = per_layer_sweep(model, twin, rollouts, ref, figures["gen_kl_error_mean"],
@@ -381,19 +384,49 @@ def _check_verify_args(activation: str, max_new_tokens: int, max_kl, target_kl) 
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
-def _load_source(source, device) -> tuple[nn.Module, object, str]:
-    """``(model, tokenizer, label)`` for a model source, or an already loaded ``(model, tokenizer)`` pair."""
+def _load_source(source, device) -> tuple[nn.Module, object, str, str]:
+    """``(model, tokenizer, label, where)`` for a model source, or an already loaded ``(model, tokenizer)``
+    pair; the tokenizer is None when the source has none (``where`` says where it was looked for)."""
     from .models import load_causal_lm, resolve_source
 
     if isinstance(source, tuple):
         model, tok = source
-        label = type(model).__name__
+        label = where = type(model).__name__
     else:
         src = resolve_source(source)
-        label = src.label
-        model, tok = load_causal_lm(src, dtype=torch.float32, device=device)
+        label, where = src.label, str(src.path)
+        model, tok = load_causal_lm(src, dtype=torch.float32, device=device, require_tokenizer=False)
     model.eval()
-    return model, tok, label
+    return model, tok, label, where
+
+
+def _prompt_ids(model: nn.Module, tok, conversations: list, where: str,
+                prompts_file) -> tuple[list[torch.Tensor], str | None]:
+    """The prompts' token ids and, without a tokenizer, the note saying they are drawn from the vocabulary
+    (:func:`mxport.models.vocabulary_prompts`, one per conversation of the built-in set)."""
+    from .models import vocabulary_prompts, vocabulary_prompts_note
+
+    if tok is not None:
+        return encode_prompts(tok, conversations), None
+    if prompts_file is not None:
+        raise ValueError(f"no tokenizer in {where}: a prompts file needs one to encode its text (without "
+                         "one, prompts are token ids drawn from the vocabulary)")
+    ids = vocabulary_prompts(int(model.config.vocab_size), len(conversations))
+    return list(ids), vocabulary_prompts_note(where, len(conversations))
+
+
+def _pad_id(model: nn.Module, tok) -> int:
+    """The padding token of the prompts' batches: the tokenizer's pad (else EOS, else 0) id; without a
+    tokenizer, the model's pad or EOS id, else 0."""
+    if tok is not None:
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    for src in (getattr(model, "generation_config", None), model.config):
+        for attr in ("pad_token_id", "eos_token_id"):
+            value = getattr(src, attr, None)
+            value = value[0] if isinstance(value, (list, tuple)) and value else value
+            if isinstance(value, int):
+                return value
+    return 0
 
 
 def _weight_report(model: nn.Module, twin: nn.Module) -> dict:

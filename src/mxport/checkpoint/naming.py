@@ -47,7 +47,17 @@ _E4M3_ONLY_WHY = {
               "would load there as garbage",
 }
 
+#: why no format takes E5M2 values, in one line
+E5M2_REFUSED = ("every format stores MXFP8 values as E4M3 only (vLLM's modelopt and compressed-tensors "
+                "loaders read E4M3; SGLang 0.5.23 registers E4M3 whatever the config says)")
+
 PRODUCER = "mxport"
+
+
+def exportable_fp8(fp8_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """The entries of ``fp8_dtypes`` (name -> dtype) that at least one format can declare."""
+    return {name: dt for name, dt in fp8_dtypes.items()
+            if any(dt in allowed for allowed in ALLOWED_FP8.values())}
 
 
 def check_format(fmt: str) -> str:

@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: user-error handling (exit code 2), JSON output written atomically, the console."""
+"""Shared CLI plumbing: user-error handling (exit code 2), JSON output written atomically, the console, and
+the options several commands take (declared once here, as ``Annotated`` types)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -20,6 +21,29 @@ from .._fs import atomic_write_text
 
 #: exit codes shared by every subcommand
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def json_option(what: str = "the report") -> Any:
+    """The type of every command's ``--json FILE|-`` option (``json_out: JsonOut = None``), which writes
+    ``what``."""
+    return Annotated[str | None, typer.Option("--json", metavar="FILE|-",
+                                              help=f"Write {what} as JSON to FILE ('-': stdout).")]
+
+
+#: ``--json FILE|-``: the command's report as JSON
+JsonOut = json_option()
+#: the model a command reads (``source: ModelSourceArg = None``)
+ModelSourceArg = Annotated[str | None, typer.Argument(
+    metavar="SOURCE", help="HF model directory (*.safetensors) or a .gguf file (default: the embedded "
+                           "SmolLM2-135M-Instruct).")]
+#: ``--exclude PATTERN`` (repeatable): what stays in high precision
+ExcludeOpt = Annotated[list[str] | None, typer.Option(
+    "--exclude", metavar="PATTERN",
+    help="Keep tensors matching this fnmatch pattern in high precision (tensor or module name; repeatable, "
+         "e.g. 'model.layers.3.*').")]
+#: ``--max-new-tokens N``: the greedy generation budget
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1,
+                                              help="Tokens generated greedily per prompt.")]
 
 _REPORTS_TO_STDERR = [False]
 

@@ -46,7 +46,7 @@ def _one_line_usage_errors() -> Iterator[None]:
 
 class _MxportParsing:
     """What every ``mxport`` command and the group share: on/off flags shown without a type, usage errors as
-    one line."""
+    one line, option names whole in ``--help`` at any width (:mod:`._help`)."""
 
     def get_params(self, ctx):
         params = super().get_params(ctx)
@@ -56,6 +56,12 @@ class _MxportParsing:
     def make_context(self, *args, **kwargs):
         with _one_line_usage_errors():
             return super().make_context(*args, **kwargs)
+
+    def format_help(self, ctx, formatter):
+        from ._help import whole_option_names
+
+        with whole_option_names():
+            return super().format_help(ctx, formatter)
 
 
 class MxportCommand(_MxportParsing, TyperCommand):

@@ -11,15 +11,15 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from ..bench import ERROR, run_benchmark, select
 from ..bench.report import goal_met, machine, rows_table, write_plot
 from ._choices import Benchmark
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, user_errors
+from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_option, json_to_stdout, user_errors
 from .app import app
+
+_BenchJson = json_option("{'rows': [...], 'machine', 'quick', 'seconds'}")
 
 
 @app.command()
 def bench(
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                 help="Write {'rows': [...], 'machine', 'quick', 'seconds'} to FILE "
-                                      "('-': stdout)."),
+    json_out: _BenchJson = None,
     quick: bool = typer.Option(False, "--quick", help="Small tensors and few runs (under a minute here)."),
     only: list[Benchmark] = typer.Option(None, "--only", help="Run only this benchmark (repeatable)."),
     plot: str = typer.Option(None, "--plot", metavar="FILE",

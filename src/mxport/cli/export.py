@@ -12,26 +12,25 @@ from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_sour
 from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
-from ._choices import Dtype, Format, Fp8Dtype
-from ._common import console, emit_json, json_to_stdout, user_errors
+from ._choices import EXPORT_FP8, Dtype, Format, Fp8Dtype, export_fp8
+from ._common import ExcludeOpt, ModelSourceArg, console, emit_json, json_option, json_to_stdout, user_errors
 from .app import app
+
+_ExportJson = json_option("the result (or the dry-run plan)")
 
 
 @app.command("export")
 def export_cmd(
-    source: str = typer.Argument(None, metavar="SOURCE",
-                                 help="HF model directory (*.safetensors), a .gguf file, or omit for the "
-                                      "embedded default model (SmolLM2-135M-Instruct)."),
+    source: ModelSourceArg = None,
     out: str = typer.Option(None, "-o", "--out", metavar="OUT",
                             help="Output directory (required unless --dry-run)."),
     fmt: Format = typer.Option(DEFAULT_FORMAT, "--format", help="Checkpoint format."),
-    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype",
+    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", metavar="<" + "|".join(EXPORT_FP8) + ">",
+                                       callback=export_fp8,
                                        help="FP8 element type. Every format's consumers read E4M3 values "
                                             "(vLLM's loaders; SGLang 0.5.23 registers E4M3 whatever the "
                                             "config says), so e5m2 is refused."),
-    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN",
-                                      help="Keep tensors matching this fnmatch pattern in high "
-                                           "precision (tensor or module name; repeatable)."),
+    exclude: ExcludeOpt = None,
     include: list[str] = typer.Option(None, "--include", metavar="PATTERN",
                                       help="Quantize only linear/expert weights matching this "
                                            "fnmatch pattern (repeatable)."),
@@ -46,9 +45,7 @@ def export_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Print each tensor's decision and why; write nothing."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                 help="Write the result (or the dry-run plan) as JSON to FILE "
-                                      "('-': stdout)."),
+    json_out: _ExportJson = None,
 ):
     """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang)
     loads.

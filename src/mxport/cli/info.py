@@ -6,13 +6,12 @@ import importlib.metadata
 import platform
 
 import torch
-import typer
 from rich.table import Table
 
 from .. import __version__, native
 from .._env import default_model_file, mx_gemm_available
 from ..quantize import FAST_PATH, NATIVE_PATH
-from ._common import console, emit_json, json_to_stdout
+from ._common import JsonOut, console, emit_json, json_to_stdout
 from .app import app
 
 _OPTIONAL = ("safetensors", "transformers", "gguf", "accelerate", "torchao", "numpy", "typer", "rich", "vllm",
@@ -46,8 +45,7 @@ def collect_info() -> dict:
 
 
 @app.command()
-def info(json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                     help="Write the report as JSON to FILE ('-' for stdout).")):
+def info(json_out: JsonOut = None):
     """Versions, optional packages and which fast paths (native CPU kernel, torch.compile, MX GEMM)
     this machine has.
 

@@ -7,15 +7,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..checkpoint.inspect import inspect_checkpoint
-from ._common import EXIT_CHECK_FAILED, console, emit_json, json_to_stdout, user_errors
+from ._common import EXIT_CHECK_FAILED, JsonOut, console, emit_json, json_to_stdout, user_errors
 from .app import app
 
 
 @app.command("inspect")
 def inspect_cmd(
     path: str = typer.Argument(..., metavar="PATH", help="Checkpoint directory (or one .safetensors file)."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                 help="Write the report as JSON to FILE ('-': stdout)."),
+    json_out: JsonOut = None,
     no_stats: bool = typer.Option(False, "--no-stats",
                                   help="Skip decoding the values (faster on big models)."),
 ):
@@ -41,26 +40,39 @@ def inspect_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
+#: the MXFP8 pairs table's columns after ``values``: header (two lines, so that the table fits in 80 columns)
+PAIR_COLUMNS = ("scale\nshape", "E-127\nmin..max", "absmax", "mean |x|", "zero\nblocks")
+
+
+def _table(title: str, first: str, rest) -> Table:
+    """A table whose first column (tensor names) folds and whose other columns never wrap: at 80 columns the
+    names take what is left, every column stays."""
+    t = Table(title=title)
+    t.add_column(first, overflow="fold")
+    for col in rest:
+        t.add_column(col, no_wrap=True)
+    return t
+
+
+def _pair_row(x: dict) -> tuple[str, ...]:
+    if "absmax" not in x:
+        return (x["values"], str(x["scale_shape"]), "-", "-", "-", "-")
+    return (x["values"], str(x["scale_shape"]), f"{x['scale_exp_min']}..{x['scale_exp_max']}",
+            f"{x['absmax']:.4g}", f"{x['mean_abs']:.4g}", f"{x['zero_block_fraction']:.2%}")
+
+
 def _print(r: dict) -> None:
     fmt = r["format"] or "not MXFP8 (no values/scale pairs)"
     console.print(f"[bold]{r['path']}[/]: format {fmt}"
                   + (f" (from {r['format_source']})" if r["format"] else ""), highlight=False)
-    t = Table(title="tensors")
-    for col in ("name", "shape", "dtype", "role"):
-        t.add_column(col, overflow="fold", min_width=30 if col == "name" else None)
+    t = _table("tensors", "name", ("shape", "dtype", "role"))
     for x in r["tensors"]:
         t.add_row(x["name"], str(x["shape"]), x["dtype"], x["role"])
     console.print(t)
     if r["pairs"]:
-        p = Table(title="MXFP8 pairs")
-        for col in ("values", "scale shape", "E-127 min..max", "absmax", "mean |x|", "zero blocks"):
-            p.add_column(col, overflow="fold", min_width=30 if col == "values" else None)
+        p = _table("MXFP8 pairs", "values", PAIR_COLUMNS)
         for x in r["pairs"]:
-            if "absmax" in x:
-                p.add_row(x["values"], str(x["scale_shape"]), f"{x['scale_exp_min']}..{x['scale_exp_max']}",
-                          f"{x['absmax']:.4g}", f"{x['mean_abs']:.4g}", f"{x['zero_block_fraction']:.2%}")
-            else:
-                p.add_row(x["values"], str(x["scale_shape"]), "-", "-", "-", "-")
+            p.add_row(*_pair_row(x))
         console.print(p)
     tot = r["totals"]
     console.print(f"{tot['tensors']} tensors, {tot['bytes'] / 1e6:.2f} MB "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from ._common import EXIT_CHECK_FAILED, console, emit_json, json_to_stdout, user_errors
+from ._common import EXIT_CHECK_FAILED, JsonOut, console, emit_json, json_to_stdout, user_errors
 from .app import app
 
 
@@ -41,7 +41,7 @@ def plan_cmd(
     bucket_mib: int = typer.Option(32, "--bucket-mib", min=1, help="The refit plan's bucket size in MiB."),
     kept_bytes: int = typer.Option(2, "--kept-bytes", min=1, max=8,
                                    help="Bytes per element of kept tensors on the wire (BF16 engines: 2)."),
-    json_out: str = typer.Option(None, "--json", help="Write the report as JSON to FILE ('-' for stdout)."),
+    json_out: JsonOut = None,
 ):
     """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send,
     quantize on the engine), for a model config and trainer / engine layouts. See docs/guide-capacity.md

@@ -25,15 +25,20 @@ from ..layout import Layout, parse_engine
 from ._choices import positive
 from ._common import (
     EXIT_CHECK_FAILED,
+    MaxNewTokensOpt,
+    ModelSourceArg,
     console,
     console_streams,
     emit_json,
     fail,
+    json_option,
     json_to_stdout,
     require,
     user_errors,
 )
 from .app import app
+
+_RefitJson = json_option("{'steps': [...], 'plan': ..., 'ok': ...}")
 
 MAX_RECEIVERS = 8
 
@@ -52,8 +57,7 @@ def default_bucket_mb() -> int:
 
 @app.command()
 def refit(
-    source: str = typer.Argument(None, metavar="SOURCE",
-                                 help="HF model directory or .gguf (default: the embedded SmolLM2-135M)."),
+    source: ModelSourceArg = None,
     steps: int = typer.Option(3, "--steps", min=1, help="Training steps, each followed by one refit."),
     engine: str = typer.Option("mxport", "--engine", metavar="NAME[,LAYOUT]",
                                help="The inference engine: mxport (its own MXFP8Linear receiver processes) "
@@ -67,10 +71,8 @@ def refit(
                                     help="Bucket size in MiB (default: sized for the machine)."),
     receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS,
                                   help="Inference processes (engine mxport)."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-", help="Write {'steps': [...], 'plan': ..., "
-                                                                        "'ok': ...} to FILE ('-': stdout)."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1,
-                                       help="Tokens each inference process generates per step."),
+    json_out: _RefitJson = None,
+    max_new_tokens: MaxNewTokensOpt = 16,
     lr: float = typer.Option(1e-5, "--lr", callback=positive, help="AdamW learning rate of the trainer."),
     timeout: float = typer.Option(120.0, "--timeout", callback=positive,
                                   help="Seconds a refit may wait on a peer before failing."),

@@ -12,7 +12,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ._choices import Activation, Fp8Dtype
-from ._common import EXIT_CHECK_FAILED, console, emit_json, fail, json_to_stdout, require, user_errors
+from ._common import (
+    EXIT_CHECK_FAILED,
+    ExcludeOpt,
+    JsonOut,
+    MaxNewTokensOpt,
+    ModelSourceArg,
+    console,
+    emit_json,
+    fail,
+    json_to_stdout,
+    require,
+    user_errors,
+)
 from .app import app
 
 
@@ -70,15 +82,13 @@ def _print_report(r: dict, source: str | None, exclude: list[str], fp8_dtype: st
 
 @app.command()
 def verify(
-    source: str = typer.Argument(None, metavar="SOURCE", help="Model directory or GGUF file (default: the "
-                                                                "embedded SmolLM2-135M)."),
+    source: ModelSourceArg = None,
     checkpoint: str = typer.Option(None, "--checkpoint", metavar="DIR", help="Build the MXFP8 twin from this "
                                    "`mxport export` directory instead of quantizing SOURCE here."),
     prompts: str = typer.Option(None, "--prompts", metavar="FILE",
                                 help="Prompts file: one per line, or a JSON list of strings / chat message "
                                      "lists (default: the built-in set of 18)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1,
-                                       help="Greedy generation budget per prompt."),
+    max_new_tokens: MaxNewTokensOpt = 32,
     activation: Activation = typer.Option("none", "--activation", help="none (weight-only) or mxfp8 (W8A8 "
                                                                         "emulation)."),
     fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="Element format of the weights."),
@@ -88,12 +98,9 @@ def verify(
     target_kl: float = typer.Option(None, "--target-kl", min=0,
                                     help="With --per-layer: suggest the fewest layers to keep in high "
                                          "precision to reach this gen_kl_error_mean."),
-    exclude: list[str] = typer.Option(None, "--exclude", metavar="PATTERN",
-                                      help="Keep matching layers in high precision (PrecisionPolicy pattern, "
-                                           "repeatable, e.g. 'model.layers.3.*')."),
+    exclude: ExcludeOpt = None,
     device: str = typer.Option("cpu", "--device", help="Device for both models (cpu, cuda, cuda:1, ...)."),
-    json_out: str = typer.Option(None, "--json", metavar="FILE|-",
-                                 help="Write the report as JSON to FILE ('-' for stdout)."),
+    json_out: JsonOut = None,
 ):
     """Generate greedily with the MXFP8 twin of a model and score the tokens with both models.
 
@@ -131,6 +138,8 @@ def verify(
                                 progress=progress)
     if json_out:
         emit_json(report, json_out)
+    if report.get("prompt_note"):
+        console.print(report["prompt_note"], highlight=False, markup=False, soft_wrap=True)
     if json_out != "-":
         _print_report(report, source, exclude or [], fp8_dtype)
     if not report["passed"]:
