@@ -3,6 +3,7 @@ exit codes, bad input."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -51,6 +52,25 @@ def test_refit_end_to_end_tiny_model_two_receivers(tmp_path, llama):
         assert s["seconds"] > 0 and s["gbps"] > 0
         assert [x["version"] for x in s["receivers"]] == [s["step"]] * 2
     assert steps[1]["loss"] < steps[0]["loss"]  # the trainer really trains between refits
+
+
+@pytest.mark.slow
+def test_refit_a_model_folder_without_a_tokenizer(tmp_path):
+    """A trainer's checkpoint without tokenizer files refits (it ended in a traceback from inside
+    transformers): the training batch and the prompt are token ids drawn from the vocabulary, said in the
+    output and in the JSON; --engine vllm, whose engine loads a tokenizer, refuses it in one line."""
+    src = make_tiny_llama(tmp_path / "bare", with_tokenizer=False)
+    out = tmp_path / "refit.json"
+    r = _run(["refit", str(src), "--steps", "1", "--max-new-tokens", "4", "--json", str(out)], timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"no tokenizer in {src}" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and data["prompt_note"].startswith(f"no tokenizer in {src}")
+    assert data["steps"][0]["receivers"][0]["text"].startswith("token ids ")
+    r = runner.invoke(app, ["refit", str(src), "--engine", "vllm"])
+    assert r.exit_code == 2
+    if importlib.util.find_spec("vllm") is not None:  # refused for the tokenizer, before vLLM starts
+        assert "needs the tokenizer files" in r.output, r.output
 
 
 @pytest.mark.slow

@@ -117,6 +117,7 @@ def refit(
         name, src, bucket_bytes = _prepare(source, engine, trainer, bucket_mb, receivers)
         trainer_layout, engine_layout = Layout.parse(trainer), parse_engine(engine)[1]
     t0 = time.perf_counter()
+    note = _prompt_note(src)
     if name == "vllm":
         job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout)
     elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
@@ -125,6 +126,8 @@ def refit(
     else:
         job = _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
     out = _drive(job, steps)
+    if note:
+        out["prompt_note"] = note
     rows = out["steps"]
     out.update(ok=bool(rows) and all(StepReport.from_dict(r).ok for r in rows),
                seconds=time.perf_counter() - t0,
@@ -154,7 +157,7 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     require("transformers", *(("vllm",) if name == "vllm" else ()))
     mb = default_bucket_mb() if bucket_mb is None else bucket_mb
     bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
-    from ..models import resolve_source
+    from ..models import has_tokenizer, resolve_source
 
     with console.status("resolving the model (the embedded model is converted once, ~25 s)"):
         src = resolve_source(source)
@@ -165,7 +168,22 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
         require("gguf", "accelerate")
     if sharded:
         _check_model_layouts(_model_config(src), t_layout, e_layout)
+    if name == "vllm" and not has_tokenizer(src):
+        raise ValueError(f"--engine vllm needs the tokenizer files in {src.path} (vLLM's engine loads them); "
+                         "--engine mxport runs without them")
     return name, src, bucket_bytes
+
+
+def _prompt_note(src) -> str | None:
+    """Without tokenizer files (trainers' checkpoints often have none) the demos train on and prompt with
+    token ids drawn from the vocabulary: said here, and in the JSON's ``prompt_note``."""
+    from ..models import has_tokenizer, vocabulary_prompts_note
+
+    if has_tokenizer(src):
+        return None
+    note = vocabulary_prompts_note(src.path)
+    console.print(note, highlight=False)
+    return note
 
 
 def _model_config(src) -> dict:

@@ -35,7 +35,8 @@ import torch
 from ..refit.mesh import Holding, agree, local_items, local_part
 from .procs import free_port, spawn_and_collect
 from .report import StepReport
-from .single import ENGINE_DTYPE, TEXT, logits_on, prompt_ids, trainer_kernel
+from .single import ENGINE_DTYPE, logits_on, trainer_kernel
+from .words import Words
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
 _TAG_SHARDS, _TAG_REPLY = 901, 902
@@ -184,8 +185,11 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     t_layout, _ = _layouts(cfg)
     T = t_layout.ranks
     torch.manual_seed(0)
-    model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
-    reference = load_causal_lm(cfg.source, dtype=torch.float32)[0] if rank == 0 else None
+    model, tok = load_causal_lm(cfg.source, dtype=torch.float32, require_tokenizer=False)
+    words = Words.of(model, tok)
+    reference = None
+    if rank == 0:
+        reference = load_causal_lm(cfg.source, dtype=torch.float32, require_tokenizer=False)[0]
     source = _shard_trainer(model, t_layout, rank, trainer_kernel(cfg.steps))
     world = TorchDistTransport.from_group(pg)
     mesh = agree(world, T, source.holdings)
@@ -196,8 +200,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     if rank == 0:
         q.put(("plan", 0, mesh.summary()))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    batch = tok(TEXT, return_tensors="pt", truncation=True, max_length=cfg.seq_len)
-    prompt = prompt_ids(tok)
+    batch = words.batch(cfg.seq_len)
+    prompt = words.prompt()
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
@@ -217,7 +221,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
             ref = _reference(cfg, full, reference)
             reply = _recv_reply(pg, T, prompt, cfg.max_new_tokens, reference)
             q.put(("step", 0, _step_row(step, float(out.loss), train_s, quantize_s, stats, rows, mesh,
-                                        _expected_crcs(mesh, ref), reply, reference, tok)))
+                                        _expected_crcs(mesh, ref), reply, reference, words)))
 
 
 def _ordered_routes(mesh, rank: int) -> list:
@@ -246,7 +250,9 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
 
     t_layout, e_layout = _layouts(cfg)
     T, e = t_layout.ranks, rank - t_layout.ranks
-    model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE)  # kept tensors in BF16, as engines run
+    # kept tensors in BF16, as engines run
+    model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE, require_tokenizer=False)
+    words = Words.of(model, tok)
     quantize_model(model)
     kv_heads = getattr(model.config, "num_key_value_heads", None)
     holdings = engine_holdings(model, e_layout, e, kv_heads=kv_heads)
@@ -261,7 +267,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     receiver = ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T))
     receiver.handshake()
     ptrs = _pointers(live)
-    prompt = prompt_ids(tok)
+    prompt = words.prompt()
     for _step in range(1, cfg.steps + 1):
         stats = receiver.receive()
         stable = _pointers(live) == ptrs
@@ -269,7 +275,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
         _rank_rows(world, rank, stats.version, crc, stable, stats.bytes, stats.seconds)
         _assemble(pg, mesh, e, model, holdings, live)
         if e == 0:
-            _send_reply(pg, model, tok, prompt, cfg.max_new_tokens, stats.version)
+            _send_reply(pg, model, words, prompt, cfg.max_new_tokens, stats.version)
 
 
 def _pointers(live: dict) -> list[int]:
@@ -319,13 +325,13 @@ def _vocab(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-def _send_reply(pg, model, tok, prompt, max_new: int, version: int) -> None:
+def _send_reply(pg, model, words: Words, prompt, max_new: int, version: int) -> None:
     """Engine rank 0: generate greedily and send (sizes, tokens, float32 logits) to trainer rank 0 as
     fixed-size tensors (no pickle)."""
     t0 = time.perf_counter()
     with torch.no_grad():
         seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new,
-                             do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                             do_sample=False, **words.generate_kwargs(model))
     logits = logits_on(model, seq, prompt.shape[1])
     n_seq = prompt.shape[1] + max_new
     row = torch.tensor([version, time.perf_counter() - t0, seq.shape[1]], dtype=torch.float64)
@@ -374,7 +380,7 @@ def rank_entries(rows: list[dict], trainers: int, expected: list[int]) -> list[d
     return out
 
 
-def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, reply, reference, tok) -> dict:
+def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, reply, reference, words) -> dict:
     """One step as ``mxport refit`` reports it: the single-rank keys, plus ``ranks`` (per rank: role, bytes,
     seconds, bit_exact — its shard's bytes against quantize of the full tensor — and for engine ranks
     pointers_stable)."""
@@ -394,7 +400,7 @@ def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, repl
         details={"version": stats.version, "loss": loss, "train_s": train_s, "quantize_s": quantize_s,
                  "gen_kl_error_max": kl["max"],
                  "greedy_agreement": greedy_agreement(reply["logits"], logits_train),
-                 "text": tok.decode(reply["seq"][0, reply["prompt_len"]:], skip_special_tokens=True),
+                 "text": words.decode(reply["seq"][0, reply["prompt_len"]:]),
                  "ranks": ranks}).to_dict()
 
 

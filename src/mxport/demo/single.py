@@ -21,13 +21,7 @@ import torch
 
 from .procs import free_port, redirect_output, spawn_and_collect
 from .report import StepReport
-
-TEXT = ("Mixed precision training keeps master weights in high precision while the inference engine runs in "
-        "low precision. After every optimizer step the new weights are quantized to MXFP8, eight-bit values "
-        "with one shared power-of-two scale for every block of thirty-two elements, and sent to the engine.")
-PROMPT = "Explain in one sentence why the sky is blue."
-
-
+from .words import Words
 
 #: the dtype the inference processes hold kept tensors (embeddings, norms) in and compute in, as engines do;
 #: the trainer sends kept tensors in it (2 bytes per element)
@@ -55,15 +49,6 @@ def _threads(world: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
-def prompt_ids(tok) -> torch.Tensor:
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
-                                       add_generation_prompt=True)
-    else:
-        text = PROMPT
-    return tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-
-
 @torch.no_grad()
 def logits_on(model, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """float32 logits [T, V] predicting the tokens after the prompt."""
@@ -87,14 +72,15 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
     from ..refit.sender import RefitSender
     from ..refit.trainer import TrainerSource
 
-    model, tok = load_causal_lm(cfg.source, dtype=torch.float32)
+    model, tok = load_causal_lm(cfg.source, dtype=torch.float32, require_tokenizer=False)
+    words = Words.of(model, tok)
     source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True,  # quantize into the send buffer
                            kernel=trainer_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
     sender = RefitSender(transport, source.plan)
     sender.handshake()
     q.put(("plan", 0, source.plan.summary()))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    batch = tok(TEXT, return_tensors="pt", truncation=True, max_length=cfg.seq_len)
+    batch = words.batch(cfg.seq_len)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -106,8 +92,9 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         train_s = time.perf_counter() - t0
         stats = sender.send(source.tensors(), checksums=source.bucket_checksum)  # summed by the quantize
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
-        shape = _ReplyShape(int(prompt_ids(tok).shape[1]), cfg.max_new_tokens, _vocab(model))
-        rows = [_receiver_row(model, tok, r, sent_crc32) for r in _gather_replies(transport, shape, None)[1:]]
+        shape = _ReplyShape(int(words.prompt().shape[1]), cfg.max_new_tokens, _vocab(model))
+        replies = _gather_replies(transport, shape, None)[1:]
+        rows = [_receiver_row(model, words, r, sent_crc32) for r in replies]
         # end to end: quantize + pack + transfer (sender) up to every receiver's commit and report
         q.put(("step", 0, _report(StepRow(
             step=step, version=stats.version, loss=loss, train_s=train_s, bytes=stats.bytes,
@@ -203,7 +190,7 @@ _INTS = ("rank", "version", "live_crc32", "prompt_len")
 _BOOLS = ("bit_exact", "pointers_stable")
 
 
-def _receiver_row(model, tok, r: _Reply, sent_crc32: int) -> ReceiverRow:
+def _receiver_row(model, words: Words, r: _Reply, sent_crc32: int) -> ReceiverRow:
     """The trainer's view of a reply: its generation scored against the trainer's own logits."""
     from ..metrics import gen_kl_error, greedy_agreement
 
@@ -213,7 +200,7 @@ def _receiver_row(model, tok, r: _Reply, sent_crc32: int) -> ReceiverRow:
         rank=r.rank, version=r.version, seconds=r.seconds, recv_s=r.recv_s, commit_s=r.commit_s,
         bit_exact=bool(r.bit_exact and r.live_crc32 == sent_crc32), live_crc32=r.live_crc32,
         pointers_stable=r.pointers_stable, gen_s=r.gen_s, prompt_len=r.prompt_len,
-        text=tok.decode(r.seq[0, r.prompt_len:], skip_special_tokens=True), gen_kl_error=kl["mean"],
+        text=words.decode(r.seq[0, r.prompt_len:]), gen_kl_error=kl["mean"],
         gen_kl_error_max=kl["max"], greedy_agreement=greedy_agreement(r.logits, logits_train))
 
 
@@ -264,14 +251,15 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     from ..refit.inference import receiver_plan
     from ..refit.receiver import RefitReceiver
 
-    model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE)  # kept tensors in BF16, as engines run
+    # kept tensors in BF16, as engines run
+    model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE, require_tokenizer=False)
+    words = Words.of(model, tok)
     quantize_model(model)
     plan, targets = receiver_plan(model, cfg.bucket_bytes, arena=True)  # weights in one arena: direct receive
     receiver = RefitReceiver(transport, plan, targets)
     ptrs0 = [t.data_ptr() for t in targets]
     receiver.handshake()
-    prompt = prompt_ids(tok)
-    eos = tok.eos_token_id
+    prompt = words.prompt()
     for _step in range(1, cfg.steps + 1):
         stats = receiver.receive()
         bit_exact = receiver.verify_live()  # per-bucket checksums of the re-packed live bytes
@@ -283,7 +271,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
         with torch.no_grad():
             seq = model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                  max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=eos)
+                                 **words.generate_kwargs(model))
         logits = logits_on(model, seq, prompt.shape[1])
         gen_s = time.perf_counter() - t0
         shape = _ReplyShape(int(prompt.shape[1]), cfg.max_new_tokens, _vocab(model))

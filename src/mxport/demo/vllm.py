@@ -516,7 +516,7 @@ def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
 def _prompts(session: VllmRefitSession, max_new_tokens: int) -> tuple[list[int], list[int]]:
     """The demo's prompts: the refit demo's question (at most 48 tokens), and a long one spanning more than
     two CPU KV blocks (the question's tokens repeated; shorter where the model's context is)."""
-    from .single import PROMPT
+    from .words import PROMPT
 
     short = list(session.llm.get_tokenizer()(PROMPT)["input_ids"])[:48]
     room = session.llm.llm_engine.model_config.max_model_len - max_new_tokens  # a model of a short context
