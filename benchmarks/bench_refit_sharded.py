@@ -271,9 +271,8 @@ class TrainerSide:
     """A trainer rank's part of one model size: its BF16 rows, its pair streams, the baseline's buffers."""
 
     def __init__(self, r: Rank, size: Size):
-        from mxport.refit import pair_order
         from mxport.refit.mesh import agree
-        from mxport.refit.sharded import ShardedSender
+        from mxport.refit.sharded import ShardedSender, pair_order
 
         self.r, self.size = r, size
         self.local = {}
@@ -350,10 +349,9 @@ class EngineSide:
     """An engine rank's part of one model size: its live MXFP8 tensors (mxport path), the baseline's."""
 
     def __init__(self, r: Rank, size: Size):
-        from mxport.refit import pair_order
         from mxport.refit.mesh import agree, route_targets
         from mxport.refit.plan import dtype_from_name
-        from mxport.refit.sharded import ShardedReceiver
+        from mxport.refit.sharded import ShardedReceiver, pair_order
 
         self.r, self.size, self.e = r, size, r.rank - r.T
         holdings = engine_holdings(size, self.e, r.E)

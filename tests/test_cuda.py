@@ -76,8 +76,8 @@ def test_refit_between_cuda_buffers_is_zero_copy_and_exact(tmp_path):
         RefitSender,
         TrainerSource,
         allocate_targets,
-        stream_arena,
     )
+    from mxport.refit.arena import stream_arena
     from mxport.testing import make_tiny_llama
 
     trainer, _ = load_causal_lm(make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80),

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mxport import quantize
-from mxport.refit import TorchDistTransport
 from mxport.demo.procs import free_port
+from mxport.refit import TorchDistTransport
 from mxport.refit.transport import open_group
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup_vllm.sh makes .venv-vllm)")

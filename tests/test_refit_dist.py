@@ -178,7 +178,8 @@ def _stream(plan, tensors):
 
 def _direct_receiver(init):
     """Against _main_sender (v1, corrupted v2, v3, v4), receiving straight into an arena."""
-    from mxport.refit import RefitError, RefitReceiver, allocate_targets, stream_arena
+    from mxport.refit import RefitError, RefitReceiver, allocate_targets
+    from mxport.refit.arena import stream_arena
 
     plan = _plan()
     targets = allocate_targets(plan)
@@ -257,7 +258,8 @@ def _kill_sender(init, die):
 
 
 def _kill_receiver(init, init2, direct=False):
-    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport, allocate_targets, stream_arena
+    from mxport.refit import RefitError, RefitReceiver, TorchDistTransport, allocate_targets
+    from mxport.refit.arena import stream_arena
 
     plan = _plan()
     if direct:

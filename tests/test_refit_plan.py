@@ -21,8 +21,8 @@ from mxport.refit import (
     allocate_targets,
     checkpoint_tensors,
     receiver_plan,
-    stream_arena,
 )
+from mxport.refit.arena import stream_arena
 from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, byte_view, checksum, pack_bucket
 from mxport.refit.plan import ALIGN, diff_canonical
 from mxport.testing import FaultyTransport

@@ -27,7 +27,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mxport.refit import RefitPlan, pair_order
+from mxport.refit import RefitPlan
+from mxport.refit.sharded import pair_order
 
 TRAINERS, ENGINES = (0, 1), (2, 3)
 WORLD = len(TRAINERS) + len(ENGINES)

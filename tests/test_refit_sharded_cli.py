@@ -135,8 +135,8 @@ def test_trainer_help_examples_are_layouts_the_refit_runs():
 
 def test_trainer_tp_leaves_what_does_not_divide_replicated(llama):
     """intermediate 256 over tp=3 would be uneven DTensor shards, which fail in the forward: replicated."""
-    from mxport.models import load_causal_lm
     from mxport.demo.mesh import _tp_plan
+    from mxport.models import load_causal_lm
 
     model = load_causal_lm(str(llama))[0]
     assert sorted(k for k in _tp_plan(model, 2) if k.startswith("model.layers.0.")) == [

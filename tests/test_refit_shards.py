@@ -31,8 +31,8 @@ from mxport.refit import (
     TrainerSource,
     engine_buffers,
     engine_holdings,
-    model_tensors,
 )
+from mxport.refit.items import model_tensors
 from mxport.refit.mesh import (
     Box,
     MeshPlan,

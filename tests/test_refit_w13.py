@@ -26,8 +26,8 @@ from mxport.refit import (
     TrainerSource,
     engine_buffers,
     engine_holdings,
-    model_tensors,
 )
+from mxport.refit.items import model_tensors
 from mxport.refit.mesh import MeshPlan, local_items, route_targets, route_tensors
 from mxport.testing import make_tiny_qwen3_moe
 

@@ -242,7 +242,7 @@ class HeldTensorsSource:
         names_and_shapes: the WHOLE model's tensors, for the policy: ``(name, full shape, dtype)`` entries
             in model order, or an ``nn.Module`` (typically built on the meta device from the model's config,
             ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``) whose
-            :func:`~mxport.refit.model_tensors` are taken. Names must be the names ``items`` yields. None:
+            :func:`~mxport.refit.items.model_tensors` are taken. Names must be the names ``items`` yields. None:
             decide on this rank's own items, allowed only for a policy whose decisions do not depend on the
             rest of the model (no ``keep_last``, ``include``, ``exclude``; the default policy).
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
