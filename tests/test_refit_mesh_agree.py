@@ -1,5 +1,5 @@
-"""Issue 23: a rank that fails before the sharded plan is agreed (its source raises, a malformed holding) gives
-every rank a RefitError naming it and why, at once; the replicated boxes of a plan (find_replicas)."""
+"""Issue 23: a rank that fails before the sharded plan is agreed (its source raises, a malformed holding)
+gives every rank a RefitError naming it and why, at once; the replicated boxes of a plan (find_replicas)."""
 
 from __future__ import annotations
 
