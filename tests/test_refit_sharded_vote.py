@@ -67,26 +67,30 @@ def _outcome(fn) -> dict:
                 "tensors": list(getattr(exc, "tensors", []))}
 
 
-def _endpoint(world, mesh, rank: int, live: dict | None, bucket: int, checked: bool):
-    """This rank's sharded endpoint over ``world`` (the pairs built by hand, as callers of the first API do);
-    ``checked``: with the plan's replicas."""
+def _endpoint(world, mesh, rank: int, live: dict | None, bucket: int):
+    """This rank's sharded endpoint over ``world``, its pairs built by hand (as the first API's callers do:
+    no replicas checked)."""
     from mxport.refit import ShardedReceiver, ShardedSender
     from mxport.refit.mesh import route_targets
 
-    kw = {}
-    if checked:
-        from mxport.refit.mesh import find_replicas
-
-        kw["replicas"] = find_replicas(mesh)
     routes = _routes(mesh, rank)
     if rank < T:
         return ShardedSender(world, [(r.engine, r.plan(bucket)) for r in routes], global_digest=mesh.digest,
-                             trainers=range(T), **kw), routes
+                             trainers=range(T)), routes
     pairs = []
     for r in routes:
         targets, scatters = route_targets(r, live)
         pairs.append((r.trainer, r.plan(bucket), targets, scatters))
-    return ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T), **kw), routes
+    return ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T)), routes
+
+
+def _checked(world, mesh, rank: int, live: dict | None):
+    """This rank's endpoint built from the agreed plan (replicas checked)."""
+    from mxport.refit import ShardedReceiver, ShardedSender
+
+    if rank < T:
+        return ShardedSender.from_mesh(world, mesh, BUCKET)
+    return ShardedReceiver.from_mesh(world, mesh, live, BUCKET)
 
 
 def _routes(mesh, rank: int) -> list:
@@ -96,15 +100,17 @@ def _routes(mesh, rank: int) -> list:
     return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
 
 
-def _refit(ep, routes, rank: int, source, live, state: dict, step: int, checked: bool) -> dict:
+def _refit(ep, routes, rank: int, source, live, state: dict, step: int) -> dict:
+    """One refit of ``step``; ``routes`` None: an endpoint from the plan (send_local)."""
     from mxport.refit.mesh import route_tensors
 
     state["step"] = step
     if rank < T:
         local = source.local()
-        streams = {r.engine: route_tensors(r, local) for r in routes}
-        out = _outcome(lambda: ep.send(streams, local=local).version if checked else
-                       ep.send(streams).version)
+        if routes is None:
+            out = _outcome(lambda: ep.send_local(local).version)
+        else:
+            out = _outcome(lambda: ep.send({r.engine: route_tensors(r, local) for r in routes}).version)
     else:
         out = _outcome(lambda: ep.receive().version)
         out["live"] = {n: next((s for s in (CONTROL, *STEPS, AGAIN) if torch.equal(
@@ -136,7 +142,7 @@ def _world(rank: int, init: str) -> dict:
         live = engine_buffers(holdings)
     out: dict = {"before": _outcome(lambda: agree(world, T, _failing_source if rank == 1 else holdings))}
     mesh = agree(world, T, holdings)
-    bad, _ = _endpoint(world, mesh, rank, live, 2 * BUCKET if rank == 3 else BUCKET, False)
+    bad, _ = _endpoint(world, mesh, rank, live, 2 * BUCKET if rank == 3 else BUCKET)
     out["pair"] = _outcome(bad.handshake)
     try:
         _refit_steps(world, mesh, rank, source, live, state, out)
@@ -152,15 +158,15 @@ def _refit_steps(world, mesh, rank: int, source, live, state: dict, out: dict) -
 
     from mxport.refit import TorchDistTransport
 
-    ep, routes = _endpoint(world, mesh, rank, live, BUCKET, False)
-    out[CONTROL] = _refit(ep, routes, rank, source, live, state, CONTROL, False)
-    ep, routes = _endpoint(world, mesh, rank, live, BUCKET, True)
+    ep, routes = _endpoint(world, mesh, rank, live, BUCKET)
+    out[CONTROL] = _refit(ep, routes, rank, source, live, state, CONTROL)
+    ep = _checked(world, mesh, rank, live)
     for step in STEPS:
-        out[step] = _refit(ep, routes, rank, source, live, state, step, True)
+        out[step] = _refit(ep, None, rank, source, live, state, step)
     timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
     pg2 = dist.new_group(list(range(WORLD)), backend="gloo", timeout=timeout)  # the group re-created
-    ep2, routes = _endpoint(TorchDistTransport.from_group(pg2), mesh, rank, live, BUCKET, True)
-    out["again"] = _refit(ep2, routes, rank, source, live, state, AGAIN, True)
+    ep2 = _checked(TorchDistTransport.from_group(pg2), mesh, rank, live)
+    out["again"] = _refit(ep2, None, rank, source, live, state, AGAIN)
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +271,51 @@ def test_versions_continue_over_re_created_endpoints_and_restarted_ranks(monkeyp
     engine_live = 3  # the engine rank remembers the version its live weights hold
     monkeypatch.setattr(sharded, "_LAST_VERSION", {})  # a restarted process remembers nothing
     assert _in_process_refits(*pair(version=engine_live), 1) == ([4], [4])
+
+
+# ---- the replica checks without processes ------------------------------------------------------------------
+def test_batched_checksums_and_replica_digests():
+    from mxport.refit.buckets import checksum, checksums
+    from mxport.refit.sharded import replica_digests
+
+    g = torch.Generator().manual_seed(0)
+    payloads = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in (8, 64, (1 << 20) + 24)]
+    assert checksums(payloads) == [checksum(p) for p in payloads] and checksums([]) == []
+    x = torch.randn(5, 7, generator=g).to(torch.bfloat16)  # 14 bytes a row: unaligned, odd-sized boxes
+    a, b, c = replica_digests([x[1:3, 2:5], x[1:3, 2:5].clone(), x[1]])
+    assert a == b and a != c
+    y = x.clone()
+    y[2, 3] += 1
+    assert replica_digests([y[1:3, 2:5]]) != [a]
+
+
+def test_replica_checks_name_the_tensor_and_every_holder():
+    """Three holders of a norm, rank 2 drifts: the line names the tensor, the three ranks and who had what;
+    a holder that aborted is not compared (its digests mean nothing)."""
+    from mxport.refit import ReceiverResult, Status, Vote
+    from mxport.refit.mesh import Box, Replica, TensorInfo
+    from mxport.refit.sharded import ReplicaChecks
+
+    n = TensorInfo("norm", "kept", "bfloat16", (64,))
+    w = TensorInfo("w", "kept", "bfloat16", (4, 96))
+    checks = ReplicaChecks.of([Replica(w, Box((0, 32), (4, 64)), (0, 1)),
+                               Replica(n, Box.full((64,)), (0, 1, 2))])
+    assert checks.width == 2 and checks.slots == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 1}, 2: {1: 0}}
+
+    def rows(digests, status=(0, 0, 0)):
+        return [torch.tensor([status[r], -1, -1, 1, -1, *d], dtype=torch.int64)
+                for r, d in enumerate(digests)]
+
+    def vote(rs):
+        results = tuple(ReceiverResult.from_tensor(r, t[:4]) for r, t in enumerate(rs))
+        return Vote(0, results, frozenset({0, 1, 2}))
+
+    same = rows([[7, 5], [7, 5], [5, 0]])
+    assert checks.drift(same, vote(same)) == ((), (), set())
+    bad = rows([[7, 5], [7, 5], [6, 0]])
+    lines, names, ranks = checks.drift(bad, vote(bad))
+    assert names == ("norm",) and ranks == {0, 1, 2}
+    assert lines == ("norm[0:64] differs between trainer ranks 0, 1, 2 (ranks 0, 1: digest "
+                     "0x0000000000000005, rank 2: digest 0x0000000000000006)",)
+    aborted = rows([[7, 5], [7, 5], [6, 0]], status=(0, 0, int(Status.ABORTED)))
+    assert checks.drift(aborted, vote(aborted))[0] == ()

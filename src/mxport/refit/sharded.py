@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .buckets import byte_view, checksum
+from .buckets import byte_view, checksums
 from .mesh import (
     MAX_REASON,
     MeshPlan,
@@ -177,71 +177,80 @@ class WorldVote:
         return out
 
 
-def replica_digest(t: torch.Tensor) -> int:
-    """The digest of one copy of a replicated box: :func:`~mxport.refit.buckets.checksum` of its bytes
-    (zero-padded to whole int64 words), computed where they are (one pass; a copy only for a box that is not
-    contiguous in its rank's tensor)."""
-    b = byte_view(t.contiguous())
-    if b.numel() % 8:
-        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
-    return checksum(b)
+def replica_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The digest of each copy of a replicated box: :func:`~mxport.refit.buckets.checksum` of its bytes
+    (zero-padded to whole int64 words), summed where the bytes are (one pass; a copy only for a box that is
+    not contiguous in its rank's tensor), all brought to the host at once."""
+    out = []
+    for t in tensors:
+        b = byte_view(t.contiguous())
+        if b.numel() % 8:
+            b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+        out.append(b if b.storage_offset() % 8 == 0 else b.clone())  # int64 words need aligned bytes
+    return checksums(out)
 
 
-def replica_slots(replicas: Sequence[Replica], rank: int) -> list[int]:
-    """The indices of the replicas ``rank`` holds: its vote row carries their digests in this order."""
-    return [i for i, rep in enumerate(replicas) if rank in rep.holders]
+@dataclass(frozen=True)
+class ReplicaChecks:
+    """The replicas a sharded refit's vote compares: per trainer rank, the replicas it holds in the order its
+    row carries their digests (``slots[rank][replica index]``); ``width``: the widest row's digest count;
+    ``word``: 56 bits of their description (every rank must vote with the same checks)."""
+
+    replicas: tuple[Replica, ...]
+    slots: dict[int, dict[int, int]]
+    width: int
+    word: int
+
+    @classmethod
+    def of(cls, replicas: Sequence[Replica]) -> ReplicaChecks:
+        slots: dict[int, dict[int, int]] = {}
+        for i, rep in enumerate(replicas):
+            for t in rep.holders:
+                mine = slots.setdefault(t, {})
+                mine[i] = len(mine)
+        text = json.dumps([[r.tensor.name, *r.box.canonical(), list(r.holders)] for r in replicas],
+                          separators=(",", ":"))
+        word = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        return cls(tuple(replicas), slots, max(map(len, slots.values()), default=0), word)
+
+    def held_by(self, rank: int) -> list[Replica]:
+        """The replicas ``rank`` holds, in its row's order."""
+        return [self.replicas[i] for i in self.slots.get(rank, {})]
+
+    def drift(self, rows: Sequence[torch.Tensor], vote: Vote):
+        """``(lines, names, ranks)``: each replica whose holders (those that voted ok) gave different
+        digests (``rows``: the vote's rows, digests from word ``REPORT_WORDS + 1`` on)."""
+        lines, names, ranks = [], [], set()
+        for i, rep in enumerate(self.replicas):
+            got = {t: int(rows[t][REPORT_WORDS + 1 + self.slots[t][i]]) for t in rep.holders
+                   if vote.rows[t].ok}
+            if len(set(got.values())) < 2:
+                continue
+            groups: dict[int, list[int]] = {}
+            for t, d in got.items():
+                groups.setdefault(d, []).append(t)
+            held = ", ".join(f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: digest "
+                             f"{d & ((1 << 64) - 1):#018x}" for d, g in groups.items())
+            lines.append(f"{rep.tensor.name}{rep.box} differs between trainer ranks "
+                         f"{', '.join(map(str, sorted(got)))} ({held})")
+            names.append(rep.tensor.name)
+            ranks.update(got)
+        return tuple(lines), tuple(dict.fromkeys(names)), ranks
 
 
-def replicas_word(replicas: Sequence[Replica]) -> int:
-    """A 56-bit word of the replica checks (every rank must vote with the same ones: rows of one width)."""
-    text = json.dumps([[r.tensor.name, *r.box.canonical(), list(r.holders)] for r in replicas],
-                      separators=(",", ":"))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-
-
-def _vote_width(replicas: Sequence[Replica]) -> int:
-    counts: dict[int, int] = {}
-    for rep in replicas:
-        for t in rep.holders:
-            counts[t] = counts.get(t, 0) + 1
-    return max(counts.values(), default=0)
-
-
-def _drift(rows: Sequence[torch.Tensor], vote: Vote, replicas: Sequence[Replica]):
-    """``(lines, names, ranks)``: each replica whose holders (those that voted ok) gave different digests."""
-    at: dict[int, dict[int, int]] = {}  # rank -> replica index -> digest
-    lines, names, ranks = [], [], set()
-    for i, rep in enumerate(replicas):
-        got = {}
-        for t in rep.holders:
-            if vote.rows[t].ok:
-                slots = at.setdefault(t, {j: k for k, j in enumerate(replica_slots(replicas, t))})
-                got[t] = int(rows[t][REPORT_WORDS + 1 + slots[i]])
-        if len(set(got.values())) < 2:
-            continue
-        groups: dict[int, list[int]] = {}
-        for t, d in got.items():
-            groups.setdefault(d, []).append(t)
-        held = ", ".join(f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: digest "
-                         f"{d & ((1 << 64) - 1):#018x}" for d, g in groups.items())
-        lines.append(f"{rep.tensor.name}{rep.box} differs between trainer ranks "
-                     f"{', '.join(map(str, sorted(got)))} ({held})")
-        names.append(rep.tensor.name)
-        ranks.update(got)
-    return tuple(lines), tuple(dict.fromkeys(names)), ranks
+NO_REPLICAS = ReplicaChecks.of(())
 
 
 def world_vote(world: Transport, row: ReceiverResult, peer: int, trainers: Sequence[int],
-               replicas: Sequence[Replica] = (), digests: Sequence[int] = ()) -> WorldVote:
+               checks: ReplicaChecks = NO_REPLICAS, digests: Sequence[int] = ()) -> WorldVote:
     """Every world rank's row (``row``, ``peer``, then the digests of the replicas it holds, zero-padded to
     the widest rank's) in one ``all_gather``; ``trainers``: the senders. A replica whose holders' digests
     differ turns those holders' rows into :attr:`Status.REPLICA_DRIFT` (nobody commits)."""
-    width = _vote_width(replicas)
-    pad = [int(d) for d in digests] + [0] * (width - len(digests))
+    pad = [int(d) for d in digests] + [0] * (checks.width - len(digests))
     mine = torch.cat([row.to_tensor(), torch.tensor([peer, *pad], dtype=torch.int64)])
     rows = world.all_gather(mine)
     vote = Vote.tally([r[:REPORT_WORDS] for r in rows], min(trainers), trainers)
-    drift, names, ranks = _drift(rows, vote, replicas) if replicas else ((), (), set())
+    drift, names, ranks = checks.drift(rows, vote) if checks.replicas else ((), (), set())
     if drift:
         marked = tuple(ReceiverResult(r.rank, Status.REPLICA_DRIFT, -1, -1, r.version) if r.rank in ranks
                        else r for r in vote.rows)
@@ -259,7 +268,8 @@ def _check_digest(global_digest: str) -> bytes:
     return raw
 
 
-def agree_global(world: Transport, global_digest: str, version: int, replicas: Sequence[Replica] = ()) -> int:
+def agree_global(world: Transport, global_digest: str, version: int, checks: ReplicaChecks = NO_REPLICAS
+                 ) -> int:
     """The world handshake: every rank gives ``[SHARD_HELLO, digest words, version, replicas word]``; returns
     the highest version. Raises :class:`RefitError` for a rank that does not speak it (or a group that
     failed), :class:`RefitPlanMismatch` (on every rank) when any rank's global digest or replica checks
@@ -267,7 +277,7 @@ def agree_global(world: Transport, global_digest: str, version: int, replicas: S
     raw = _check_digest(global_digest)
     head = torch.tensor([SHARD_HELLO], dtype=torch.int64)
     digest = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    tail = torch.tensor([int(version), replicas_word(replicas)], dtype=torch.int64)
+    tail = torch.tensor([int(version), checks.word], dtype=torch.int64)
     rows = gather_checked(world, torch.cat([head, digest, tail]), "sharded refit handshake")
     strangers = [r for r, row in enumerate(rows) if int(row[0]) != SHARD_HELLO]
     if strangers:
@@ -367,7 +377,7 @@ class ShardedSender:
         _check_digest(global_digest)
         self.world, self.global_digest = world, global_digest
         self.trainers = _check_trainers(world, trainers, True)
-        self.replicas = tuple(replicas)
+        self.checks = ReplicaChecks.of(replicas)
         self.routes: list = []  # the mesh routes of the pairs, when built by from_mesh
         self.engines = [int(e) for e, _ in pairs]
         if len(set(self.engines)) != len(self.engines) or any(e in self.trainers for e in self.engines):
@@ -391,7 +401,7 @@ class ShardedSender:
     def handshake(self) -> None:
         """The world digest agreement, then each pair's plan handshake in pair order, then the world's
         agreement on the pairs' outcomes (:class:`RefitAgreementError` on every rank if any pair failed)."""
-        self.version = agree_global(self.world, self.global_digest, self.version, self.replicas)
+        self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
         self.version = _pair_handshakes(self.world, self.senders, self.engines, self.version, "engine")
         _remember(self.global_digest, self.version)
         self._handshaken = True
@@ -429,7 +439,7 @@ class ShardedSender:
         row = ReceiverResult(self.world.rank, Status.OK if ok else Status.ABORTED, -1, -1, self.version)
         try:
             wv = world_vote(self.world, row, -1 if aborted is None else self.engines[aborted], self.trainers,
-                            self.replicas, digests)
+                            self.checks, digests)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             raise RefitError(f"sharded refit v{self.version} failed: the world vote failed "
                              f"({type(exc).__name__}: {exc}); a rank died or timed out, so engine ranks that "
@@ -442,9 +452,9 @@ class ShardedSender:
         return self._conclude(pendings, pair_stats, wv, time.perf_counter() - t0)
 
     def _digests(self, local: Mapping | None) -> tuple[list[int], BaseException | None]:
-        """The digest of this rank's copy of every replica it holds (in :func:`replica_slots` order), or the
-        error that kept it from digesting them (the refit is then aborted)."""
-        slots = replica_slots(self.replicas, self.world.rank)
+        """The digest of this rank's copy of every replica it holds (in its row's order), or the error that
+        kept it from digesting them (the refit is then aborted)."""
+        slots = self.checks.held_by(self.world.rank)
         if not slots:
             return [], None
         if local is None:
@@ -452,8 +462,7 @@ class ShardedSender:
                                   "whose copies the vote compares: pass send(..., local=) (its "
                                   "{name: (box, tensor)} bytes) or use send_local")
         try:
-            return [replica_digest(local_part(local, self.replicas[i].tensor.name, self.replicas[i].box))
-                    for i in slots], None
+            return replica_digests(local_part(local, r.tensor.name, r.box) for r in slots), None
         except Exception as exc:  # noqa: BLE001 - the refit is aborted, the error raised after the vote
             return [], exc
 
@@ -546,7 +555,7 @@ class ShardedReceiver:
         _check_digest(global_digest)
         self.world, self.global_digest = world, global_digest
         self.trainers = _check_trainers(world, trainers, False)
-        self.replicas = tuple(replicas)
+        self.checks = ReplicaChecks.of(replicas)
         self.peers = [int(p[0]) for p in pairs]
         if len(set(self.peers)) != len(self.peers) or any(t not in self.trainers for t in self.peers):
             raise ValueError(f"pairs: each trainer rank once, each one of {list(self.trainers)}, got "
@@ -574,7 +583,7 @@ class ShardedReceiver:
     def handshake(self) -> None:
         """The world digest agreement, then each pair's plan handshake in pair order, then the world's
         agreement on the pairs' outcomes (:class:`RefitAgreementError` on every rank if any pair failed)."""
-        self.version = agree_global(self.world, self.global_digest, self.version, self.replicas)
+        self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
         _pair_handshakes(self.world, self.receivers, self.peers, self.version, "trainer")
         self._handshaken = True
 
@@ -597,7 +606,7 @@ class ShardedReceiver:
             row = ReceiverResult(self.world.rank, own.status, own.bucket, own.entry, self.version)
         try:
             wv = world_vote(self.world, row, -1 if first is None else self.peers[first], self.trainers,
-                            self.replicas)
+                            self.checks)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             self._discard(staged)
             raise RefitError(f"sharded refit not committed on engine rank {self.world.rank}: every pair was "
