@@ -93,9 +93,9 @@ def checksums(payloads: Iterable[torch.Tensor]) -> list[int]:
         m = n // _CHUNK_WORDS * _CHUNK_WORDS
         parts = [words[:m].view(-1, _CHUNK_WORDS).sum(dim=1)] if m else []
         parts += [words[m:].sum().view(1)] if n > m else []
-        sums += [x.to("cpu") for x in parts]
+        sums += parts
         counts.append((n, len(parts)))
-    flat = torch.cat(sums).tolist() if sums else []
+    flat = torch.cat([x.to(sums[0].device) for x in sums]).tolist() if sums else []  # one device sync
     out, i = [], 0
     for n, k in counts:
         out.append(_mix(n, flat[i:i + k]))

@@ -395,11 +395,11 @@ def find_replicas(mesh: MeshPlan) -> tuple[Replica, ...]:
     by_name: dict[str, dict[Box, list[int]]] = {t.name: {} for t in mesh.tensors}
     for t, held in enumerate(mesh.trainers):
         for h in held:
-            if h.box.numel:
-                by_name[h.tensor.name].setdefault(h.box, []).append(t)
+            by_name[h.tensor.name].setdefault(h.box, []).append(t)
     out: list[Replica] = []
     for info in mesh.tensors:
-        boxes = by_name[info.name]
+        boxes = {b: ranks for b, ranks in by_name[info.name].items()
+                 if all(a < z for a, z in zip(b.start, b.stop, strict=True))}  # empty boxes hold nothing
         regions = {b: set(ranks) for b, ranks in boxes.items() if len(set(ranks)) > 1}
         distinct = list(boxes)
         for i, j, common in _overlaps(distinct):
