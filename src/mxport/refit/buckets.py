@@ -15,6 +15,7 @@ weights, computed on the payload's device (the sender sums each chunk as it pack
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,26 @@ def checksum(payload: torch.Tensor) -> int:
         parts.append(words[m:].sum().view(1))
     sums = torch.cat(parts).tolist() if parts else []
     return _mix(n, sums)
+
+
+def checksums(payloads: Iterable[torch.Tensor]) -> list[int]:
+    """:func:`checksum` of each payload, the word sums of all of them brought to the host in one transfer
+    (one device sync for many small payloads, e.g. the replicas a sharded refit's vote compares)."""
+    sums, counts = [], []
+    for payload in payloads:
+        words = payload.view(torch.int64)
+        n = words.numel()
+        m = n // _CHUNK_WORDS * _CHUNK_WORDS
+        parts = [words[:m].view(-1, _CHUNK_WORDS).sum(dim=1)] if m else []
+        parts += [words[m:].sum().view(1)] if n > m else []
+        sums += parts
+        counts.append((n, len(parts)))
+    flat = torch.cat([x.to(sums[0].device) for x in sums]).tolist() if sums else []  # one device sync
+    out, i = [], 0
+    for n, k in counts:
+        out.append(_mix(n, flat[i:i + k]))
+        i += k
+    return out
 
 
 _SHIFTS: dict[str, torch.Tensor] = {}

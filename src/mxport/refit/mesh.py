@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
+from .results import RefitError
 
 MESH_FORMAT = "mxport-mesh-plan/1"
 
@@ -356,6 +357,58 @@ def route(mesh: MeshPlan) -> list[Route]:
     return out
 
 
+# -- replicated bytes: boxes several trainer ranks hold (their copies must agree) ---------------------------
+@dataclass(frozen=True)
+class Replica:
+    """A box of one tensor that several trainer ranks (``holders``, group ranks, ascending) each hold whole:
+    a plain parameter of a sharded trainer, a ``Replicate`` placement, a scale block two K shards share.
+    Routing takes each piece from one holder, so the holders' copies must be equal (checked in the world
+    vote)."""
+
+    tensor: TensorInfo
+    box: Box
+    holders: tuple[int, ...]
+
+
+def _overlaps(boxes: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
+    """``(i, j, common)`` for every pair of ``boxes`` (distinct, non-empty) that intersect: a sweep along the
+    dimension where they have the most distinct starts (linear for disjoint shards of one dimension)."""
+    if len(boxes) < 2:
+        return
+    dims = len(boxes[0].start)
+    d = max(range(dims), key=lambda k: len({b.start[k] for b in boxes})) if dims else 0
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].start[d] if dims else 0)
+    for n, i in enumerate(order):
+        for j in order[n + 1:]:
+            if dims and boxes[j].start[d] >= boxes[i].stop[d]:
+                break
+            common = boxes[i].intersect(boxes[j])
+            if common is not None:
+                yield min(i, j), max(i, j), common
+
+
+def find_replicas(mesh: MeshPlan) -> tuple[Replica, ...]:
+    """Every replicated region of ``mesh``'s trainer holdings, in tensor order: each box held by several
+    trainer ranks, and each common part of two different boxes that overlap (with the holders of both).
+    Every byte held by two trainer ranks lies in a region both are holders of, so comparing each region's
+    copies compares every pair of copies of every replicated byte."""
+    by_name: dict[str, dict[Box, list[int]]] = {t.name: {} for t in mesh.tensors}
+    for t, held in enumerate(mesh.trainers):
+        for h in held:
+            by_name[h.tensor.name].setdefault(h.box, []).append(t)
+    out: list[Replica] = []
+    for info in mesh.tensors:
+        boxes = {b: ranks for b, ranks in by_name[info.name].items()
+                 if all(a < z for a, z in zip(b.start, b.stop, strict=True))}  # empty boxes hold nothing
+        regions = {b: set(ranks) for b, ranks in boxes.items() if len(set(ranks)) > 1}
+        distinct = list(boxes)
+        for i, j, common in _overlaps(distinct):
+            regions.setdefault(common, set()).update(boxes[distinct[i]], boxes[distinct[j]])
+        out += [Replica(info, b, tuple(sorted(regions[b])))
+                for b in sorted(regions, key=lambda b: (b.start, b.stop)) if len(regions[b]) > 1]
+    return tuple(out)
+
+
 # -- agreeing on the plan over the group -------------------------------------------------------------------
 #: the longest JSON description of one rank's holdings accepted from a peer
 MAX_HOLDINGS_JSON = 64 << 20
@@ -389,43 +442,111 @@ def holdings_from_canonical(obj, rank: int) -> list[Holding]:
     return out
 
 
-def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
+#: "MXMESH" and the plan agreement's version (2: a status row first, a failing rank's reason to every rank)
+MESH_HELLO = 0x4D584D4553480002
+#: the longest reason (UTF-8 bytes) a rank that cannot describe its holdings sends the others
+MAX_REASON = 4000
+
+
+class RefitAgreementError(RefitPlanMismatch, RefitError):
+    """The ranks did not agree on a sharded plan, or a rank failed before they did (its source raised, a
+    malformed holding, a pair handshake that failed): raised on every rank, naming each failing rank and why;
+    nothing was sent. A :class:`RefitPlanMismatch` (as the plan agreement always raised) and a
+    :class:`RefitError` (``kept_version``: every engine rank keeps its weights)."""
+
+    def __init__(self, problems: Sequence[str], *, what: str = "sharded plan not agreed",
+                 local_digest: str = ""):
+        RefitPlanMismatch.__init__(self, problems, local_digest=local_digest)
+        self.bucket, self.tensors, self.kept_version, self.status, self.receivers = None, [], 0, None, []
+        head = "; ".join(self.differences[:8])
+        more = f" (+{len(self.differences) - 8} more)" if len(self.differences) > 8 else ""
+        self.args = (f"{what}, nothing was sent: {head}{more}",)
+
+
+def gather_checked(transport, row, what: str) -> list:
+    """``transport.all_gather(row)``, a transport failure (a dead peer, a rank that never came, a timeout)
+    raised as :class:`RefitError` saying which exchange failed."""
+    try:
+        return transport.all_gather(row)
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; in-process channels TimeoutError
+        raise RefitError(f"rank {transport.rank}: the {what} failed ({type(exc).__name__}: {exc}); a rank "
+                         "died, timed out or never took part: nothing was sent, re-create the group") from exc
+
+
+def _describe(held) -> tuple[bytes, BaseException | None]:
+    """This rank's holdings as JSON bytes, or (``b""``, why it cannot give them): ``held`` an iterable of
+    holdings, a callable returning one (its error is reported), or the exception this rank failed with."""
+    try:
+        if isinstance(held, BaseException):
+            raise held
+        text = json.dumps(holdings_canonical(held() if callable(held) else held), separators=(",", ":"))
+        if len(text) > MAX_HOLDINGS_JSON:
+            raise ValueError(f"{len(text)} bytes of holdings JSON (at most {MAX_HOLDINGS_JSON})")
+        return text.encode(), None
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach every rank, not hang them
+        return b"", exc
+
+
+def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
+    """Every rank's holdings, or the reason it gave for having none (each rank's status row, then the bytes:
+    holdings JSON or the reason, zero-padded to the longest). Raises :class:`RefitAgreementError` on every
+    rank when any rank failed, naming each one and its reason."""
+    import torch
+
+    text, mine = _describe(held)
+    reason = b"" if mine is None else f"{type(mine).__name__}: {mine}".encode()[:MAX_REASON]
+    row = torch.tensor([MESH_HELLO, int(mine is not None), len(text or reason)], dtype=torch.int64)
+    rows = [r.tolist() for r in gather_checked(transport, row, "sharded plan agreement (status rows)")]
+    strangers = [r for r, (hello, _, _) in enumerate(rows) if hello != MESH_HELLO]
+    if strangers:
+        raise RefitAgreementError([f"rank {r} does not speak the mxport plan agreement (another program or "
+                                   "mxport version on this group?)" for r in strangers]) from mine
+    limit = [MAX_REASON if failed else MAX_HOLDINGS_JSON for _, failed, _ in rows]
+    problems = [f"rank {r} sent {n} bytes of holdings (at most {MAX_HOLDINGS_JSON})"
+                for r, (_, _, n) in enumerate(rows) if not 0 <= n <= limit[r]]
+    if problems:
+        raise RefitAgreementError(problems) from mine
+    buf = torch.zeros(max(n for _, _, n in rows), dtype=torch.uint8)
+    buf[:len(text or reason)] = torch.frombuffer(bytearray(text or reason), dtype=torch.uint8)
+    got = [g[:rows[r][2]].numpy().tobytes()
+           for r, g in enumerate(gather_checked(transport, buf, "sharded plan agreement (holdings)"))]
+    failed = [f"rank {r} could not describe its holdings: {got[r].decode(errors='replace')}"
+              for r, (_, bad, _) in enumerate(rows) if bad]
+    if failed:
+        raise RefitAgreementError(failed) from mine
+    return got
+
+
+def agree(transport, trainers: int, held) -> MeshPlan:
     """Build the same :class:`MeshPlan` on every rank of ``transport``'s group: ranks ``0 .. trainers-1``
     give what they hold, the others what they need (each as length-capped JSON bytes, never pickle); every
     rank rebuilds every contribution, builds the plan and checks that all digests agree.
 
+    ``held``: this rank's :class:`Holding` s; or a callable returning them (whatever it raises is this rank's
+    failure, reported to every rank); or the exception this rank failed with before it could describe them
+    (a rank must still call ``agree``, so that no rank waits for it until the group times out).
+
     Raises:
         RefitPlanMismatch: on every rank, when the contributions do not make a plan (see :class:`MeshPlan`)
-            or when the digests differ.
+            or when the digests differ; :class:`RefitAgreementError` (also a :class:`RefitError`) when a rank
+            could not describe its holdings, naming it and its reason.
+        RefitError: the group failed (a rank died or never called ``agree``; about the group's timeout).
     """
     import torch
 
-    try:  # a rank that cannot describe its holdings still takes part: it sends -1, every rank refuses
-        text, mine = json.dumps(holdings_canonical(held), separators=(",", ":")).encode(), None
-    except Exception as exc:  # noqa: BLE001 - any failure here must reach every rank, not hang them
-        text, mine = b"", exc
-    sent = torch.tensor([len(text) if mine is None else -1], dtype=torch.int64)
-    lengths = [int(n) for n in transport.all_gather(sent)]
-    bad = [r for r, n in enumerate(lengths) if not 0 <= n <= MAX_HOLDINGS_JSON]
-    if bad:
-        why = [f"rank {r} " + ("could not describe its holdings" if lengths[r] < 0 else
-                               f"sent {lengths[r]} bytes of holdings (at most {MAX_HOLDINGS_JSON})")
-               for r in bad]
-        if mine is not None:
-            why[bad.index(transport.rank)] += f" ({type(mine).__name__}: {mine})"
-        raise RefitPlanMismatch(why) from mine
-    buf = torch.zeros(max(lengths), dtype=torch.uint8)
-    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     ranks = []
     try:
-        for r, got in enumerate(transport.all_gather(buf)):
-            ranks.append(holdings_from_canonical(json.loads(got[:lengths[r]].numpy().tobytes()), r))
+        for r, got in enumerate(_exchange_holdings(transport, held)):
+            ranks.append(holdings_from_canonical(json.loads(got), r))
         mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
         problem = ""
+    except RefitError:  # a rank failed before the plan (every rank knows it), or the group failed
+        raise
     except Exception as exc:  # noqa: BLE001 - every rank must still give its digest row (no rank hangs)
         mesh, problem = None, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     digest = bytes.fromhex(mesh.digest) if mesh is not None else bytes(32)
-    rows = transport.all_gather(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
+    rows = gather_checked(transport, torch.frombuffer(bytearray(digest), dtype=torch.uint8),
+                          "sharded plan agreement (digests)")
     if problem:
         raise RefitPlanMismatch([problem])
     bad = [r for r, d in enumerate(rows) if d.numpy().tobytes() != digest]

@@ -21,6 +21,7 @@ class Status(IntEnum):
     LIVE_CHANGED = 5  # a live tensor was moved, or its dtype / shape changed, since the receiver was built
     COMMIT_FAILED = 6  # writing the live tensors or a refresh hook failed
     PEER_REJECTED = 7  # this receiver accepted, another rank voted no: no rank committed
+    REPLICA_DRIFT = 8  # a trainer rank's copy of a replicated box differs from another holder's (sharded)
 
 
 class AbortReason(IntEnum):
