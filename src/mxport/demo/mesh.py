@@ -190,12 +190,14 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     reference = None
     if rank == 0:
         reference = load_causal_lm(cfg.source, dtype=torch.float32, require_tokenizer=False)[0]
-    source = _shard_trainer(model, t_layout, rank, trainer_kernel(cfg.steps))
     world = TorchDistTransport.from_group(pg)
-    mesh = agree(world, T, source.holdings)
-    routes = _ordered_routes(mesh, rank)
-    sender = ShardedSender(world, [(r.engine, r.plan(cfg.bucket_bytes)) for r in routes],
-                           global_digest=mesh.digest, trainers=range(T))
+    try:
+        source = _shard_trainer(model, t_layout, rank, trainer_kernel(cfg.steps))
+        held = source.holdings
+    except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
+        held = exc
+    mesh = agree(world, T, held)  # raises on every rank when any rank failed before it
+    sender = ShardedSender.from_mesh(world, mesh, cfg.bucket_bytes)  # replicas' digests join the vote
     sender.handshake()
     if rank == 0:
         q.put(("plan", 0, mesh.summary()))
@@ -212,7 +214,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
         t1 = time.perf_counter()
         local = source.local()
         quantize_s = time.perf_counter() - t1
-        stats = sender.send({r.engine: _route_tensors(r, local) for r in routes})
+        stats = sender.send_local(local)
         full = _full_weights(model)  # a collective of the trainer group (FSDP2 / TP); outside the refit
         # a trainer rank's refit: quantizing its shards, then sending up to the vote's outcome
         crc = _crc(local_part(local, h.tensor.name, h.box) for h in source.holdings)  # the bytes it quantized
@@ -224,26 +226,10 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
                                         _expected_crcs(mesh, ref), reply, reference, words)))
 
 
-def _ordered_routes(mesh, rank: int) -> list:
-    """This rank's routes in :func:`~mxport.refit.sharded.pair_order` (every rank follows it: no cycles)."""
-    from ..refit.sharded import pair_order
-
-    T = mesh.num_trainers
-    order = {pair: i for i, pair in enumerate(pair_order(range(T), range(T, T + mesh.num_engines)))}
-    return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
-
-
-def _route_tensors(rt, local):
-    from ..refit.mesh import route_tensors
-
-    return route_tensors(rt, local)
-
-
 # -- engine ranks --------------------------------------------------------------------------------------------
 def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
-    from ..refit.mesh import route_targets
     from ..refit.sharded import ShardedReceiver
     from ..refit.shards import engine_buffers, engine_holdings
     from ..refit.transport import TorchDistTransport
@@ -255,16 +241,16 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     words = Words.of(model, tok)
     quantize_model(model)
     kv_heads = getattr(model.config, "num_key_value_heads", None)
-    holdings = engine_holdings(model, e_layout, e, kv_heads=kv_heads)
-    live = engine_buffers(holdings)
-    _load_initial(model, holdings, live)
     world = TorchDistTransport.from_group(pg)
-    mesh = agree(world, T, holdings)
-    pairs = []
-    for r in _ordered_routes(mesh, rank):
-        targets, scatters = route_targets(r, live)
-        pairs.append((r.trainer, r.plan(cfg.bucket_bytes), targets, scatters))
-    receiver = ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T))
+    try:
+        holdings = engine_holdings(model, e_layout, e, kv_heads=kv_heads)
+        live = engine_buffers(holdings)
+        _load_initial(model, holdings, live)
+        held = holdings
+    except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
+        held = exc
+    mesh = agree(world, T, held)
+    receiver = ShardedReceiver.from_mesh(world, mesh, live, cfg.bucket_bytes)
     receiver.handshake()
     ptrs = _pointers(live)
     prompt = words.prompt()
