@@ -39,7 +39,8 @@ from .mesh import Box, Holding, TensorInfo
 from .plan import dtype_from_name
 from .trainer import TrainerSource, _kept_dtype
 
-__all__ = ["HeldTensorsSource", "ShardedTrainerSource", "engine_buffers", "engine_holdings", "scales_box"]
+__all__ = ["HeldTensorsSource", "ShardedTrainerSource", "engine_boxes", "engine_buffers", "engine_holdings",
+           "scales_box"]
 
 #: bucket size of the (global) plans built here only to read their entries; no bytes move by them
 _PLAN_BUCKET = 1 << 20
@@ -325,7 +326,7 @@ class HeldTensorsSource:
 
 
 # -- engine side ---------------------------------------------------------------------------------------------
-def _engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
+def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
                   quantized: bool) -> list[Box]:
     """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings):
     one, or one per block of :attr:`~mxport.layout.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
@@ -393,7 +394,7 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
         if e.role == "scales" and values:
             boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
         else:
-            boxes = _engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
+            boxes = engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
         held = [Holding(info, box) for box in boxes]
         out += held
         values = held if e.role == "values" else []
