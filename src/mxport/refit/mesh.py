@@ -239,7 +239,7 @@ class MeshPlan:
     @cached_property
     def digest(self) -> str:
         with _gc_paused():
-            text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+            text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), check_circular=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
     @cached_property
@@ -479,19 +479,22 @@ def _routes(mesh: MeshPlan, engines: Iterable[int], trainer: int | None = None) 
 def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | None) -> list[Route]:
     T = mesh.num_trainers
     index = {t.name: i for i, t in enumerate(mesh.tensors)}
-    pieces: dict[tuple[int, int], list[Piece]] = {}
+    routes = []
     for e in engines:
-        for h in mesh.engines[e]:
-            if h.box.numel == 0:
-                continue
-            first = (index[h.tensor.name] + e) % T
-            for t, box in mesh._held[h.tensor.name].cover(h.box, first, trainer):
-                pieces.setdefault((t, e), []).append(Piece(h.tensor, box))
-    out = []
-    for (t, e), ps in sorted(pieces.items()):
-        ps.sort(key=lambda p: (index[p.tensor.name], p.box.start))
-        out.append(Route(t, mesh.engine_rank(e), tuple(ps)))
-    return out
+        needs = sorted(((index[h.tensor.name], h.box.start, h) for h in mesh.engines[e] if h.box.numel),
+                       key=itemgetter(0, 1))
+        pieces: dict[int, list[Piece]] = {}
+        unsorted = set()  # trainers whose pieces of one tensor did not come in box order
+        for i, _, h in needs:
+            for t, box in mesh._held[h.tensor.name].cover(h.box, (i + e) % T, trainer):
+                mine = pieces.setdefault(t, [])
+                if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
+                    unsorted.add(t)
+                mine.append(Piece(h.tensor, box))
+        for t in unsorted:
+            pieces[t].sort(key=lambda p: (index[p.tensor.name], p.box.start))
+        routes += [Route(t, mesh.engine_rank(e), tuple(ps)) for t, ps in pieces.items()]
+    return sorted(routes, key=lambda r: (r.trainer, r.engine))
 
 
 # -- agreeing on the plan over the group -------------------------------------------------------------------
