@@ -56,20 +56,21 @@ def reference_routes(mesh: MeshPlan) -> list[Route]:
 def fingerprint(routes) -> str:
     h = hashlib.sha256()
     for r in routes:
-        h.update(repr((r.trainer, r.engine, [(p.tensor.name, p.box.start, p.box.stop) for p in r.pieces])).encode())
+        pieces = [(p.tensor.name, p.box.start, p.box.stop) for p in r.pieces]
+        h.update(repr((r.trainer, r.engine, pieces)).encode())
     return h.hexdigest()
 
 
 # -- the meshes ----------------------------------------------------------------------------------------------
-Q, O = info("l.0.q.weight", (64, 96)), info("l.0.o.weight", (48, 64))
+Q, OUT = info("l.0.q.weight", (64, 96)), info("l.0.o.weight", (48, 64))
 N, EMB = info("norm.weight", (96,)), info("embed.weight", (100, 32))
 W13, W2 = info("l.0.experts.gate_up_proj", (6, 8, 64)), info("l.0.experts.down_proj", (6, 32, 16))
-TENSORS = (Q, O, N, EMB)
+TENSORS = (Q, OUT, N, EMB)
 
 
 def tp_engine(E: int) -> list[list[Holding]]:
     """q and embed column parallel, o row parallel, norm whole."""
-    return [[along(Q, 0, E, e), along(O, 1, E, e), full(N), along(EMB, 0, E, e)] for e in range(E)]
+    return [[along(Q, 0, E, e), along(OUT, 1, E, e), full(N), along(EMB, 0, E, e)] for e in range(E)]
 
 
 def fsdp(T: int, tensors=TENSORS) -> list[list[Holding]]:
@@ -78,7 +79,7 @@ def fsdp(T: int, tensors=TENSORS) -> list[list[Holding]]:
 
 def tp_trainer(T: int) -> list[list[Holding]]:
     """Column / row parallel trainer (q rows, o columns), norm and embed replicated."""
-    return [[along(Q, 0, T, r), along(O, 1, T, r), full(N), full(EMB)] for r in range(T)]
+    return [[along(Q, 0, T, r), along(OUT, 1, T, r), full(N), full(EMB)] for r in range(T)]
 
 
 def fsdp_tp_tiles(T: int) -> list[list[Holding]]:
@@ -86,7 +87,7 @@ def fsdp_tp_tiles(T: int) -> list[list[Holding]]:
     half, out = T // 2, []
     for r in range(T):
         tiles = []
-        for t in (Q, O):
+        for t in (Q, OUT):
             (r0, r1), (c0, c1) = chunk(t.shape[0], 2, r // half), chunk(t.shape[1], half, r % half)
             tiles.append(Holding(t, Box((r0, c0), (r1, c1))))
         out.append(tiles + [along(N, 0, T, r), along(EMB, 0, T, r)])
@@ -109,7 +110,8 @@ def experts(T: int, E: int) -> tuple[list, list]:
     tr = [[along(W13, 0, T, r), along(W2, 0, T, r)] for r in range(T)]
     n = W13.shape[1] // 2 // E
     en = [[Holding(W13, Box((0, e * n, 0), (6, (e + 1) * n, 64))),
-           Holding(W13, Box((0, 4 + e * n, 0), (6, 4 + (e + 1) * n, 64))), along(W2, 2, E, e)] for e in range(E)]
+           Holding(W13, Box((0, 4 + e * n, 0), (6, 4 + (e + 1) * n, 64))), along(W2, 2, E, e)]
+          for e in range(E)]
     return tr, en
 
 

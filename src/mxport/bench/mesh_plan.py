@@ -5,9 +5,9 @@ ranks and needed by a ``tp = 8`` engine, as every rank builds it in :func:`~mxpo
 every failure too): the tensors' merge and checks, the coverage check, the routes and the digest.
 
 The holdings are built synthetically (no processes, no torch model): trainer rank ``t`` holds rows
-``[t n / T, (t + 1) n / T)`` (``torch.chunk``'s split, as FSDP2's ``Shard(0)``) of every tensor, its scales the
-same rows; engine rank ``e`` holds what :func:`mxport.refit.shards.engine_holdings` gives a vLLM ``tp = E``
-rank (:func:`mxport.refit.shards.engine_boxes`).
+``[t n / T, (t + 1) n / T)`` (``torch.chunk``'s split, as FSDP2's ``Shard(0)``) of every tensor, its scales
+the same rows; engine rank ``e`` holds what :func:`mxport.refit.shards.engine_holdings` gives a vLLM
+``tp = E`` rank (:func:`mxport.refit.shards.engine_boxes`).
 
 Rows: one per trainer rank count (8, 64, 256; quick: 8, 64): the seconds until every rank has its plan (value:
 the median plan + digest, plus the slower of a trainer rank's and an engine rank's routes) against the goal of
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..refit.mesh import Box, Holding, MeshPlan, TensorInfo
 
 GOAL_S = 1.0
+GOAL = f"ratio <= 1 ({GOAL_S:g} s at 256 trainer ranks)"
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ def moe_entries(m: MoeShape) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (q, m.hidden)), (p + "self_attn.k_proj.weight", (kv, m.hidden)),
-                (p + "self_attn.v_proj.weight", (kv, m.hidden)), (p + "self_attn.o_proj.weight", (m.hidden, q)),
-                (p + "self_attn.q_norm.weight", (m.head_dim,)), (p + "self_attn.k_norm.weight", (m.head_dim,)),
+        a = p + "self_attn."
+        out += [(a + "q_proj.weight", (q, m.hidden)), (a + "k_proj.weight", (kv, m.hidden)),
+                (a + "v_proj.weight", (kv, m.hidden)), (a + "o_proj.weight", (m.hidden, q)),
+                (a + "q_norm.weight", (m.head_dim,)), (a + "k_norm.weight", (m.head_dim,)),
                 (p + "mlp.experts.gate_up_proj", (m.experts, 2 * m.moe_intermediate, m.hidden)),
                 (p + "mlp.experts.down_proj", (m.experts, m.hidden, m.moe_intermediate)),
                 (p + "mlp.gate.weight", (m.experts, m.hidden)), (p + "input_layernorm.weight", (m.hidden,)),
@@ -99,7 +101,8 @@ def fsdp_holdings(tensors, t: int, trainers: int) -> list[Holding]:
 
 
 def tp_holdings(tensors, e: int, tp: int, kv_heads: int) -> list[Holding]:
-    """What engine rank ``e`` of a vLLM ``tp`` engine needs (as :func:`~mxport.refit.shards.engine_holdings`)."""
+    """What engine rank ``e`` of a vLLM ``tp`` engine needs (as
+    :func:`~mxport.refit.shards.engine_holdings`)."""
     from ..layout import Layout
     from ..refit.shards import engine_boxes, scales_box
 
@@ -115,7 +118,8 @@ def tp_holdings(tensors, e: int, tp: int, kv_heads: int) -> list[Holding]:
 
 def moe_mesh_holdings(trainers: int, engines: int = 8, shape: MoeShape = QWEN3_235B
                       ) -> tuple[list[list[Holding]], list[list[Holding]]]:
-    """Every trainer rank's and engine rank's holdings of the MoE model (FSDP ``trainers`` -> tp ``engines``)."""
+    """Every trainer rank's and engine rank's holdings of the MoE model (FSDP ``trainers`` -> tp
+    ``engines``)."""
     tensors = plan_tensors(moe_entries(shape))
     return ([fsdp_holdings(tensors, t, trainers) for t in range(trainers)],
             [tp_holdings(tensors, e, engines, shape.kv_heads) for e in range(engines)])
@@ -137,8 +141,8 @@ class BuildTimes:
 
 
 def time_build(trainers, engines, runs: int) -> tuple[BuildTimes, MeshPlan]:
-    """:class:`BuildTimes` (medians over ``runs``, after one warm-up) of a fresh plan each run, on trainer rank
-    0 and the first engine rank; and the last plan."""
+    """:class:`BuildTimes` (medians over ``runs``, after one warm-up) of a fresh plan each run, on trainer
+    rank 0 and the first engine rank; and the last plan."""
     samples = []
     for _ in range(runs + 1):
         t0 = time.perf_counter()
@@ -161,9 +165,9 @@ def run(quick: bool = False) -> list[dict]:
         pieces = sum(len(r.pieces) for r in mesh.routes_of(mesh.engine_rank(0)))
         rows.append({"benchmark": "mesh_plan", "metric": f"plan build, {t} trainer ranks -> tp=8",
                      "value": times.slowest_rank, "unit": "s", "baseline": f"goal {GOAL_S:g} s",
-                     "ratio": times.slowest_rank / GOAL_S, "goal": f"<= {GOAL_S:g} s at 256 trainer ranks",
-                     "note": f"Qwen3-235B-A22B-shaped, FSDP dim-0 shards: {len(mesh.tensors)} tensors, {held} "
-                             f"holdings; plan + digest {times.plan:.3f} s (every rank), then routes of trainer "
-                             f"rank 0 {times.trainer_routes:.3f} s, of engine rank 0 {times.engine_routes:.3f} s "
-                             f"({pieces} pieces); digest {mesh.digest[:12]}"})
+                     "ratio": times.slowest_rank / GOAL_S, "goal": GOAL if t == 256 else "informational",
+                     "note": f"Qwen3-235B-A22B-shaped, FSDP dim-0 shards: {len(mesh.tensors)} tensors, "
+                             f"{held} holdings; plan + digest {times.plan:.3f} s (every rank), then routes "
+                             f"of trainer rank 0 {times.trainer_routes:.3f} s, of engine rank 0 "
+                             f"{times.engine_routes:.3f} s ({pieces} pieces); digest {mesh.digest[:12]}"})
     return rows

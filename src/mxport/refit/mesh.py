@@ -33,10 +33,10 @@ import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from itertools import chain, compress, islice
-from operator import itemgetter, le, lt, ne
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain, compress, islice
+from operator import itemgetter, le, lt, ne
 
 from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
 
@@ -291,8 +291,8 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
                 if prior is not box:
                     mine = more.setdefault(t.name, [prior])
                     if any(b.intersect(box) is not None for b in mine):
-                        problems.append(f"{side} rank {r} gives {t.name!r}{box} twice (boxes of one tensor on "
-                                        "one rank must not overlap)")
+                        problems.append(f"{side} rank {r} gives {t.name!r}{box} twice (boxes of one tensor "
+                                        "on one rank must not overlap)")
                     mine.append(box)
                 if not box.within(t.shape):
                     problems.append(f"{side} rank {r}: box {box} lies outside {t.name!r} {t.shape}")
@@ -339,14 +339,14 @@ class _Holders:
         """The holders in rank order from rank ``first`` on, wrapping around."""
         i = bisect_left(self.ranks, first)
         return zip(chain(islice(self.ranks, i, None), islice(self.ranks, i)),
-                   chain(islice(self.boxes, i, None), islice(self.boxes, i)))
+                   chain(islice(self.boxes, i, None), islice(self.boxes, i)), strict=True)
 
     def covers(self, need: Box) -> bool:
         """Whether the holders together hold every element of ``need``."""
         if not need.numel:
             return True
         if not self.slabs:
-            return not _cover(need, zip(self.ranks, self.boxes))[1]
+            return not _cover(need, zip(self.ranks, self.boxes, strict=True))[1]
         i = bisect_right(self.union_starts, need.start[0]) - 1
         return i >= 0 and self.union_stops[i] >= need.stop[0]
 
