@@ -37,7 +37,7 @@ from ..layout import Layout, attention_problem, engine_shard
 from .items import model_tensors, tensor_items
 from .mesh import Box, Holding, TensorInfo
 from .plan import dtype_from_name
-from .trainer import TrainerSource, _kept_dtype
+from .trainer import TrainerSource, kept_wire_dtype
 
 __all__ = ["HeldTensorsSource", "ShardedTrainerSource", "engine_boxes", "engine_buffers", "engine_holdings",
            "scales_box"]
@@ -76,11 +76,11 @@ def _infos(items) -> list[TensorInfo]:
 def _dtensor_box(t) -> Box:
     """This rank's box of a ``DTensor`` (torch's own local shape and global offset), checked to be a range of
     the full tensor per dimension."""
-    from ..sources.dtensor import _local_and_offset, _normalized, gather_dims
+    from ..sources.dtensor import gather_dims, local_and_offset, normalized_placement
 
-    placements = tuple(_normalized(p, t.dim()) for p in t.placements)
+    placements = tuple(normalized_placement(p, t.dim()) for p in t.placements)
     gather_dims(tuple(t.shape), tuple(t.device_mesh.shape), placements)  # refuses shards that are not ranges
-    local, offset = _local_and_offset(t, placements)
+    local, offset = local_and_offset(t, placements)
     return Box(offset, tuple(o + s for o, s in zip(offset, local.shape, strict=True)))
 
 
@@ -131,7 +131,7 @@ class ShardedTrainerSource:
         the optimizer step). A collective where a ``DTensor`` needs a gather: every rank of its mesh calls
         :meth:`local` at the same time (tensors go in the same order on every rank)."""
         from ..export import export_components
-        from ..nn import _plain_float
+        from ..nn import plain_float
         from ..quantize import quantize
         from ..sources.dtensor import is_dtensor, quantize_local
 
@@ -143,7 +143,7 @@ class ShardedTrainerSource:
                 s = next(held)
                 if is_dtensor(t):
                     c = quantize_local(t, self.fp8_dtype, kernel=self.kernel)
-                elif _plain_float(t):
+                elif plain_float(t):
                     c = quantize(t.detach(), self.fp8_dtype, kernel=self.kernel)
                 else:
                     c = export_components(t.data if isinstance(t, nn.Parameter) else t)
@@ -152,7 +152,7 @@ class ShardedTrainerSource:
             else:
                 x = t.detach()
                 x = x.to_local() if is_dtensor(x) else x
-                want = _kept_dtype(x, self.kept_dtype)
+                want = kept_wire_dtype(x, self.kept_dtype)
                 out[h.tensor.name] = (h.box, _checked(x.to(want).contiguous(), h))
         return out
 
@@ -317,7 +317,7 @@ class HeldTensorsSource:
                 for part, hd in zip((c.data, c.scale_inv), held, strict=True):
                     out[hd.tensor.name] = (hd.box, _checked(part, hd))
             else:
-                want = _kept_dtype(x, self.kept_dtype)
+                want = kept_wire_dtype(x, self.kept_dtype)
                 out[h.name] = (h.box, _checked(x.to(want).contiguous(), held[0]))
         missing = [h.tensor.name for _, held in self._spec.values() for h in held if h.tensor.name not in out]
         if missing:
