@@ -7,13 +7,24 @@ routing, kept here as the reference."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mxport.bench.mesh_plan import MoeShape, chunk, moe_mesh_holdings
-from mxport.refit.mesh import Box, Holding, MeshPlan, Piece, Route, TensorInfo, _cover
+from mxport.refit.mesh import (
+    Box,
+    Holding,
+    MeshPlan,
+    Piece,
+    Route,
+    TensorInfo,
+    _cover,
+    holdings_canonical,
+    mesh_from_json,
+)
 
 
 def info(name, shape, role="kept", dtype="bfloat16"):
@@ -181,6 +192,18 @@ def test_digest_and_routes_are_those_of_the_unindexed_plan(name):
     mesh = MeshPlan(*MESHES[name]())
     assert (mesh.digest, fingerprint(mesh.routes)) == RECORDED[name]
     assert fingerprint(mesh.routes) == fingerprint(reference_routes(mesh))
+
+
+@pytest.mark.parametrize("name", ["fsdp7-tp3-uneven", "tiles6-tp3", "ep5-tp4-uneven", "moe-fsdp4-tp2"])
+def test_the_plan_from_every_rank_s_json_is_the_same_plan(name):
+    """What agree builds on every rank: the holdings as JSON bytes, decoded (one description object per
+    tensor, whatever rank sent it)."""
+    trainers, engines = MESHES[name]()
+    texts = [json.dumps(holdings_canonical(h), separators=(",", ":")).encode() for h in (*trainers, *engines)]
+    mesh = mesh_from_json(texts, len(trainers))
+    assert (mesh.digest, fingerprint(mesh.routes)) == RECORDED[name]
+    infos = {id(h.tensor) for held in (*mesh.trainers, *mesh.engines) for h in held}
+    assert len(infos) == len(mesh.tensors)
 
 
 @pytest.mark.parametrize("name", sorted(MESHES))

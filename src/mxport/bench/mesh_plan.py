@@ -1,8 +1,9 @@
-"""Global plan build benchmark (issue 23): the seconds :class:`~mxport.refit.mesh.MeshPlan` takes to merge,
-check and route a Qwen3-235B-A22B-shaped model (94 layers, 128 fused experts, hidden 4096, moe_intermediate
-1536, 64 q / 4 kv heads of 128, vocab 151936: 1601 plan tensors) held as FSDP dim-0 shards by ``T`` trainer
-ranks and needed by a ``tp = 8`` engine, as every rank builds it in :func:`~mxport.refit.mesh.agree` (after
-every failure too): the tensors' merge and checks, the coverage check, the routes and the digest.
+"""Global plan build benchmark (issue 23): the seconds a rank takes to build the sharded refit's plan
+(:class:`~mxport.refit.mesh.MeshPlan`) of a Qwen3-235B-A22B-shaped model (94 layers, 128 fused experts, hidden
+4096, moe_intermediate 1536, 64 q / 4 kv heads of 128, vocab 151936: 1601 plan tensors) held as FSDP dim-0
+shards by ``T`` trainer ranks and needed by a ``tp = 8`` engine, as every rank builds it in
+:func:`~mxport.refit.mesh.agree` (after every failure too): every rank's holdings decoded from JSON and
+checked, the tensors merged, the coverage checked, the digest; then its own routes.
 
 The holdings are built synthetically (no processes, no torch model): trainer rank ``t`` holds rows
 ``[t n / T, (t + 1) n / T)`` (``torch.chunk``'s split, as FSDP2's ``Shard(0)``) of every tensor, its scales
@@ -11,17 +12,17 @@ the same rows; engine rank ``e`` holds what :func:`mxport.refit.shards.engine_ho
 
 Rows: one per trainer rank count (8, 64, 256; quick: 8, 64): the seconds until every rank has its plan (value:
 the median plan + digest, plus the slower of a trainer rank's and an engine rank's routes) against the goal of
-1 s (baseline), each part in the note. Before the plan was indexed (commit d48bcf6) the whole build took 1.2,
-10.1 and 36.1 s at 8, 64 and 256 trainer ranks on the 2-core VM (every route of every rank).
+1 s (baseline), each part in the note. Figures before and after the index: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
 
-from ..refit.mesh import Box, Holding, MeshPlan, TensorInfo
+from ..refit.mesh import Box, Holding, MeshPlan, TensorInfo, holdings_canonical, mesh_from_json
 
 GOAL_S = 1.0
 GOAL = f"ratio <= 1 ({GOAL_S:g} s at 256 trainer ranks)"
@@ -127,8 +128,9 @@ def moe_mesh_holdings(trainers: int, engines: int = 8, shape: MoeShape = QWEN3_2
 
 @dataclass(frozen=True)
 class BuildTimes:
-    """Median seconds of one plan build: the plan (merge, checks, coverage) and its digest, what every rank
-    computes, then a trainer rank's routes and an engine rank's routes on it."""
+    """Median seconds of one plan build as :func:`~mxport.refit.mesh.agree` does it on every rank, from every
+    rank's holdings as JSON bytes (:func:`~mxport.refit.mesh.mesh_from_json`: decode, check, merge,
+    coverage, digest), then a trainer rank's and an engine rank's routes on that plan."""
 
     plan: float
     trainer_routes: float
@@ -143,11 +145,12 @@ class BuildTimes:
 def time_build(trainers, engines, runs: int) -> tuple[BuildTimes, MeshPlan]:
     """:class:`BuildTimes` (medians over ``runs``, after one warm-up) of a fresh plan each run, on trainer
     rank 0 and the first engine rank; and the last plan."""
+    texts = [json.dumps(holdings_canonical(held), separators=(",", ":")).encode()
+             for held in (*trainers, *engines)]
     samples = []
     for _ in range(runs + 1):
         t0 = time.perf_counter()
-        mesh = MeshPlan(trainers, engines)
-        mesh.digest  # noqa: B018 - a cached property: computing it is the point
+        mesh = mesh_from_json(texts, len(trainers))
         t1 = time.perf_counter()
         mesh.routes_of(0)
         t2 = time.perf_counter()
@@ -167,7 +170,8 @@ def run(quick: bool = False) -> list[dict]:
                      "value": times.slowest_rank, "unit": "s", "baseline": f"goal {GOAL_S:g} s",
                      "ratio": times.slowest_rank / GOAL_S, "goal": GOAL if t == 256 else "informational",
                      "note": f"Qwen3-235B-A22B-shaped, FSDP dim-0 shards: {len(mesh.tensors)} tensors, "
-                             f"{held} holdings; plan + digest {times.plan:.3f} s (every rank), then routes "
-                             f"of trainer rank 0 {times.trainer_routes:.3f} s, of engine rank 0 "
-                             f"{times.engine_routes:.3f} s ({pieces} pieces); digest {mesh.digest[:12]}"})
+                             f"{held} holdings; plan from every rank's JSON + digest {times.plan:.3f} s "
+                             f"(every rank), then routes of trainer rank 0 {times.trainer_routes:.3f} s, of "
+                             f"engine rank 0 {times.engine_routes:.3f} s ({pieces} pieces); digest "
+                             f"{mesh.digest[:12]}"})
     return rows

@@ -51,9 +51,9 @@ class Box:
     stop: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.start) != len(self.stop) or any(
-                type(a) is not int or type(b) is not int or not 0 <= a <= b
-                for a, b in zip(self.start, self.stop, strict=False)):
+        start, stop = self.start, self.stop
+        if len(start) != len(stop) or start and not (set(map(type, start)) == set(map(type, stop)) == {int}
+                                                     and min(start) >= 0 and all(map(le, start, stop))):
             raise ValueError(f"a box needs 0 <= start <= stop per dimension, got {self.start} .. {self.stop}")
 
     @classmethod
@@ -509,25 +509,60 @@ def holdings_canonical(held: Iterable[Holding]) -> list:
     return [[*h.tensor.canonical(), *h.box.canonical()] for h in held]
 
 
-def holdings_from_canonical(obj, rank: int) -> list[Holding]:
-    """Rebuild a peer's holdings from JSON, checking every field (ValueError naming the rank)."""
+def _int64s(v: list) -> bool:
+    """Whether the list ``v`` holds non-negative int64s only (the loops in C: this runs on every holding)."""
+    return not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= MAX_TENSOR_BYTES)
+
+
+def holdings_from_canonical(obj, rank: int, infos: dict | None = None) -> list[Holding]:
+    """Rebuild a peer's holdings from JSON, checking every field (ValueError naming the rank).
+
+    ``infos``: the tensor descriptions met so far, shared by the ranks of one agreement, so that every rank's
+    holdings of a tensor share one :class:`TensorInfo` (the plan then compares descriptions once per
+    tensor)."""
     if type(obj) is not list:
         raise ValueError(f"rank {rank} sent holdings that are not a list")
+    infos = {} if infos is None else infos
     out = []
     for i, row in enumerate(obj):
         try:
-            name, role, dtype, shape, start, stop = row
-            if type(name) is not str or role not in ROLES or dtype not in WIRE_DTYPES:
-                raise ValueError("bad name, role or dtype")
-            if not all(type(v) is list and all(type(x) is int and 0 <= x <= MAX_TENSOR_BYTES for x in v)
-                       for v in (shape, start, stop)) or not len(shape) == len(start) == len(stop):
-                raise ValueError("shape, start and stop must be lists of non-negative int64s of one length")
-            if len(shape) > MAX_DIMS:
-                raise ValueError(f"{len(shape)} dimensions (at most {MAX_DIMS})")
-            out.append(Holding(TensorInfo(name, role, dtype, tuple(shape)), Box(tuple(start), tuple(stop))))
+            out.append(_holding_of(row, infos))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"rank {rank} sent a bad holding at {i}: {exc}") from None
     return out
+
+
+def _holding_of(row, infos: dict) -> Holding:
+    """One row ``[name, role, dtype, shape, start, stop]`` of a peer's holdings, checked."""
+    name, role, dtype, shape, start, stop = row
+    if type(name) is not str or role not in ROLES or dtype not in WIRE_DTYPES:
+        raise ValueError("bad name, role or dtype")
+    if not (type(shape) is type(start) is type(stop) is list and len(shape) == len(start) == len(stop)
+            and _int64s(shape + start + stop)):
+        raise ValueError("shape, start and stop must be lists of non-negative int64s of one length")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{len(shape)} dimensions (at most {MAX_DIMS})")
+    key = (name, role, dtype, *shape)
+    info = infos.get(key) or infos.setdefault(key, TensorInfo(name, role, dtype, tuple(shape)))
+    start, stop = tuple(start), tuple(stop)
+    return Holding(info, Box._of(start, stop) if all(map(le, start, stop)) else Box(start, stop))
+
+
+def mesh_from_json(texts: Sequence[bytes], trainers: int) -> MeshPlan:
+    """The plan every rank of an agreement builds (:func:`agree`): from every rank's holdings as JSON bytes
+    (:func:`holdings_canonical`; ranks ``0 .. trainers-1`` the trainers), checked, with its digest. The
+    garbage collector is paused meanwhile: the peers' JSON and holdings are millions of objects it would
+    rescan for nothing to free.
+
+    Raises:
+        ValueError: bytes that are not JSON, or JSON that is not holdings (naming the rank);
+            RefitPlanMismatch (see :class:`MeshPlan`)."""
+    infos: dict = {}
+    with _gc_paused():
+        ranks = [holdings_from_canonical(json.loads(text), r, infos) for r, text in enumerate(texts)]
+        mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
+        mesh.digest  # noqa: B018 - a cached property, computed while the collector is paused
+    return mesh
 
 
 def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
@@ -557,12 +592,9 @@ def agree(transport, trainers: int, held: Iterable[Holding]) -> MeshPlan:
         raise RefitPlanMismatch(why) from mine
     buf = torch.zeros(max(lengths), dtype=torch.uint8)
     buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    ranks = []
     try:
-        for r, got in enumerate(transport.all_gather(buf)):
-            ranks.append(holdings_from_canonical(json.loads(got[:lengths[r]].numpy().tobytes()), r))
-        mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
-        problem = ""
+        texts = [got[:n].numpy().tobytes() for got, n in zip(transport.all_gather(buf), lengths, strict=True)]
+        mesh, problem = mesh_from_json(texts, trainers), ""
     except Exception as exc:  # noqa: BLE001 - every rank must still give its digest row (no rank hangs)
         mesh, problem = None, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     digest = bytes.fromhex(mesh.digest) if mesh is not None else bytes(32)
