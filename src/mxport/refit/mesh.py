@@ -331,7 +331,7 @@ class _Holders:
         found = _slab_ranges(shape, boxes)
         self.slabs = found is not None
         self.starts, self.stops, order = found or ([], [], [])
-        self.slab_holders = [(ranks[i], boxes[i]) for i in order]
+        self.slab_ranks, self.slab_boxes = [ranks[i] for i in order], [boxes[i] for i in order]
         self.disjoint = self.slabs and all(map(le, self.stops, islice(self.starts, 1, None)))
         self.union_starts, self.union_stops = _union(self.starts, self.stops, self.disjoint)
 
@@ -358,7 +358,8 @@ class _Holders:
             return pieces if trainer is None else [p for p in pieces if p[0] == trainer]
         a, b = need.start[0], need.stop[0]
         if trainer is None:
-            found = self.slab_holders[bisect_right(self.stops, a):bisect_left(self.starts, b)]
+            lo, hi = bisect_right(self.stops, a), bisect_left(self.starts, b)
+            found = zip(self.slab_ranks[lo:hi], self.slab_boxes[lo:hi], strict=True)
         else:
             mine = self.boxes[bisect_left(self.ranks, trainer):bisect_right(self.ranks, trainer)]
             found = [(trainer, box) for box in mine if box.start[0] < b and box.stop[0] > a]
