@@ -86,8 +86,8 @@ class Box:
     def _of(cls, start: tuple[int, ...], stop: tuple[int, ...]) -> Box:
         """A box cut from checked boxes (valid by construction): no checks, as routing makes many."""
         box = object.__new__(cls)
-        object.__setattr__(box, "start", start)
-        object.__setattr__(box, "stop", stop)
+        _BOX_START(box, start)  # the slots' own setters: a frozen dataclass refuses setattr
+        _BOX_STOP(box, stop)
         return box
 
     def intersect(self, other: Box) -> Box | None:
@@ -111,6 +111,9 @@ class Box:
 
     def canonical(self) -> list:
         return [list(self.start), list(self.stop)]
+
+
+_BOX_START, _BOX_STOP = Box.start.__set__, Box.stop.__set__
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +330,7 @@ class _Holders:
     box's intersection with the need, whatever the order: the holders a need meets are found by bisection."""
 
     def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box]):
-        self.ranks, self.boxes = ranks, boxes
+        self.ranks, self.boxes, self.rest = ranks, boxes, shape[1:]
         found = _slab_ranges(shape, boxes)
         self.slabs = found is not None
         self.starts, self.stops, order = found or ([], [], [])
@@ -350,21 +353,29 @@ class _Holders:
         i = bisect_right(self.union_starts, need.start[0]) - 1
         return i >= 0 and self.union_stops[i] >= need.stop[0]
 
-    def cover(self, need: Box, first: int, trainer: int | None = None) -> list[tuple[int, Box]]:
-        """The pieces ``(rank, box)`` of the greedy cover of ``need`` by the holders from rank ``first`` on
-        (:func:`_cover`), only those of rank ``trainer`` when given."""
+    def cover(self, need: Box, first: int, trainer: int | None = None) -> tuple[list[int], list[Box]]:
+        """The pieces of the greedy cover of ``need`` by the holders from rank ``first`` on (:func:`_cover`),
+        only those of rank ``trainer`` when given: their ranks and their boxes."""
         if not self.disjoint:
-            pieces = _cover(need, self.rotated(first))[0]
-            return pieces if trainer is None else [p for p in pieces if p[0] == trainer]
+            pieces = [p for p in _cover(need, self.rotated(first))[0] if trainer in (None, p[0])]
+            return [t for t, _ in pieces], [box for _, box in pieces]
         a, b = need.start[0], need.stop[0]
         if trainer is None:
             lo, hi = bisect_right(self.stops, a), bisect_left(self.starts, b)
-            found = zip(self.slab_ranks[lo:hi], self.slab_boxes[lo:hi], strict=True)
+            ranks, boxes = self.slab_ranks[lo:hi], self.slab_boxes[lo:hi]
         else:
             mine = self.boxes[bisect_left(self.ranks, trainer):bisect_right(self.ranks, trainer)]
-            found = [(trainer, box) for box in mine if box.start[0] < b and box.stop[0] > a]
+            boxes = [box for box in mine if box.start[0] < b and box.stop[0] > a]
+            ranks = [trainer] * len(boxes)
         head, tail = need.start[1:], need.stop[1:]
-        return [(t, Box._of((max(box.start[0], a), *head), (min(box.stop[0], b), *tail))) for t, box in found]
+        if any(head) or tail != self.rest:  # the need is part of the slabs' other dimensions
+            return ranks, [Box._of((max(box.start[0], a), *head), (min(box.stop[0], b), *tail))
+                           for box in boxes]
+        if boxes and boxes[0].start[0] < a:  # whole slabs, but the first and last may stick out
+            boxes[0] = Box._of((a, *head), (min(boxes[0].stop[0], b), *tail))
+        if boxes and boxes[-1].stop[0] > b:
+            boxes[-1] = Box._of((max(boxes[-1].start[0], a), *head), (b, *tail))
+        return ranks, boxes
 
 
 def _slab_ranges(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[int], list[int], list[int]] | None:
@@ -487,7 +498,7 @@ def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | No
         pieces: dict[int, list[Piece]] = {}
         unsorted = set()  # trainers whose pieces of one tensor did not come in box order
         for i, _, h in needs:
-            for t, box in mesh._held[h.tensor.name].cover(h.box, (i + e) % T, trainer):
+            for t, box in zip(*mesh._held[h.tensor.name].cover(h.box, (i + e) % T, trainer), strict=True):
                 mine = pieces.setdefault(t, [])
                 if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
                     unsorted.add(t)
