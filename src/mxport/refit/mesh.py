@@ -144,6 +144,14 @@ class Piece:
     tensor: TensorInfo
     box: Box
 
+    @classmethod
+    def _of(cls, tensor: TensorInfo, box: Box) -> Piece:
+        """A piece of a checked plan (routing makes hundreds of thousands): no dataclass init."""
+        piece = object.__new__(cls)
+        _PIECE_TENSOR(piece, tensor)
+        _PIECE_BOX(piece, box)
+        return piece
+
     @property
     def name(self) -> str:
         """The pair plan's entry name: ``name[r0:r1,c0:c1]``."""
@@ -151,6 +159,9 @@ class Piece:
 
     def item(self) -> Item:
         return (self.name, self.tensor.role, self.tensor.dtype, self.box.shape)
+
+
+_PIECE_TENSOR, _PIECE_BOX = Piece.tensor.__set__, Piece.box.__set__
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,7 +513,7 @@ def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | No
                 mine = pieces.setdefault(t, [])
                 if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
                     unsorted.add(t)
-                mine.append(Piece(h.tensor, box))
+                mine.append(Piece._of(h.tensor, box))
         for t in unsorted:
             pieces[t].sort(key=lambda p: (index[p.tensor.name], p.box.start))
         routes += [Route(t, mesh.engine_rank(e), tuple(ps)) for t, ps in pieces.items()]
