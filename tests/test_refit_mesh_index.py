@@ -250,3 +250,10 @@ def test_random_meshes_route_as_the_unindexed_plan(mesh_holdings):
     for rank in range(mesh.num_trainers + mesh.num_engines):
         assert fingerprint(MeshPlan(*mesh_holdings).routes_of(rank)) == fingerprint(
             [r for r in mesh.routes if rank in (r.trainer, r.engine)])
+
+
+def test_one_box_object_given_twice_by_a_rank_is_refused():
+    """The same Box object twice for one tensor on one rank overlaps itself (as two equal boxes do)."""
+    box = Box.full(Q.shape)
+    with pytest.raises(Exception, match=r"trainer rank 0 gives .l.0.q.weight.\[0:64,0:96\] twice"):
+        MeshPlan([[Holding(Q, box), Holding(Q, box)]], [[Holding(Q, box)]])

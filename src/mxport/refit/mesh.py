@@ -301,8 +301,10 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
                 if same is None:
                     _check_info(t)
                     same = agreed[id(t)] = seen.setdefault(t.name, t) == t
-                prior = first_box.setdefault(t.name, box)
-                if prior is not box:
+                prior = first_box.get(t.name)
+                if prior is None:
+                    first_box[t.name] = box
+                else:
                     mine = more.setdefault(t.name, [prior])
                     if any(b.intersect(box) is not None for b in mine):
                         problems.append(f"{side} rank {r} gives {t.name!r}{box} twice (boxes of one tensor "
