@@ -1,11 +1,11 @@
-"""benchmarks/bench_refit_sharded.py: its tiniest run (real processes, gloo on loopback, a few seconds) gives
+"""mxport.bench.refit_sharded (benchmarks/bench_refit_sharded.py, `mxport bench --only refit_sharded`): its
+tiniest run (real processes, gloo on loopback, a few seconds) gives
 every JSON key, bit-exact bytes on the engine for both paths, and the exact MXFP8 byte count per engine rank
 (< 0.6 of the baseline's BF16); its layouts cut the synthetic model as FSDP2 and vLLM do. No timing asserts.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,11 +19,9 @@ SCRIPT = ROOT / "benchmarks" / "bench_refit_sharded.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_refit_sharded", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
+    from mxport.bench import refit_sharded
+
+    return refit_sharded
 
 
 def test_layouts_cut_the_model_as_fsdp2_and_vllm_tensor_parallel():

@@ -2,6 +2,7 @@
 open_checkpoint on hand-made files."""
 
 import json
+import math
 import struct
 
 import pytest
@@ -452,3 +453,18 @@ def test_inspect_reports_nothing_mxfp8_and_e5m2_sglang(tmp_path):
     problems = inspect_checkpoint(ck)["problems"]
     assert len(problems) == 1 and "SGLang 0.5.23 registers MXFP8 values as E4M3" in problems[0]
     assert open_checkpoint(ck).format == "sglang"  # mxport's own readers decode it right
+
+
+def test_row_ranges_become_slices_of_the_leading_dimensions():
+    """iter_rows reads through safetensors' get_slice, which cuts dimension by dimension: a range of rows of
+    the (M, K) view is cut where it crosses a leading index, every range of every shape, in order."""
+    from mxport.checkpoint.readers import _row_index
+
+    for lead in [(7,), (3, 5), (2, 3, 4), (1, 1, 3), (4, 1, 2)]:
+        m = math.prod(lead)
+        a = torch.arange(m * 2).reshape(*lead, 2)
+        for r0 in range(m):
+            for r1 in range(r0 + 1, m + 1):
+                parts = [a[ix].reshape(-1, 2) for ix in _row_index(lead, r0, r1)]
+                assert torch.equal(torch.cat(parts), a.reshape(-1, 2)[r0:r1]), (lead, r0, r1)
+                assert len(parts) <= 2 * len(lead) - 1

@@ -94,7 +94,7 @@ def _checked(world, mesh, rank: int, live: dict | None):
 
 
 def _routes(mesh, rank: int) -> list:
-    from mxport.refit import pair_order
+    from mxport.refit.sharded import pair_order
 
     order = {p: i for i, p in enumerate(pair_order(range(T), range(T, WORLD)))}
     return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
@@ -292,8 +292,9 @@ def test_batched_checksums_and_replica_digests():
 def test_replica_checks_name_the_tensor_and_every_holder():
     """Three holders of a norm, rank 2 drifts: the line names the tensor, the three ranks and who had what;
     a holder that aborted is not compared (its digests mean nothing)."""
-    from mxport.refit import ReceiverResult, Status, Vote
+    from mxport.refit import ReceiverResult, Status
     from mxport.refit.mesh import Box, Replica, TensorInfo
+    from mxport.refit.results import Vote
     from mxport.refit.sharded import ReplicaChecks
 
     n = TensorInfo("norm", "kept", "bfloat16", (64,))

@@ -436,7 +436,9 @@ def mxfp8_experts(model: nn.Module) -> dict[str, MXFP8Experts]:
 
 # -- model conversion
 # -----------------------------------------------------------------------------------------
-def _plain_float(w: torch.Tensor) -> bool:
+def plain_float(w: torch.Tensor) -> bool:
+    """Whether ``w`` (a tensor or parameter) is a plain float tensor that :func:`mxport.quantize` takes, not
+    MXFP8 storage of a producer (TE, torchao, Megatron) nor a tensor subclass."""
     raw = w.data if isinstance(w, nn.Parameter) else w
     return type(raw) is torch.Tensor and raw.dtype in (*_FLOAT_DTYPES, torch.float64)
 
@@ -447,7 +449,7 @@ def weight_components(weight: torch.Tensor, fp8_dtype: torch.dtype = torch.float
     is a plain float tensor, exported as is (:func:`mxport.export_components`, native reuse: no dequantize
     / requantize, the producer's element format kept) when it already is MXFP8 storage (TE, torchao,
     Megatron)."""
-    if _plain_float(weight):
+    if plain_float(weight):
         return quantize(weight.detach(), fp8_dtype, rounding=rounding)
     from .export import export_components
 

@@ -214,6 +214,11 @@ class _NativePath:
                     self._load()
         return self._lib is not None
 
+    def isa(self) -> str | None:
+        """The instruction set the loaded kernel was built for (``"avx512"`` or ``"avx2"``), or None when it
+        is not loaded."""
+        return native.isa(self._lib) if self._lib is not None else None
+
     def _load(self) -> None:
         try:
             lib = native.load(native.build())
@@ -446,7 +451,7 @@ def kernel_label(x: torch.Tensor) -> str:
         x2 = x2.to(torch.float32)
     kind = kernel_for(x2)
     if kind == "native":
-        return f"native ({native.isa(NATIVE_PATH._lib).upper().replace('AVX512', 'AVX-512')} C kernel)"
+        return f"native ({NATIVE_PATH.isa().upper().replace('AVX512', 'AVX-512')} C kernel)"
     if kind == "compiled":
         return "compiled (torch.compile)"
     why = [f"native: {NATIVE_PATH.disabled_reason or 'does not take this input'}",

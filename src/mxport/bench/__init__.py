@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, str] = {
     "export": "mxport.bench.export",          # export_components of TE storage (views, unswizzle) vs quantize
     "checkpoint": "mxport.bench.checkpoint",  # checkpoint export vs a plain safetensors load+save; peak RSS
     "refit": "mxport.bench.refit",            # refit throughput vs a raw dist.broadcast of the same bytes
+    "refit_sharded": "mxport.bench.refit_sharded",  # T -> E sharded refit vs gather BF16 + broadcast
+    "mesh_plan": "mxport.bench.mesh_plan",    # sharded refit's plan build at 8 / 64 / 256 trainer ranks
 }
 
 ROW_KEYS = ("benchmark", "metric", "value", "baseline", "ratio", "unit", "goal", "note")

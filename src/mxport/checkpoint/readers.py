@@ -4,7 +4,8 @@
   ``model.safetensors.index.json``) or a single ``.safetensors`` file. Every header is checked by the
   ``safetensors`` library (``safe_open``: offsets contiguous and covering the file, each shape matching its
   byte range, bounded JSON), so entries come in file order without reading data; :meth:`SafetensorsDir.get`
-  reads one tensor (plain reads at the checked offsets, no memory map).
+  and :meth:`SafetensorsDir.iter_rows` read a tensor, or rows of it, through the library too
+  (``get_tensor`` / ``get_slice`` with its ``pread`` backend: no memory map).
 * :class:`StateDictSource` — an ``nn.Module`` or a state dict in memory (GGUF files come in this way, through
   :func:`mxport.models.load_causal_lm`).
 * :func:`open_checkpoint` — an MXFP8 (or plain) checkpoint read back as ``(name, MXFP8Components | Tensor)``:
@@ -135,12 +136,12 @@ class TensorInfo:
 
 
 def _safe_open(file: Path):
+    """``safe_open`` with plain reads (``pread``), not a memory map: pages of a mapped shard would count in
+    the process's resident memory until the shard is closed, so peak memory would grow with the shard
+    size."""
     from safetensors import safe_open
 
-    try:
-        return safe_open(str(file), framework="pt", backend="pread")  # safetensors >= 0.8: no memory map
-    except TypeError:  # older safetensors: no backend argument
-        return safe_open(str(file), framework="pt")
+    return safe_open(str(file), framework="pt", backend="pread")
 
 
 def read_header(file: str | os.PathLike, roots: list[Path] | None = None) -> dict:
@@ -306,7 +307,6 @@ class SafetensorsDir:
                 self._entries.append((name, ti.shape, ti.torch_dtype))
         self._handle = None
         self._handle_file: Path | None = None
-        self._handle_start = 0
 
     @property
     def label(self) -> str:
@@ -340,55 +340,50 @@ class SafetensorsDir:
         return self._info[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """Read tensor ``name`` into a new CPU tensor of its stored dtype. KeyError for an unknown name.
+        """Read tensor ``name`` into a new CPU tensor of its stored dtype. KeyError for an unknown name."""
+        self._info_of(name)
+        return self._read(name)
 
-        Plain reads at the header's offsets, not a memory map: pages of a mapped shard would count in the
-        process's resident memory until the shard is closed, so peak memory would grow with the shard size.
-        """
-        info = self._info_of(name)
-        return self._read(name, 0, info.end - info.begin).view(info.torch_dtype).reshape(info.shape)
-
-    def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Bytes ``[start, stop)`` of tensor ``name``'s data as a new uint8 tensor."""
+    def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name``, or its rows ``[r0, r1)`` of the ``(M, K)`` view, read by safetensors from its
+        open shard and checked to have that shape in the stored dtype; CheckpointError naming the file when
+        the read fails (the file changed after its header was checked)."""
         info = self._info[name]
-        buf = torch.empty(stop - start, dtype=torch.uint8)
-        if stop > start:
-            if self._handle_file != info.file:
-                self.close()
-                self._handle = _open_regular(check_regular_file(info.file, self._roots))
-                self._handle_file = info.file
-                self._handle_start = _data_start(self._handle)
-            self._handle.seek(self._handle_start + info.begin + start)
-            view = memoryview(buf.numpy())
-            got = 0
-            while got < len(view):
-                n = self._handle.readinto(view[got:])
-                if not n:
-                    raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} data ends "
-                                          "early (the file changed after it was opened?)")
-                got += n
-        return buf
+        shape = info.shape if rows is None else (rows[1] - rows[0], info.shape[-1])
+        if self._handle_file != info.file:
+            self.close()
+            self._handle = _safe_open(check_regular_file(info.file, self._roots))
+            self._handle_file = info.file
+        try:
+            t = (self._handle.get_tensor(name) if rows is None else
+                 _rows(self._handle.get_slice(name), info.shape, *rows))
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: named, with the file
+            raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: reading {name!r} failed "
+                                  f"({exc}; the file changed after it was opened?)") from None
+        if t.dtype != info.torch_dtype or tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"corrupt safetensors file {str(info.file)!r}: {name!r} read as "
+                                  f"{tuple(t.shape)} {t.dtype}, its header says {tuple(shape)} "
+                                  f"{info.torch_dtype}")
+        return t
 
     def iter_rows(self, name: str, chunk_numel: int) -> Iterator[torch.Tensor]:
         """Tensor ``name`` as consecutive whole rows of its ``(M, K)`` view (K = last dimension), about
         ``chunk_numel`` elements per chunk, each read from the file on its own (memory: one chunk)."""
         info = self._info_of(name)
-        dtype, shape = info.torch_dtype, info.shape
+        shape = info.shape
         k = shape[-1] if shape else 1
         m = math.prod(shape[:-1])
         if len(shape) < 2 or k == 0 or m == 0:  # 0-d, 1-D, empty: one piece as it is
             yield self.get(name)
             return
-        row_bytes = k * dtype.itemsize
         step = max(1, chunk_numel // k)
         for r0 in range(0, m, step):
-            r1 = min(m, r0 + step)
-            yield self._read(name, r0 * row_bytes, r1 * row_bytes).view(dtype).reshape(r1 - r0, k)
+            yield self._read(name, (r0, min(m, r0 + step)))
 
     def close(self) -> None:
         """Close the open shard file (reading again reopens it)."""
         if getattr(self, "_handle", None) is not None:
-            self._handle.close()
+            self._handle.__exit__(None, None, None)
         self._handle = None
         self._handle_file = None
 
@@ -400,6 +395,32 @@ class SafetensorsDir:
 
     def __del__(self):
         self.close()
+
+
+def _row_index(lead: tuple[int, ...], r0: int, r1: int) -> list[tuple]:
+    """Index tuples (ints, then one slice) that select rows ``[r0, r1)`` (``r0 < r1``) of a row-major array
+    whose leading dimensions are ``lead``, in order: the rows' range cut where it crosses a leading index."""
+    if len(lead) == 1:
+        return [(slice(r0, r1),)]
+    inner = math.prod(lead[1:])
+    out: list[tuple] = []
+    if r0 % inner:  # a part of index r0 // inner
+        i, stop = r0 // inner, min(r1, (r0 // inner + 1) * inner)
+        out += [(i, *ix) for ix in _row_index(lead[1:], r0 - i * inner, stop - i * inner)]
+        r0 = stop
+    if r0 < r1 and r0 // inner < r1 // inner:  # whole indices
+        out.append((slice(r0 // inner, r1 // inner),))
+    if r0 < r1 and r1 % inner:  # a part of index r1 // inner
+        i = r1 // inner
+        out += [(i, *ix) for ix in _row_index(lead[1:], max(r0, i * inner) - i * inner, r1 - i * inner)]
+    return out
+
+
+def _rows(piece, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of the ``(M, K)`` view of a tensor of ``shape``, read through its safetensors slice
+    ``piece`` (one read per leading index the range crosses)."""
+    parts = [piece[ix].reshape(-1, shape[-1]) for ix in _row_index(shape[:-1], r0, r1)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class StateDictSource:

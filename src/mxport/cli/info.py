@@ -8,7 +8,7 @@ import platform
 import torch
 from rich.table import Table
 
-from .. import __version__, native
+from .. import __version__
 from .._env import default_model_file, mx_gemm_available
 from ..quantize import FAST_PATH, NATIVE_PATH
 from ._common import JsonOut, console, emit_json, json_to_stdout
@@ -38,7 +38,7 @@ def collect_info() -> dict:
         "float8_e8m0fnu": hasattr(torch, "float8_e8m0fnu"),
         "fast_quantize": {"torch_compile": FAST_PATH.available, "reason": FAST_PATH.disabled_reason,
                           "native": NATIVE_PATH.available, "native_reason": NATIVE_PATH.disabled_reason,
-                          "native_isa": native.isa(NATIVE_PATH._lib) if NATIVE_PATH.available else None},
+                          "native_isa": NATIVE_PATH.isa() if NATIVE_PATH.available else None},
         "mx_gemm": mx_gemm_available(),
         "default_model": str(model) if model else None,
     }

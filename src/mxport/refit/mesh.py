@@ -25,13 +25,18 @@ order whichever rank holds them.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
 import re
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain, compress, islice
+from operator import itemgetter, le, lt, ne
 
 from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
 from .results import RefitError
@@ -39,7 +44,7 @@ from .results import RefitError
 MESH_FORMAT = "mxport-mesh-plan/1"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Box:
     """A box of a tensor: per dimension the half-open range ``[start, stop)``."""
 
@@ -47,9 +52,9 @@ class Box:
     stop: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.start) != len(self.stop) or any(
-                type(a) is not int or type(b) is not int or not 0 <= a <= b
-                for a, b in zip(self.start, self.stop, strict=False)):
+        start, stop = self.start, self.stop
+        if len(start) != len(stop) or start and not (set(map(type, start)) == set(map(type, stop)) == {int}
+                                                     and min(start) >= 0 and all(map(le, start, stop))):
             raise ValueError(f"a box needs 0 <= start <= stop per dimension, got {self.start} .. {self.stop}")
 
     @classmethod
@@ -72,7 +77,7 @@ class Box:
         return math.prod(self.shape)
 
     def within(self, shape: Sequence[int]) -> bool:
-        return len(shape) == len(self.stop) and all(b <= s for b, s in zip(self.stop, shape, strict=True))
+        return len(shape) == len(self.stop) and all(map(le, self.stop, shape))
 
     def contains(self, other: Box) -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop,
@@ -82,8 +87,8 @@ class Box:
     def _of(cls, start: tuple[int, ...], stop: tuple[int, ...]) -> Box:
         """A box cut from checked boxes (valid by construction): no checks, as routing makes many."""
         box = object.__new__(cls)
-        object.__setattr__(box, "start", start)
-        object.__setattr__(box, "stop", stop)
+        _BOX_START(box, start)  # the slots' own setters: a frozen dataclass refuses setattr
+        _BOX_STOP(box, stop)
         return box
 
     def intersect(self, other: Box) -> Box | None:
@@ -109,7 +114,10 @@ class Box:
         return [list(self.start), list(self.stop)]
 
 
-@dataclass(frozen=True)
+_BOX_START, _BOX_STOP = Box.start.__set__, Box.stop.__set__
+
+
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor of a sharded refit, whole: checkpoint name, role, dtype name and full shape."""
 
@@ -122,7 +130,7 @@ class TensorInfo:
         return [self.name, self.role, self.dtype, list(self.shape)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Holding:
     """What one rank holds (a trainer rank) or needs (an engine rank) of one tensor."""
 
@@ -130,12 +138,20 @@ class Holding:
     box: Box
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """A box of one tensor that one trainer rank sends to one engine rank."""
 
     tensor: TensorInfo
     box: Box
+
+    @classmethod
+    def _of(cls, tensor: TensorInfo, box: Box) -> Piece:
+        """A piece of a checked plan (routing makes hundreds of thousands): no dataclass init."""
+        piece = object.__new__(cls)
+        _PIECE_TENSOR(piece, tensor)
+        _PIECE_BOX(piece, box)
+        return piece
 
     @property
     def name(self) -> str:
@@ -146,7 +162,10 @@ class Piece:
         return (self.name, self.tensor.role, self.tensor.dtype, self.box.shape)
 
 
-@dataclass(frozen=True)
+_PIECE_TENSOR, _PIECE_BOX = Piece.tensor.__set__, Piece.box.__set__
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     """Every piece one trainer rank sends one engine rank in a refit (group ranks), in tensor order."""
 
@@ -161,6 +180,20 @@ class Route:
     def plan(self, bucket_bytes: int) -> RefitPlan:
         """This pair's byte stream as an ordinary refit plan."""
         return RefitPlan([p.item() for p in self.pieces], bucket_bytes)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while a plan is built: the build allocates hundreds of thousands
+    of boxes, pieces and tuples (none in a cycle), and every collection they would trigger rescans every
+    rank's holdings for nothing to free (most of the build's time at 256 trainer ranks)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 _NUM = re.compile(r"(\d+)")
@@ -190,8 +223,11 @@ class MeshPlan:
         self.engines = tuple(tuple(h) for h in engines)
         if not self.trainers or not self.engines:
             raise ValueError("a sharded refit needs at least one trainer rank and one engine rank")
-        self.tensors = _merge_tensors(self.trainers, self.engines)
-        _check_coverage(self.tensors, self.trainers, self.engines)
+        with _gc_paused():
+            self.tensors = _merge_tensors(self.trainers, self.engines)
+            self._held = _index_holders(self.tensors, self.trainers)
+            _check_coverage(self.tensors, self._held, self.engines)
+        self._rank_routes: dict[int, list[Route]] = {}
 
     @property
     def num_trainers(self) -> int:
@@ -206,17 +242,19 @@ class MeshPlan:
         return self.num_trainers + e
 
     def canonical(self) -> dict:
+        """The tensors and every rank's boxes, JSON-able (boxes as ``(tensor index, start, stop)``)."""
         index = {t.name: i for i, t in enumerate(self.tensors)}
 
         def ranks(side):
-            return [[[index[h.tensor.name], *h.box.canonical()] for h in held] for held in side]
+            return [[(index[h.tensor.name], h.box.start, h.box.stop) for h in held] for held in side]
 
         return {"format": MESH_FORMAT, "tensors": [t.canonical() for t in self.tensors],
                 "trainers": ranks(self.trainers), "engines": ranks(self.engines)}
 
     @cached_property
     def digest(self) -> str:
-        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        with _gc_paused():
+            text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), check_circular=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
     @cached_property
@@ -225,15 +263,23 @@ class MeshPlan:
         return tuple(route(self))
 
     def routes_of(self, rank: int) -> list[Route]:
-        """The routes a group rank takes part in (as trainer or engine)."""
-        return [r for r in self.routes if rank in (r.trainer, r.engine)]
+        """The routes a group rank takes part in (as trainer or engine): computed for that rank alone (a
+        trainer rank's pieces, or an engine rank's needs) unless :attr:`routes` already holds them all."""
+        if "routes" in self.__dict__:
+            return [r for r in self.routes if rank in (r.trainer, r.engine)]
+        if rank not in self._rank_routes:
+            if 0 <= rank < self.num_trainers:
+                self._rank_routes[rank] = _routes(self, range(self.num_engines), trainer=rank)
+            elif 0 <= rank - self.num_trainers < self.num_engines:
+                self._rank_routes[rank] = _routes(self, [rank - self.num_trainers])
+            else:
+                return []
+        return list(self._rank_routes[rank])
 
     def engine_bytes(self) -> list[int]:
-        """Bytes each engine rank receives per refit."""
-        out = [0] * self.num_engines
-        for r in self.routes:
-            out[r.engine - self.num_trainers] += r.nbytes
-        return out
+        """Bytes each engine rank receives per refit: its boxes' (the routes cover each exactly once)."""
+        return [sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in needs)
+                for needs in self.engines]
 
     def summary(self) -> dict:
         return {"tensors": len(self.tensors), "trainer_ranks": self.num_trainers,
@@ -244,23 +290,33 @@ class MeshPlan:
 
 def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
     seen: dict[str, TensorInfo] = {}
+    agreed: dict[int, bool] = {}  # per description met (by id): valid, and equal to its name's first one
     problems: list[str] = []
     for side, ranks in (("trainer", trainers), ("engine", engines)):
         for r, held in enumerate(ranks):
-            boxes: dict[str, list[Box]] = {}
+            first_box: dict[str, Box] = {}
+            more: dict[str, list[Box]] = {}  # the boxes of a tensor this rank gives several of
             for h in held:
-                t = h.tensor
-                _check_info(t)
-                if any(b.intersect(h.box) is not None for b in boxes.get(t.name, ())):
-                    problems.append(f"{side} rank {r} gives {t.name!r}{h.box} twice (boxes of one tensor on "
-                                    "one rank must not overlap)")
-                boxes.setdefault(t.name, []).append(h.box)
-                if not h.box.within(t.shape):
-                    problems.append(f"{side} rank {r}: box {h.box} lies outside {t.name!r} {t.shape}")
-                first = seen.setdefault(t.name, t)
-                if first != t:
+                t, box = h.tensor, h.box
+                same = agreed.get(id(t))
+                if same is None:
+                    _check_info(t)
+                    same = agreed[id(t)] = seen.setdefault(t.name, t) == t
+                prior = first_box.get(t.name)
+                if prior is None:
+                    first_box[t.name] = box
+                else:
+                    mine = more.setdefault(t.name, [prior])
+                    if any(b.intersect(box) is not None for b in mine):
+                        problems.append(f"{side} rank {r} gives {t.name!r}{box} twice (boxes of one tensor "
+                                        "on one rank must not overlap)")
+                    mine.append(box)
+                if not box.within(t.shape):
+                    problems.append(f"{side} rank {r}: box {box} lies outside {t.name!r} {t.shape}")
+                if not same:
                     problems.append(f"{side} rank {r} describes {t.name!r} as {t.role} {t.dtype} "
-                                    f"{t.shape}, another rank as {first.role} {first.dtype} {first.shape}")
+                                    f"{t.shape}, another rank as {seen[t.name].role} {seen[t.name].dtype} "
+                                    f"{seen[t.name].shape}")
     if problems:
         raise RefitPlanMismatch(problems)
     return tuple(sorted(seen.values(), key=lambda t: natural_key(t.name)))
@@ -277,21 +333,122 @@ def _check_info(t: TensorInfo) -> None:
         raise ValueError(f"{t.name!r}: shape {t.shape} of {t.dtype} is more than {MAX_TENSOR_BYTES} bytes")
 
 
-def _check_coverage(tensors, trainers, engines) -> None:
-    held = {t.name: [] for t in tensors}
-    for held_by_rank in trainers:
+class _Holders:
+    """The trainer ranks' boxes of one tensor, indexed to cover an engine rank's box without visiting every
+    holder.
+
+    ``ranks`` / ``boxes``: the holders in rank order (each rank's boxes in its order), the order the greedy
+    cover (:func:`_cover`) visits them in, rotated to start at a given rank. When every box is a slab (the
+    whole tensor but a range of dim 0: FSDP shards, whole copies), what they hold is the union of their
+    dim-0 ranges; when those ranges are also disjoint, the piece a holder gives in the greedy cover is its
+    box's intersection with the need, whatever the order: the holders a need meets are found by bisection."""
+
+    def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box]):
+        self.ranks, self.boxes, self.rest = ranks, boxes, shape[1:]
+        found = _slab_ranges(shape, boxes)
+        self.slabs = found is not None
+        self.starts, self.stops, order = found or ([], [], [])
+        self.slab_ranks, self.slab_boxes = [ranks[i] for i in order], [boxes[i] for i in order]
+        self.disjoint = self.slabs and all(map(le, self.stops, islice(self.starts, 1, None)))
+        self.union_starts, self.union_stops = _union(self.starts, self.stops, self.disjoint)
+
+    def rotated(self, first: int) -> Iterator[tuple[int, Box]]:
+        """The holders in rank order from rank ``first`` on, wrapping around."""
+        i = bisect_left(self.ranks, first)
+        return zip(chain(islice(self.ranks, i, None), islice(self.ranks, i)),
+                   chain(islice(self.boxes, i, None), islice(self.boxes, i)), strict=True)
+
+    def covers(self, need: Box) -> bool:
+        """Whether the holders together hold every element of ``need``."""
+        if not need.numel:
+            return True
+        if not self.slabs:
+            return not _cover(need, zip(self.ranks, self.boxes, strict=True))[1]
+        i = bisect_right(self.union_starts, need.start[0]) - 1
+        return i >= 0 and self.union_stops[i] >= need.stop[0]
+
+    def cover(self, need: Box, first: int, trainer: int | None = None) -> tuple[list[int], list[Box]]:
+        """The pieces of the greedy cover of ``need`` by the holders from rank ``first`` on (:func:`_cover`),
+        only those of rank ``trainer`` when given: their ranks and their boxes."""
+        if not self.disjoint:
+            pieces = [p for p in _cover(need, self.rotated(first))[0] if trainer in (None, p[0])]
+            return [t for t, _ in pieces], [box for _, box in pieces]
+        a, b = need.start[0], need.stop[0]
+        if trainer is None:
+            lo, hi = bisect_right(self.stops, a), bisect_left(self.starts, b)
+            ranks, boxes = self.slab_ranks[lo:hi], self.slab_boxes[lo:hi]
+        else:
+            mine = self.boxes[bisect_left(self.ranks, trainer):bisect_right(self.ranks, trainer)]
+            boxes = [box for box in mine if box.start[0] < b and box.stop[0] > a]
+            ranks = [trainer] * len(boxes)
+        head, tail = need.start[1:], need.stop[1:]
+        if any(head) or tail != self.rest:  # the need is part of the slabs' other dimensions
+            return ranks, [Box._of((max(box.start[0], a), *head), (min(box.stop[0], b), *tail))
+                           for box in boxes]
+        if boxes and boxes[0].start[0] < a:  # whole slabs, but the first and last may stick out
+            boxes[0] = Box._of((a, *head), (min(boxes[0].stop[0], b), *tail))
+        if boxes and boxes[-1].stop[0] > b:
+            boxes[-1] = Box._of((max(boxes[-1].start[0], a), *head), (b, *tail))
+        return ranks, boxes
+
+
+def _slab_ranges(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[int], list[int], list[int]] | None:
+    """None unless every box is the whole tensor but a range of dim 0; else the non-empty ranges' starts,
+    stops and box positions, sorted by start (loops in C: this runs over every holding)."""
+    lo, hi = [b.start for b in boxes], [b.stop for b in boxes]
+    tail = itemgetter(slice(1, None))
+    if len(shape) > 1 and (list(map(tail, lo)).count((0,) * (len(shape) - 1)) != len(lo)
+                           or list(map(tail, hi)).count(shape[1:]) != len(hi)):
+        return None
+    starts, stops = list(map(itemgetter(0), lo)), list(map(itemgetter(0), hi))
+    held = list(map(lt, starts, stops))
+    order = list(compress(range(len(boxes)), held))
+    if len(order) < len(boxes):
+        starts, stops = list(compress(starts, held)), list(compress(stops, held))
+    if not all(map(le, starts, islice(starts, 1, None))):
+        order = sorted(order, key=lambda i: boxes[i].start[0])
+        starts, stops = [boxes[i].start[0] for i in order], [boxes[i].stop[0] for i in order]
+    return starts, stops, order
+
+
+def _union(starts: list[int], stops: list[int], disjoint: bool) -> tuple[list[int], list[int]]:
+    """The union of the ranges ``[starts[i], stops[i])`` (sorted by start) as sorted disjoint ranges."""
+    if disjoint:  # join ranges that continue each other
+        gaps = list(map(ne, stops, islice(starts, 1, None)))  # map stops at the shorter
+        return starts[:1] + list(compress(starts[1:], gaps)), list(compress(stops, gaps)) + stops[-1:]
+    union_starts: list[int] = []
+    union_stops: list[int] = []
+    for lo, hi in zip(starts, stops, strict=True):
+        if union_stops and lo <= union_stops[-1]:
+            union_stops[-1] = max(union_stops[-1], hi)
+        else:
+            union_starts.append(lo)
+            union_stops.append(hi)
+    return union_starts, union_stops
+
+
+def _index_holders(tensors, trainers) -> dict[str, _Holders]:
+    held: dict[str, tuple[list[int], list[Box]]] = {t.name: ([], []) for t in tensors}
+    for t, held_by_rank in enumerate(trainers):
         for h in held_by_rank:
-            held[h.tensor.name].append(h.box)
+            ranks, boxes = held[h.tensor.name]
+            ranks.append(t)
+            boxes.append(h.box)
+    return {t.name: _Holders(t.shape, *held[t.name]) for t in tensors}
+
+
+def _check_coverage(tensors, held: dict[str, _Holders], engines) -> None:
     needed = {h.tensor.name for ranked in engines for h in ranked}
-    problems = [f"trainer ranks hold {n!r}, which no engine rank needs" for n in held if n not in needed]
+    problems = [f"trainer ranks hold {t.name!r}, which no engine rank needs" for t in tensors
+                if t.name not in needed]
     for e, ranked in enumerate(engines):
         for h in ranked:
-            boxes = held[h.tensor.name]
-            if not boxes:
+            holders = held[h.tensor.name]
+            if not holders.boxes:
                 problems.append(f"engine rank {e} needs {h.tensor.name!r}, which no trainer rank holds")
-            elif _cover(h.box, ((0, b) for b in boxes))[1]:
+            elif not holders.covers(h.box):
                 problems.append(f"engine rank {e} needs {h.tensor.name!r}{h.box}; trainer ranks hold only "
-                                f"{', '.join(map(str, boxes))}")
+                                f"{', '.join(map(str, holders.boxes))}")
     if problems:
         raise RefitPlanMismatch(problems)
 
@@ -335,26 +492,35 @@ def _cover(need: Box, holders: Iterable[tuple[int, Box]]) -> tuple[list[tuple[in
 def route(mesh: MeshPlan) -> list[Route]:
     """Cut every engine rank's boxes into pieces, each sent by one trainer rank that holds it; replicated
     bytes come from the holder ``(tensor index + engine index) mod T`` onwards, spreading the load."""
+    return _routes(mesh, range(mesh.num_engines))
+
+
+def _routes(mesh: MeshPlan, engines: Iterable[int], trainer: int | None = None) -> list[Route]:
+    """The routes to the engine ranks ``engines`` (engine indices), only those from ``trainer`` when given
+    (see :func:`route`)."""
+    with _gc_paused():
+        return _routes_of_engines(mesh, engines, trainer)
+
+
+def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | None) -> list[Route]:
     T = mesh.num_trainers
     index = {t.name: i for i, t in enumerate(mesh.tensors)}
-    holders: dict[str, list[tuple[int, Box]]] = {t.name: [] for t in mesh.tensors}
-    for t, held in enumerate(mesh.trainers):
-        for h in held:
-            holders[h.tensor.name].append((t, h.box))
-    pieces: dict[tuple[int, int], list[Piece]] = {}
-    for e, needs in enumerate(mesh.engines):
-        for h in needs:
-            if h.box.numel == 0:
-                continue
-            first = (index[h.tensor.name] + e) % T
-            ranked = sorted(holders[h.tensor.name], key=lambda tb: (tb[0] - first) % T)
-            for t, box in _cover(h.box, ranked)[0]:
-                pieces.setdefault((t, e), []).append(Piece(h.tensor, box))
-    out = []
-    for (t, e), ps in sorted(pieces.items()):
-        ps.sort(key=lambda p: (index[p.tensor.name], p.box.start))
-        out.append(Route(t, mesh.engine_rank(e), tuple(ps)))
-    return out
+    routes = []
+    for e in engines:
+        needs = sorted(((index[h.tensor.name], h.box.start, h) for h in mesh.engines[e] if h.box.numel),
+                       key=itemgetter(0, 1))
+        pieces: dict[int, list[Piece]] = {}
+        unsorted = set()  # trainers whose pieces of one tensor did not come in box order
+        for i, _, h in needs:
+            for t, box in zip(*mesh._held[h.tensor.name].cover(h.box, (i + e) % T, trainer), strict=True):
+                mine = pieces.setdefault(t, [])
+                if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
+                    unsorted.add(t)
+                mine.append(Piece._of(h.tensor, box))
+        for t in unsorted:
+            pieces[t].sort(key=lambda p: (index[p.tensor.name], p.box.start))
+        routes += [Route(t, mesh.engine_rank(e), tuple(ps)) for t, ps in pieces.items()]
+    return sorted(routes, key=lambda r: (r.trainer, r.engine))
 
 
 # -- replicated bytes: boxes several trainer ranks hold (their copies must agree) ---------------------------
@@ -421,25 +587,60 @@ def holdings_canonical(held: Iterable[Holding]) -> list:
     return [[*h.tensor.canonical(), *h.box.canonical()] for h in held]
 
 
-def holdings_from_canonical(obj, rank: int) -> list[Holding]:
-    """Rebuild a peer's holdings from JSON, checking every field (ValueError naming the rank)."""
+def _int64s(v: list) -> bool:
+    """Whether the list ``v`` holds non-negative int64s only (the loops in C: this runs on every holding)."""
+    return not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= MAX_TENSOR_BYTES)
+
+
+def holdings_from_canonical(obj, rank: int, infos: dict | None = None) -> list[Holding]:
+    """Rebuild a peer's holdings from JSON, checking every field (ValueError naming the rank).
+
+    ``infos``: the tensor descriptions met so far, shared by the ranks of one agreement, so that every rank's
+    holdings of a tensor share one :class:`TensorInfo` (the plan then compares descriptions once per
+    tensor)."""
     if type(obj) is not list:
         raise ValueError(f"rank {rank} sent holdings that are not a list")
+    infos = {} if infos is None else infos
     out = []
     for i, row in enumerate(obj):
         try:
-            name, role, dtype, shape, start, stop = row
-            if type(name) is not str or role not in ROLES or dtype not in WIRE_DTYPES:
-                raise ValueError("bad name, role or dtype")
-            if not all(type(v) is list and all(type(x) is int and 0 <= x <= MAX_TENSOR_BYTES for x in v)
-                       for v in (shape, start, stop)) or not len(shape) == len(start) == len(stop):
-                raise ValueError("shape, start and stop must be lists of non-negative int64s of one length")
-            if len(shape) > MAX_DIMS:
-                raise ValueError(f"{len(shape)} dimensions (at most {MAX_DIMS})")
-            out.append(Holding(TensorInfo(name, role, dtype, tuple(shape)), Box(tuple(start), tuple(stop))))
+            out.append(_holding_of(row, infos))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"rank {rank} sent a bad holding at {i}: {exc}") from None
     return out
+
+
+def _holding_of(row, infos: dict) -> Holding:
+    """One row ``[name, role, dtype, shape, start, stop]`` of a peer's holdings, checked."""
+    name, role, dtype, shape, start, stop = row
+    if type(name) is not str or role not in ROLES or dtype not in WIRE_DTYPES:
+        raise ValueError("bad name, role or dtype")
+    if not (type(shape) is type(start) is type(stop) is list and len(shape) == len(start) == len(stop)
+            and _int64s(shape + start + stop)):
+        raise ValueError("shape, start and stop must be lists of non-negative int64s of one length")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{len(shape)} dimensions (at most {MAX_DIMS})")
+    key = (name, role, dtype, *shape)
+    info = infos.get(key) or infos.setdefault(key, TensorInfo(name, role, dtype, tuple(shape)))
+    start, stop = tuple(start), tuple(stop)
+    return Holding(info, Box._of(start, stop) if all(map(le, start, stop)) else Box(start, stop))
+
+
+def mesh_from_json(texts: Sequence[bytes], trainers: int) -> MeshPlan:
+    """The plan every rank of an agreement builds (:func:`agree`): from every rank's holdings as JSON bytes
+    (:func:`holdings_canonical`; ranks ``0 .. trainers-1`` the trainers), checked, with its digest. The
+    garbage collector is paused meanwhile: the peers' JSON and holdings are millions of objects it would
+    rescan for nothing to free.
+
+    Raises:
+        ValueError: bytes that are not JSON, or JSON that is not holdings (naming the rank);
+            RefitPlanMismatch (see :class:`MeshPlan`)."""
+    infos: dict = {}
+    with _gc_paused():
+        ranks = [holdings_from_canonical(json.loads(text), r, infos) for r, text in enumerate(texts)]
+        mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
+        mesh.digest  # noqa: B018 - a cached property, computed while the collector is paused
+    return mesh
 
 
 #: "MXMESH" and the plan agreement's version (2: a status row first, a failing rank's reason to every rank)
@@ -534,12 +735,8 @@ def agree(transport, trainers: int, held) -> MeshPlan:
     """
     import torch
 
-    ranks = []
     try:
-        for r, got in enumerate(_exchange_holdings(transport, held)):
-            ranks.append(holdings_from_canonical(json.loads(got), r))
-        mesh = MeshPlan(ranks[:trainers], ranks[trainers:])
-        problem = ""
+        mesh, problem = mesh_from_json(_exchange_holdings(transport, held), trainers), ""
     except RefitError:  # a rank failed before the plan (every rank knows it), or the group failed
         raise
     except Exception as exc:  # noqa: BLE001 - every rank must still give its digest row (no rank hangs)

@@ -158,7 +158,7 @@ class RefitError(RuntimeError):
         super().__init__(message)
 
 
-class _Row:
+class ResultRow:
     """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row["key"]`` reads one key of it."""
 
     def to_dict(self) -> dict:
@@ -169,7 +169,7 @@ class _Row:
 
 
 @dataclass(frozen=True)
-class SendStats(_Row):
+class SendStats(ResultRow):
     """One refit as the sender saw it (see :meth:`~mxport.refit.RefitSender.send`)."""
 
     version: int
@@ -191,7 +191,7 @@ class SendStats(_Row):
 
 
 @dataclass(frozen=True)
-class ReceiveStats(_Row):
+class ReceiveStats(ResultRow):
     """One refit as a receiver saw it (see :meth:`~mxport.refit.RefitReceiver.receive`)."""
 
     version: int

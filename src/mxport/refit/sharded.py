@@ -45,7 +45,7 @@ from .mesh import (
 )
 from .plan import RefitPlan, RefitPlanMismatch
 from .receiver import RefitReceiver, Staged
-from .results import REPORT_WORDS, ReceiverResult, ReceiveStats, RefitError, Status, Vote, _Row
+from .results import REPORT_WORDS, ReceiverResult, ReceiveStats, RefitError, ResultRow, Status, Vote
 from .sender import PendingSend, RefitSender
 from .transport import PAIR_TAG, PairTransport, Transport
 
@@ -90,7 +90,7 @@ def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[in
 
 
 @dataclass(frozen=True)
-class PairStats(_Row):
+class PairStats(ResultRow):
     """One pair stream of a sharded refit: its two world ranks, its bytes and buckets, and the seconds this
     rank spent on it (the trainer transmitting, the engine receiving and validating)."""
 
@@ -110,7 +110,7 @@ def _pairs_dict(row) -> dict:
 
 
 @dataclass(frozen=True)
-class ShardedSendStats(_Row):
+class ShardedSendStats(ResultRow):
     """One sharded refit as a trainer rank saw it: ``rank`` (its world rank), ``version``, ``bytes`` (all its
     pair streams), ``seconds`` (up to the vote's outcome), ``gbps``, ``pairs`` (:class:`PairStats`, in pair
     order), ``results`` (every engine rank's :class:`ReceiverResult`)."""
@@ -128,7 +128,7 @@ class ShardedSendStats(_Row):
 
 
 @dataclass(frozen=True)
-class ShardedReceiveStats(_Row):
+class ShardedReceiveStats(ResultRow):
     """One sharded refit as an engine rank saw it: ``rank``, ``version`` (now live), ``bytes`` (all its pair
     streams), ``seconds`` (the whole call: receiving, the vote, the commits), ``commit_s`` (the commits),
     ``gbps``, ``pairs`` (:class:`PairStats`, in pair order)."""

@@ -37,9 +37,10 @@ from ..layout import Layout, attention_problem, engine_shard
 from .items import model_tensors, tensor_items
 from .mesh import Box, Holding, TensorInfo
 from .plan import dtype_from_name
-from .trainer import TrainerSource, _kept_dtype
+from .trainer import TrainerSource, kept_wire_dtype
 
-__all__ = ["HeldTensorsSource", "ShardedTrainerSource", "engine_buffers", "engine_holdings", "scales_box"]
+__all__ = ["HeldTensorsSource", "ShardedTrainerSource", "engine_boxes", "engine_buffers", "engine_holdings",
+           "scales_box"]
 
 #: bucket size of the (global) plans built here only to read their entries; no bytes move by them
 _PLAN_BUCKET = 1 << 20
@@ -75,11 +76,11 @@ def _infos(items) -> list[TensorInfo]:
 def _dtensor_box(t) -> Box:
     """This rank's box of a ``DTensor`` (torch's own local shape and global offset), checked to be a range of
     the full tensor per dimension."""
-    from ..sources.dtensor import _local_and_offset, _normalized, gather_dims
+    from ..sources.dtensor import gather_dims, local_and_offset, normalized_placement
 
-    placements = tuple(_normalized(p, t.dim()) for p in t.placements)
+    placements = tuple(normalized_placement(p, t.dim()) for p in t.placements)
     gather_dims(tuple(t.shape), tuple(t.device_mesh.shape), placements)  # refuses shards that are not ranges
-    local, offset = _local_and_offset(t, placements)
+    local, offset = local_and_offset(t, placements)
     return Box(offset, tuple(o + s for o, s in zip(offset, local.shape, strict=True)))
 
 
@@ -130,7 +131,7 @@ class ShardedTrainerSource:
         the optimizer step). A collective where a ``DTensor`` needs a gather: every rank of its mesh calls
         :meth:`local` at the same time (tensors go in the same order on every rank)."""
         from ..export import export_components
-        from ..nn import _plain_float
+        from ..nn import plain_float
         from ..quantize import quantize
         from ..sources.dtensor import is_dtensor, quantize_local
 
@@ -142,7 +143,7 @@ class ShardedTrainerSource:
                 s = next(held)
                 if is_dtensor(t):
                     c = quantize_local(t, self.fp8_dtype, kernel=self.kernel)
-                elif _plain_float(t):
+                elif plain_float(t):
                     c = quantize(t.detach(), self.fp8_dtype, kernel=self.kernel)
                 else:
                     c = export_components(t.data if isinstance(t, nn.Parameter) else t)
@@ -151,7 +152,7 @@ class ShardedTrainerSource:
             else:
                 x = t.detach()
                 x = x.to_local() if is_dtensor(x) else x
-                want = _kept_dtype(x, self.kept_dtype)
+                want = kept_wire_dtype(x, self.kept_dtype)
                 out[h.tensor.name] = (h.box, _checked(x.to(want).contiguous(), h))
         return out
 
@@ -242,9 +243,9 @@ class HeldTensorsSource:
         names_and_shapes: the WHOLE model's tensors, for the policy: ``(name, full shape, dtype)`` entries
             in model order, or an ``nn.Module`` (typically built on the meta device from the model's config,
             ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``) whose
-            :func:`~mxport.refit.items.model_tensors` are taken. Names must be the names ``items`` yields. None:
-            decide on this rank's own items, allowed only for a policy whose decisions do not depend on the
-            rest of the model (no ``keep_last``, ``include``, ``exclude``; the default policy).
+            :func:`~mxport.refit.items.model_tensors` are taken. Names must be the names ``items`` yields.
+            None: decide on this rank's own items, allowed only for a policy whose decisions do not depend on
+            the rest of the model (no ``keep_last``, ``include``, ``exclude``; the default policy).
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
 
     The policy decides once on the whole model's list, so ranks holding different subsets agree with each
@@ -316,7 +317,7 @@ class HeldTensorsSource:
                 for part, hd in zip((c.data, c.scale_inv), held, strict=True):
                     out[hd.tensor.name] = (hd.box, _checked(part, hd))
             else:
-                want = _kept_dtype(x, self.kept_dtype)
+                want = kept_wire_dtype(x, self.kept_dtype)
                 out[h.name] = (h.box, _checked(x.to(want).contiguous(), held[0]))
         missing = [h.tensor.name for _, held in self._spec.values() for h in held if h.tensor.name not in out]
         if missing:
@@ -325,7 +326,7 @@ class HeldTensorsSource:
 
 
 # -- engine side ---------------------------------------------------------------------------------------------
-def _engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
+def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
                   quantized: bool) -> list[Box]:
     """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings):
     one, or one per block of :attr:`~mxport.layout.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
@@ -393,7 +394,7 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
         if e.role == "scales" and values:
             boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
         else:
-            boxes = _engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
+            boxes = engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
         held = [Holding(info, box) for box in boxes]
         out += held
         values = held if e.role == "values" else []

@@ -20,7 +20,7 @@ from .plan import RefitPlan
 BATCH_NUMEL = 1 << 22
 
 
-def _kept_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
+def kept_wire_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a kept tensor travels in: ``kept_dtype`` for floating-point tensors, else its own (integer
     and bool buffers are never cast)."""
     return kept_dtype if kept_dtype is not None and t.is_floating_point() else t.dtype
@@ -115,7 +115,7 @@ class TrainerSource:
                 items += tensor_items(name, fp8_dtype, t.shape,
                                       scales=(torch.uint8, compact_scale_shape(t.shape, "rowwise")))
             else:
-                items += tensor_items(name, _kept_dtype(t, kept_dtype), t.shape)
+                items += tensor_items(name, kept_wire_dtype(t, kept_dtype), t.shape)
         self.plan = RefitPlan(items, bucket_bytes)
         self._device = _device_of(self.tensors_by_name, native)
         self.arena = bool(arena)
@@ -167,7 +167,7 @@ class TrainerSource:
         the yielded tensors are views of the send buffer: quantized ones hold this call's bytes until the next
         call, adopted kept ones *are* the trainer's parameters (they change when the optimizer steps)."""
         from ..export import export_components
-        from ..nn import _plain_float
+        from ..nn import plain_float
         from ..quantize import quantize
 
         slots = self._slots
@@ -178,7 +178,7 @@ class TrainerSource:
         i = ready = 0  # ready: entries before it hold this call's quantized bytes in their slots already
         for idx, ((_, t), q) in enumerate(zip(self.tensors_by_name, self.quantized, strict=True)):
             if q:
-                if slots is not None and _plain_float(t):
+                if slots is not None and plain_float(t):
                     if idx >= ready:  # this weight and the plain-float weights right after it, in one batch
                         ready = self._quantize_run(idx, i)
                     self._yielded = i + 1
@@ -187,7 +187,7 @@ class TrainerSource:
                     yield slots[i + 1]
                 else:
                     w = _whole(t)
-                    c = (quantize(w.detach(), self.fp8_dtype, kernel=self.kernel) if _plain_float(w)
+                    c = (quantize(w.detach(), self.fp8_dtype, kernel=self.kernel) if plain_float(w)
                          else export_components(w.data if isinstance(w, nn.Parameter) else w))
                     for j, part in ((i, c.data), (i + 1, c.scale_inv)):
                         if (slots is not None and part.dtype == slots[j].dtype
@@ -198,7 +198,7 @@ class TrainerSource:
                 i += 2
             else:
                 x = _whole(t).detach()
-                want = _kept_dtype(x, self.kept_dtype)
+                want = kept_wire_dtype(x, self.kept_dtype)
                 if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
                     slot = slots[i]
                     # not adopted: copy (and cast) in
@@ -226,12 +226,12 @@ class TrainerSource:
         plain-float weights that follow it, up to :data:`BATCH_NUMEL` elements, into their slots with one
         :func:`mxport.quantize.quantize_many` call (the bytes of per-weight ``quantize``); return the index of
         the first entry not done."""
-        from ..nn import _plain_float
+        from ..nn import plain_float
         from ..quantize import quantize_many
 
         xs, outs, entries, numel, end = [], [], [], 0, idx
         while (end < len(self.quantized) and self.quantized[end] and (end == idx or numel < BATCH_NUMEL)
-               and _plain_float(t := self.tensors_by_name[end][1])):
+               and plain_float(t := self.tensors_by_name[end][1])):
             xs.append(t.detach())
             outs.append((self._slots[i], self._slots[i + 1]))
             entries.append(i)

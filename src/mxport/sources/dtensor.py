@@ -243,7 +243,7 @@ def gather_dims(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         raise ValueError(f"placements must have one entry per mesh dimension ({len(mesh_shape)}), "
                          f"got {len(placements)}")
     _check_placements(placements, "placements")
-    placements = tuple(_normalized(p, len(global_shape)) for p in placements)
+    placements = tuple(normalized_placement(p, len(global_shape)) for p in placements)
     out: set[int] = set()
     for dim in sorted({_shard_dim(p) for p in placements} - {None}):
         if not 0 <= dim < len(global_shape):
@@ -260,7 +260,7 @@ def _replicate():
     return _dtensor_api()[1]()
 
 
-def _normalized(p, ndim: int):
+def normalized_placement(p, ndim: int):
     """``Shard(-1)`` -> ``Shard(ndim - 1)``; other placements as they are (DTensor stores them normalized)."""
     shard = _dtensor_api()[2][0]
     return shard(p.dim % ndim) if type(p) is shard and p.dim < 0 else p
@@ -274,7 +274,7 @@ def _check_float(t: torch.Tensor, argname: str) -> None:
             f"{argname} must have at least one dimension (blocks run along the last one), got a 0-d tensor")
 
 
-def _local_and_offset(dt, placements) -> tuple[torch.Tensor, tuple[int, ...]]:
+def local_and_offset(dt, placements) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's local tensor and its global offset, checked against torch's own local shape."""
     *_, local_shape_and_offset = _dtensor_api()
     mesh = dt.device_mesh
@@ -329,17 +329,17 @@ def quantize_local(dt: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
 
 def _quantize_dtensor(dt, fp8_dtype, rounding: str, block_2d: bool, kernel: str | None = None) -> LocalMXFP8:
     mesh = dt.device_mesh
-    placements = tuple(_normalized(p, dt.dim()) for p in dt.placements)
+    placements = tuple(normalized_placement(p, dt.dim()) for p in dt.placements)
     _check_placements(placements, "dt")
     gathered = gather_dims(tuple(dt.shape), tuple(mesh.shape), placements, block_2d=block_2d)
-    local, offset = _local_and_offset(dt, placements)
+    local, offset = local_and_offset(dt, placements)
     kw = {"rounding": rounding, "block_2d": block_2d, "kernel": kernel}
     if not gathered:
         c = quantize(local, fp8_dtype, **kw)
         data, scale_inv = c.data, c.scale_inv
     else:
         wide = tuple(_replicate() if i in gathered else p for i, p in enumerate(placements))
-        g_local, g_offset = _local_and_offset(dt.redistribute(mesh, wide), wide)
+        g_local, g_offset = local_and_offset(dt.redistribute(mesh, wide), wide)
         full = quantize(g_local, fp8_dtype, **kw)
         # along K, g_offset is 0 (K gathered) or block-aligned (K shards are whole blocks)
         rel = tuple(o - g for o, g in zip(offset, g_offset, strict=True))
@@ -349,4 +349,5 @@ def _quantize_dtensor(dt, fp8_dtype, rounding: str, block_2d: bool, kernel: str 
                       tuple(mesh.shape), bool(gathered), gathered)
 
 
-__all__ = ["LocalMXFP8", "gather_dims", "is_dtensor", "quantize_local"]
+__all__ = ["LocalMXFP8", "gather_dims", "is_dtensor", "local_and_offset", "normalized_placement",
+           "quantize_local"]
