@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-import mxport.refit.trainer as trainer_mod
+import mxport.refit.trainer.whole as trainer_mod
 from mxport.refit.buckets import byte_view
 from mxport.refit.trainer import TrainerSource
 

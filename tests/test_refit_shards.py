@@ -1,5 +1,5 @@
-"""Sharded refit sources (mxport.refit.shards): what each trainer rank holds and its bytes, what each engine
-rank needs and where it lands, and the two meeting in a MeshPlan.
+"""Sharded refit sources (mxport.refit.trainer, mxport.refit.engine): what each trainer rank holds and its
+bytes, what each engine rank needs and where it lands, and the two meeting in a MeshPlan.
 
 Two real gloo processes (world 2, CPU, spawned once, every wait bounded) shard tiny Llamas with FSDP2
 (``fully_shard``: it runs on CPU / gloo in torch 2.13) and tensor parallel (ColwiseParallel / RowwiseParallel

@@ -7,8 +7,8 @@ checked, the tensors merged, the coverage checked, the digest; then its own rout
 
 The holdings are built synthetically (no processes, no torch model): trainer rank ``t`` holds rows
 ``[t n / T, (t + 1) n / T)`` (``torch.chunk``'s split, as FSDP2's ``Shard(0)``) of every tensor, its scales
-the same rows; engine rank ``e`` holds what :func:`mxport.refit.shards.engine_holdings` gives a vLLM
-``tp = E`` rank (:func:`mxport.refit.shards.engine_boxes`).
+the same rows; engine rank ``e`` holds what :func:`mxport.refit.engine.engine_holdings` gives a vLLM
+``tp = E`` rank (:func:`mxport.refit.engine.engine_boxes`).
 
 Rows: two per trainer rank count (8, 64, 256; quick: 8, 64), the seconds until every rank has its plan and
 its routes (the median plan build, plus the slower of a trainer rank's and an engine rank's routes) against
@@ -92,7 +92,7 @@ def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def fsdp_holdings(tensors, t: int, trainers: int) -> list[Holding]:
     """What FSDP trainer rank ``t`` of ``trainers`` holds: dim-0 shards of every tensor, scales alike."""
-    from ..refit.shards import scales_box
+    from ..refit.mesh import scales_box
 
     out = []
     for values, scales in tensors:
@@ -105,9 +105,10 @@ def fsdp_holdings(tensors, t: int, trainers: int) -> list[Holding]:
 
 def tp_holdings(tensors, e: int, tp: int, kv_heads: int) -> list[Holding]:
     """What engine rank ``e`` of a vLLM ``tp`` engine needs (as
-    :func:`~mxport.refit.shards.engine_holdings`)."""
+    :func:`~mxport.refit.engine.engine_holdings`)."""
     from ..layout import Layout
-    from ..refit.shards import engine_boxes, scales_box
+    from ..refit.engine import engine_boxes
+    from ..refit.mesh import scales_box
 
     out, layout = [], Layout(tp=tp)
     for values, scales in tensors:

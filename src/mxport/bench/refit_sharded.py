@@ -161,8 +161,8 @@ def infos(name: str, shape: tuple[int, int]):
 
 
 def scale_box(values, shape):
-    """The compact scales that go with the values' box (mxport.refit.shards.scales_box, whole blocks)."""
-    from mxport.refit.shards import scales_box
+    """The compact scales that go with the values' box (mxport.refit.mesh.scales_box, whole blocks)."""
+    from mxport.refit.mesh import scales_box
 
     return scales_box(values, shape, whole_blocks=True)
 

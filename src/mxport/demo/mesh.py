@@ -6,11 +6,11 @@ do: ``fsdp`` shards every parameter with FSDP2 ``fully_shard``; ``tp`` applies t
 replicated when the head counts do not divide, MLPs when
 ``intermediate_size`` does not); both take real AdamW steps on their DTensors. ``pp`` and
 ``ep`` ranks each train a full replica (same seed, same batch: the same weights) and hand the refit only
-what their stage or their experts hold, through held names (:class:`~mxport.refit.shards.HeldTensorsSource`),
+what their stage or their experts hold, through held names (:class:`~mxport.refit.trainer.HeldTensorsSource`),
 as pipeline and expert-parallel exporters do; the pipeline schedule itself is not simulated.
 
 Engine ranks (``--engine tp=N``, ``ep=N``) hold only their own shard of each tensor
-(:func:`~mxport.refit.shards.engine_holdings`, q/k/v and gate/up in merged buffers as vLLM holds them).
+(:func:`~mxport.refit.engine.engine_holdings`, q/k/v and gate/up in merged buffers as vLLM holds them).
 All ranks meet in a separate refit group (:func:`~mxport.refit.transport.open_group`), agree on the global
 plan (:func:`~mxport.refit.mesh.agree`) and refit shard to shard (:class:`~mxport.refit.sharded.ShardedSender`
 / :class:`~mxport.refit.sharded.ShardedReceiver`: one vote, all engine ranks commit or none).
@@ -69,7 +69,7 @@ def _layouts(cfg: MeshConfig):
 def _shard_trainer(model, layout, rank: int, kernel: str | None):
     """Apply the trainer layout to ``model`` (in its own default group); returns the source of its shards
     (quantizing with ``kernel``)."""
-    from ..refit.shards import HeldTensorsSource, ShardedTrainerSource
+    from ..refit.trainer import HeldTensorsSource, ShardedTrainerSource
 
     if layout.fsdp > 1 or layout.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -230,8 +230,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
 def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
+    from ..refit.engine import engine_buffers, engine_holdings
     from ..refit.sharded import ShardedReceiver
-    from ..refit.shards import engine_buffers, engine_holdings
     from ..refit.transport import TorchDistTransport
 
     t_layout, e_layout = _layouts(cfg)
@@ -271,7 +271,7 @@ def _pointers(live: dict) -> list[int]:
 
 def _load_initial(model, holdings: list[Holding], live: dict) -> None:
     """The engine rank's shard of the model it loaded (its first weights, kept until the first refit)."""
-    from ..refit.inference import receiver_plan
+    from ..refit.engine import receiver_plan
 
     plan, targets = receiver_plan(model, 1 << 20)
     full = {en.name: t for en, t in zip(plan.entries, targets, strict=True)}
@@ -282,7 +282,7 @@ def _load_initial(model, holdings: list[Holding], live: dict) -> None:
 
 def _assemble(pg, mesh, e: int, model, holdings, live) -> None:
     """Engine rank 0 gathers every engine rank's shards into its full model (for generation only)."""
-    from ..refit.inference import receiver_plan
+    from ..refit.engine import receiver_plan
 
     if e != 0:
         for h in holdings:

@@ -248,7 +248,7 @@ def _gather_replies(transport, shape: _ReplyShape, mine: _Reply | None) -> list[
 def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
-    from ..refit.inference import receiver_plan
+    from ..refit.engine import receiver_plan
     from ..refit.receiver import RefitReceiver
 
     # kept tensors in BF16, as engines run

@@ -22,15 +22,14 @@ the submodule that holds it. The modules are described in docs/guide-refit.md.
 """
 
 from .arena import allocate_targets
-from .inference import checkpoint_tensors, receiver_plan
+from .engine import checkpoint_tensors, engine_buffers, engine_holdings, receiver_plan
 from .mesh import Box, Holding, MeshPlan, agree
 from .plan import RefitPlan, RefitPlanMismatch
 from .receiver import RefitReceiver
 from .results import ReceiverResult, RefitError, Status
 from .sender import RefitSender
 from .sharded import ShardedReceiver, ShardedSender
-from .shards import HeldTensorsSource, ShardedTrainerSource, engine_buffers, engine_holdings
-from .trainer import TrainerSource
+from .trainer import HeldTensorsSource, ShardedTrainerSource, TrainerSource
 from .transport import InProcessChannel, TorchDistTransport, Transport
 
 __all__ = [

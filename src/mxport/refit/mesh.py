@@ -37,9 +37,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, compress, islice
 from operator import itemgetter, le, lt, ne
+from typing import TYPE_CHECKING
 
+from ..formats import BLOCK_SIZE, ceil_div
 from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
 from .results import RefitError
+
+if TYPE_CHECKING:
+    import torch
 
 MESH_FORMAT = "mxport-mesh-plan/1"
 
@@ -812,3 +817,42 @@ def route_targets(rt: Route, live: dict) -> tuple[list, list]:
         targets.append(buf)
         scatters.append(lambda view=view, buf=buf: view.copy_(buf))
     return targets, scatters
+
+
+# -- what a rank holds: its bytes, the scales that go with a box --------------------------------------------
+#: bucket size of the global plans the sources build only to read their entries (no bytes move by them)
+PLAN_BUCKET = 1 << 20
+#: a rank's bytes by tensor name: ``(box, tensor)``, or a list of them for a tensor it holds several boxes of
+Local = dict[str, "tuple[Box, torch.Tensor] | list[tuple[Box, torch.Tensor]]"]
+
+
+def scales_box(values: Box, shape: Sequence[int], *, name: str = "", whole_blocks: bool = False) -> Box:
+    """The box of the compact rowwise scales that goes with the box ``values`` of a tensor of full ``shape``:
+    the same rows; along K every block that overlaps ``values``' K range.
+
+    With ``whole_blocks`` the K range must start on a block boundary and end on one or at K (else a block
+    would be split between two holders): ValueError naming ``name`` otherwise."""
+    k0, k1, k = values.start[-1], values.stop[-1], int(shape[-1])
+    if whole_blocks and k1 > k0 and (k0 % BLOCK_SIZE or (k1 % BLOCK_SIZE and k1 != k)):
+        raise ValueError(f"{name}: the K range [{k0}, {k1}) of K = {k} cuts MXFP8 blocks of {BLOCK_SIZE} "
+                         "(a K split must be a multiple of 32)")
+    first = k0 // BLOCK_SIZE
+    last = ceil_div(k1, BLOCK_SIZE) if k1 > k0 else first
+    return Box((*values.start[:-1], first), (*values.stop[:-1], last))
+
+
+def tensor_infos(items) -> list[TensorInfo]:
+    """Plan items ``(name, role, dtype, shape)`` (torch dtypes or names) as :class:`TensorInfo` s."""
+    out = []
+    for name, role, dtype, shape in items:
+        out.append(TensorInfo(name, role, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape)))
+    return out
+
+
+def checked_local(t: torch.Tensor, h: Holding) -> torch.Tensor:
+    """``t`` when it has the holding's box shape and dtype, else RuntimeError (a weight whose shape or dtype
+    changed since the plan was built, or a placement that moved)."""
+    if tuple(t.shape) != h.box.shape or str(t.dtype).removeprefix("torch.") != h.tensor.dtype:
+        raise RuntimeError(f"{h.tensor.name}: {tuple(t.shape)} {t.dtype} where the plan holds {h.box.shape} "
+                           f"{h.tensor.dtype} (did the weight change shape, dtype or placement?)")
+    return t

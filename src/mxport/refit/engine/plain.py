@@ -10,11 +10,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..checkpoint.naming import FORMATS, scale_name
-from ..formats import is_fp8_dtype
-from .arena import adopt, adoptable, allocate_targets, storage_users
-from .items import PLAN_NAMING, model_tensors, tensor_items
-from .plan import RefitPlan
+from ...checkpoint.naming import FORMATS, scale_name
+from ...formats import is_fp8_dtype
+from ..arena import adopt, adoptable, allocate_targets, storage_users
+from ..items import PLAN_NAMING, model_tensors, tensor_items
+from ..plan import RefitPlan
 
 __all__ = ["checkpoint_tensors", "model_tensors", "receiver_plan"]
 

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..components import compact_scale_shape
-from .arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
-from .buckets import BucketLayout, ChunkSums
-from .items import model_tensors, tensor_items
-from .plan import RefitPlan
+from ...components import compact_scale_shape
+from ..arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
+from ..buckets import BucketLayout, ChunkSums
+from ..items import model_tensors, tensor_items
+from ..plan import RefitPlan
 
 #: elements of consecutive weights :meth:`TrainerSource.tensors` quantizes in one batched call (the first
 #: weight of a batch may be larger)
@@ -30,8 +30,8 @@ def _native_components(tensors: list[tuple[str, object]]) -> dict:
     """Components (views) of the entries that are native MXFP8 producers (TE, torchao, Megatron storage), by
     name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``;
     a TE tensor reports its nominal bf16)."""
-    from ..export import export_components
-    from ..sources.discover import is_mxfp8_producer
+    from ...export import export_components
+    from ...sources.discover import is_mxfp8_producer
 
     return {n: export_components(t) for n, t in tensors if is_mxfp8_producer(t)}
 
@@ -47,7 +47,7 @@ def _device_of(tensors: list[tuple[str, object]], native: dict) -> torch.device:
 def _whole(t):
     """``t`` whole: a DTensor (an FSDP2 / tensor-parallel shard) gathered with ``full_tensor()`` (a collective
     over its mesh: every rank of it must iterate in the same order), anything else as it is."""
-    from ..sources.dtensor import is_dtensor
+    from ...sources.dtensor import is_dtensor
 
     return t.full_tensor() if is_dtensor(t) else t
 
@@ -96,7 +96,7 @@ class TrainerSource:
     def __init__(self, model: nn.Module, policy=None, *, bucket_bytes: int,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
                  arena: bool = False, kernel: str | None = None):
-        from ..policy import PrecisionPolicy
+        from ...policy import PrecisionPolicy
 
         policy = PrecisionPolicy() if policy is None else policy
         self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
@@ -166,9 +166,9 @@ class TrainerSource:
         """Yield the current weights in plan order, quantizing lazily (one weight at a time). With ``arena``
         the yielded tensors are views of the send buffer: quantized ones hold this call's bytes until the next
         call, adopted kept ones *are* the trainer's parameters (they change when the optimizer steps)."""
-        from ..export import export_components
-        from ..nn import plain_float
-        from ..quantize import quantize
+        from ...export import export_components
+        from ...nn import plain_float
+        from ...quantize import quantize
 
         slots = self._slots
         self._complete = False
@@ -226,8 +226,8 @@ class TrainerSource:
         plain-float weights that follow it, up to :data:`BATCH_NUMEL` elements, into their slots with one
         :func:`mxport.quantize.quantize_many` call (the bytes of per-weight ``quantize``); return the index of
         the first entry not done."""
-        from ..nn import plain_float
-        from ..quantize import quantize_many
+        from ...nn import plain_float
+        from ...quantize import quantize_many
 
         xs, outs, entries, numel, end = [], [], [], 0, idx
         while (end < len(self.quantized) and self.quantized[end] and (end == idx or numel < BATCH_NUMEL)

@@ -1,0 +1,161 @@
+"""What an engine rank of a sharded refit needs, and where it lands.
+
+* :func:`engine_holdings`: the box of every tensor of a :func:`mxport.nn.quantize_model` 'd inference model
+  that one rank of a vLLM-style TP / EP engine holds (:func:`mxport.layout.engine_shard`);
+* :func:`engine_buffers`: that rank's own zero-filled tensors, q/k/v (gate/up) of one layer as row views of
+  one merged ``qkv_proj`` (``gate_up_proj``) buffer, as vLLM's merged column-parallel layers hold them.
+
+Scales follow their values (:func:`~mxport.refit.mesh.scales_box`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ...layout import Layout, attention_problem, engine_shard
+from ..mesh import PLAN_BUCKET, Box, Holding, Local, TensorInfo, scales_box
+from ..plan import dtype_from_name
+from .plain import receiver_plan
+
+
+def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
+                  quantized: bool) -> list[Box]:
+    """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings):
+    one, or one per block of :attr:`~mxport.layout.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
+    shard = engine_shard(name, shape, layout, kv_heads=kv_heads, quantized=quantized)
+    if shard.problem:
+        raise ValueError(shard.problem)
+    if shard.dim is None:
+        return [Box.full(shape)]
+    dim, tp = shard.dim % len(shape), layout.tp
+    if layout.ep > 1 and dim == 0 and len(shape) == 3:  # experts over all tp * ep ranks
+        part = rank
+    elif shard.parts == tp:
+        part = rank % tp
+    elif tp % shard.parts == 0:  # KV heads replicated over tp // parts ranks (vLLM num_kv_head_replicas)
+        part = rank % tp // (tp // shard.parts)
+    else:
+        raise ValueError(f"{name}: tp={tp} is not a multiple of its {shard.parts} KV heads (vLLM refuses)")
+    return [Box.along(shape, dim, a, b) for a, b in shard.ranges(shape[dim], part)]
+
+
+def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: int | None = None
+                    ) -> list[Holding]:
+    """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of an inference model
+    after :func:`mxport.nn.quantize_model`: the :func:`~mxport.refit.receiver_plan` tensors (names, roles,
+    dtypes, full shapes), each with the box :func:`mxport.layout.engine_shard` gives that rank.
+
+    Column-parallel tensors: rows ``[p * n, (p + 1) * n)`` of part ``p = rank % tp``; KV projections with
+    fewer heads than ``tp`` are cut in ``kv_heads`` parts, each held by ``tp // kv_heads`` consecutive ranks
+    (the same box); row-parallel: the K range of part ``rank % tp``; fused experts with ``ep > 1``: experts
+    ``[rank * n, (rank + 1) * n)``; everything else whole. Scales follow their values' box: the same rows, or
+    the K blocks of a row-parallel K range.
+
+    A fused ``experts.gate_up_proj`` ``[E, 2I, K]`` at tp > 1 (ep 1) gives TWO holdings (and two of its
+    scales): gate rows ``[p * I/tp, (p + 1) * I/tp)`` then up rows ``[I + p * I/tp, I + (p + 1) * I/tp)``, the
+    rows vLLM's ``FusedMoE`` ``w13_weight`` holds on tp rank ``p`` (:func:`engine_buffers` gives them one
+    buffer, gate part first).
+
+    Args:
+        kv_heads: the model's KV heads; None = ``model.config.num_key_value_heads`` when the model has one.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, tp * ep)``; a layout with ``fsdp`` or ``pp`` (not an engine's);
+            a row-parallel K split that is not a multiple of 32 for an MXFP8 tensor (naming it); a tp that is
+            not a multiple of the KV heads it exceeds; attention heads that do not divide by tp, or KV heads
+            that neither divide by tp nor divide it (vLLM refuses these layouts).
+    """
+
+    if layout.fsdp != 1 or layout.pp != 1:
+        raise ValueError(f"engine layout {layout}: an engine rank is cut by tp and ep only")
+    if not (type(rank) is int and 0 <= rank < layout.tp * layout.ep):
+        raise ValueError(f"rank must be an int in [0, {layout.tp * layout.ep}) for engine layout {layout}, "
+                         f"got {rank!r}")
+    config = getattr(model, "config", None)
+    if kv_heads is None:
+        kv_heads = getattr(config, "num_key_value_heads", None)
+    problem = attention_problem(layout.tp, getattr(config, "num_attention_heads", None), kv_heads)
+    if problem:
+        raise ValueError(f"engine layout {layout}: {problem}")
+    plan, _ = receiver_plan(model, PLAN_BUCKET)
+    out: list[Holding] = []
+    values: list[Holding] = []
+    for e in plan.entries:
+        info = TensorInfo(e.name, e.role, e.dtype, tuple(e.shape))
+        if e.role == "scales" and values:
+            boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
+        else:
+            boxes = engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
+        held = [Holding(info, box) for box in boxes]
+        out += held
+        values = held if e.role == "values" else []
+    return out
+
+
+_MERGED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|weight_scale)$")
+_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _stackable(members: Sequence[Holding | None]) -> bool:
+    """Whether the holdings can be row blocks of one buffer: all there, of one dtype and rank (at least 2-D),
+    the same extent in every dimension but the rows (dim ``-2``)."""
+    if any(x is None for x in members):
+        return False
+    first = members[0].box.shape
+    return all(x.tensor.dtype == members[0].tensor.dtype and len(x.box.shape) == len(first) >= 2
+               and x.box.shape[:-2] == first[:-2] and x.box.shape[-1] == first[-1] for x in members)
+
+
+def _merge_groups(holdings: Sequence[Holding]) -> list[list[Holding]]:
+    """Holdings cut from one vLLM merged buffer, each group in merged (row) order: q/k/v, gate/up of one layer
+    (values or scales; one holding each), and the several holdings of one tensor (a fused expert gate_up at
+    tp > 1: gate rows, then up rows, as ``w13_weight``)."""
+    by_name: dict[str, list[Holding]] = {}
+    for h in holdings:
+        by_name.setdefault(h.tensor.name, []).append(h)
+    groups = [held for held in by_name.values() if len(held) > 1 and _stackable(held)]
+    for h in holdings:
+        m = _MERGED.match(h.tensor.name)
+        if not m or m.group(2) not in ("q_proj", "gate_proj"):
+            continue
+        parts = _MERGED_PARTS["qkv_proj" if m.group(2) == "q_proj" else "gate_up_proj"]
+        found = [by_name.get(f"{m.group(1)}.{p}.{m.group(3)}", []) for p in parts]
+        members = [x[0] if len(x) == 1 else None for x in found]
+        if _stackable(members) and len(h.box.shape) == 2:
+            groups.append(members)
+    return groups
+
+
+def engine_buffers(holdings: Sequence[Holding], device: str | torch.device = "cpu",
+                   dtype_of: Callable[[TensorInfo], torch.dtype] | None = None) -> Local:
+    """An engine rank's own tensors for ``holdings`` (:func:`engine_holdings`): ``{name: (box, tensor)}``,
+    zero-filled, each of its box's shape (only the rank's shard), ready for
+    :func:`~mxport.refit.mesh.route_targets`; a tensor the rank holds several boxes of maps to a list of
+    ``(box, tensor)``, in holding order (:func:`~mxport.refit.mesh.local_part` reads either form).
+
+    q/k/v projections of one attention and gate/up of one MLP are row views of ONE merged buffer (rows
+    q | k | v, gate | up, each part its own box's rows), values and scales alike, as vLLM's
+    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` hold them; so are the gate and up boxes of a fused
+    ``experts.gate_up_proj`` at tp > 1 (one ``[E, 2I/tp, K]`` buffer, scales ``[E, 2I/tp, K/32]``, gate rows
+    first, as ``FusedMoE``'s ``w13_weight``): received pieces land in the merged buffers in place.
+    ``dtype_of(info)`` gives a buffer's dtype (default: the plan dtype)."""
+    dtype_of = dtype_of or (lambda info: dtype_from_name(info.dtype))
+    views: dict[Holding, torch.Tensor] = {}
+    for group in _merge_groups(holdings):
+        first = group[0].box.shape
+        rows = [h.box.shape[-2] for h in group]
+        merged = torch.zeros((*first[:-2], sum(rows), first[-1]), dtype=dtype_of(group[0].tensor),
+                             device=device)
+        for h, view in zip(group, torch.split(merged, rows, dim=-2), strict=True):
+            views[h] = view
+    entries: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    for h in holdings:
+        t = views.get(h)
+        if t is None:
+            t = torch.zeros(h.box.shape, dtype=dtype_of(h.tensor), device=device)
+        entries.setdefault(h.tensor.name, []).append((h.box, t))
+    return {n: held[0] if len(held) == 1 else held for n, held in entries.items()}

@@ -1,0 +1,177 @@
+"""The trainer side of a sharded refit from named tensors a rank holds: :class:`HeldTensorsSource` —
+``(hf_name, tensor)`` items of the tensors a rank holds whole (pipeline stages, Megatron-Bridge
+``export_hf_weights``, verl's per-tensor generators) or ``(hf_name, tensor, dim, start, full_size)`` items of
+a range of one dimension (expert-parallel slices of fused 3-D experts)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...components import compact_scale_shape
+from ..items import model_tensors, tensor_items
+from ..mesh import Box, Holding, Local, checked_local, scales_box, tensor_infos
+from .whole import kept_wire_dtype
+
+
+@dataclass(frozen=True)
+class HeldItem:
+    """What one item of a rank holds: its ``box`` of the tensor ``name`` of full shape ``full_shape``, in
+    ``dtype`` (the whole tensor: the full box)."""
+
+    name: str
+    dtype: torch.dtype
+    box: Box
+    full_shape: tuple[int, ...]
+
+
+def _held_item(obj, i: int) -> tuple[HeldItem, torch.Tensor]:
+    """Check one ``(name, tensor)`` / ``(name, tensor, dim, start, full_size)`` item: what it holds, and the
+    tensor."""
+    if not isinstance(obj, tuple) or len(obj) not in (2, 5):
+        raise ValueError(f"items() item {i}: expected (hf_name, tensor) or (hf_name, tensor, dim, start, "
+                         f"full_size), got {type(obj).__name__} {obj!r:.80}")
+    name, t = obj[0], obj[1]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"items() item {i}: the name must be a non-empty str, got {name!r}")
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        raise TypeError(f"items() {name!r}: expected a tensor of at least one dimension, got "
+                        f"{type(t).__name__}")
+    if len(obj) == 2:
+        return HeldItem(name, t.dtype, Box.full(t.shape), tuple(t.shape)), t
+    dim, start, full = obj[2:]
+    if not all(type(v) is int for v in (dim, start, full)) or not -t.dim() <= dim < t.dim():
+        raise ValueError(f"items() {name!r}: dim, start, full_size must be ints with dim in "
+                         f"[{-t.dim()}, {t.dim()}), got {obj[2:]}")
+    dim %= t.dim()
+    if start < 0 or start + t.shape[dim] > full:
+        raise ValueError(f"items() {name!r}: [{start}, {start + t.shape[dim]}) of dimension {dim} lies "
+                         f"outside its full size {full}")
+    shape = list(t.shape)
+    shape[dim] = full
+    return HeldItem(name, t.dtype, Box.along(shape, dim, start, start + t.shape[dim]), tuple(shape)), t
+
+
+def _held_items(items: Callable[[], Iterable]) -> list[HeldItem]:
+    """What ``items()`` holds, item by item (the tensors are not kept)."""
+    out, seen = [], set()
+    for i, obj in enumerate(items()):
+        h, _ = _held_item(obj, i)
+        if h.name in seen:
+            raise ValueError(f"items() yields {h.name!r} twice")
+        seen.add(h.name)
+        out.append(h)
+    return out
+
+
+def _full_entries(names_and_shapes, held: list[HeldItem], policy) -> list[tuple[str, tuple, torch.dtype]]:
+    """The model's full list of ``(name, shape, dtype)`` the policy decides on (see HeldTensorsSource)."""
+    if names_and_shapes is None:
+        if policy.keep_last or policy.include or policy.exclude:
+            raise ValueError("HeldTensorsSource: a policy with keep_last / include / exclude decides on the "
+                             "whole model (layer count, shared precision groups): pass names_and_shapes")
+        return [(h.name, h.full_shape, h.dtype) for h in held]
+    if isinstance(names_and_shapes, nn.Module):
+        return [(n, tuple(t.shape), t.dtype) for n, t in model_tensors(names_and_shapes)]
+    return [(n, tuple(int(s) for s in shape), dtype) for n, shape, dtype in names_and_shapes]
+
+
+class HeldTensorsSource:
+    """The trainer side of a sharded refit for a rank that holds named tensors (whole, or a range of one
+    dimension), not a ``DTensor`` model.
+
+    Args:
+        items: a callable returning an iterable of ``(hf_name, tensor)`` (the rank holds the whole tensor:
+            pipeline stages, Megatron-Bridge ``export_hf_weights``, verl's per-tensor generators) or
+            ``(hf_name, tensor, dim, start, full_size)`` (the rank holds ``[start, start +
+            tensor.shape[dim])`` of dimension ``dim`` of a tensor whose full size there is ``full_size``,
+            e.g. its experts of a fused 3-D expert weight, ``dim`` 0). Called once here (to learn what the
+            rank holds), then once per :meth:`local`; it must yield the same names, shapes and dtypes.
+        names_and_shapes: the WHOLE model's tensors, for the policy: ``(name, full shape, dtype)`` entries
+            in model order, or an ``nn.Module`` (typically built on the meta device from the model's config,
+            ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``) whose
+            :func:`~mxport.refit.items.model_tensors` are taken. Names must be the names ``items`` yields.
+            None: decide on this rank's own items, allowed only for a policy whose decisions do not depend on
+            the rest of the model (no ``keep_last``, ``include``, ``exclude``; the default policy).
+        policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
+
+    The policy decides once on the whole model's list, so ranks holding different subsets agree with each
+    other and with an engine that holds everything (e.g. ``keep_last=1`` on pipeline stage 0, which sees no
+    last layer). A slice along K must be whole blocks (its start a multiple of 32, its end one or K), else
+    ValueError: its scales would need the rest of the row. The bytes are those of quantizing the full tensor,
+    cut with the box (rowwise blocks never cross rows).
+    """
+
+    def __init__(self, items: Callable[[], Iterable], *, names_and_shapes=None, policy=None,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
+                 kernel: str | None = None):
+        from ...policy import PrecisionPolicy
+
+        policy = PrecisionPolicy() if policy is None else policy
+        self.items, self.fp8_dtype, self.kept_dtype, self.kernel = items, fp8_dtype, kept_dtype, kernel
+        held = _held_items(items)
+        entries = _full_entries(names_and_shapes, held, policy)
+        decisions = {d.name: d for d in policy.decide_all(entries)}
+        self.holdings: list[Holding] = []
+        self._spec: dict[str, tuple[HeldItem, list[Holding]]] = {}  # by name: as at construction, holdings
+        for h in held:
+            d = decisions.get(h.name)
+            if d is None or d.shape != h.full_shape:
+                raise ValueError(f"items() yields {h.name!r} of full shape {h.full_shape}, which "
+                                 f"names_and_shapes {'lacks' if d is None else f'gives as {d.shape}'}")
+            if d.quantize and not h.dtype.is_floating_point:
+                raise TypeError(f"{h.name!r}: the policy quantizes it but items() yields {h.dtype}")
+            self._spec[h.name] = (h, self._holdings_of(h, d.quantize))
+            self.holdings += self._spec[h.name][1]
+
+    def _holdings_of(self, h: HeldItem, quantized: bool) -> list[Holding]:
+        if not quantized:
+            kept = self.kept_dtype if self.kept_dtype is not None and h.dtype.is_floating_point else h.dtype
+            infos = tensor_infos(tensor_items(h.name, kept, h.full_shape))
+            return [Holding(infos[0], h.box)]
+        sshape = compact_scale_shape(h.full_shape, "rowwise")
+        items = tensor_items(h.name, self.fp8_dtype, h.full_shape, scales=(torch.uint8, sshape))
+        values, scales = tensor_infos(items)
+        return [Holding(values, h.box), Holding(scales, scales_box(h.box, h.full_shape, name=h.name,
+                                                                   whole_blocks=True))]
+
+    def held_names(self) -> frozenset[str]:
+        """The names this rank holds (all or part of), as vLLM's ``WeightSource.held_names()``."""
+        return frozenset(self._spec)
+
+    @torch.no_grad()
+    def local(self) -> Local:
+        """``{name: (box, tensor)}`` of this rank's bytes of the current tensors: one pass over ``items()``,
+        each tensor quantized as it comes (the items are not all kept alive at once).
+
+        Raises:
+            ValueError: ``items()`` now yields other names, shapes, ranges or dtypes than at construction."""
+        from ...quantize import quantize
+
+        out: Local = {}
+        for i, obj in enumerate(self.items()):
+            h, t = _held_item(obj, i)
+            if h.name not in self._spec or h.name in out:
+                raise ValueError(f"items() now yields {h.name!r} "
+                                 f"{'twice' if h.name in out else 'which it did not at construction'}")
+            first, held = self._spec[h.name]
+            if h != first:
+                raise ValueError(f"items() now yields {h.name!r} as {h.box} of {h.full_shape} {h.dtype}, "
+                                 f"at construction {first.box} of {first.full_shape} {first.dtype}")
+            x = t.detach()
+            if len(held) == 2:
+                c = quantize(x, self.fp8_dtype, kernel=self.kernel)
+                for part, hd in zip((c.data, c.scale_inv), held, strict=True):
+                    out[hd.tensor.name] = (hd.box, checked_local(part, hd))
+            else:
+                want = kept_wire_dtype(x, self.kept_dtype)
+                out[h.name] = (h.box, checked_local(x.to(want).contiguous(), held[0]))
+        missing = [h.tensor.name for _, held in self._spec.values() for h in held if h.tensor.name not in out]
+        if missing:
+            raise ValueError(f"items() no longer yields {missing[:5]}")
+        return out
+
+
