@@ -1,5 +1,5 @@
-"""The capacity model (mxport.layout, mxport.capacity, `mxport plan`): layouts, engine slices and byte counts,
-exact for small hand-made models."""
+"""The capacity model (mxport.parallel, mxport.capacity, `mxport plan`): layouts, engine slices and byte
+counts, exact for small hand-made models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from mxport.capacity import Hardware, HostPasses, config_entries, predict
 from mxport.cli import app
-from mxport.layout import Layout, engine_shard, mxfp8_bytes
+from mxport.parallel import Layout, engine_shard, mxfp8_bytes
 
 BF16 = torch.bfloat16
 
@@ -211,7 +211,7 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
                                        ("MXPORT", ("mxport", Layout())),
                                        ("tp=2, vllm", ("vllm", Layout(tp=2)))])
 def test_parse_engine(text, want):
-    from mxport.layout import parse_engine
+    from mxport.parallel import parse_engine
 
     assert parse_engine(text) == want
 
@@ -219,7 +219,7 @@ def test_parse_engine(text, want):
 @pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(tp=2, ep=4)])
 def test_parse_engine_reads_what_a_layout_prints(layout):
     """str(Layout()) is "1": `mxport refit --trainer fsdp=2` (engine one rank) passes it on to its ranks."""
-    from mxport.layout import parse_engine
+    from mxport.parallel import parse_engine
 
     assert parse_engine(str(layout)) == ("mxport", layout)
     assert parse_engine(f"vllm,{layout}") == ("vllm", layout)
@@ -227,7 +227,7 @@ def test_parse_engine_reads_what_a_layout_prints(layout):
 
 @pytest.mark.parametrize("text", ["sglang", "vllm,mxport", "vllm,tp=0", "vllm,dp=2", "2"])
 def test_parse_engine_rejects(text):
-    from mxport.layout import parse_engine
+    from mxport.parallel import parse_engine
 
     with pytest.raises(ValueError):
         parse_engine(text)

@@ -124,7 +124,7 @@ def test_trainer_help_examples_are_layouts_the_refit_runs():
 
     from mxport.cli import app
     from mxport.cli.refit import _check_layouts
-    from mxport.layout import Layout
+    from mxport.parallel import Layout
 
     option = next(p for p in typer.main.get_command(app).commands["refit"].params if p.name == "trainer")
     examples = re.findall(r"\b(?:fsdp|tp|pp|ep)=\d+(?:,(?:fsdp|tp|pp|ep)=\d+)*", option.help)

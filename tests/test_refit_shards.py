@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mxport.layout import Layout, engine_shard
 from mxport.nn import quantize_model
+from mxport.parallel import Layout, engine_shard
 from mxport.policy import PrecisionPolicy
 from mxport.refit import (
     HeldTensorsSource,

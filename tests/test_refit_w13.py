@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxport.layout import Layout, engine_shard
 from mxport.nn import quantize_model
+from mxport.parallel import Layout, engine_shard
 from mxport.quantize import quantize
 from mxport.refit import (
     HeldTensorsSource,

@@ -13,8 +13,8 @@ What it counts (per refit, every tensor of the model once per engine replica):
   ``update_weights_from_distributed``, vLLM's collective weight update: each worker's loader slices what it
   holds), and every engine rank quantizes its slice.
 
-MXFP8: each engine rank receives only the slice it holds (:func:`mxport.layout.engine_shard`, vLLM's tensor /
-expert parallel slicing); the trainer ranks share the sending equally. Every rank has one link of
+MXFP8: each engine rank receives only the slice it holds (:func:`mxport.parallel.engine_shard`, vLLM's
+tensor / expert parallel slicing); the trainer ranks share the sending equally. Every rank has one link of
 ``link_gbps``; the wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks,
 max bytes of one engine rank) / link``. BF16: a pipelined broadcast (NCCL's ring) carries each byte once per
 link, ``t_wire = max(model bytes x replicas / trainer_ranks, stage bytes) / link``. With ``shared_gbps`` every
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import Layout, engine_shard, mxfp8_bytes
+from .parallel import Layout, engine_shard, mxfp8_bytes
 from .policy import PrecisionPolicy
 
 BF16_BYTES = 2

@@ -106,7 +106,7 @@ def fsdp_holdings(tensors, t: int, trainers: int) -> list[Holding]:
 def tp_holdings(tensors, e: int, tp: int, kv_heads: int) -> list[Holding]:
     """What engine rank ``e`` of a vLLM ``tp`` engine needs (as
     :func:`~mxport.refit.engine.engine_holdings`)."""
-    from ..layout import Layout
+    from ..parallel import Layout
     from ..refit.engine import engine_boxes
     from ..refit.mesh import scales_box
 

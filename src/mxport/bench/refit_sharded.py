@@ -8,7 +8,7 @@ baseline's broadcast). The model is synthetic and linear only: ``L`` layers, eac
 ``[F, H]`` (column parallel on the engine) and a ``down_proj`` ``[H, F]`` (row parallel), BF16, row-sharded
 over the trainer ranks as FSDP2's ``fully_shard`` does (``Shard(0)``: rank ``t`` holds rows
 ``[t n / T, (t+1) n / T)``). Engine rank ``e`` holds what vLLM's tensor-parallel layers hold (``tp = E``:
-:func:`mxport.layout.engine_shard`).
+:func:`mxport.parallel.engine_shard`).
 
 Per refit, interleaved in every run (medians over ``--runs`` after a warm-up):
 
@@ -180,7 +180,7 @@ def trainer_holdings(size: Size, t: int, trainers: int) -> list:
 
 def engine_box(name: str, shape: tuple[int, int], e: int, engines: int):
     """The box engine rank ``e`` of a ``tp = engines`` engine holds (vLLM's column / row parallel slicing)."""
-    from mxport.layout import Layout, engine_shard
+    from mxport.parallel import Layout, engine_shard
     from mxport.refit.mesh import Box
 
     shard = engine_shard(name, shape, Layout(tp=engines), quantized=True)
@@ -580,7 +580,7 @@ def predictions(res: dict, case: Case, cal: dict) -> dict:
     """The capacity model's figures for this run's shapes and layouts, with the quiet (solo) trainer quantize
     rate and with the rate of T trainer ranks quantizing at once (both measured in this run)."""
     from mxport.capacity import Hardware, predict
-    from mxport.layout import Layout
+    from mxport.parallel import Layout
 
     size = Size(**res["size"])
     out = {}

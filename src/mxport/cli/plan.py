@@ -52,7 +52,7 @@ def plan_cmd(
     """
     json_to_stdout(json_out)
     from ..capacity import Hardware, predict_config, read_config
-    from ..layout import Layout
+    from ..parallel import Layout
 
     with user_errors():
         t_layout, e_layout = Layout.parse(trainer), Layout.parse(engine)

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from ..demo.report import StepReport
-from ..layout import Layout, parse_engine
+from ..parallel import Layout, parse_engine
 from ._choices import positive
 from ._common import (
     EXIT_CHECK_FAILED,
@@ -202,7 +202,7 @@ def _check_model_layouts(config: dict, t_layout, e_layout) -> None:
     heads that do not divide by tp, a row-parallel K split that is not whole MXFP8 blocks (the engine ranks
     would fail on it after starting)."""
     from ..capacity import predict_config
-    from ..layout import attention_problem
+    from ..parallel import attention_problem
 
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     problems = [attention_problem(e_layout.tp, heads if type(heads) is int else None,

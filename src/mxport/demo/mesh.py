@@ -60,7 +60,7 @@ class MeshConfig:
 
 
 def _layouts(cfg: MeshConfig):
-    from ..layout import Layout, parse_engine
+    from ..parallel import Layout, parse_engine
 
     return Layout.parse(cfg.trainer), parse_engine(cfg.engine)[1]
 

@@ -64,7 +64,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..components import compact_scale_shape
 from ..formats import is_fp8_dtype
-from ..layout import Layout, engine_shard
+from ..parallel import Layout, engine_shard
 from ..refit import (
     RefitPlan,
     RefitReceiver,
@@ -231,8 +231,8 @@ def _dtype(dt: torch.dtype) -> str:
 
 def _expected_piece(plan: RefitPlan, i: int, layout: Layout, kv_heads: int | None) -> tuple[int, ...]:
     """The shape of plan entry ``i`` as one engine rank's loader takes it: vLLM's tensor-parallel slice
-    (:func:`mxport.layout.engine_shard`); scales follow their values' slice; a vocabulary keeps its rows (the
-    loader checks them against the embedding's ``org_vocab_size``)."""
+    (:func:`mxport.parallel.engine_shard`); scales follow their values' slice; a vocabulary keeps its rows
+    (the loader checks them against the embedding's ``org_vocab_size``)."""
     e = plan.entries[i]
     if e.role == "scales":
         v = plan.entries[i - 1]

@@ -1,7 +1,7 @@
 """What an engine rank of a sharded refit needs, and where it lands.
 
 * :func:`engine_holdings`: the box of every tensor of a :func:`mxport.nn.quantize_model` 'd inference model
-  that one rank of a vLLM-style TP / EP engine holds (:func:`mxport.layout.engine_shard`);
+  that one rank of a vLLM-style TP / EP engine holds (:func:`mxport.parallel.engine_shard`);
 * :func:`engine_buffers`: that rank's own zero-filled tensors, q/k/v (gate/up) of one layer as row views of
   one merged ``qkv_proj`` (``gate_up_proj``) buffer, as vLLM's merged column-parallel layers hold them.
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ...layout import Layout, attention_problem, engine_shard
+from ...parallel import Layout, attention_problem, engine_shard
 from ..mesh import PLAN_BUCKET, Box, Holding, Local, TensorInfo, scales_box
 from ..plan import dtype_from_name
 from .plain import receiver_plan
@@ -25,7 +25,7 @@ from .plain import receiver_plan
 def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
                   quantized: bool) -> list[Box]:
     """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings):
-    one, or one per block of :attr:`~mxport.layout.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
+    one, or one per block of :attr:`~mxport.parallel.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
     shard = engine_shard(name, shape, layout, kv_heads=kv_heads, quantized=quantized)
     if shard.problem:
         raise ValueError(shard.problem)
@@ -47,7 +47,7 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
                     ) -> list[Holding]:
     """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of an inference model
     after :func:`mxport.nn.quantize_model`: the :func:`~mxport.refit.receiver_plan` tensors (names, roles,
-    dtypes, full shapes), each with the box :func:`mxport.layout.engine_shard` gives that rank.
+    dtypes, full shapes), each with the box :func:`mxport.parallel.engine_shard` gives that rank.
 
     Column-parallel tensors: rows ``[p * n, (p + 1) * n)`` of part ``p = rank % tp``; KV projections with
     fewer heads than ``tp`` are cut in ``kv_heads`` parts, each held by ``tp // kv_heads`` consecutive ranks
