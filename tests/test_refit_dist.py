@@ -224,14 +224,14 @@ def _mismatch_body(rank, init):
                 targets = [torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.entries]
                 r = RefitReceiver(transport, plan, targets)
                 r.receive()
-                out[f"{label}_staging_zero"] = bool((r._staging == 0).all())
+                out[f"{label}_staging_zero"] = bool((r.streams[0]._staging == 0).all())
                 out[f"{label}_equal"] = all(torch.equal(_bytes(a), _bytes(b))
                                             for a, b in zip(targets, tensors, strict=True))
             out[label] = "ok"
         except RefitPlanMismatch as exc:
             out[label] = str(exc)
             if rank == 1:  # nothing arrived: staging still all zeros, targets untouched
-                out[f"{label}_staging_zero"] = bool((r._staging == 0).all())
+                out[f"{label}_staging_zero"] = bool((r.streams[0]._staging == 0).all())
                 out[f"{label}_targets_zero"] = all(bool((t == 0).all()) for t in targets)
         out[f"{label}_broadcasts"] = transport.broadcasts
     transport.inner.close()

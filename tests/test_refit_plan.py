@@ -590,7 +590,7 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
     assert receiver.live_crc32() == sent[5]["stream_crc32"] and receiver.verify_live()
     assert [t.data_ptr() for t in targets] == ptrs and receiver.pointers_stable()
     receiver.wait_backup()
-    assert torch.equal(receiver._staging, arena)  # the rollback copy holds the live version
+    assert torch.equal(receiver.streams[0]._staging, arena)  # the rollback copy holds the live version
 
 
 def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
@@ -603,7 +603,7 @@ def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
     def prepare(receiver):
         assert receiver.direct
         if slow_backup_s:
-            run_backup = receiver._rollback_copy._run
+            run_backup = receiver.streams[0]._rollback_copy._run
 
             def slow():
                 import time
@@ -611,7 +611,7 @@ def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
                 time.sleep(slow_backup_s)
                 run_backup()
 
-            receiver._rollback_copy._run = slow
+            receiver.streams[0]._rollback_copy._run = slow
 
     _, outs, receiver = _refit_in_process(plan, versions, targets, fault=fault, prepare=prepare,
                                           after_receive=lambda: snaps.append(arena.clone()))

@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mxport.refit import RefitPlan
-from mxport.refit.sharded import pair_order
+from mxport.refit.world import pair_order
 
 TRAINERS, ENGINES = (0, 1), (2, 3)
 WORLD = len(TRAINERS) + len(ENGINES)
@@ -231,16 +231,16 @@ def _producer(step: int, t: int, e: int, log: list):
 
 
 def _trainer(rank: int, port: int) -> dict:
-    from mxport.refit import RefitPlanMismatch, ShardedSender
+    from mxport.refit import RefitPlanMismatch, RefitSender
 
     world = _world(rank, port)
     pairs = [(e, pair_plan(t, e)) for t, e in _my_pairs(rank)]
     out: dict = {}
     try:
-        ShardedSender(world, pairs, global_digest=global_digest(), trainers=TRAINERS).handshake()
+        RefitSender.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS).handshake()
     except RefitPlanMismatch as exc:
         out["mismatch"] = str(exc)
-    sender = ShardedSender(world, pairs, global_digest=global_digest(), trainers=TRAINERS)
+    sender = RefitSender.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS)
     for step in STEPS:
         log: list = []
         out[step] = _outcome(lambda step=step, log=log: sender.send(
@@ -250,7 +250,7 @@ def _trainer(rank: int, port: int) -> dict:
 
 
 def _engine(rank: int, port: int) -> dict:
-    from mxport.refit import RefitPlanMismatch, ShardedReceiver
+    from mxport.refit import RefitPlanMismatch, RefitReceiver
     from mxport.testing import FaultyReceiverTransport
 
     world = _world(rank, port)
@@ -260,12 +260,12 @@ def _engine(rank: int, port: int) -> dict:
     out: dict = {}
     wrong = hashlib.sha256(b"another refit").hexdigest() if rank == 3 else global_digest()
     try:
-        ShardedReceiver(world, pairs, global_digest=wrong, trainers=TRAINERS).handshake()
+        RefitReceiver.for_pairs(world, pairs, global_digest=wrong, trainers=TRAINERS).handshake()
     except RefitPlanMismatch as exc:
         out["mismatch"] = str(exc)
-    receiver = ShardedReceiver(world, pairs, global_digest=global_digest(), trainers=TRAINERS)
+    receiver = RefitReceiver.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS)
     if rank == 3:  # this engine's copy of bucket 1 of its second pair (from trainer 0) is corrupted once
-        r = receiver.receivers[receiver.peers.index(0)]
+        r = receiver.streams[receiver.peers.index(0)]
 
         def corrupt(refit, bucket, buf):
             if refit == CORRUPT_STEP and bucket == 1:
@@ -420,13 +420,14 @@ def test_a_trainer_whose_producer_fails_makes_nobody_commit(four_ranks):
 
 # ---- an engine rank killed mid-refit -----------------------------------------------------------------------
 def _kill_trainer(rank: int, port: int, port2: int) -> dict:
-    from mxport.refit import ShardedSender
+    from mxport.refit import RefitSender
 
     pairs = [(e, pair_plan(t, e)) for t, e in _my_pairs(rank)]
-    sender = ShardedSender(_world(rank, port), pairs, global_digest=global_digest(), trainers=TRAINERS)
+    sender = RefitSender.for_pairs(_world(rank, port), pairs, global_digest=global_digest(),
+                                   trainers=TRAINERS)
     out = {1: _outcome(lambda: sender.send({e: payload(1, rank, e) for e, _ in pairs}))}
     out[2] = _outcome(lambda: sender.send({e: payload(2, rank, e) for e, _ in pairs}))
-    again = ShardedSender(_world(rank, port2, 2 * PG_TIMEOUT_S), pairs, global_digest=global_digest(),
+    again = RefitSender.for_pairs(_world(rank, port2, 2 * PG_TIMEOUT_S), pairs, global_digest=global_digest(),
                           trainers=TRAINERS)
     again.version = sender.version  # a trainer that survived keeps its refit counter
     out[3] = _outcome(lambda: again.send({e: payload(3, rank, e) for e, _ in pairs}))
@@ -438,7 +439,7 @@ def _kill_engine(rank: int, port: int, port2: int | None, marker: str) -> dict:
     after bucket 1 landed); ``port`` None: the restarted engine 3, which joins the new group only."""
     from pathlib import Path
 
-    from mxport.refit import ShardedReceiver
+    from mxport.refit import RefitReceiver
     from mxport.testing import FaultyReceiverTransport
 
     mine = _my_pairs(rank)
@@ -448,10 +449,10 @@ def _kill_engine(rank: int, port: int, port2: int | None, marker: str) -> dict:
     out: dict = {}
     version = 0
     if port is not None:
-        receiver = ShardedReceiver(_world(rank, port), pairs, global_digest=global_digest(),
+        receiver = RefitReceiver.for_pairs(_world(rank, port), pairs, global_digest=global_digest(),
                                    trainers=TRAINERS)
         if rank == 3:
-            r = receiver.receivers[receiver.peers.index(0)]
+            r = receiver.streams[receiver.peers.index(0)]
 
             def die(refit, bucket, buf):
                 if refit == 2 and bucket == 1:
@@ -464,8 +465,8 @@ def _kill_engine(rank: int, port: int, port2: int | None, marker: str) -> dict:
         out[2]["failed_at"] = time.time()
         out[2]["live"] = {t: _live_step(targets[t], t, rank, (1, 2)) for t in targets}
         version = receiver.version
-    again = ShardedReceiver(_world(rank, port2, 2 * PG_TIMEOUT_S), pairs, global_digest=global_digest(),
-                            trainers=TRAINERS)
+    again = RefitReceiver.for_pairs(_world(rank, port2, 2 * PG_TIMEOUT_S), pairs,
+                                    global_digest=global_digest(), trainers=TRAINERS)
     again.version = version
     out[3] = _outcome(again.receive)
     out[3]["live"] = {t: _live_step(targets[t], t, rank, (3,)) for t in targets}
@@ -504,16 +505,16 @@ def test_ranks_without_pairs_still_vote_and_learn_the_outcome():
     both learn version 1, then 2); a wrong digest format is refused before anything crosses the wire."""
     import threading
 
-    from mxport.refit import InProcessChannel, ShardedReceiver, ShardedSender
+    from mxport.refit import InProcessChannel, RefitReceiver, RefitSender
 
     ch = InProcessChannel(1, timeout_s=10)
     digest = global_digest()
     with pytest.raises(ValueError, match="global_digest must be a hex sha256"):
-        ShardedSender(ch.endpoint(0), [], global_digest="abc", trainers=[0])
+        RefitSender.for_pairs(ch.endpoint(0), [], global_digest="abc", trainers=[0])
     with pytest.raises(ValueError, match="world rank 1 is not one of the trainer ranks"):
-        ShardedSender(ch.endpoint(1), [], global_digest=digest, trainers=[0])
-    sender = ShardedSender(ch.endpoint(0), [], global_digest=digest, trainers=[0])
-    receiver = ShardedReceiver(ch.endpoint(1), [], global_digest=digest, trainers=[0])
+        RefitSender.for_pairs(ch.endpoint(1), [], global_digest=digest, trainers=[0])
+    sender = RefitSender.for_pairs(ch.endpoint(0), [], global_digest=digest, trainers=[0])
+    receiver = RefitReceiver.for_pairs(ch.endpoint(1), [], global_digest=digest, trainers=[0])
     got: list = []
     th = threading.Thread(target=lambda: got.extend(receiver.receive().to_dict() for _ in range(2)))
     th.start()

@@ -70,31 +70,31 @@ def _outcome(fn) -> dict:
 def _endpoint(world, mesh, rank: int, live: dict | None, bucket: int):
     """This rank's sharded endpoint over ``world``, its pairs built by hand (as the first API's callers do:
     no replicas checked)."""
-    from mxport.refit import ShardedReceiver, ShardedSender
+    from mxport.refit import RefitReceiver, RefitSender
     from mxport.refit.mesh import route_targets
 
     routes = _routes(mesh, rank)
     if rank < T:
-        return ShardedSender(world, [(r.engine, r.plan(bucket)) for r in routes], global_digest=mesh.digest,
-                             trainers=range(T)), routes
+        pairs = [(r.engine, r.plan(bucket)) for r in routes]
+        return RefitSender.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(T)), routes
     pairs = []
     for r in routes:
         targets, scatters = route_targets(r, live)
         pairs.append((r.trainer, r.plan(bucket), targets, scatters))
-    return ShardedReceiver(world, pairs, global_digest=mesh.digest, trainers=range(T)), routes
+    return RefitReceiver.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(T)), routes
 
 
 def _checked(world, mesh, rank: int, live: dict | None):
     """This rank's endpoint built from the agreed plan (replicas checked)."""
-    from mxport.refit import ShardedReceiver, ShardedSender
+    from mxport.refit import RefitReceiver, RefitSender
 
     if rank < T:
-        return ShardedSender.from_mesh(world, mesh, BUCKET)
-    return ShardedReceiver.from_mesh(world, mesh, live, BUCKET)
+        return RefitSender.from_mesh(world, mesh, BUCKET)
+    return RefitReceiver.from_mesh(world, mesh, live, BUCKET)
 
 
 def _routes(mesh, rank: int) -> list:
-    from mxport.refit.sharded import pair_order
+    from mxport.refit.world import pair_order
 
     order = {p: i for i, p in enumerate(pair_order(range(T), range(T, WORLD)))}
     return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
@@ -256,27 +256,27 @@ def test_versions_continue_over_re_created_endpoints_and_restarted_ranks(monkeyp
     the next refit is newer than any rank's."""
     import hashlib
 
-    from mxport.refit import InProcessChannel, ShardedReceiver, ShardedSender, sharded
+    from mxport.refit import InProcessChannel, RefitReceiver, RefitSender, world
 
-    monkeypatch.setattr(sharded, "_LAST_VERSION", {}, raising=False)
+    monkeypatch.setattr(world, "_LAST_VERSION", {}, raising=False)
     digest = hashlib.sha256(b"versions over re-created groups").hexdigest()
 
     def pair(**kw):
         ch = InProcessChannel(1, timeout_s=10)
-        return (ShardedSender(ch.endpoint(0), [], global_digest=digest, trainers=[0]),
-                ShardedReceiver(ch.endpoint(1), [], global_digest=digest, trainers=[0], **kw))
+        return (RefitSender.for_pairs(ch.endpoint(0), [], global_digest=digest, trainers=[0]),
+                RefitReceiver.for_pairs(ch.endpoint(1), [], global_digest=digest, trainers=[0], **kw))
 
     assert _in_process_refits(*pair(), 2) == ([1, 2], [1, 2])
     assert _in_process_refits(*pair(), 1) == ([3], [3])  # the group re-created
     engine_live = 3  # the engine rank remembers the version its live weights hold
-    monkeypatch.setattr(sharded, "_LAST_VERSION", {})  # a restarted process remembers nothing
+    monkeypatch.setattr(world, "_LAST_VERSION", {})  # a restarted process remembers nothing
     assert _in_process_refits(*pair(version=engine_live), 1) == ([4], [4])
 
 
 # ---- the replica checks without processes ------------------------------------------------------------------
 def test_batched_checksums_and_replica_digests():
     from mxport.refit.buckets import checksum, checksums
-    from mxport.refit.sharded import replica_digests
+    from mxport.refit.world import replica_digests
 
     g = torch.Generator().manual_seed(0)
     payloads = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in (8, 64, (1 << 20) + 24)]
@@ -295,7 +295,7 @@ def test_replica_checks_name_the_tensor_and_every_holder():
     from mxport.refit import ReceiverResult, Status
     from mxport.refit.mesh import Box, Replica, TensorInfo
     from mxport.refit.results import Vote
-    from mxport.refit.sharded import ReplicaChecks
+    from mxport.refit.world import ReplicaChecks
 
     n = TensorInfo("norm", "kept", "bfloat16", (64,))
     w = TensorInfo("w", "kept", "bfloat16", (4, 96))

@@ -15,7 +15,8 @@ Per refit, interleaved in every run (medians over ``--runs`` after a warm-up):
 * **mxport sharded** — every trainer rank quantizes its own rows (``mxport.quantize``; rowwise blocks never
   cross rows, so the bytes are those of the full tensor's rows) lazily, bucket by bucket, and sends each
   engine rank only the pieces it holds (:class:`~mxport.refit.mesh.MeshPlan` routes,
-  ``ShardedSender`` / ``ShardedReceiver``: one pair stream per (trainer, engine), checksums, one world vote);
+  ``RefitSender`` / ``RefitReceiver`` over pair streams: one per (trainer, engine), checksums, one world
+  vote);
 * **baseline** (the default path today) — per weight, ``all_gather`` of the BF16 rows in the trainer group
   (what ``DTensor.full_tensor()`` does), a raw gloo ``broadcast`` of the full BF16 tensor from trainer
   rank 0 to the engine ranks, and each engine rank quantizes the slice it holds;
@@ -272,8 +273,9 @@ class TrainerSide:
     """A trainer rank's part of one model size: its BF16 rows, its pair streams, the baseline's buffers."""
 
     def __init__(self, r: Rank, size: Size):
+        from mxport.refit import RefitSender
         from mxport.refit.mesh import agree
-        from mxport.refit.sharded import ShardedSender, pair_order
+        from mxport.refit.world import pair_order
 
         self.r, self.size = r, size
         self.local = {}
@@ -287,7 +289,8 @@ class TrainerSide:
         routes = {rt.engine: rt for rt in self.mesh.routes_of(r.rank)}
         self.routes = [routes[e] for t, e in order if t == r.rank and e in routes]
         pairs = [(rt.engine, rt.plan(r.case.bucket_bytes)) for rt in self.routes]
-        self.sender = ShardedSender(r.world, pairs, global_digest=self.mesh.digest, trainers=range(r.T))
+        self.sender = RefitSender.for_pairs(r.world, pairs, global_digest=self.mesh.digest,
+                                            trainers=range(r.T))
         self.sender.handshake()
         self.full = {shape: torch.empty(shape, dtype=torch.bfloat16) for _, shape in weights(size)}
 
@@ -350,9 +353,10 @@ class EngineSide:
     """An engine rank's part of one model size: its live MXFP8 tensors (mxport path), the baseline's."""
 
     def __init__(self, r: Rank, size: Size):
+        from mxport.refit import RefitReceiver
         from mxport.refit.mesh import agree, route_targets
         from mxport.refit.plan import dtype_from_name
-        from mxport.refit.sharded import ShardedReceiver, pair_order
+        from mxport.refit.world import pair_order
 
         self.r, self.size, self.e = r, size, r.rank - r.T
         holdings = engine_holdings(size, self.e, r.E)
@@ -367,7 +371,8 @@ class EngineSide:
                 targets, scatters = route_targets(routes[t], self.live)
                 pairs.append((t, routes[t].plan(r.case.bucket_bytes), targets))
                 self.scatters += scatters
-        self.receiver = ShardedReceiver(r.world, pairs, global_digest=self.mesh.digest, trainers=range(r.T))
+        self.receiver = RefitReceiver.for_pairs(r.world, pairs, global_digest=self.mesh.digest,
+                                                trainers=range(r.T))
         self.receiver.handshake()
         self.slices = {}  # this rank's BF16 slice of every weight (calibration and the bit-exact check)
         for i, (name, shape) in enumerate(weights(size)):

@@ -125,9 +125,7 @@ def refit(
                            lr, timeout)
     else:
         job = _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
-    out = _drive(job, steps)
-    if note:
-        out["prompt_note"] = note
+    out = {**_drive(job, steps), **({"prompt_note": note} if note else {})}
     rows = out["steps"]
     out.update(ok=bool(rows) and all(StepReport.from_dict(r).ok for r in rows),
                seconds=time.perf_counter() - t0,

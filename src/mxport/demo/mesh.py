@@ -12,8 +12,8 @@ as pipeline and expert-parallel exporters do; the pipeline schedule itself is no
 Engine ranks (``--engine tp=N``, ``ep=N``) hold only their own shard of each tensor
 (:func:`~mxport.refit.engine.engine_holdings`, q/k/v and gate/up in merged buffers as vLLM holds them).
 All ranks meet in a separate refit group (:func:`~mxport.refit.transport.open_group`), agree on the global
-plan (:func:`~mxport.refit.mesh.agree`) and refit shard to shard (:class:`~mxport.refit.sharded.ShardedSender`
-/ :class:`~mxport.refit.sharded.ShardedReceiver`: one vote, all engine ranks commit or none).
+plan (:func:`~mxport.refit.mesh.agree`) and refit shard to shard (:class:`~mxport.refit.RefitSender`
+/ :class:`~mxport.refit.RefitReceiver`: one vote, all engine ranks commit or none).
 
 Checks per step, outside the refit: every rank reports a CRC-32 of its shard bytes; trainer rank 0 gathers
 the full trainer weights (``full_tensor()``), quantizes them whole and cuts every engine rank's boxes out of
@@ -179,7 +179,7 @@ def _expected_crcs(mesh, ref: dict) -> list[int]:
 
 def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     from ..models import load_causal_lm
-    from ..refit.sharded import ShardedSender
+    from ..refit import RefitSender
     from ..refit.transport import TorchDistTransport
 
     t_layout, _ = _layouts(cfg)
@@ -197,7 +197,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
         held = exc
     mesh = agree(world, T, held)  # raises on every rank when any rank failed before it
-    sender = ShardedSender.from_mesh(world, mesh, cfg.bucket_bytes)  # replicas' digests join the vote
+    sender = RefitSender.from_mesh(world, mesh, cfg.bucket_bytes)  # replicas' digests join the vote
     sender.handshake()
     if rank == 0:
         q.put(("plan", 0, mesh.summary()))
@@ -230,8 +230,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
 def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     from ..models import load_causal_lm
     from ..nn import quantize_model
+    from ..refit import RefitReceiver
     from ..refit.engine import engine_buffers, engine_holdings
-    from ..refit.sharded import ShardedReceiver
     from ..refit.transport import TorchDistTransport
 
     t_layout, e_layout = _layouts(cfg)
@@ -250,7 +250,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
         held = exc
     mesh = agree(world, T, held)
-    receiver = ShardedReceiver.from_mesh(world, mesh, live, cfg.bucket_bytes)
+    receiver = RefitReceiver.from_mesh(world, mesh, live, cfg.bucket_bytes)
     receiver.handshake()
     ptrs = _pointers(live)
     prompt = words.prompt()

@@ -2,20 +2,21 @@
 checked, in place, all or nothing.
 
 - :class:`RefitPlan` (ordered tensors, bytes, buckets, digest) and :class:`RefitPlanMismatch`;
-- :class:`RefitSender` / :class:`RefitReceiver` (fixed-size byte buckets, overlapped packing, per-bucket
-  checksums, stable pointers, a version counter; staging then ``copy_`` commit, or direct receive into an
-  arena from :func:`allocate_targets` with a rollback copy), :class:`RefitError` and each receiver's
-  :class:`ReceiverResult` / :class:`Status`;
+- :class:`RefitSender` / :class:`RefitReceiver`, one coordinator per side for every layout: they agree the plan
+  and the version, run this rank's byte streams (:mod:`mxport.refit.stream`: fixed-size buckets, overlapped
+  packing, per-bucket checksums, staging or direct receive into an arena from :func:`allocate_targets` with a
+  rollback copy), hold ONE vote for the whole world and settle every stream by it. ``RefitSender(transport,
+  plan)`` is a world of one multicast stream (one trainer, R engine ranks); ``RefitSender.from_mesh(world,
+  mesh, bucket_bytes)`` one rank of a sharded refit (T trainer, E engine ranks, one pair stream per route of
+  the global plan :class:`MeshPlan`, agreed with :func:`agree`; :class:`Box` / :class:`Holding`);
+  :class:`RefitError` and each receiver's :class:`ReceiverResult` / :class:`Status`;
 - transports: :class:`Transport` (what a refit needs of one), :class:`TorchDistTransport` (gloo / NCCL),
   :class:`InProcessChannel` (colocated);
-- the trainer side: :class:`TrainerSource` (policy + quantize); the inference side: :func:`receiver_plan` (an
-  ``MXFP8Linear`` model's live buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM /
-  SGLang loaders);
-- sharded refit (T trainer, E engine ranks): the global plan :class:`MeshPlan` (boxes each rank holds or
-  needs, :class:`Box` / :class:`Holding`, routes per (trainer, engine) pair, :func:`agree`); one pair stream
-  per pair and one vote, :class:`ShardedSender` / :class:`ShardedReceiver`; sharded trainers
-  :class:`ShardedTrainerSource` (DTensor models) and :class:`HeldTensorsSource` (named tensors a rank holds),
-  engine ranks' :func:`engine_holdings` / :func:`engine_buffers`.
+- what a trainer rank holds (:mod:`mxport.refit.trainer`): :class:`TrainerSource` (a whole model),
+  :class:`ShardedTrainerSource` (DTensor models), :class:`HeldTensorsSource` (named tensors a rank holds);
+  what an engine rank needs (:mod:`mxport.refit.engine`): :func:`receiver_plan` (an ``MXFP8Linear`` model's
+  live buffers), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs for vLLM / SGLang loaders),
+  :func:`engine_holdings` / :func:`engine_buffers` (one rank of a TP / EP engine).
 
 Everything else (plan entries, votes, per-pair stats, the pair transport, arenas laid out as a stream) is in
 the submodule that holds it. The modules are described in docs/guide-refit.md.
@@ -28,7 +29,6 @@ from .plan import RefitPlan, RefitPlanMismatch
 from .receiver import RefitReceiver
 from .results import ReceiverResult, RefitError, Status
 from .sender import RefitSender
-from .sharded import ShardedReceiver, ShardedSender
 from .trainer import HeldTensorsSource, ShardedTrainerSource, TrainerSource
 from .transport import InProcessChannel, TorchDistTransport, Transport
 
@@ -46,8 +46,6 @@ __all__ = [
     "RefitReceiver",
     "RefitSender",
     "ShardedTrainerSource",
-    "ShardedReceiver",
-    "ShardedSender",
     "Status",
     "TorchDistTransport",
     "TrainerSource",

@@ -1,397 +1,311 @@
-"""RefitSender: broadcasts the plan's tensors in fixed-size byte buckets — buckets inside one tensor straight
-from its storage, mixed buckets packed into reused buffers while earlier buckets are on the wire (asynchronous
-broadcast) — then a trailer with the version and per-bucket checksums, then gathers every receiver's status
-report.
+"""RefitSender: the trainer side of a refit, one class for every layout — the coordinator that agrees the
+plan and the version, runs this rank's streams (:class:`~mxport.refit.stream.StreamSender`), holds one vote
+for the whole world and concludes.
 
-Every broadcast has exactly the size the agreed plan gives it (checked before it is posted): a receiver posts
-the same size, and gloo kills a process that receives more bytes than it posted. Every item is checked against
-its plan entry before it is packed; any failure before the trailer sends the remaining buckets (unused
-content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
+- ``RefitSender(transport, plan)``: one trainer rank and the R engine ranks of ``transport``'s group, a world
+  of ONE multicast stream (one broadcast, however many receivers); the world agreement is that stream's plan
+  handshake, the world vote one ``all_gather`` over its group.
+- ``RefitSender.from_mesh(world, mesh, bucket_bytes)`` (or :meth:`RefitSender.for_pairs`): one rank of T
+  trainer ranks refitting E engine ranks, one pair stream per route of the agreed
+  :class:`~mxport.refit.mesh.MeshPlan`, the world handshake and vote of :mod:`mxport.refit.world`.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from .buckets import (
-    STATUS_ABORT,
-    TRAILER_FIXED,
-    BucketLayout,
-    byte_view,
-    canonical_device,
-    checksum,
-    in_place_payload,
-    make_trailer,
-    pack_bucket,
-)
-from .handshake import exchange_plans
+from .mesh import MeshPlan, Replica, find_replicas, local_part, route_tensors
 from .plan import RefitPlan
-from .results import AbortReason, ReceiverResult, RefitError, SendStats, Status, Vote
-from .timing import Stopwatch
-from .transport import Transport
-
-_END = object()
-
-
-class _TransportFailed(Exception):
-    """The transport itself failed (a dead peer, a timeout): nothing more can be sent on it."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _wait(handle) -> None:
-    """Complete a posted broadcast; a transport failure (a dead peer, a timeout) raises _TransportFailed."""
-    try:
-        handle.wait()
-    except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-        raise _TransportFailed(exc) from exc
-
-
-@dataclass
-class _Run:
-    """One refit in progress on the sender."""
-
-    version: int
-    items: Iterator
-    slots: int
-    checksums: Callable[[int], int] | None = None  # the producer's bucket checksums (see send)
-    sources: list = field(default_factory=list)  # flat uint8 views per entry (None once on the wire)
-    pending: deque = field(default_factory=deque)  # (handle, pack slot or None, payload kept alive)
-    crcs: list = field(default_factory=list)
-    stream_crc: int = 0
-    zero_copy: int = 0
-    posted: int = 0  # bucket broadcasts posted
-    released: int = 0  # sources before it are handed to the wire and dropped
-    reason: AbortReason = AbortReason.INTERNAL  # what the step under way would abort for
-    entry: int = -1  # the plan entry it concerns
-
-    def __post_init__(self):
-        self.slot_busy = [False] * self.slots
-
-
-@dataclass(frozen=True)
-class PendingSend:
-    """One refit transmitted by :meth:`RefitSender.transmit` (every bucket and the trailer are out), waiting
-    for the vote: ``error`` is the producer's (or the sender's) error if it went out as an abort."""
-
-    run: _Run
-    stopwatch: Stopwatch
-    error: BaseException | None
-    rank: int  # the sender's rank on its transport
-
-    @property
-    def version(self) -> int:
-        return self.run.version
-
-    @property
-    def aborted(self) -> bool:
-        return self.error is not None
-
-    def row(self) -> ReceiverResult:
-        """The sender's row of the vote: ``OK``, or ``ABORTED``, at the refit's version."""
-        return ReceiverResult(self.rank, Status.ABORTED if self.aborted else Status.OK, -1, -1, self.version)
-
-    def to_dict(self) -> dict:
-        return {"version": self.version, "aborted": self.aborted,
-                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+from .results import ReceiverResult, RefitError, SendStats, Status
+from .stream import PendingSend, StreamSender
+from .transport import PAIR_TAG, Transport
+from .world import (
+    NO_REPLICAS,
+    PairStats,
+    ReplicaChecks,
+    ShardedSendStats,
+    WorldVote,
+    agree_global,
+    check_digest,
+    check_trainers,
+    last_version,
+    ordered_routes,
+    pair_handshakes,
+    pair_transport,
+    remember,
+    replica_digests,
+    world_vote,
+)
 
 
 class RefitSender:
-    """The trainer side of refit.
+    """The trainer side of a refit (see the module doc for the two ways to build one).
 
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        use_checksum: compute a per-bucket checksum (chunked int64 sum,
-            :func:`~mxport.refit.buckets.checksum`); receivers verify it before committing.
-        device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL); tensors already there are sent
-            without packing when a bucket lies inside one of them.
-        inflight: broadcasts in flight at once (and pack buffers), >= 1.
-        stream_crc32: also compute a CRC-32 of the whole byte stream (``zlib.crc32`` chained over the buckets,
-            ~3 GB/s on CPU) and return it as ``stream_crc32``; compare with
-            :meth:`RefitReceiver.live_crc32` for an end-to-end bit-exactness check.
+        stream_kwargs: :class:`~mxport.refit.stream.StreamSender`'s: ``use_checksum`` (a per-bucket
+            checksum, verified by every receiver before committing), ``device`` (where the pack buffers live:
+            "cpu" for gloo, the GPU for NCCL), ``inflight`` (broadcasts in flight at once, >= 1),
+            ``stream_crc32`` (also a CRC-32 of the whole byte stream, returned as ``stream_crc32``; compare
+            with :meth:`RefitReceiver.live_crc32`).
 
     Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
     """
 
-    def __init__(self, transport: Transport, plan: RefitPlan, *, use_checksum: bool = True,
-                 device: str | torch.device = "cpu", inflight: int = 2, stream_crc32: bool = False):
-        if not isinstance(plan, RefitPlan):
-            raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
-        if not transport.is_sender:
-            raise ValueError(f"transport rank {transport.rank} is not the sender (src={transport.src})")
-        if inflight < 1:
-            raise ValueError(f"inflight must be >= 1, got {inflight}")
-        self.transport, self.plan, self.use_checksum = transport, plan, use_checksum
-        self.stream_crc32 = stream_crc32
-        self.device = canonical_device(device)
-        self.layout = BucketLayout(plan)
-        self.inflight = inflight
-        self.version = 0
-        self._packbuf = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8, device=self.device)
-                         for _ in range(min(inflight, plan.num_buckets))]
-        self._handshaken = False
-        # number of entries that must be available before bucket b (entries starting before its end)
-        ends = [min((b + 1) * plan.bucket_bytes, plan.total_bytes) for b in range(plan.num_buckets)]
-        self._need = [sum(1 for e in plan.entries if e.offset < end) for end in ends]
-        self._need[-1] = len(plan)
+    def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
+        self._start(transport, [StreamSender(transport, plan, **stream_kwargs)], [-1], (transport.src,),
+                    None, NO_REPLICAS, 0)
 
+    @classmethod
+    def for_pairs(cls, world: Transport, pairs: Sequence[tuple[int, RefitPlan]], *, global_digest: str,
+                  trainers: Sequence[int], tag: int = PAIR_TAG, replicas: Sequence[Replica] = (),
+                  version: int = 0, **stream_kwargs) -> RefitSender:
+        """A trainer rank of a sharded refit.
+
+        Args:
+            world: this rank's transport over the whole world group (a :class:`TorchDistTransport`; its
+                process group also carries the pair streams).
+            pairs: ``(engine world rank, that pair's RefitPlan)`` for every pair of this trainer that has
+                bytes to move, in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
+            global_digest: the hex sha256 of the whole refit's plan, the same on every world rank (checked).
+            trainers: the world ranks of all trainers (the senders of the vote); this rank among them.
+            tag: the pair streams' message tag.
+            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas` of the
+                agreed plan; the same on every world rank, checked): each holder's digest of its copy joins
+                the vote, and copies that differ refuse the refit (:meth:`send` needs ``local`` to digest
+                them).
+            version: the last refit version this rank knows of (the refit's next one is higher than every
+                rank's, and than any this process reached for the same plan:
+                :func:`~mxport.refit.world.last_version`).
+            stream_kwargs: passed to each pair's stream (``use_checksum``, ``inflight``, ...).
+        """
+        check_digest(global_digest)
+        trainers = check_trainers(world, trainers, True)
+        engines = [int(e) for e, _ in pairs]
+        if len(set(engines)) != len(engines) or any(e in trainers for e in engines):
+            raise ValueError(f"pairs: each engine rank once, none a trainer rank, got {engines}")
+        streams = [StreamSender(pair_transport(world, world.rank, e, tag), plan, **stream_kwargs)
+                   for e, plan in pairs]
+        self = cls.__new__(cls)
+        self._start(world, streams, engines, trainers, global_digest, ReplicaChecks.of(replicas),
+                    max(int(version), last_version(global_digest)))
+        return self
+
+    @classmethod
+    def from_mesh(cls, world: Transport, mesh: MeshPlan, bucket_bytes: int, **kwargs) -> RefitSender:
+        """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan` (group ranks =
+        world ranks): its routes in pair order, the plan's replicas checked; send with :meth:`send_local`."""
+        routes = ordered_routes(mesh, world.rank)
+        self = cls.for_pairs(world, [(r.engine, r.plan(bucket_bytes)) for r in routes],
+                             global_digest=mesh.digest, trainers=range(mesh.num_trainers),
+                             replicas=find_replicas(mesh), **kwargs)
+        self.routes = routes
+        return self
+
+    def _start(self, world: Transport, streams: list[StreamSender], peers: list[int], trainers: Sequence[int],
+               global_digest: str | None, checks: ReplicaChecks, version: int) -> None:
+        self.world, self.streams, self.engines, self.trainers = world, streams, peers, tuple(trainers)
+        self.global_digest, self.checks, self.version = global_digest, checks, version
+        self.routes: list = []  # the mesh routes of the pairs, when built by from_mesh
+        self._handshaken = False
+
+    # -- a world of one stream: its stream's parts ----------------------------------------------------------
+    @property
+    def multicast(self) -> bool:
+        """True for a world of one multicast stream (``RefitSender(transport, plan)``)."""
+        return self.global_digest is None
+
+    @property
+    def transport(self) -> Transport:
+        return self.streams[0].transport if self.multicast else self.world
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        """A world of one stream on a new group (the old one failed): the stream's transport is the world."""
+        self._one().transport = self.world = transport
+
+    @property
+    def plan(self) -> RefitPlan:
+        return self._one().plan
+
+    @property
+    def layout(self):
+        return self._one().layout
+
+    def _one(self) -> StreamSender:
+        if not self.multicast:
+            raise AttributeError("a sharded refit has one plan per pair stream: see .streams")
+        return self.streams[0]
+
+    # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:
-        """Exchange plan digests with every receiver (raises RefitPlanMismatch on all sides on a mismatch)."""
-        self.version = exchange_plans(self.transport, self.plan, self.version)
+        """Agree the plan and the version with every rank: a world of one stream exchanges its plan digest
+        (RefitPlanMismatch on every side on a mismatch, naming the first differences); a sharded refit agrees
+        the global digest and versions, then each pair's plan in pair order, then the pairs' outcomes
+        (:class:`~mxport.refit.mesh.RefitAgreementError` on every rank if any pair failed)."""
+        if self.multicast:
+            s = self.streams[0]
+            s.version = self.version
+            s.handshake()
+            self.version = s.version
+        else:
+            self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
+            self.version = pair_handshakes(self.world, self.streams, self.engines, self.version, "engine")
+            remember(self.global_digest, self.version)
         self._handshaken = True
 
-    def send(self, tensors: Iterable[torch.Tensor], *,
-             checksums: Callable[[int], int] | None = None) -> SendStats:
-        """Send one refit: ``tensors`` yields exactly one contiguous tensor per plan entry, in plan order (a
+    def send_local(self, local: Mapping) -> ShardedSendStats:
+        """:meth:`send` of this rank's bytes ``local`` (``{name: (box, tensor)}``, e.g.
+        :meth:`~mxport.refit.ShardedTrainerSource.local`) along its routes (a sender built by
+        :meth:`from_mesh`), its replicas' digests taken from the same bytes."""
+        return self.send({r.engine: route_tensors(r, local) for r in self.routes}, local=local)
+
+    def send(self, tensors: Iterable[torch.Tensor] | Mapping[int, Iterable[torch.Tensor]], *,
+             checksums: Callable[[int], int] | None = None, local: Mapping | None = None
+             ) -> SendStats | ShardedSendStats:
+        """Send one refit, vote once over the world, conclude.
+
+        ``tensors``: a world of one stream: exactly one contiguous tensor per plan entry, in plan order (a
         list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
-        tensors overlaps the broadcast of the current bucket).
+        tensors overlaps the broadcast of the current bucket). A sharded refit: ``{engine rank: its pair's
+        tensors}``; ``local`` (the rank's ``{name: (box, tensor)}`` bytes) digests its replicas.
 
         A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors
         that are views of one arena laid out as the plan's byte stream, such as
         :func:`~mxport.refit.allocate_targets` views or ``TrainerSource(arena=True)``'s tensors) is sent
-        straight from that memory, without packing (:func:`~mxport.refit.buckets.in_place_payload`; alignment
-        padding goes out as it is). The other buckets are packed; packing sums each checksum chunk while it is
-        in cache, and a zero-copy bucket is summed while it is on the wire.
+        straight from that memory, without packing (:func:`~mxport.refit.buckets.in_place_payload`). The
+        other buckets are packed; packing sums each checksum chunk while it is in cache.
 
-        Each item is checked against its plan entry before it is packed (:meth:`RefitPlan.check_tensor`: a
-        ``torch.Tensor`` with data, contiguous, the planned dtype and shape). On any failure before the
-        trailer (a bad item, too few or too many items, anything the ``tensors`` iterator raises, a
-        sender-side fault) the remaining buckets are still sent (their content unused) followed by an "abort"
-        trailer, so receivers fail at once, keep their weights and stay in step; then the error is raised
-        here. After the trailer the sender votes too (ok) in the receivers' two-phase commit: they commit only
-        if every rank voted ok (:class:`~mxport.refit.results.Vote`), so a refit one receiver rejects is
-        committed by none. A failure of the transport itself (a dead receiver, a timeout) raises
-        :class:`RefitError` (the transport's error as its cause): the group is unusable.
+        Each item is checked against its plan entry before it is packed (:meth:`RefitPlan.check_tensor`). On
+        any failure before the trailer (a bad item, too few or too many items, anything the iterator raises,
+        a replica this rank cannot digest) the remaining buckets are still sent (their content unused)
+        followed by an "abort" trailer, so receivers fail at once, keep their weights and stay in step (a
+        sharded rank sends the rest of its pairs as aborts); then the error is raised here, after the vote.
+        The sender votes too: receivers commit only if every rank voted ok
+        (:class:`~mxport.refit.results.Vote`), so a refit one receiver rejects is committed by none. A failure
+        of the transport itself (a dead receiver, a timeout) raises :class:`RefitError`: re-create the group.
 
-        ``checksums``: when the producer of ``tensors`` knows each bucket's checksum without reading it
+        ``checksums``: when the producer knows each bucket's checksum without reading it
         (``TrainerSource(arena=True).bucket_checksum``: summed by the quantize kernel as it wrote the bytes),
-        ``checksums(b)`` gives :func:`~mxport.refit.buckets.checksum` of bucket ``b``; it is called once the
-        bucket's tensors are taken, right after the bucket is posted, and replaces the sender's own pass over
-        the bucket. Receivers verify every bucket as always, so a wrong value fails the refit, never passes
-        bad bytes.
+        ``checksums(b)`` gives :func:`~mxport.refit.buckets.checksum` of bucket ``b`` (a world of one stream);
+        receivers verify every bucket as always, so a wrong value fails the refit, never passes bad bytes.
 
         Returns:
-            :class:`~mxport.refit.results.SendStats`: ``version``, ``bytes`` (payload bytes), ``buckets``,
-            ``zero_copy_buckets`` (sent without packing), ``seconds`` (whole send, up to every receiver's
-            status report), ``produce_s`` (time inside ``tensors``, e.g. quantize), ``pack_s`` (packing, with
-            the packed buckets' checksums summed on the fly), ``checksum_s`` (checksums of the zero-copy
-            buckets, and the optional ``stream_crc32``), ``wait_s`` (waiting for the wire and the receivers'
-            reports), ``stream_crc32`` (int, or None when off), ``gbps`` (payload bytes / seconds / 1e9),
-            ``receivers`` (each receiver's :class:`~mxport.refit.results.ReceiverResult`).
+            A world of one stream: :class:`~mxport.refit.results.SendStats` (``version``, ``bytes``,
+            ``buckets``, ``zero_copy_buckets``, ``seconds`` up to every receiver's vote, ``produce_s`` (time
+            inside ``tensors``, e.g. quantize), ``pack_s``, ``checksum_s``, ``wait_s``, ``stream_crc32``,
+            ``gbps``, ``receivers``); a sharded refit: :class:`~mxport.refit.world.ShardedSendStats` (per pair
+            bytes and seconds).
 
         Raises:
-            RefitError: some receiver rejected the refit, and so none committed it (``receivers`` holds every
-                receiver's result: its own rejection, or ``PEER_REJECTED``); or the transport failed.
-        """
-        pending = self.transmit(tensors, checksums=checksums)
-        return self.conclude(pending, self._own_vote(pending))
-
-    def transmit(self, tensors: Iterable[torch.Tensor], *,
-                 checksums: Callable[[int], int] | None = None) -> PendingSend:
-        """Phase one of :meth:`send`: every bucket and the trailer (the abort path as :meth:`send`: the
-        remaining buckets and an abort trailer, the error kept in the result; ``checksums`` as in
-        :meth:`send`). Follow with the vote (this rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
-
-        Raises:
-            RefitError: the transport failed (no vote can follow; the group is unusable).
+            RefitError: some rank voted no, and so none committed it (``receivers``: every receiver's result;
+                the message names each rank that voted no, why and where; copies of a replicated box that
+                differ, naming the tensor and the trainer ranks); or the transport failed.
         """
         if not self._handshaken:
             self.handshake()
-        self.version += 1
-        run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
-        sw = Stopwatch()
+        streams = {-1: tensors} if self.multicast else tensors
+        self.version = self.version + 1 if self.multicast else remember(self.global_digest, self.version + 1)
+        t0 = time.perf_counter()
+        digests, failed = self._digests(local)
+        pendings, pair_stats = self._transmit_all(streams, failed, checksums)
+        aborted = next((i for i, p in enumerate(pendings) if p.aborted), None)
+        ok = aborted is None and failed is None
+        row = ReceiverResult(self.world.rank, Status.OK if ok else Status.ABORTED, -1, -1, self.version)
+        wv = self._vote(row, aborted, digests, pendings)
+        if failed is not None:
+            raise failed
+        if aborted is not None:
+            self.streams[aborted].conclude(pendings[aborted], wv.vote)  # raises the producer's error
+        if self.multicast:
+            return self.streams[0].conclude(pendings[0], wv.vote)
+        return self._conclude(pendings, pair_stats, wv, time.perf_counter() - t0)
+
+    def _vote(self, row: ReceiverResult, aborted: int | None, digests: list[int],
+              pendings: list[PendingSend]) -> WorldVote:
+        peer = -1 if aborted is None else self.engines[aborted]
+        if self.multicast:
+            with pendings[0].stopwatch.phase("wait"):
+                try:
+                    return world_vote(self.world, row, peer, self.trainers)
+                except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError
+                    err = self.streams[0].vote_failed(pendings[0], exc)
+                    raise err from (None if err is pendings[0].error else exc)
         try:
-            for b in range(self.plan.num_buckets):
-                self._send_bucket(run, b, sw)
-            run.reason, run.entry = AbortReason.PRODUCER, -1
-            if next(run.items, _END) is not _END:
-                run.reason = AbortReason.COUNT
-                raise ValueError(f"refit v{run.version}: more tensors than the {len(self.plan)} of the plan")
-            with sw.phase("wait"):
-                self._drain(run)
-        except _TransportFailed as exc:
-            raise self._transport_error(run, exc.error) from exc.error
-        except BaseException as exc:
-            if not self._abort(run, exc):
-                raise
-            return PendingSend(run, sw, exc, self.transport.rank)
-        with sw.phase("wait"):
-            try:
-                _wait(self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets))
-            except _TransportFailed as exc:
-                raise self._transport_error(run, exc.error) from exc.error
-        return PendingSend(run, sw, None, self.transport.rank)
-
-    def conclude(self, pending: PendingSend, vote: Vote) -> SendStats:
-        """Phase three of :meth:`send`: the outcome of ``pending`` under ``vote``.
-
-        Raises:
-            the producer's error, when ``pending`` aborted; RefitError when some rank voted no (as
-            :meth:`send`).
-        """
-        if pending.error is not None:
-            raise pending.error
-        run, sw = pending.run, pending.stopwatch
-        results = vote.results
-        self._raise_rejections(run, vote)
-        seconds = sw.elapsed()
-        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
-                         zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
-                         pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
-                         stream_crc32=run.stream_crc if self.stream_crc32 else None,
-                         gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                         receivers=tuple(results))
-
-    def _own_vote(self, pending: PendingSend) -> Vote:
-        """The vote of :meth:`send` over this sender's own transport. A failing vote: after an abort it is
-        noted on the abort's error (raised), otherwise it raises :class:`RefitError`."""
-        with pending.stopwatch.phase("wait"):
-            try:
-                return self._vote(pending.row().status)
-            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-                if pending.error is not None:
-                    pending.error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
-                    raise pending.error from None
-                raise self._transport_error(pending.run, exc, in_vote=True) from exc
-
-    # -- one bucket ------------------------------------------------------------------------------------------
-    def _send_bucket(self, run: _Run, b: int, sw: Stopwatch) -> None:
-        with sw.phase("produce"):
-            self._produce(run, b)
-        run.reason, run.entry = AbortReason.INTERNAL, -1
-        size = self.layout.sizes[b]
-        gaps = self.layout.gap_index(b, self.device)
-        payload = in_place_payload(self.layout.segments[b], gaps, run.sources, size, self.device)
-        slot, crc = None, None
-        if payload is None:
-            slot = b % len(self._packbuf)
-            with sw.phase("wait"):
-                while run.slot_busy[slot]:  # wait until this pack buffer is off the wire
-                    self._retire_oldest(run)
-            payload = self._packbuf[slot][:size]
-            with sw.phase("pack"):  # packing sums each chunk while it is in cache: checksum for one pass less
-                crc = pack_bucket(self.layout, b, run.sources, payload,
-                                  with_checksum=self.use_checksum and run.checksums is None)
-        else:
-            run.zero_copy += 1
-        if self.stream_crc32:
-            with sw.phase("checksum"):
-                run.stream_crc = zlib.crc32(payload.cpu().numpy(), run.stream_crc)
-        with sw.phase("wait"):
-            while len(run.pending) >= self.inflight:
-                self._retire_oldest(run)
-        run.pending.append((self._post(payload, b), slot, payload))
-        run.posted += 1
-        if slot is not None:
-            run.slot_busy[slot] = True
-        if self.use_checksum and crc is None:
-            with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
-                crc = checksum(payload) if run.checksums is None else run.checksums(b)
-        run.crcs.append(crc if crc is not None else 0)
-        # release sources that are fully handed to the wire (a generator's tensors can then be freed); entries
-        # lie in stream order, so those not released yet start at run.released
-        bucket_end, entries, i = b * self.plan.bucket_bytes + size, self.plan.entries, run.released
-        while i < len(run.sources) and entries[i].offset + entries[i].nbytes <= bucket_end:
-            run.sources[i] = None
-            i += 1
-        run.released = i
-
-    def _produce(self, run: _Run, b: int) -> None:
-        """Take the items bucket ``b`` needs from the iterator, each checked against its plan entry."""
-        while len(run.sources) < self._need[b]:
-            i = run.entry = len(run.sources)
-            run.reason = AbortReason.PRODUCER
-            t = next(run.items, _END)
-            if t is _END:
-                run.reason = AbortReason.COUNT
-                raise ValueError(f"refit v{run.version}: got {i} tensors, the plan has {len(self.plan)} "
-                                 f"(first missing: {self.plan.entries[i].name!r})")
-            run.reason = AbortReason.BAD_TENSOR
-            self.plan.check_tensor(i, t)
-            run.sources.append(byte_view(t, argname=self.plan.entries[i].name))
-
-    # -- the wire --------------------------------------------------------------------------------------------
-    def _post(self, payload: torch.Tensor, b: int):
-        """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it
-        has exactly the size the plan gives it (the receivers post that size; a larger message kills them in
-        gloo)."""
-        n = self.plan.num_buckets
-        want = self.plan.bucket_size(b) if b < n else (TRAILER_FIXED + n) * 8
-        got = payload.nbytes
-        if payload.dim() != 1 or got != want:
-            raise RuntimeError(f"refit v{self.version}: {'bucket ' + str(b) if b < n else 'the trailer'} is "
-                               f"{got} bytes but the plan gives it {want}: not sent")
-        try:
-            return self.transport.broadcast(payload.to(self.device), async_op=True)
+            return world_vote(self.world, row, peer, self.trainers, self.checks, digests)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
-            raise _TransportFailed(exc) from exc
+            raise RefitError(f"sharded refit v{self.version} failed: the world vote failed "
+                             f"({type(exc).__name__}: {exc}); a rank died or timed out, so engine ranks that "
+                             "had every row may have committed it, the others keep their previous weights: "
+                             "re-create the group and refit again", kept_version=self.version - 1) from exc
 
-    def _retire_oldest(self, run: _Run) -> None:
-        """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
-        handle, slot, _ = run.pending.popleft()
+    def _digests(self, local: Mapping | None) -> tuple[list[int], BaseException | None]:
+        """The digest of this rank's copy of every replica it holds (in its row's order), or the error that
+        kept it from digesting them (the refit is then aborted)."""
+        slots = self.checks.held_by(self.world.rank)
+        if not slots:
+            return [], None
+        if local is None:
+            return [], ValueError(f"trainer rank {self.world.rank} holds {len(slots)} replicated box(es) "
+                                  "whose copies the vote compares: pass send(..., local=) (its "
+                                  "{name: (box, tensor)} bytes) or use send_local")
         try:
-            handle.wait()
-        except Exception as exc:  # noqa: BLE001
-            raise _TransportFailed(exc) from exc
-        if slot is not None:
-            run.slot_busy[slot] = False
+            return replica_digests(local_part(local, r.tensor.name, r.box) for r in slots), None
+        except Exception as exc:  # noqa: BLE001 - the refit is aborted, the error raised after the vote
+            return [], exc
 
-    def _drain(self, run: _Run) -> None:
-        while run.pending:
-            self._retire_oldest(run)
+    def _transmit_all(self, streams: Mapping[int, Iterable[torch.Tensor]], failed: BaseException | None,
+                      checksums: Callable[[int], int] | None):
+        """Transmit every stream in order; after the first abort the rest go out as aborts too (all of them
+        when ``failed`` already)."""
+        unknown = sorted(set(streams) - set(self.engines))
+        if unknown and failed is None:
+            failed = ValueError(f"streams for engine ranks {unknown}, which have no pair with trainer rank "
+                                f"{self.world.rank} (pairs: {self.engines})")
+        pendings: list[PendingSend] = []
+        stats: list[PairStats] = []
+        for e, s in zip(self.engines, self.streams, strict=True):
+            if failed is None and e not in streams:
+                failed = ValueError(f"no stream for engine rank {e} (trainer rank {self.world.rank})")
+            s.version = self.version - 1  # every stream carries the refit's version
+            t0 = time.perf_counter()
+            try:
+                p = s.transmit(streams[e] if failed is None else _refusing(failed, e), checksums=checksums)
+            except RefitError as exc:
+                if not self.multicast:
+                    exc.add_note(f"(sharded refit v{self.version}: the pair stream from trainer rank "
+                                 f"{self.world.rank} to engine rank {e})")
+                raise
+            pendings.append(p)
+            stats.append(PairStats(self.world.rank, e, s.plan.total_bytes, s.plan.num_buckets,
+                                   time.perf_counter() - t0))
+            if p.aborted and failed is None:
+                failed = p.error
+        return pendings, stats
 
-    def _vote(self, mine: Status) -> Vote:
-        """The sender's vote (``mine``: ok, or aborted) and every receiver's, one fixed-size int64 row each:
-        receivers commit only if every row is ok."""
-        row = ReceiverResult(self.transport.rank, mine, -1, -1, self.version).to_tensor()
-        return Vote.tally(self.transport.all_gather(row), self.transport.src)
+    def _conclude(self, pendings, pair_stats, wv: WorldVote, seconds: float) -> ShardedSendStats:
+        vote = wv.vote
+        if not vote.commit:
+            bad = vote.no
+            raise RefitError(f"sharded refit v{self.version} was rejected by {len(bad)} rank(s): "
+                             f"{wv.rejections()}; no engine rank committed it (every one keeps its previous "
+                             "weights)", kept_version=self.version - 1, status=bad[0].status,
+                             bucket=bad[0].bucket if bad[0].bucket >= 0 else None, receivers=vote.results,
+                             tensors=wv.drifted)
+        for s, p in zip(self.streams, pendings, strict=True):
+            s.conclude(p, vote)
+        total = sum(p.bytes for p in pair_stats)
+        return ShardedSendStats(rank=self.world.rank, version=self.version, bytes=total, seconds=seconds,
+                                gbps=total / seconds / 1e9 if seconds > 0 else 0.0, pairs=tuple(pair_stats),
+                                results=tuple(vote.results))
 
-    def _raise_rejections(self, run: _Run, vote: Vote) -> None:
-        if vote.commit:
-            return
-        # the receivers that voted no; when none did, the other sender(s) that aborted (sharded refit)
-        bad = [r for r in vote.no if r.rank not in vote.sender_ranks] or vote.no
-        results = vote.results
-        parts = "; ".join(r.describe(self.plan.num_buckets, vote.sender_ranks) for r in bad)
-        raise RefitError(f"refit v{run.version} was rejected by {len(bad)} of {len(results)} receiver(s): "
-                         f"{parts}; no receiver committed it (every one keeps its previous weights)",
-                         bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
-                         kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
 
-    def _transport_error(self, run: _Run, error: BaseException, in_vote: bool = False) -> RefitError:
-        """A dead receiver or a timeout during refit ``run``. Before the vote no receiver can commit it (they
-        commit only after a vote that this failure breaks for every rank). Inside the vote itself, a rank
-        that died after its own row left can leave receivers that already hold every row (all yes)
-        committed: the message says so."""
-        outcome = ("receivers that had every vote may have committed it, the others keep their previous "
-                   "weights: refit again" if in_vote else
-                   "no receiver commits this refit (each keeps its previous weights)")
-        return RefitError(f"refit v{run.version} failed: the transport failed "
-                          f"{'during the vote ' if in_vote else ''}({type(error).__name__}: {error}); a "
-                          f"receiver died or timed out, so {outcome}; re-create the group",
-                          kept_version=run.version - 1)
-
-    def _abort(self, run: _Run, error: BaseException) -> bool:
-        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
-        bytes and fail at once (they all reject in the vote that follows). True when it went out; a transport
-        failure meanwhile is noted on ``error`` (which the caller raises) and gives False."""
-        try:
-            self._drain(run)
-            buf = self._packbuf[0]
-            for b in range(run.posted, self.plan.num_buckets):
-                self._post(buf[:self.plan.bucket_size(b)], b).wait()
-            trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
-                                   run.reason)
-            self._post(trailer, self.plan.num_buckets).wait()
-        except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note
-            error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
-            return False
-        return True
+def _refusing(error: BaseException, engine: int) -> Iterator[torch.Tensor]:
+    """A producer that fails at once: a pair stream sent as an abort because an earlier pair aborted."""
+    raise RuntimeError(f"not sent to engine rank {engine}: an earlier pair stream of this trainer aborted "
+                       f"({type(error).__name__}: {error})")
+    yield  # pragma: no cover - makes this a generator

@@ -1,0 +1,437 @@
+"""StreamReceiver: one byte stream's receiving end. It receives every bucket and the trailer, validates all of
+them (:meth:`~StreamReceiver.stage`), and once the coordinator (:class:`~mxport.refit.StreamReceiver`) has the
+vote leaves the live tensors on exactly one complete version (:meth:`~StreamReceiver.settle`) — all or
+nothing, pointers never move.
+
+Two modes, chosen from the targets:
+
+* **staging** (any targets): buckets land in a staging copy of the byte stream; after the trailer validates,
+the
+  live tensors are written with ``copy_`` (the commit).
+* **direct** (targets laid out as one arena in the plan's byte order, as
+:func:`~mxport.refit.allocate_targets`
+  makes them): buckets land straight in the live arena, so there is no commit copy. The staging buffer then
+  holds the *previous* version (a rollback copy): on any failure the touched part of the arena is restored
+  from it before :class:`RefitError` is raised. After a successful refit a background thread copies the new
+  version into staging (off the critical path); the next :meth:`~StreamReceiver.receive` waits for it first.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..arena import RollbackCopy, bump_versions, stream_arena
+from ..buckets import (
+    MAGIC,
+    STATUS_ABORT,
+    STATUS_OK,
+    TRAILER_FIXED,
+    BucketLayout,
+    Trailer,
+    byte_view,
+    checksum,
+    pack_bucket,
+    unpack_segments,
+)
+from ..handshake import exchange_plans
+from ..plan import RefitPlan
+from ..results import AbortReason, ReceiverResult, ReceiveStats, RefitError, Status, Vote
+from ..timing import Stopwatch
+from ..transport import Transport
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Why a received refit is rejected: the status reported, a readable reason, where (bucket, entry)."""
+
+    status: Status
+    why: str
+    bucket: int | None = None
+    entry: int = -1
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One refit received and judged by :meth:`StreamReceiver.stage`, not committed: ``problem`` (None when
+    this rank accepts it), the trailer, the stopwatch and the rollback copy's seconds (``backup_s``)."""
+
+    problem: _Problem | None
+    trailer: Trailer
+    stopwatch: Stopwatch
+    backup_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def to_dict(self) -> dict:
+        p = self.problem
+        return {"version": int(self.trailer.version), "status": "ok" if p is None else p.status.name.lower(),
+                "why": None if p is None else p.why, "bucket": None if p is None else p.bucket,
+                "entry": -1 if p is None else p.entry, "backup_s": self.backup_s}
+
+
+_ABORT_WHY = {AbortReason.BAD_TENSOR: "a tensor that does not match the plan",
+              AbortReason.COUNT: "too few or too many tensors",
+              AbortReason.PRODUCER: "the producer of the tensors failed",
+              AbortReason.INTERNAL: "the sender failed"}
+
+
+def _wait_quietly(handles: list) -> None:
+    """Wait for every posted broadcast, ignoring errors (the transport is broken anyway)."""
+    for h in handles:
+        if h is not None:
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001, S110
+                pass
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    uniq = list(dict.fromkeys(names))
+    return ", ".join(uniq[:limit]) + (f" (+{len(uniq) - limit} more)" if len(uniq) > limit else "")
+
+
+class StreamReceiver:
+    """The receiving end of one byte stream (a refit's buckets and trailer from its transport's sender).
+
+    Args:
+        transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
+        plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
+        targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned
+            dtype and shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer,
+            or the views returned by :func:`~mxport.refit.allocate_targets`). They are only ever written in
+            place: pointers stay put (CUDA-graph safe) and every refit bumps each target's ``_version`` (so
+            MXFP8Linear's decoded cache follows).
+        use_checksum: verify each bucket's checksum (the sender must write them).
+        refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales,
+            caches that do not follow ``_version``).
+        inflight: broadcasts posted ahead of the one being validated.
+        direct: receive straight into the live tensors (see the module doc). None (default): whenever the
+            targets form one arena laid out as the plan's byte stream; False: always stage then ``copy_``;
+            True: require an arena (ValueError otherwise).
+
+    Direct mode, honestly: *during* ``receive`` the live tensors are being written (engines pause
+    generation during a refit anyway); once it returns or raises they hold exactly one complete version — the
+    new one, or the previous one restored from the rollback copy. The rollback copy costs one background
+    ``copy_`` of the stream per refit (and ``plan.total_bytes`` of memory, as staging does), reported as
+    ``backup_s`` / ``backup_wait_s`` in ``receive``'s stats and by :meth:`wait_backup`. The whole arena,
+    alignment padding included, belongs to the stream and is overwritten.
+
+    Staging (the whole byte stream) and the trailer are allocated once, on the targets' device.
+    """
+
+    def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
+                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (),
+                 inflight: int = 4, direct: bool | None = None):
+        if not isinstance(plan, RefitPlan):
+            raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
+        if transport.is_sender:
+            raise ValueError(f"transport rank {transport.rank} is the sender; a receiver needs another rank")
+        targets = list(targets)
+        if len(targets) != len(plan):
+            raise ValueError(f"targets: got {len(targets)} tensors, the plan has {len(plan)}")
+        for i, t in enumerate(targets):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"targets[{i}] ({plan.entries[i].name!r}) must be a torch.Tensor")
+            plan.check_tensor(i, t)
+        self.transport, self.plan, self.targets = transport, plan, targets
+        self.use_checksum = use_checksum
+        self.refresh_hooks = list(refresh_hooks)
+        self.inflight = max(1, inflight)
+        self.layout = BucketLayout(plan)
+        self._views = [byte_view(t, argname=plan.entries[i].name) for i, t in enumerate(targets)]
+        self._pointers = self.pointers()
+        arena = stream_arena(plan, targets) if direct is not False else None
+        if direct and arena is None:
+            raise ValueError("direct=True needs targets that are views of one arena laid out as the plan's "
+                             "byte stream (see allocate_targets)")
+        self.direct = arena is not None
+        self._arena = arena
+        device = targets[0].device
+        self._trailer = torch.zeros(TRAILER_FIXED + plan.num_buckets, dtype=torch.int64, device=device)
+        self.version = 0
+        self.last_checksums: list[int] = []
+        #: direct mode: the previous version, restored from on a failure (the staging buffer is that copy)
+        self._rollback_copy = RollbackCopy(arena, targets) if arena is not None else None
+        if self._rollback_copy is None:
+            self._staging = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+        else:
+            self._staging = self._rollback_copy.copy
+        self._payloads = self._bucket_views(self._staging)
+        # where the broadcasts land: the live arena (direct) or staging
+        self._landing = self._bucket_views(arena) if arena is not None else self._payloads
+
+    def _bucket_views(self, stream: torch.Tensor) -> list[torch.Tensor]:
+        B = self.plan.bucket_bytes
+        return [stream[b * B:b * B + n] for b, n in enumerate(self.layout.sizes)]
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def pointers(self) -> list[int]:
+        """``data_ptr()`` of every live target."""
+        return [t.data_ptr() for t in self.targets]
+
+    def pointers_stable(self) -> bool:
+        """True when every live tensor still sits where it was when the receiver was built."""
+        return self.pointers() == self._pointers
+
+    def handshake(self) -> None:
+        """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any
+        payload)."""
+        exchange_plans(self.transport, self.plan, self.version)
+
+    # -- direct mode: the rollback copy ----------------------------------------------------------------------
+    @property
+    def last_backup_s(self) -> float:
+        """Direct mode: seconds of the last rollback copy (0.0 in staging mode)."""
+        return self._rollback_copy.last_s if self._rollback_copy is not None else 0.0
+
+    def wait_backup(self) -> float:
+        """Direct mode: block until the rollback copy of the live version is complete (the background copy
+        started by the last successful ``receive``); returns that copy's seconds (0.0 in staging mode). If
+        the background copy failed, or the live tensors were written in place since it was taken (their
+        ``_version`` counters moved: a checkpoint load into ``allocate_targets`` views, say), it is taken
+        again here, so a failed refit always restores what was live when it started."""
+        return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
+
+    def _landed_bytes(self, posted: int) -> int:
+        """Stream bytes that broadcasts ``0..posted-1`` may have written."""
+        n = min(posted, self.plan.num_buckets)
+        return min(n * self.plan.bucket_bytes, self.plan.total_bytes)
+
+    # -- one refit -------------------------------------------------------------------------------------------
+    def stage(self) -> Staged:
+        """Phase one of ``receive``: receive every bucket and the trailer and judge them (trailer, sender
+        abort, version, checksums, the live tensors); nothing is committed. Follow with :meth:`verdict` (this
+        rank's row of the vote), then :meth:`settle` with the vote (or :meth:`discard`).
+
+        Raises:
+            RefitError: the transport failed (a dead peer, a timeout): rolled back already (direct mode), as
+                in ``receive``.
+        """
+        sw = Stopwatch()
+        with sw.phase("backup_wait"):
+            backup_s = self.wait_backup()
+        problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
+        sw.mark("posted")
+        got, t_first = self._receive_stream()
+        sw.mark("first", t_first)
+        trailer = Trailer.from_tensor(self._trailer)
+        problem = problem or self._judge(trailer, got)
+        sw.mark("judged")
+        return Staged(problem, trailer, sw, backup_s)
+
+    def verdict(self, staged: Staged) -> ReceiverResult:
+        """This rank's row of the vote on ``staged``: ``OK``, or why it rejects (status, bucket, entry), and
+        the version live here."""
+        p = staged.problem
+        if p is None:
+            return ReceiverResult(self.transport.rank, Status.OK, -1, -1, self.version)
+        return ReceiverResult(self.transport.rank, p.status, -1 if p.bucket is None else p.bucket, p.entry,
+                              self.version)
+
+    def settle(self, staged: Staged, vote: Vote) -> ReceiveStats:
+        """Phase three of ``receive``: commit ``staged`` if ``vote`` is unanimous, else roll back and
+        raise :class:`RefitError` (this rank's own reason, or ``PEER_REJECTED`` naming who voted no).
+
+        Raises:
+            RefitError: as ``receive`` (a rejection, or a refresh hook failing after a unanimous yes).
+        """
+        if not vote.commit:
+            self._roll_back(self.plan.total_bytes)
+            raise self._rejection(staged.problem, vote)
+        sw = staged.stopwatch
+        try:
+            with sw.phase("commit"):
+                self._commit(staged.trailer)
+        except Exception as exc:  # after a unanimous yes: a refresh hook failed (see _commit)
+            raise RefitError(f"refit v{vote.version} failed committing on this rank after every rank voted "
+                             f"yes ({type(exc).__name__}: {exc}); the other ranks committed it: this rank's "
+                             "derived copies (or, staging, its live tensors) may be stale until the next "
+                             "refit rewrites them", kept_version=self.version, status=Status.COMMIT_FAILED,
+                             receivers=vote.results) from exc
+        sw.mark("done")
+        if self._rollback_copy is not None:
+            self._rollback_copy.start()
+        seconds = sw.between("first", "done")
+        return ReceiveStats(version=self.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+                            direct=self.direct, seconds=seconds, idle_s=sw.between("posted", "first"),
+                            recv_s=sw.between("first", "judged"), commit_s=sw["commit"],
+                            gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                            backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"])
+
+    def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
+        """Drop ``staged`` without a vote (another part of the same refit failed): the live tensors keep the
+        previous version (direct mode: restored from the rollback copy; staging: never written)."""
+        self._roll_back(self.plan.total_bytes)
+
+    def _live_problem(self) -> _Problem | None:
+        """A live tensor whose dtype / shape changed or that moved since the receiver was built, or None."""
+        try:
+            for i, t in enumerate(self.targets):
+                self.plan.check_tensor(i, t)
+        except (ValueError, TypeError) as exc:
+            return _Problem(Status.LIVE_CHANGED, f"a live tensor changed since the receiver was built: {exc}")
+        if not self.pointers_stable():
+            return _Problem(Status.LIVE_CHANGED,
+                            "a live tensor was moved or reallocated since the receiver was built")
+        return None
+
+    def _receive_stream(self) -> tuple[list[int], float]:
+        """Receive every bucket and the trailer (``inflight`` broadcasts posted ahead), summing each bucket
+        while later ones are on the wire. Returns the checksums and when the first bucket arrived. A transport
+        failure (dead peer, timeout) raises :class:`RefitError` after waiting for every posted broadcast and,
+        in direct mode, restoring what they touched."""
+        n = self.plan.num_buckets
+        bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
+        handles: list = [None] * (n + 1)
+        got = [0] * n
+        posted = 0
+        t_first = time.perf_counter()
+        for b in range(n + 1):
+            try:
+                while posted <= n and posted <= b + self.inflight:
+                    handles[posted] = self.transport.broadcast(bufs[posted], async_op=True)
+                    posted += 1
+                handles[b].wait()
+                handles[b] = None
+                if b == 0:
+                    t_first = time.perf_counter()
+                if b < n and self.use_checksum:  # checksum while later buckets are still on the wire
+                    got[b] = checksum(bufs[b])
+            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+                if self._rollback_copy is not None:
+                    _wait_quietly(handles)  # nothing may still write into the live arena after the restore
+                self._roll_back(self._landed_bytes(posted))
+                raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
+                                  None, trailer=b == n) from exc
+        return got, t_first
+
+    def _judge(self, trailer: Trailer, got: list[int]) -> _Problem | None:
+        """Why the received refit must be rejected (bad trailer, sender abort, stale version, checksum), or
+        None."""
+        plan, n = self.plan, self.plan.num_buckets
+        if trailer.magic != MAGIC or trailer.num_buckets != n or trailer.status not in (STATUS_OK,
+                                                                                         STATUS_ABORT):
+            return _Problem(Status.BAD_TRAILER, f"bad trailer (magic {trailer.magic:#x}, "
+                                                f"{trailer.num_buckets} buckets, status {trailer.status}, "
+                                                f"expected {n} buckets)")
+        if trailer.status == STATUS_ABORT:
+            entry = trailer.entry if 0 <= trailer.entry < len(plan) else -1
+            what = f" at tensor {plan.entries[entry].name!r}" if entry >= 0 else ""
+            why = _ABORT_WHY.get(trailer.reason, "an error on the sender")
+            return _Problem(Status.ABORTED, f"the sender aborted refit v{trailer.version}{what} ({why})",
+                            plan.entries[entry].bucket if entry >= 0 else None, entry)
+        if trailer.version <= self.version:
+            return _Problem(Status.STALE,
+                            f"stale refit version {trailer.version} (live version is {self.version})")
+        if self.use_checksum:
+            for b in range(n):
+                if got[b] != trailer.checksums[b]:
+                    return _Problem(Status.CHECKSUM, f"checksum mismatch (sent {trailer.checksums[b]:#x}, "
+                                                     f"received {got[b]:#x})", b)
+        return None
+
+    def _commit(self, trailer: Trailer) -> None:
+        """Make the validated refit live (unpack from staging, or in direct mode just bump the version
+        counters), then run the refresh hooks.
+
+        This runs only after every rank voted yes, so it must not fail: staging's ``copy_`` between
+        preallocated, checked tensors on one device and direct mode's counter bumps cannot (short of a
+        hardware fault); a refresh hook can. A failure here is raised on this rank only (the others have
+        committed; the sender has already returned): a third round that could undo the others' commit would
+        need a rollback copy on every rank in staging mode too. The next refit rewrites every byte."""
+        if self.direct:
+            bump_versions(self.targets)
+        else:
+            for b in range(self.plan.num_buckets):
+                unpack_segments(self.layout.segments[b], self._payloads[b], self._views)
+        self.version = int(trailer.version)
+        self.last_checksums = trailer.checksums
+        for hook in self.refresh_hooks:
+            hook()
+
+    def _roll_back(self, nbytes: int) -> None:
+        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy (staging mode: the
+        live tensors were never written, nothing to do)."""
+        if self._rollback_copy is not None:
+            self._rollback_copy.restore(nbytes)
+
+    def vote_failed(self, staged: Staged, exc: BaseException) -> RefitError:
+        """The vote on ``staged`` failed (a peer died or timed out): roll back (nothing was committed) and
+        return the error to raise."""
+        problem = staged.problem
+        self._roll_back(self.plan.total_bytes)
+        why = problem.why if problem is not None else "received and validated"
+        return self._error("not committed", problem.bucket if problem else None,
+                           f"{why}, but the vote failed ({type(exc).__name__}: {exc}): a peer died or "
+                           "timed out",
+                           problem.status if problem else None)
+
+    def _rejection(self, problem: _Problem | None, vote: Vote) -> RefitError:
+        """The RefitError of a refit some rank voted no on: this rank's own reason (if it rejected), and the
+        other ranks that rejected, with their buckets' tensors."""
+        n, me = self.plan.num_buckets, self.transport.rank
+        others = []
+        for r in vote.no:
+            same_abort = (problem is not None and problem.status is Status.ABORTED
+                          and r.status is Status.ABORTED)
+            if r.rank != me and not same_abort:  # an abort is the sender's: every receiver saw the same one
+                names = self.layout.tensor_names(r.bucket) if 0 <= r.bucket < n else []
+                tensors = f" (tensors: {_names(names)})" if names else ""
+                others.append(r.describe(n, vote.sender_ranks) + tensors)
+        if problem is not None:
+            also = f" (also rejected by {'; '.join(others)})" if others else ""
+            return self._error("rejected", problem.bucket, problem.why + also, problem.status,
+                               receivers=vote.results)
+        return self._error(f"v{vote.version} not committed", None, f"rejected by {'; '.join(others)}",
+                           Status.PEER_REJECTED, receivers=vote.results)
+
+    def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
+               trailer: bool = False, receivers: Sequence[ReceiverResult] = ()) -> RefitError:
+        """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
+        n = self.plan.num_buckets
+        names = self.layout.tensor_names(bucket) if bucket is not None else []
+        if bucket is not None:
+            where = f"bucket {bucket} of {n} (tensors: {_names(names)})"
+        else:
+            where = "the trailer" if trailer else f"({n} buckets)"
+        restored = " (restored from the rollback copy)" if self.direct else ""
+        at = "at " if verb in ("rejected", "not committed") and bucket is not None else ""
+        return RefitError(f"refit {verb} {at}{where}: "
+                          f"{why}; live weights kept at version {self.version}{restored}",
+                          bucket=bucket, tensors=names, kept_version=self.version, status=status,
+                          receivers=receivers)
+
+    def verify_live(self) -> bool:
+        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender
+        wrote for the last refit (an independent check of the committed bytes; needs sender checksums)."""
+        if not self.last_checksums:
+            return False
+        return all(checksum(payload) == self.last_checksums[b] for b, payload in self._live_buckets())
+
+    def live_crc32(self) -> int:
+        """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding
+        zero): equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were
+        sent."""
+        crc = 0
+        for _, payload in self._live_buckets():
+            crc = zlib.crc32(payload.cpu().numpy(), crc)
+        return crc
+
+    def _live_buckets(self):
+        """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer
+        (each payload is valid until the next one is yielded)."""
+        if self.direct:  # the live arena is the stream itself
+            yield from enumerate(self._landing)
+            return
+        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
+        for b in range(self.plan.num_buckets):
+            payload = scratch[:self.plan.bucket_size(b)]
+            pack_bucket(self.layout, b, self._views, payload)
+            yield b, payload

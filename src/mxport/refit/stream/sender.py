@@ -1,0 +1,338 @@
+"""StreamSender: one byte stream's sending end. It broadcasts the plan's tensors in fixed-size byte buckets —
+buckets inside one tensor straight from its storage, mixed buckets packed into reused buffers while earlier
+buckets are on the wire (asynchronous broadcast) — then a trailer with the version and per-bucket checksums;
+the coordinator (:class:`~mxport.refit.RefitSender`) holds the vote, then the stream concludes.
+
+Every broadcast has exactly the size the agreed plan gives it (checked before it is posted): a receiver posts
+the same size, and gloo kills a process that receives more bytes than it posted. Every item is checked against
+its plan entry before it is packed; any failure before the trailer sends the remaining buckets (unused
+content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..buckets import (
+    STATUS_ABORT,
+    TRAILER_FIXED,
+    BucketLayout,
+    byte_view,
+    canonical_device,
+    checksum,
+    in_place_payload,
+    make_trailer,
+    pack_bucket,
+)
+from ..handshake import exchange_plans
+from ..plan import RefitPlan
+from ..results import AbortReason, ReceiverResult, RefitError, SendStats, Status, Vote
+from ..timing import Stopwatch
+from ..transport import Transport
+
+_END = object()
+
+
+class _TransportFailed(Exception):
+    """The transport itself failed (a dead peer, a timeout): nothing more can be sent on it."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _wait(handle) -> None:
+    """Complete a posted broadcast; a transport failure (a dead peer, a timeout) raises _TransportFailed."""
+    try:
+        handle.wait()
+    except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+        raise _TransportFailed(exc) from exc
+
+
+@dataclass
+class _Run:
+    """One refit in progress on the sender."""
+
+    version: int
+    items: Iterator
+    slots: int
+    checksums: Callable[[int], int] | None = None  # the producer's bucket checksums (see send)
+    sources: list = field(default_factory=list)  # flat uint8 views per entry (None once on the wire)
+    pending: deque = field(default_factory=deque)  # (handle, pack slot or None, payload kept alive)
+    crcs: list = field(default_factory=list)
+    stream_crc: int = 0
+    zero_copy: int = 0
+    posted: int = 0  # bucket broadcasts posted
+    released: int = 0  # sources before it are handed to the wire and dropped
+    reason: AbortReason = AbortReason.INTERNAL  # what the step under way would abort for
+    entry: int = -1  # the plan entry it concerns
+
+    def __post_init__(self):
+        self.slot_busy = [False] * self.slots
+
+
+@dataclass(frozen=True)
+class PendingSend:
+    """One refit transmitted by :meth:`StreamSender.transmit` (every bucket and the trailer are out), waiting
+    for the vote: ``error`` is the producer's (or the sender's) error if it went out as an abort."""
+
+    run: _Run
+    stopwatch: Stopwatch
+    error: BaseException | None
+    rank: int  # the sender's rank on its transport
+
+    @property
+    def version(self) -> int:
+        return self.run.version
+
+    @property
+    def aborted(self) -> bool:
+        return self.error is not None
+
+    def row(self) -> ReceiverResult:
+        """The sender's row of the vote: ``OK``, or ``ABORTED``, at the refit's version."""
+        return ReceiverResult(self.rank, Status.ABORTED if self.aborted else Status.OK, -1, -1, self.version)
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "aborted": self.aborted,
+                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+
+
+class StreamSender:
+    """The sending end of one byte stream (a refit's buckets and trailer to every receiver of its transport).
+
+    Args:
+        transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
+        plan: the :class:`RefitPlan` (built once; reused for every refit).
+        use_checksum: compute a per-bucket checksum (chunked int64 sum,
+            :func:`~mxport.refit.buckets.checksum`); receivers verify it before committing.
+        device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL); tensors already there are sent
+            without packing when a bucket lies inside one of them.
+        inflight: broadcasts in flight at once (and pack buffers), >= 1.
+        stream_crc32: also compute a CRC-32 of the whole byte stream (``zlib.crc32`` chained over the buckets,
+            ~3 GB/s on CPU) and return it as ``stream_crc32``; compare with
+            :meth:`RefitReceiver.live_crc32` for an end-to-end bit-exactness check.
+
+    Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
+    """
+
+    def __init__(self, transport: Transport, plan: RefitPlan, *, use_checksum: bool = True,
+                 device: str | torch.device = "cpu", inflight: int = 2, stream_crc32: bool = False):
+        if not isinstance(plan, RefitPlan):
+            raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
+        if not transport.is_sender:
+            raise ValueError(f"transport rank {transport.rank} is not the sender (src={transport.src})")
+        if inflight < 1:
+            raise ValueError(f"inflight must be >= 1, got {inflight}")
+        self.transport, self.plan, self.use_checksum = transport, plan, use_checksum
+        self.stream_crc32 = stream_crc32
+        self.device = canonical_device(device)
+        self.layout = BucketLayout(plan)
+        self.inflight = inflight
+        self.version = 0
+        self._packbuf = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8, device=self.device)
+                         for _ in range(min(inflight, plan.num_buckets))]
+        # number of entries that must be available before bucket b (entries starting before its end)
+        ends = [min((b + 1) * plan.bucket_bytes, plan.total_bytes) for b in range(plan.num_buckets)]
+        self._need = [sum(1 for e in plan.entries if e.offset < end) for end in ends]
+        self._need[-1] = len(plan)
+
+    def handshake(self) -> None:
+        """Exchange plan digests with every receiver (raises RefitPlanMismatch on all sides on a mismatch)."""
+        self.version = exchange_plans(self.transport, self.plan, self.version)
+
+    def transmit(self, tensors: Iterable[torch.Tensor], *,
+                 checksums: Callable[[int], int] | None = None) -> PendingSend:
+        """Phase one of a refit (:meth:`~mxport.refit.RefitSender.send`): every bucket and the trailer (on a
+        failure the remaining buckets and an abort trailer, the error kept in the result; ``checksums`` as in
+        ``send``). Follow with the vote (this rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
+
+        Raises:
+            RefitError: the transport failed (no vote can follow; the group is unusable).
+        """
+        self.version += 1
+        run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
+        sw = Stopwatch()
+        try:
+            for b in range(self.plan.num_buckets):
+                self._send_bucket(run, b, sw)
+            run.reason, run.entry = AbortReason.PRODUCER, -1
+            if next(run.items, _END) is not _END:
+                run.reason = AbortReason.COUNT
+                raise ValueError(f"refit v{run.version}: more tensors than the {len(self.plan)} of the plan")
+            with sw.phase("wait"):
+                self._drain(run)
+        except _TransportFailed as exc:
+            raise self._transport_error(run, exc.error) from exc.error
+        except BaseException as exc:
+            if not self._abort(run, exc):
+                raise
+            return PendingSend(run, sw, exc, self.transport.rank)
+        with sw.phase("wait"):
+            try:
+                _wait(self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets))
+            except _TransportFailed as exc:
+                raise self._transport_error(run, exc.error) from exc.error
+        return PendingSend(run, sw, None, self.transport.rank)
+
+    def conclude(self, pending: PendingSend, vote: Vote) -> SendStats:
+        """Phase three of a refit: the outcome of ``pending`` under ``vote``.
+
+        Raises:
+            the producer's error, when ``pending`` aborted; RefitError when some rank voted no (as
+            :meth:`~mxport.refit.RefitSender.send`).
+        """
+        if pending.error is not None:
+            raise pending.error
+        run, sw = pending.run, pending.stopwatch
+        results = vote.results
+        self._raise_rejections(run, vote)
+        seconds = sw.elapsed()
+        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+                         zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
+                         pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
+                         stream_crc32=run.stream_crc if self.stream_crc32 else None,
+                         gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                         receivers=tuple(results))
+
+    def vote_failed(self, pending: PendingSend, exc: BaseException) -> BaseException:
+        """The error to raise when the vote on ``pending`` failed (a dead peer, a timeout): after an abort,
+        the abort's error with the failure noted; otherwise :class:`RefitError` (receivers that had every row
+        may have committed)."""
+        if pending.error is not None:
+            pending.error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
+            return pending.error
+        return self._transport_error(pending.run, exc, in_vote=True)
+
+    # -- one bucket ------------------------------------------------------------------------------------------
+    def _send_bucket(self, run: _Run, b: int, sw: Stopwatch) -> None:
+        with sw.phase("produce"):
+            self._produce(run, b)
+        run.reason, run.entry = AbortReason.INTERNAL, -1
+        size = self.layout.sizes[b]
+        gaps = self.layout.gap_index(b, self.device)
+        payload = in_place_payload(self.layout.segments[b], gaps, run.sources, size, self.device)
+        slot, crc = None, None
+        if payload is None:
+            slot = b % len(self._packbuf)
+            with sw.phase("wait"):
+                while run.slot_busy[slot]:  # wait until this pack buffer is off the wire
+                    self._retire_oldest(run)
+            payload = self._packbuf[slot][:size]
+            with sw.phase("pack"):  # packing sums each chunk while it is in cache: checksum for one pass less
+                crc = pack_bucket(self.layout, b, run.sources, payload,
+                                  with_checksum=self.use_checksum and run.checksums is None)
+        else:
+            run.zero_copy += 1
+        if self.stream_crc32:
+            with sw.phase("checksum"):
+                run.stream_crc = zlib.crc32(payload.cpu().numpy(), run.stream_crc)
+        with sw.phase("wait"):
+            while len(run.pending) >= self.inflight:
+                self._retire_oldest(run)
+        run.pending.append((self._post(payload, b), slot, payload))
+        run.posted += 1
+        if slot is not None:
+            run.slot_busy[slot] = True
+        if self.use_checksum and crc is None:
+            with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
+                crc = checksum(payload) if run.checksums is None else run.checksums(b)
+        run.crcs.append(crc if crc is not None else 0)
+        # release sources that are fully handed to the wire (a generator's tensors can then be freed); entries
+        # lie in stream order, so those not released yet start at run.released
+        bucket_end, entries, i = b * self.plan.bucket_bytes + size, self.plan.entries, run.released
+        while i < len(run.sources) and entries[i].offset + entries[i].nbytes <= bucket_end:
+            run.sources[i] = None
+            i += 1
+        run.released = i
+
+    def _produce(self, run: _Run, b: int) -> None:
+        """Take the items bucket ``b`` needs from the iterator, each checked against its plan entry."""
+        while len(run.sources) < self._need[b]:
+            i = run.entry = len(run.sources)
+            run.reason = AbortReason.PRODUCER
+            t = next(run.items, _END)
+            if t is _END:
+                run.reason = AbortReason.COUNT
+                raise ValueError(f"refit v{run.version}: got {i} tensors, the plan has {len(self.plan)} "
+                                 f"(first missing: {self.plan.entries[i].name!r})")
+            run.reason = AbortReason.BAD_TENSOR
+            self.plan.check_tensor(i, t)
+            run.sources.append(byte_view(t, argname=self.plan.entries[i].name))
+
+    # -- the wire --------------------------------------------------------------------------------------------
+    def _post(self, payload: torch.Tensor, b: int):
+        """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it
+        has exactly the size the plan gives it (the receivers post that size; a larger message kills them in
+        gloo)."""
+        n = self.plan.num_buckets
+        want = self.plan.bucket_size(b) if b < n else (TRAILER_FIXED + n) * 8
+        got = payload.nbytes
+        if payload.dim() != 1 or got != want:
+            raise RuntimeError(f"refit v{self.version}: {'bucket ' + str(b) if b < n else 'the trailer'} is "
+                               f"{got} bytes but the plan gives it {want}: not sent")
+        try:
+            return self.transport.broadcast(payload.to(self.device), async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+            raise _TransportFailed(exc) from exc
+
+    def _retire_oldest(self, run: _Run) -> None:
+        """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
+        handle, slot, _ = run.pending.popleft()
+        try:
+            handle.wait()
+        except Exception as exc:  # noqa: BLE001
+            raise _TransportFailed(exc) from exc
+        if slot is not None:
+            run.slot_busy[slot] = False
+
+    def _drain(self, run: _Run) -> None:
+        while run.pending:
+            self._retire_oldest(run)
+
+    def _raise_rejections(self, run: _Run, vote: Vote) -> None:
+        if vote.commit:
+            return
+        # the receivers that voted no; when none did, the other sender(s) that aborted (sharded refit)
+        bad = [r for r in vote.no if r.rank not in vote.sender_ranks] or vote.no
+        results = vote.results
+        parts = "; ".join(r.describe(self.plan.num_buckets, vote.sender_ranks) for r in bad)
+        raise RefitError(f"refit v{run.version} was rejected by {len(bad)} of {len(results)} receiver(s): "
+                         f"{parts}; no receiver committed it (every one keeps its previous weights)",
+                         bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
+                         kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
+
+    def _transport_error(self, run: _Run, error: BaseException, in_vote: bool = False) -> RefitError:
+        """A dead receiver or a timeout during refit ``run``. Before the vote no receiver can commit it (they
+        commit only after a vote that this failure breaks for every rank). Inside the vote itself, a rank
+        that died after its own row left can leave receivers that already hold every row (all yes)
+        committed: the message says so."""
+        outcome = ("receivers that had every vote may have committed it, the others keep their previous "
+                   "weights: refit again" if in_vote else
+                   "no receiver commits this refit (each keeps its previous weights)")
+        return RefitError(f"refit v{run.version} failed: the transport failed "
+                          f"{'during the vote ' if in_vote else ''}({type(error).__name__}: {error}); a "
+                          f"receiver died or timed out, so {outcome}; re-create the group",
+                          kept_version=run.version - 1)
+
+    def _abort(self, run: _Run, error: BaseException) -> bool:
+        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
+        bytes and fail at once (they all reject in the vote that follows). True when it went out; a transport
+        failure meanwhile is noted on ``error`` (which the caller raises) and gives False."""
+        try:
+            self._drain(run)
+            buf = self._packbuf[0]
+            for b in range(run.posted, self.plan.num_buckets):
+                self._post(buf[:self.plan.bucket_size(b)], b).wait()
+            trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
+                                   run.reason)
+            self._post(trailer, self.plan.num_buckets).wait()
+        except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note
+            error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
+            return False
+        return True

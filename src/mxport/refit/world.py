@@ -1,0 +1,353 @@
+"""The world of a refit: what every rank of the group agrees on together, whatever the layout.
+
+T trainer ranks and E engine ranks in one process group (the "world"); each (trainer, engine) pair that has
+bytes to move has its own pair stream (an ordinary :class:`~mxport.refit.plan.RefitPlan` sent from that
+trainer to that engine only, over a :class:`~mxport.refit.transport.PairTransport`), and there is ONE vote
+over the whole world: every engine rank commits all its streams or none, and every trainer rank learns the
+outcome.
+A one-rank refit is the world of one multicast stream (:class:`~mxport.refit.RefitSender`).
+
+1. Every rank processes its own pairs in :func:`pair_order` (a global order without cycles, so no rank waits
+   on a rank that waits on it; with T == E each round is a perfect matching and the pairs run in parallel).
+2. Handshake (:func:`agree_global`, :func:`pair_handshakes`): one world ``all_gather`` of ``[HELLO, global
+   plan digest (4 int64 words), version, replica checks]`` (every rank must give the caller's same global
+   digest, else :class:`RefitPlanMismatch` on every rank), then each pair's own plan handshake, in pair
+   order, then the pairs' outcomes agreed over the world.
+3. A refit: trainers transmit each pair stream (buckets + trailer), engines stage each one (receive and
+   validate, nothing written to the live tensors); then every world rank gives one row ``[status, bucket,
+   entry, version, peer, replica digests...]`` in one ``all_gather`` (:func:`world_vote`: a :class:`Vote`
+   with every trainer rank as a sender; ``peer``: the other end of the pair a rejection concerns, -1 for
+   none); engines settle every pair with that vote (all commit or all roll back), trainers raise
+   :class:`RefitError` naming every rank that voted no.
+
+A dead peer or a timeout raises :class:`RefitError` on the ranks still alive (within about the group's timeout
+per blocked operation); staged pairs are dropped, so the live weights keep their previous version. The group
+is then unusable: re-create it. Versions never go back (:func:`last_version`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .buckets import byte_view, checksums
+from .mesh import MAX_REASON, MeshPlan, RefitAgreementError, Replica, gather_checked
+from .plan import RefitPlanMismatch
+from .results import REPORT_WORDS, ReceiverResult, RefitError, ResultRow, Status, Vote
+from .transport import PairTransport, Transport
+
+#: "MXRFTSH" and the sharded handshake's version (2: the replica checks' word, the pair outcomes' agreement)
+SHARD_HELLO = 0x4D58524654534802
+
+#: the highest version each sharded refit (by global plan digest) reached in this process: a sender or
+#: receiver re-created for the same plan (a new group after a failure) starts from it, so versions never go
+#: back; the world handshake then takes the highest over all ranks (ranks that were restarted included)
+_LAST_VERSION: dict[str, int] = {}
+
+
+def remember(global_digest: str, version: int) -> int:
+    _LAST_VERSION[global_digest] = max(_LAST_VERSION.get(global_digest, 0), int(version))
+    return int(version)
+
+
+def last_version(global_digest: str) -> int:
+    """The highest version a sharded refit of this global plan reached in this process (0: none)."""
+    return _LAST_VERSION.get(global_digest, 0)
+
+
+def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (trainer rank, engine rank) pair once, in the order every rank processes its own pairs: sorted by
+    ``(round, t_index, e_index)`` with ``round = (e_index - t_index) mod max(T, E)``.
+
+    Each round pairs every trainer with at most one engine and every engine with at most one trainer (a
+    perfect matching when T == E), so the pairs of one round run in parallel; and the lowest unfinished pair
+    always has both its ends on it, so ranks that each follow this order (skipping pairs without bytes) never
+    wait on each other in a cycle.
+    """
+    trainers, engines = [int(t) for t in trainers], [int(e) for e in engines]
+    ranks = trainers + engines
+    if not trainers or not engines:
+        raise ValueError(f"need at least one trainer and one engine rank, got {trainers} and {engines}")
+    if len(set(ranks)) != len(ranks) or min(ranks) < 0:
+        raise ValueError(f"trainer and engine ranks must be distinct non-negative ints, got {trainers} and "
+                         f"{engines}")
+    m = max(len(trainers), len(engines))
+    keys = sorted(((ei - ti) % m, ti, ei) for ti in range(len(trainers)) for ei in range(len(engines)))
+    return [(trainers[ti], engines[ei]) for _, ti, ei in keys]
+
+
+@dataclass(frozen=True)
+class PairStats(ResultRow):
+    """One pair stream of a sharded refit: its two world ranks, its bytes and buckets, and the seconds this
+    rank spent on it (the trainer transmitting, the engine receiving and validating)."""
+
+    trainer: int
+    engine: int
+    bytes: int
+    buckets: int
+    seconds: float
+
+
+def _pairs_dict(row) -> dict:
+    out = {f: getattr(row, f) for f in row.__dataclass_fields__}
+    out["pairs"] = [p.to_dict() for p in row.pairs]
+    if "results" in out:
+        out["results"] = [r.to_dict() for r in row.results]
+    return out
+
+
+@dataclass(frozen=True)
+class ShardedSendStats(ResultRow):
+    """One sharded refit as a trainer rank saw it: ``rank`` (its world rank), ``version``, ``bytes`` (all its
+    pair streams), ``seconds`` (up to the vote's outcome), ``gbps``, ``pairs`` (:class:`PairStats`, in pair
+    order), ``results`` (every engine rank's :class:`ReceiverResult`)."""
+
+    rank: int
+    version: int
+    bytes: int
+    seconds: float
+    gbps: float
+    pairs: tuple[PairStats, ...]
+    results: tuple[ReceiverResult, ...]
+
+    def to_dict(self) -> dict:
+        return _pairs_dict(self)
+
+
+@dataclass(frozen=True)
+class ShardedReceiveStats(ResultRow):
+    """One sharded refit as an engine rank saw it: ``rank``, ``version`` (now live), ``bytes`` (all its pair
+    streams), ``seconds`` (the whole call: receiving, the vote, the commits), ``commit_s`` (the commits),
+    ``gbps``, ``pairs`` (:class:`PairStats`, in pair order)."""
+
+    rank: int
+    version: int
+    bytes: int
+    seconds: float
+    commit_s: float
+    gbps: float
+    pairs: tuple[PairStats, ...]
+
+    def to_dict(self) -> dict:
+        return _pairs_dict(self)
+
+
+@dataclass(frozen=True)
+class WorldVote:
+    """The world's vote on one sharded refit: the :class:`Vote` (every trainer rank a sender), per rank the
+    other end of the pair its row concerns (-1: none), and every replicated box whose holders' copies differ
+    (``drift``: one line each; ``drifted``: those tensors' names). Holders of a box that drifted vote
+    :attr:`Status.REPLICA_DRIFT`, so nobody commits."""
+
+    vote: Vote
+    peers: tuple[int, ...]
+    drift: tuple[str, ...] = ()
+    drifted: tuple[str, ...] = ()
+
+    def describe(self, r: ReceiverResult) -> str:
+        """``engine rank 3: checksum at bucket 1 of the pair with trainer rank 0 (live version 1)``."""
+        trainer = r.rank in self.vote.sender_ranks
+        peer = self.peers[r.rank]
+        where = f" at bucket {r.bucket}" if r.bucket >= 0 else ""
+        pair = (f" {'of' if where else 'in'} the pair with {'engine' if trainer else 'trainer'} rank {peer}"
+                if peer >= 0 else "")
+        live = "" if trainer else f" (live version {r.version})"
+        who = "trainer" if trainer else "engine"
+        return f"{who} rank {r.rank}: {r.status.name.lower()}{where}{pair}{live}"
+
+    def rejections(self, skip: int | None = None) -> str:
+        """Every rank that voted no (but ``skip``), then the replicated boxes whose copies differ."""
+        out = "; ".join(self.describe(r) for r in self.vote.no if r.rank != skip)
+        if self.drift:
+            more = f" (+{len(self.drift) - 8} more)" if len(self.drift) > 8 else ""
+            out += ("; " if out else "") + f"replicas differ: {'; '.join(self.drift[:8])}{more}"
+        return out
+
+
+def replica_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The digest of each copy of a replicated box: :func:`~mxport.refit.buckets.checksum` of its bytes
+    (zero-padded to whole int64 words), summed where the bytes are (one pass; a copy only for a box that is
+    not contiguous in its rank's tensor), all brought to the host at once."""
+    out = []
+    for t in tensors:
+        b = byte_view(t.contiguous())
+        if b.numel() % 8:
+            b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+        out.append(b if b.storage_offset() % 8 == 0 else b.clone())  # int64 words need aligned bytes
+    return checksums(out)
+
+
+@dataclass(frozen=True)
+class ReplicaChecks:
+    """The replicas a sharded refit's vote compares: per trainer rank, the replicas it holds in the order its
+    row carries their digests (``slots[rank][replica index]``); ``width``: the widest row's digest count;
+    ``word``: 56 bits of their description (every rank must vote with the same checks)."""
+
+    replicas: tuple[Replica, ...]
+    slots: dict[int, dict[int, int]]
+    width: int
+    word: int
+
+    @classmethod
+    def of(cls, replicas: Sequence[Replica]) -> ReplicaChecks:
+        slots: dict[int, dict[int, int]] = {}
+        for i, rep in enumerate(replicas):
+            for t in rep.holders:
+                mine = slots.setdefault(t, {})
+                mine[i] = len(mine)
+        text = json.dumps([[r.tensor.name, *r.box.canonical(), list(r.holders)] for r in replicas],
+                          separators=(",", ":"))
+        word = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        return cls(tuple(replicas), slots, max(map(len, slots.values()), default=0), word)
+
+    def held_by(self, rank: int) -> list[Replica]:
+        """The replicas ``rank`` holds, in its row's order."""
+        return [self.replicas[i] for i in self.slots.get(rank, {})]
+
+    def drift(self, rows: Sequence[torch.Tensor], vote: Vote):
+        """``(lines, names, ranks)``: each replica whose holders (those that voted ok) gave different
+        digests (``rows``: the vote's rows, digests from word ``REPORT_WORDS + 1`` on)."""
+        lines, names, ranks = [], [], set()
+        for i, rep in enumerate(self.replicas):
+            got = {t: int(rows[t][REPORT_WORDS + 1 + self.slots[t][i]]) for t in rep.holders
+                   if vote.rows[t].ok}
+            if len(set(got.values())) < 2:
+                continue
+            groups: dict[int, list[int]] = {}
+            for t, d in got.items():
+                groups.setdefault(d, []).append(t)
+            held = ", ".join(f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: digest "
+                             f"{d & ((1 << 64) - 1):#018x}" for d, g in groups.items())
+            lines.append(f"{rep.tensor.name}{rep.box} differs between trainer ranks "
+                         f"{', '.join(map(str, sorted(got)))} ({held})")
+            names.append(rep.tensor.name)
+            ranks.update(got)
+        return tuple(lines), tuple(dict.fromkeys(names)), ranks
+
+
+NO_REPLICAS = ReplicaChecks.of(())
+
+
+def world_vote(world: Transport, row: ReceiverResult, peer: int, trainers: Sequence[int],
+               checks: ReplicaChecks = NO_REPLICAS, digests: Sequence[int] = ()) -> WorldVote:
+    """Every world rank's row (``row``, ``peer``, then the digests of the replicas it holds, zero-padded to
+    the widest rank's) in one ``all_gather``; ``trainers``: the senders. A replica whose holders' digests
+    differ turns those holders' rows into :attr:`Status.REPLICA_DRIFT` (nobody commits)."""
+    pad = [int(d) for d in digests] + [0] * (checks.width - len(digests))
+    mine = torch.cat([row.to_tensor(), torch.tensor([peer, *pad], dtype=torch.int64)])
+    rows = world.all_gather(mine)
+    vote = Vote.tally([r[:REPORT_WORDS] for r in rows], min(trainers), trainers)
+    drift, names, ranks = checks.drift(rows, vote) if checks.replicas else ((), (), set())
+    if drift:
+        marked = tuple(ReceiverResult(r.rank, Status.REPLICA_DRIFT, -1, -1, r.version) if r.rank in ranks
+                       else r for r in vote.rows)
+        vote = Vote(vote.src, marked, vote.senders)
+    return WorldVote(vote, tuple(int(r[REPORT_WORDS]) for r in rows), drift, names)
+
+
+def check_digest(global_digest: str) -> bytes:
+    try:
+        raw = bytes.fromhex(global_digest)
+    except (TypeError, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(f"global_digest must be a hex sha256 (64 hex digits), got {global_digest!r}")
+    return raw
+
+
+def agree_global(world: Transport, global_digest: str, version: int, checks: ReplicaChecks = NO_REPLICAS
+                 ) -> int:
+    """The world handshake: every rank gives ``[SHARD_HELLO, digest words, version, replicas word]``; returns
+    the highest version. Raises :class:`RefitError` for a rank that does not speak it (or a group that
+    failed), :class:`RefitPlanMismatch` (on every rank) when any rank's global digest or replica checks
+    differ."""
+    raw = check_digest(global_digest)
+    head = torch.tensor([SHARD_HELLO], dtype=torch.int64)
+    digest = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    tail = torch.tensor([int(version), checks.word], dtype=torch.int64)
+    rows = gather_checked(world, torch.cat([head, digest, tail]), "sharded refit handshake")
+    strangers = [r for r, row in enumerate(rows) if int(row[0]) != SHARD_HELLO]
+    if strangers:
+        raise RefitError(f"rank {strangers[0]} does not speak the mxport sharded refit handshake; re-create "
+                         "the group")
+    digests = [row[1:5].numpy().tobytes().hex() for row in rows]
+    versions = [int(row[5]) for row in rows]
+    if min(versions) < 0:
+        raise RefitError(f"rank {versions.index(min(versions))} reported a negative refit version")
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        diffs = [f"rank {r}: global plan digest {digests[r][:16]}... (rank 0: {digests[0][:16]}...)"
+                 for r in bad]
+        raise RefitPlanMismatch(diffs, local_digest=raw.hex(), remote_digest=digests[bad[0]])
+    words = [int(row[6]) for row in rows]
+    bad = [r for r, w in enumerate(words) if w != words[0]]
+    if bad:
+        raise RefitPlanMismatch([f"rank {r}: other replica checks than rank 0's (every rank must pass the "
+                                 "same replicas: find_replicas of the agreed MeshPlan)" for r in bad])
+    return max(versions)
+
+
+def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: int, peer_role: str) -> int:
+    """Each pair's plan handshake in pair order (a failing pair does not stop the others: its peer runs it
+    too), then one world agreement on the outcomes: any failure raises :class:`RefitAgreementError` on every
+    rank, naming each failing rank, its pair and the reason. ``peer_role``: "engine" on a trainer rank (its
+    pair senders start at ``version``); returns the highest version seen."""
+    failures: list[tuple[int, BaseException]] = []
+    for peer, ep in zip(peers, endpoints, strict=True):
+        if peer_role == "engine":
+            ep.version = version
+        try:
+            ep.handshake()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            failures.append((peer, exc))
+            continue
+        if peer_role == "engine":
+            version = max(version, ep.version)
+    mine = "; ".join(f"the pair with {peer_role} rank {p}: {type(e).__name__}: {e}" for p, e in failures)
+    text = mine.encode()[:MAX_REASON]
+    row = torch.tensor([int(bool(failures)), len(text)], dtype=torch.int64)
+    rows = gather_checked(world, row, "sharded refit handshake (pair outcomes)")
+    if not any(int(r[0]) for r in rows):
+        return version
+    lengths = [min(max(int(r[1]), 0), MAX_REASON) for r in rows]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8)
+    if text:
+        buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    got = gather_checked(world, buf, "sharded refit handshake (pair failures)")
+    problems = [f"rank {r}: {got[r][:lengths[r]].numpy().tobytes().decode(errors='replace')}"
+                for r, row in enumerate(rows) if int(row[0])]
+    raise RefitAgreementError(problems, what="sharded refit handshake failed") from (
+        failures[0][1] if failures else None)
+
+
+def pair_transport(world: Transport, trainer: int, engine: int, tag: int) -> PairTransport:
+    pg = getattr(world, "process_group", None)
+    if pg is None:
+        raise TypeError(f"world must be a transport over a process group (TorchDistTransport), got "
+                        f"{type(world).__name__}")
+    return PairTransport(pg, trainer, engine, tag=tag)
+
+
+def check_trainers(world: Transport, trainers: Sequence[int], is_trainer: bool) -> tuple[int, ...]:
+    out = tuple(int(t) for t in trainers)
+    if not out or len(set(out)) != len(out) or not all(0 <= t < world.world_size for t in out):
+        raise ValueError(f"trainers must be distinct ranks of the world (size {world.world_size}), got {out}")
+    if (world.rank in out) != is_trainer:
+        role = "trainer" if is_trainer else "engine"
+        raise ValueError(f"world rank {world.rank} is {'not ' if is_trainer else ''}one of the trainer ranks "
+                         f"{list(out)}, so it cannot be a sharded {role} endpoint")
+    return out
+
+
+def ordered_routes(mesh: MeshPlan, rank: int) -> list:
+    """The routes group rank ``rank`` takes part in, in :func:`pair_order` (every rank follows it: no
+    cycles)."""
+    T = mesh.num_trainers
+    order = {pair: i for i, pair in enumerate(pair_order(range(T), range(T, T + mesh.num_engines)))}
+    return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
+
+
