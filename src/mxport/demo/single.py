@@ -104,8 +104,8 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
 
 
 @dataclass(frozen=True)
-class ReceiverRow:
-    """One inference process's part of a step row (JSON: ``steps[i].receivers[j]``)."""
+class _ReceiverNumbers:
+    """What an inference process measures of a step: its refit's stats, its checks, its generation."""
 
     rank: int
     version: int
@@ -117,6 +117,12 @@ class ReceiverRow:
     pointers_stable: bool
     gen_s: float
     prompt_len: int
+
+
+@dataclass(frozen=True)
+class ReceiverRow(_ReceiverNumbers):
+    """One inference process's part of a step row (JSON: ``steps[i].receivers[j]``)."""
+
     text: str
     gen_kl_error: float
     gen_kl_error_max: float
@@ -165,27 +171,16 @@ def _report(row: StepRow) -> StepReport:
 
 
 @dataclass(frozen=True)
-class _Reply:
+class _Reply(_ReceiverNumbers):
     """What an inference process reports after a step (crosses the wire as fixed-size tensors, see
     :func:`_gather_replies`)."""
 
-    rank: int
-    version: int
-    seconds: float
-    recv_s: float
-    commit_s: float
-    bit_exact: bool
-    live_crc32: int
-    pointers_stable: bool
-    gen_s: float
-    prompt_len: int
     seq: torch.Tensor  # [1, prompt + generated] token ids
     logits: torch.Tensor  # [generated, vocab] float32
 
 
 #: the numbers of a :class:`_Reply`, in wire order (one float64 row), then the sequence length
-_REPLY_NUMBERS = ("rank", "version", "seconds", "recv_s", "commit_s", "bit_exact", "live_crc32",
-                  "pointers_stable", "gen_s", "prompt_len")
+_REPLY_NUMBERS = tuple(_ReceiverNumbers.__dataclass_fields__)
 _INTS = ("rank", "version", "live_crc32", "prompt_len")
 _BOOLS = ("bit_exact", "pointers_stable")
 
@@ -196,10 +191,9 @@ def _receiver_row(model, words: Words, r: _Reply, sent_crc32: int) -> ReceiverRo
 
     logits_train = logits_on(model, r.seq, r.prompt_len)
     kl = gen_kl_error(r.logits, logits_train)
+    numbers = {k: getattr(r, k) for k in _REPLY_NUMBERS}
     return ReceiverRow(
-        rank=r.rank, version=r.version, seconds=r.seconds, recv_s=r.recv_s, commit_s=r.commit_s,
-        bit_exact=bool(r.bit_exact and r.live_crc32 == sent_crc32), live_crc32=r.live_crc32,
-        pointers_stable=r.pointers_stable, gen_s=r.gen_s, prompt_len=r.prompt_len,
+        **{**numbers, "bit_exact": bool(r.bit_exact and r.live_crc32 == sent_crc32)},
         text=words.decode(r.seq[0, r.prompt_len:]), gen_kl_error=kl["mean"],
         gen_kl_error_max=kl["max"], greedy_agreement=greedy_agreement(r.logits, logits_train))
 

@@ -26,6 +26,7 @@ from .world import (
     PairStats,
     ReplicaChecks,
     ShardedReceiveStats,
+    WorldSide,
     WorldVote,
     agree_global,
     check_digest,
@@ -39,7 +40,7 @@ from .world import (
 )
 
 
-class RefitReceiver:
+class RefitReceiver(WorldSide):
     """The engine side of a refit (see the module doc for the two ways to build one).
 
     Args:
@@ -134,28 +135,6 @@ class RefitReceiver:
 
     # -- a world of one stream: its stream's parts ----------------------------------------------------------
     @property
-    def multicast(self) -> bool:
-        """True for a world of one multicast stream (``RefitReceiver(transport, plan, targets)``)."""
-        return self.global_digest is None
-
-    @property
-    def transport(self) -> Transport:
-        return self.streams[0].transport if self.multicast else self.world
-
-    @transport.setter
-    def transport(self, transport: Transport) -> None:
-        """A world of one stream on a new group (the old one failed): the stream's transport is the world."""
-        self._one().transport = self.world = transport
-
-    @property
-    def plan(self) -> RefitPlan:
-        return self._one().plan
-
-    @property
-    def layout(self):
-        return self._one().layout
-
-    @property
     def targets(self) -> list[torch.Tensor]:
         return self._one().targets
 
@@ -168,11 +147,6 @@ class RefitReceiver:
     def last_backup_s(self) -> float:
         """Direct mode: seconds of the last rollback copy (0.0 in staging mode)."""
         return self._one().last_backup_s
-
-    def _one(self) -> StreamReceiver:
-        if not self.multicast:
-            raise AttributeError("a sharded refit has one stream per pair: see .streams")
-        return self.streams[0]
 
     def pointers(self) -> list[int]:
         """``data_ptr()`` of every live target (of every stream)."""

@@ -27,6 +27,7 @@ from .world import (
     PairStats,
     ReplicaChecks,
     ShardedSendStats,
+    WorldSide,
     WorldVote,
     agree_global,
     check_digest,
@@ -41,7 +42,7 @@ from .world import (
 )
 
 
-class RefitSender:
+class RefitSender(WorldSide):
     """The trainer side of a refit (see the module doc for the two ways to build one).
 
     Args:
@@ -112,34 +113,6 @@ class RefitSender:
         self.global_digest, self.checks, self.version = global_digest, checks, version
         self.routes: list = []  # the mesh routes of the pairs, when built by from_mesh
         self._handshaken = False
-
-    # -- a world of one stream: its stream's parts ----------------------------------------------------------
-    @property
-    def multicast(self) -> bool:
-        """True for a world of one multicast stream (``RefitSender(transport, plan)``)."""
-        return self.global_digest is None
-
-    @property
-    def transport(self) -> Transport:
-        return self.streams[0].transport if self.multicast else self.world
-
-    @transport.setter
-    def transport(self, transport: Transport) -> None:
-        """A world of one stream on a new group (the old one failed): the stream's transport is the world."""
-        self._one().transport = self.world = transport
-
-    @property
-    def plan(self) -> RefitPlan:
-        return self._one().plan
-
-    @property
-    def layout(self):
-        return self._one().layout
-
-    def _one(self) -> StreamSender:
-        if not self.multicast:
-            raise AttributeError("a sharded refit has one plan per pair stream: see .streams")
-        return self.streams[0]
 
     # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:

@@ -351,3 +351,38 @@ def ordered_routes(mesh: MeshPlan, rank: int) -> list:
     return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
 
 
+class WorldSide:
+    """What the two coordinators (:class:`~mxport.refit.RefitSender`, :class:`~mxport.refit.RefitReceiver`)
+    share: the world transport, this rank's streams, and for a world of one multicast stream (no global
+    digest) that stream's transport, plan and layout as their own."""
+
+    world: Transport
+    streams: list
+    global_digest: str | None
+
+    @property
+    def multicast(self) -> bool:
+        """True for a world of one multicast stream (built from a transport and a plan)."""
+        return self.global_digest is None
+
+    @property
+    def transport(self) -> Transport:
+        return self.streams[0].transport if self.multicast else self.world
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        """A world of one stream on a new group (the old one failed): the stream's transport is the world."""
+        self._one().transport = self.world = transport
+
+    @property
+    def plan(self):
+        return self._one().plan
+
+    @property
+    def layout(self):
+        return self._one().layout
+
+    def _one(self):
+        if not self.multicast:
+            raise AttributeError("a sharded refit has one plan per pair stream: see .streams")
+        return self.streams[0]

@@ -101,13 +101,8 @@ class StreamReceiver:
     """The receiving end of one byte stream (a refit's buckets and trailer from its transport's sender).
 
     Args:
-        transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
-        plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
-        targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned
-            dtype and shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer,
-            or the views returned by :func:`~mxport.refit.allocate_targets`). They are only ever written in
-            place: pointers stay put (CUDA-graph safe) and every refit bumps each target's ``_version`` (so
-            MXFP8Linear's decoded cache follows).
+        transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s (the live tensors are only ever
+            written in place; every refit bumps each target's ``_version``).
         use_checksum: verify each bucket's checksum (the sender must write them).
         refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales,
             caches that do not follow ``_version``).
