@@ -113,7 +113,7 @@ def _refit(ep, routes, rank: int, source, live, state: dict, step: int) -> dict:
             out = _outcome(lambda: ep.send({r.engine: route_tensors(r, local) for r in routes}).version)
     else:
         out = _outcome(lambda: ep.receive().version)
-        out["live"] = {n: next((s for s in (CONTROL, *STEPS, AGAIN) if torch.equal(
+        out["live"] = {n: next((s for s in (*STEPS, AGAIN, CONTROL) if torch.equal(
             _u8(t), _u8(_expected(s)[n][1]))), None) for n, (_, t) in live.items()}
         out["norm"] = _u8(live[NORM][1]).numpy().tobytes()
     return out
@@ -167,6 +167,13 @@ def _refit_steps(world, mesh, rank: int, source, live, state: dict, out: dict) -
     pg2 = dist.new_group(list(range(WORLD)), backend="gloo", timeout=timeout)  # the group re-created
     ep2 = _checked(TorchDistTransport.from_group(pg2), mesh, rank, live)
     out["again"] = _refit(ep2, None, rank, source, live, state, AGAIN)
+    pg3 = dist.new_group(list(range(WORLD)), backend="gloo", timeout=timeout)  # re-created once more
+    ep3 = _checked(TorchDistTransport.from_group(pg3), mesh, rank, live)
+    ep3.handshake()
+    if rank < T:
+        ep3.version = 0  # a trainer that lost count: its next refit (v1) is older than what engines hold
+    out["stale"] = _refit(ep3, None, rank, source, live, state, CONTROL)
+    out["stale"]["version"] = ep3.version
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +236,17 @@ def test_agreeing_refits_land_bit_exact_around_the_refused_one(world):
         assert [world[r][step].get("ok") for r in range(WORLD)] == [step] * WORLD, step
         for e in (2, 3):
             assert _live(world[e][step]) == step
+
+
+def test_a_stale_refit_is_refused_by_re_created_engine_endpoints(world):
+    """Endpoints re-created over a new group keep the live version in every pair stream: a trainer that sends
+    an older version is refused as stale (it was committed, and the engines' version went back)."""
+    for e in (2, 3):
+        got = world[e]["stale"]
+        assert "stale refit version 1 (live version is 5)" in got.get("error", ""), got
+        assert _live(got) == AGAIN and got["version"] == AGAIN
+    for t in range(T):
+        assert "stale" in world[t]["stale"].get("error", ""), world[t]["stale"]
 
 
 def test_the_version_stays_monotonic_when_the_group_is_re_created(world):

@@ -118,7 +118,7 @@ class RefitReceiver(WorldSide):
                version: int) -> None:
         self.world, self.streams, self.peers, self.trainers = world, streams, peers, tuple(trainers)
         self.global_digest, self.checks = global_digest, checks
-        self._version = version
+        self.version = version
         self._handshaken = False
 
     @property
@@ -128,10 +128,10 @@ class RefitReceiver(WorldSide):
 
     @version.setter
     def version(self, value: int) -> None:
-        if self.multicast:
-            self.streams[0].version = value
-        else:
-            self._version = value
+        """The version live here; every stream refuses a refit that is not newer (stale)."""
+        self._version = value
+        for s in self.streams:
+            s.version = value
 
     # -- a world of one stream: its stream's parts ----------------------------------------------------------
     @property
@@ -163,7 +163,7 @@ class RefitReceiver(WorldSide):
     def verify_live(self) -> bool:
         """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender
         wrote for the last refit (an independent check of the committed bytes; needs sender checksums)."""
-        return all(s.verify_live() for s in self.streams)
+        return bool(self.streams) and all(s.verify_live() for s in self.streams)
 
     def live_crc32(self) -> int:
         """CRC-32 of the live tensors' bytes laid out as the plan's byte stream (padding zero): equal to the
@@ -177,8 +177,9 @@ class RefitReceiver(WorldSide):
         if self.multicast:
             self.streams[0].handshake()
         else:
-            self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
-            pair_handshakes(self.world, self.streams, self.peers, self.version, "trainer")
+            # the world's highest version is the trainers' to start from; this rank keeps its live one
+            newest = agree_global(self.world, self.global_digest, self.version, self.checks)
+            pair_handshakes(self.world, self.streams, self.peers, newest, "trainer")
         self._handshaken = True
 
     def receive(self) -> ReceiveStats | ShardedReceiveStats:
@@ -226,7 +227,7 @@ class RefitReceiver(WorldSide):
             row = ReceiverResult(self.world.rank, own.status, own.bucket, own.entry, self.version)
         peer = -1 if first is None or self.multicast else self.peers[first]
         try:
-            return world_vote(self.world, row, peer, self.trainers, self.checks)
+            return world_vote(self.world, row, peer, self.senders, self.checks)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             if self.multicast:
                 raise self.streams[0].vote_failed(staged[0], exc) from exc

@@ -181,19 +181,17 @@ class RefitSender(WorldSide):
         """
         if not self._handshaken:
             self.handshake()
-        streams = {-1: tensors} if self.multicast else tensors
+        streams, failed = self._streams_of(tensors)
         self.version = self.version + 1 if self.multicast else remember(self.global_digest, self.version + 1)
         t0 = time.perf_counter()
-        digests, failed = self._digests(local)
-        pendings, pair_stats = self._transmit_all(streams, failed, checksums)
+        digests, digest_failed = self._digests(local)
+        pendings, pair_stats, failed = self._transmit_all(streams, failed or digest_failed, checksums)
         aborted = next((i for i, p in enumerate(pendings) if p.aborted), None)
         ok = aborted is None and failed is None
         row = ReceiverResult(self.world.rank, Status.OK if ok else Status.ABORTED, -1, -1, self.version)
         wv = self._vote(row, aborted, digests, pendings)
         if failed is not None:
-            raise failed
-        if aborted is not None:
-            self.streams[aborted].conclude(pendings[aborted], wv.vote)  # raises the producer's error
+            raise failed  # the producer's error, or why this rank could not send
         if self.multicast:
             return self.streams[0].conclude(pendings[0], wv.vote)
         return self._conclude(pendings, pair_stats, wv, time.perf_counter() - t0)
@@ -204,17 +202,28 @@ class RefitSender(WorldSide):
         if self.multicast:
             with pendings[0].stopwatch.phase("wait"):
                 try:
-                    return world_vote(self.world, row, peer, self.trainers)
+                    return world_vote(self.world, row, peer, self.senders)
                 except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError
                     err = self.streams[0].vote_failed(pendings[0], exc)
                     raise err from (None if err is pendings[0].error else exc)
         try:
-            return world_vote(self.world, row, peer, self.trainers, self.checks, digests)
+            return world_vote(self.world, row, peer, self.senders, self.checks, digests)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             raise RefitError(f"sharded refit v{self.version} failed: the world vote failed "
                              f"({type(exc).__name__}: {exc}); a rank died or timed out, so engine ranks that "
                              "had every row may have committed it, the others keep their previous weights: "
                              "re-create the group and refit again", kept_version=self.version - 1) from exc
+
+    def _streams_of(self, tensors) -> tuple[Mapping, BaseException | None]:
+        """``{peer: tensors}`` of a refit, or (nothing, why not): a sharded refit takes a mapping by engine
+        rank; anything else is refused through the vote (every pair sent as an abort), not before it, so that
+        no rank waits for this one."""
+        if self.multicast:
+            return {-1: tensors}, None
+        if isinstance(tensors, Mapping):
+            return tensors, None
+        return {}, TypeError(f"a sharded refit sends {{engine rank: tensors}} (one stream per pair), got "
+                             f"{type(tensors).__name__}")
 
     def _digests(self, local: Mapping | None) -> tuple[list[int], BaseException | None]:
         """The digest of this rank's copy of every replica it holds (in its row's order), or the error that
@@ -234,7 +243,7 @@ class RefitSender(WorldSide):
     def _transmit_all(self, streams: Mapping[int, Iterable[torch.Tensor]], failed: BaseException | None,
                       checksums: Callable[[int], int] | None):
         """Transmit every stream in order; after the first abort the rest go out as aborts too (all of them
-        when ``failed`` already)."""
+        when ``failed`` already). Returns the pending sends, their stats and the refit's failure (or None)."""
         unknown = sorted(set(streams) - set(self.engines))
         if unknown and failed is None:
             failed = ValueError(f"streams for engine ranks {unknown}, which have no pair with trainer rank "
@@ -258,15 +267,16 @@ class RefitSender(WorldSide):
                                    time.perf_counter() - t0))
             if p.aborted and failed is None:
                 failed = p.error
-        return pendings, stats
+        return pendings, stats, failed
 
     def _conclude(self, pendings, pair_stats, wv: WorldVote, seconds: float) -> ShardedSendStats:
         vote = wv.vote
         if not vote.commit:
             bad = vote.no
+            kept = min((r.version for r in vote.results), default=self.version - 1)
             raise RefitError(f"sharded refit v{self.version} was rejected by {len(bad)} rank(s): "
                              f"{wv.rejections()}; no engine rank committed it (every one keeps its previous "
-                             "weights)", kept_version=self.version - 1, status=bad[0].status,
+                             "weights)", kept_version=kept, status=bad[0].status,
                              bucket=bad[0].bucket if bad[0].bucket >= 0 else None, receivers=vote.results,
                              tensors=wv.drifted)
         for s, p in zip(self.streams, pendings, strict=True):
@@ -278,7 +288,7 @@ class RefitSender(WorldSide):
 
 
 def _refusing(error: BaseException, engine: int) -> Iterator[torch.Tensor]:
-    """A producer that fails at once: a pair stream sent as an abort because an earlier pair aborted."""
-    raise RuntimeError(f"not sent to engine rank {engine}: an earlier pair stream of this trainer aborted "
+    """A producer that fails at once: a pair stream sent as an abort because this rank's refit failed."""
+    raise RuntimeError(f"not sent to engine rank {engine}: this trainer rank's refit failed "
                        f"({type(error).__name__}: {error})")
     yield  # pragma: no cover - makes this a generator

@@ -358,6 +358,7 @@ class WorldSide:
 
     world: Transport
     streams: list
+    trainers: tuple[int, ...]
     global_digest: str | None
 
     @property
@@ -368,6 +369,12 @@ class WorldSide:
     @property
     def transport(self) -> Transport:
         return self.streams[0].transport if self.multicast else self.world
+
+    @property
+    def senders(self) -> tuple[int, ...]:
+        """The world ranks that send (the vote's senders): a world of one stream, its transport's sender now
+        (a transport reassigned to a new group may have it at another rank)."""
+        return (self.streams[0].transport.src,) if self.multicast else self.trainers
 
     @transport.setter
     def transport(self, transport: Transport) -> None:
@@ -384,5 +391,6 @@ class WorldSide:
 
     def _one(self):
         if not self.multicast:
-            raise AttributeError("a sharded refit has one plan per pair stream: see .streams")
+            raise AttributeError("a sharded refit has several streams (one per pair, each with its plan, "
+                                 "transport and targets): see .streams")
         return self.streams[0]
