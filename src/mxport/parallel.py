@@ -191,11 +191,18 @@ def attention_problem(tp: int, heads: int | None, kv_heads: int | None) -> str:
     """Why vLLM refuses tensor parallel size ``tp`` for ``heads`` attention heads and ``kv_heads`` KV heads,
     or "": the attention heads must divide by ``tp`` (``ModelConfig.verify_with_parallel_config``); the KV
     heads must divide by ``tp``, or divide it when fewer (each then replicated, ``QKVParallelLinear``)."""
-    if tp > 1 and heads and heads % tp:
-        return f"{heads} attention heads do not divide by tp={tp} (vLLM refuses this layout)"
-    if tp > 1 and kv_heads and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-        return (f"{kv_heads} KV heads and tp={tp}: one must divide the other (vLLM refuses this layout)")
-    return ""
+    def refused(t: int) -> bool:
+        return bool(t > 1 and ((heads and heads % t)
+                               or (kv_heads and (kv_heads % t if kv_heads >= t else t % kv_heads))))
+
+    if not refused(tp):
+        return ""
+    fits = ", ".join(str(t) for t in range(1, (heads or kv_heads or tp) + 1) if not refused(t))
+    if heads and heads % tp:
+        why = f"{heads} attention heads do not divide by tp={tp}"
+    else:
+        why = f"{kv_heads} KV heads and tp={tp}: one must divide the other"
+    return f"{why} (vLLM refuses this layout; tp can be {fits})"
 
 
 def mxfp8_bytes(shape: tuple[int, ...]) -> int:

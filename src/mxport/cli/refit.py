@@ -157,7 +157,7 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
     from ..models import has_tokenizer, resolve_source
 
-    with console.status("resolving the model (the embedded model is converted once, ~25 s)"):
+    with console.status("resolving the model"):  # converting the embedded model once says so itself
         src = resolve_source(source)
     if src.kind == "gguf":
         if name == "vllm":
@@ -247,7 +247,8 @@ class _Job:
 
 def _plan_line(plan: dict) -> str:
     routes = f"{plan['routes']} routes, " if "routes" in plan else ""
-    buckets = f" in {plan['buckets']} buckets" if "buckets" in plan else ""
+    n = plan.get("buckets")
+    buckets = f" in {n} bucket{'s' if n != 1 else ''}" if n is not None else ""
     return f"plan: {plan['tensors']} tensors, {routes}{plan['bytes'] / 1e6:.1f} MB{buckets}; step 1 ..."
 
 
@@ -344,7 +345,7 @@ def _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout
                          max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir)
         return run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
 
-    return _Job(f"starting trainer + {receivers} inference process(es) on {src.label}", "", start,
+    return _Job(f"starting 1 trainer + {receivers} engine process{'es' if receivers > 1 else ''}", "", start,
                 {"engine": "mxport", "model": src.label, "receivers": receivers,
                  "bucket_bytes": bucket_bytes})
 
@@ -364,7 +365,7 @@ def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_to
                          log_dir=log_dir)
         return run_mesh_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
 
-    return _Job(f"starting trainer {trainer} + engine {engine} on {src.label}", "", start,
+    return _Job(f"starting trainer {trainer} + engine {engine}", "", start,
                 {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
                  "bucket_bytes": bucket_bytes})
 
