@@ -159,3 +159,16 @@ def test_unwritable_json_fails_first_exit_2(tmp_path, command):
     assert r.exit_code == 2 and r.stderr.strip() == f"error: --json: {tmp_path / 'missing'} does not exist"
     r = runner.invoke(app, [*args, "--json", str(tmp_path)])
     assert r.exit_code == 2 and r.stderr.startswith("error: --json:") and "is a directory" in r.stderr
+
+
+def test_a_long_list_of_choices_breaks_between_choices():
+    """`export --help` at 80 columns cut `<modelopt|compressed-tensors|sglang>` inside a word ("sglan" /
+    "g>"): a value type wider than the names' column breaks after a "|" only."""
+    from rich.text import Text
+
+    from mxport.cli._help import _wrapped
+
+    lines = _wrapped(Text("<modelopt|compressed-tensors|sglang>"), 30).plain.split("\n")
+    assert lines == ["<modelopt|compressed-tensors|", "sglang>"]
+    r = runner.invoke(app, ["export", "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert "sglang>" in r.stdout and "compressed-tensors" in r.stdout

@@ -44,6 +44,21 @@ def _name_cell(names: list) -> Text:
     return cell
 
 
+def _wrapped(kind: Text, limit: int) -> Text:
+    """A value type wider than ``limit`` (``<modelopt|compressed-tensors|sglang>``) broken after its ``|``
+    separators, never inside a choice."""
+    if kind.cell_len <= limit or "|" not in kind.plain:
+        return kind
+    parts = [p + "|" for p in kind.plain.split("|")]
+    parts[-1] = parts[-1][:-1]
+    lines = [""]
+    for part in parts:
+        if lines[-1] and len(lines[-1]) + len(part) > limit:
+            lines.append("")
+        lines[-1] += part
+    return Text("\n".join(lines), style=kind.style)
+
+
 def relayout(table: Table, width: int) -> Table:
     """Typer's options table (``[required,] long, short, negative long, negative short, type, help``) as a
     two-column table for a panel ``width`` columns wide, every name whole."""
@@ -53,7 +68,7 @@ def relayout(table: Table, width: int) -> Table:
     widest_name = max((n.cell_len for n in names), default=0)
     limit = max(widest_name, int((width - _PANEL_EDGES) * NAMES_SHARE))
     cells = []
-    for name, kind in zip(names, (_text(t) for t in types), strict=True):
+    for name, kind in zip(names, (_wrapped(_text(t), limit) for t in types), strict=True):
         sep = " " if name.cell_len + 1 + kind.cell_len <= limit else "\n"
         cells.append(Text.assemble(name, sep, kind) if kind.plain else name)
     out = Table(show_header=False, box=None, padding=(0, 1), pad_edge=False, expand=True,
