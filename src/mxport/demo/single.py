@@ -81,6 +81,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
     q.put(("plan", 0, source.plan.summary()))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     batch = words.batch(cfg.seq_len)
+    shape = _ReplyShape(int(words.prompt().shape[1]), cfg.max_new_tokens, _vocab(model))
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -92,15 +93,9 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         train_s = time.perf_counter() - t0
         stats = sender.send(source.tensors(), checksums=source.bucket_checksum)  # summed by the quantize
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
-        shape = _ReplyShape(int(words.prompt().shape[1]), cfg.max_new_tokens, _vocab(model))
         replies = _gather_replies(transport, shape, None)[1:]
         rows = [_receiver_row(model, words, r, sent_crc32) for r in replies]
-        # end to end: quantize + pack + transfer (sender) up to every receiver's commit and report
-        q.put(("step", 0, _report(StepRow(
-            step=step, version=stats.version, loss=loss, train_s=train_s, bytes=stats.bytes,
-            buckets=stats.buckets, seconds=stats.seconds, gbps=stats.bytes / stats.seconds / 1e9,
-            send_s=stats.seconds, quantize_s=stats.produce_s, pack_s=stats.pack_s,
-            checksum_s=stats.checksum_s, stream_crc32=sent_crc32, receivers=tuple(rows))).to_dict()))
+        q.put(("step", 0, _report(step, loss, train_s, stats, rows).to_dict()))
 
 
 @dataclass(frozen=True)
@@ -132,41 +127,18 @@ class ReceiverRow(_ReceiverNumbers):
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class StepRow:
-    """One training step and its refit, as ``mxport refit`` reports it (JSON: ``steps[i]``)."""
-
-    step: int
-    version: int
-    loss: float
-    train_s: float
-    bytes: int
-    buckets: int
-    seconds: float
-    gbps: float
-    send_s: float
-    quantize_s: float
-    pack_s: float
-    checksum_s: float
-    stream_crc32: int
-    receivers: tuple[ReceiverRow, ...]
-
-    def to_dict(self) -> dict:
-        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "receivers"},
-                "receivers": [r.to_dict() for r in self.receivers]}
-
-
-def _report(row: StepRow) -> StepReport:
-    """A step as every engine reports it: the worst receiver's gen_kl_error, bit-exact and pointers stable on
-    every receiver; then the time split and the per-receiver rows."""
-    recv = [r.to_dict() for r in row.receivers]
+def _report(step: int, loss: float, train_s: float, stats, rows: list[ReceiverRow]) -> StepReport:
+    """One training step and its refit as every engine reports it: end to end (quantize + pack + transfer up
+    to every receiver's vote), the worst receiver's gen_kl_error, bit-exact and pointers stable on every
+    receiver; then the time split and the per-receiver rows."""
+    recv = [r.to_dict() for r in rows]
     return StepReport(
-        step=row.step, bytes=row.bytes, seconds=row.seconds, gbps=row.gbps,
+        step=step, bytes=stats.bytes, seconds=stats.seconds, gbps=stats.bytes / stats.seconds / 1e9,
         gen_kl_error=max(r["gen_kl_error"] for r in recv), bit_exact=all(r["bit_exact"] for r in recv),
         pointers_stable=all(r["pointers_stable"] for r in recv),
-        details={"version": row.version, "loss": row.loss, "buckets": row.buckets, "train_s": row.train_s,
-                 "quantize_s": row.quantize_s, "pack_s": row.pack_s, "checksum_s": row.checksum_s,
-                 "send_s": row.send_s, "commit_s": max(r["commit_s"] for r in recv),
+        details={"version": stats.version, "loss": loss, "buckets": stats.buckets, "train_s": train_s,
+                 "quantize_s": stats.produce_s, "pack_s": stats.pack_s, "checksum_s": stats.checksum_s,
+                 "send_s": stats.seconds, "commit_s": max(r["commit_s"] for r in recv),
                  "greedy_agreement": min(r["greedy_agreement"] for r in recv), "receivers": recv})
 
 
