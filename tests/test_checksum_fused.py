@@ -1,6 +1,7 @@
 """Refit checksums fused into the cast: the quantize kernels add the word sums of the bytes they write, per
-checksum chunk of the stream (:class:`mxport.refit.buckets.ChunkSums`), so that the sender gets every bucket's
-checksum (``TrainerSource.bucket_checksum``) without reading the bucket. Each test compares with
+4 KiB cell of the stream (:class:`mxport.refit.buckets.ChunkSums`), so that the sender gets every bucket's
+checksum (``TrainerSource.stream_checksum``) without reading the bucket, whatever the stream's bucket size (a
+multiple of 4 KiB; any other size is summed from the send buffer). Each test compares with
 :func:`mxport.refit.buckets.checksum` of the bucket's packed bytes, exactly."""
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from mxport.refit import (
     TrainerSource,
     allocate_targets,
 )
-from mxport.refit.buckets import CHUNK_BYTES, BucketLayout, ChunkSums, byte_view, checksum, pack_bucket
+from mxport.refit.buckets import (
+    CHUNK_BYTES,
+    SUM_CELL,
+    BucketLayout,
+    ChunkSums,
+    byte_view,
+    checksum,
+    pack_bucket,
+)
 from mxport.refit.plan import RefitPlan
 from mxport.testing import FaultyTransport
 
@@ -41,19 +50,27 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return m
 
 
-def _packed_checksums(src: TrainerSource, tensors: list[torch.Tensor]) -> list[int]:
+def _packed_checksums(src: TrainerSource, tensors: list[torch.Tensor], bucket_bytes: int = 65536
+                      ) -> list[int]:
     """checksum() of every bucket packed from the yielded tensors (the sender's own way)."""
-    layout, views = BucketLayout(src.plan), [byte_view(t) for t in tensors]
+    layout, views = BucketLayout(src.plan, bucket_bytes), [byte_view(t) for t in tensors]
     out = []
-    for b in range(src.plan.num_buckets):
-        payload = torch.empty(src.plan.bucket_size(b), dtype=torch.uint8)
+    for b, n in enumerate(layout.sizes):
+        payload = torch.empty(n, dtype=torch.uint8)
         pack_bucket(layout, b, views, payload)
         out.append(checksum(payload))
     return out
 
 
-#: bucket sizes: 1 MiB, not a multiple of 1 MiB (3 MiB + 16, 400016), smaller than a chunk, a tiny one
-BUCKETS = [CHUNK_BYTES, 3 * CHUNK_BYTES + 16, 400016, 4096]
+def _fused(src: TrainerSource, bucket_bytes: int = 65536) -> list[int]:
+    """The source's checksum of every bucket of a stream cut into ``bucket_bytes``."""
+    return [src.stream_checksum(b * bucket_bytes, n) for b, n in enumerate(BucketLayout(src.plan,
+                                                                                          bucket_bytes).sizes)]
+
+
+#: bucket sizes of whole 4 KiB cells: 1 MiB, not a multiple of 1 MiB (3 MiB + 4 KiB, 98 cells), one cell;
+#: and one that is not (summed from the send buffer)
+BUCKETS = [CHUNK_BYTES, 3 * CHUNK_BYTES + SUM_CELL, 98 * SUM_CELL, SUM_CELL, 400016]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -62,14 +79,13 @@ def test_fused_bucket_checksums_equal_checksum_of_packed_buckets(kernel, bucket_
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the large weight is cut between two native threads, each with its own sums
     try:
-        src = TrainerSource(_model(), bucket_bytes=bucket_bytes, arena=True, kernel=kernel)
+        src = TrainerSource(_model(), arena=True, kernel=kernel)
         tensors = list(src.tensors())
     finally:
         torch.set_num_threads(threads)
-    assert src.plan.num_buckets > 1 or bucket_bytes > src.plan.total_bytes
-    want = _packed_checksums(src, tensors)
-    got = [src.bucket_checksum(b) for b in range(src.plan.num_buckets)]
-    assert got == want
+    want = _packed_checksums(src, tensors, bucket_bytes)
+    assert len(want) > 1
+    assert _fused(src, bucket_bytes) == want
     # the quantized bytes were summed by the kernel (not read again): the sums hold them without the kept ones
     assert src._sums.sums.any()
 
@@ -77,19 +93,19 @@ def test_fused_bucket_checksums_equal_checksum_of_packed_buckets(kernel, bucket_
 def test_fused_checksums_with_kept_tensors_copied_in():
     """Kept tensors cast to BF16 (copied into the send buffer at every call, not adopted) and summed with the
     zero padding between them in one range: still checksum() of the packed buckets."""
-    src = TrainerSource(_model(2), bucket_bytes=65536, arena=True, kept_dtype=torch.bfloat16)
+    src = TrainerSource(_model(2), arena=True, kept_dtype=torch.bfloat16)
     tensors = list(src.tensors())
-    assert [src.bucket_checksum(b) for b in range(src.plan.num_buckets)] == _packed_checksums(src, tensors)
+    assert _fused(src) == _packed_checksums(src, tensors)
 
 
 def test_fused_checksums_equal_on_every_kernel_and_every_call():
     sums = {}
     for kernel in ("native", "eager", "compiled"):
-        src = TrainerSource(_model(1), bucket_bytes=400016, arena=True, kernel=kernel)
+        src = TrainerSource(_model(1), arena=True, kernel=kernel)
         for _ in range(2):  # a second call starts from zero sums again
             tensors = list(src.tensors())
-            sums[kernel] = [src.bucket_checksum(b) for b in range(src.plan.num_buckets)]
-            assert sums[kernel] == _packed_checksums(src, tensors)
+            sums[kernel] = _fused(src, 98 * SUM_CELL)
+            assert sums[kernel] == _packed_checksums(src, tensors, 98 * SUM_CELL)
     assert sums["native"] == sums["eager"] == sums["compiled"]
 
 
@@ -119,8 +135,8 @@ def test_quantize_many_sums_at_any_stream_offset(kernel):
         offsets.append((q_off, e_off))
         pos = e_off + s[0] * -(-s[1] // 32) + 7
     total = (pos + 15) // 16 * 16
-    bucket_bytes = 700016
-    plan = RefitPlan([("s", "kept", torch.uint8, (total,))], bucket_bytes)
+    bucket_bytes = 171 * SUM_CELL
+    plan = RefitPlan([("s", "kept", torch.uint8, (total,))])
     sums = ChunkSums(plan)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -129,11 +145,12 @@ def test_quantize_many_sums_at_any_stream_offset(kernel):
     finally:
         torch.set_num_threads(threads)
     want = _stream_reference(outs, offsets, total, bucket_bytes)
-    assert [sums.checksum(b) for b in range(plan.num_buckets)] == want
+    sizes = BucketLayout(plan, bucket_bytes).sizes
+    assert [sums.checksum(b * bucket_bytes, n) for b, n in enumerate(sizes)] == want
 
 
 def test_quantize_many_sums_need_offsets_and_stay_inside_the_stream():
-    plan = RefitPlan([("s", "kept", torch.uint8, (4096,))], 1024)
+    plan = RefitPlan([("s", "kept", torch.uint8, (4096,))])
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="offsets"):
         quantize_many([x], sums=ChunkSums(plan))
@@ -143,14 +160,17 @@ def test_quantize_many_sums_need_offsets_and_stay_inside_the_stream():
         quantize_many([x], kernel="eager", sums=ChunkSums(plan), offsets=[(4000, 0)])
 
 
-def test_bucket_checksum_refuses_a_bucket_not_produced_yet():
-    src = TrainerSource(_model(), bucket_bytes=4096, arena=True)
+def test_stream_checksum_refuses_a_range_not_produced_yet():
+    src = TrainerSource(_model(), arena=True)
     it = src.tensors()
     next(it)
+    total = src.plan.total_bytes
     with pytest.raises(RuntimeError, match="not been produced"):
-        src.bucket_checksum(src.plan.num_buckets - 1)
+        src.stream_checksum(total - SUM_CELL, SUM_CELL)
+    with pytest.raises(ValueError, match="outside"):
+        src.stream_checksum(total - SUM_CELL, 2 * SUM_CELL)
     with pytest.raises(ValueError, match="arena"):
-        TrainerSource(_model(), bucket_bytes=4096).bucket_checksum(0)
+        TrainerSource(_model()).stream_checksum(0, SUM_CELL)
 
 
 def _refit(src: TrainerSource, fault=None, versions: int = 1):
@@ -158,7 +178,7 @@ def _refit(src: TrainerSource, fault=None, versions: int = 1):
     plan = src.plan
     ch = InProcessChannel(1, timeout_s=30)
     targets = allocate_targets(plan)
-    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets, bucket_bytes=65536)
     got = []
 
     def rx():
@@ -170,13 +190,14 @@ def _refit(src: TrainerSource, fault=None, versions: int = 1):
 
     th = threading.Thread(target=rx)
     th.start()
-    ep = ch.endpoint(0) if fault is None else FaultyTransport(ch.endpoint(0), plan.num_buckets, fault)
-    sender = RefitSender(ep, plan)
+    ep = ch.endpoint(0) if fault is None else FaultyTransport(ch.endpoint(0), receiver.layout.num_buckets,
+                                                             fault)
+    sender = RefitSender(ep, plan, bucket_bytes=65536)
     calls = []
 
-    def provider(b: int) -> int:
-        calls.append(b)
-        return src.bucket_checksum(b)
+    def provider(start: int, size: int) -> int:
+        calls.append(start // 65536)
+        return src.stream_checksum(start, size)
 
     sent = []
     for _ in range(versions):
@@ -190,9 +211,9 @@ def _refit(src: TrainerSource, fault=None, versions: int = 1):
 
 
 def test_sender_uses_the_producers_checksums_and_receivers_verify_them():
-    src = TrainerSource(_model(), bucket_bytes=400016, arena=True)
+    src = TrainerSource(_model(), arena=True)
     sent, got, targets, calls = _refit(src, versions=2)
-    n = src.plan.num_buckets
+    n = BucketLayout(src.plan, 65536).num_buckets
     assert calls == list(range(n)) * 2
     assert all(not isinstance(s, Exception) for s in sent) and all(not isinstance(r, Exception) for r in got)
     live = [byte_view(t) for t in targets]
@@ -201,7 +222,7 @@ def test_sender_uses_the_producers_checksums_and_receivers_verify_them():
 
 
 def test_a_byte_corrupted_in_transit_is_still_caught():
-    src = TrainerSource(_model(), bucket_bytes=400016, arena=True)
+    src = TrainerSource(_model(), arena=True)
 
     def corrupt(refit, b, wire):
         if refit == 2 and b == 1:
@@ -217,7 +238,7 @@ def test_a_byte_corrupted_in_transit_is_still_caught():
 def test_wrong_producer_checksums_fail_the_refit():
     """The sender trusts the producer's checksum only as far as the receivers verify it: an off-by-one value
     fails the refit (a fused sum that went wrong can never pass)."""
-    src = TrainerSource(_model(), bucket_bytes=400016, arena=True)
+    src = TrainerSource(_model(), arena=True)
     plan = src.plan
     ch = InProcessChannel(1, timeout_s=30)
     receiver = RefitReceiver(ch.endpoint(1), plan, allocate_targets(plan))
@@ -225,7 +246,8 @@ def test_wrong_producer_checksums_fail_the_refit():
     th = threading.Thread(target=lambda: got.append(pytest.raises(RefitError, receiver.receive).value))
     th.start()
     with pytest.raises(RefitError):
-        RefitSender(ch.endpoint(0), plan).send(src.tensors(), checksums=lambda b: src.bucket_checksum(b) + 1)
+        RefitSender(ch.endpoint(0), plan).send(src.tensors(),
+                                               checksums=lambda a, n: src.stream_checksum(a, n) + 1)
     th.join(timeout=60)
     assert got and got[0].status == Status.CHECKSUM
 
@@ -233,36 +255,36 @@ def test_wrong_producer_checksums_fail_the_refit():
 def _bucket_of(src: TrainerSource, name: str) -> tuple[int, int]:
     """(entry index, bucket of its first byte) of plan entry ``name``."""
     i = next(j for j, e in enumerate(src.plan.entries) if e.name == name)
-    return i, src.plan.entries[i].offset // src.plan.bucket_bytes
+    return i, src.plan.entries[i].offset // 65536
 
 
 def test_kept_tensors_cast_in_are_summed_as_they_are_copied():
-    """A kept tensor cast into the send buffer is summed while it is copied in: bucket_checksum() gives the
+    """A kept tensor cast into the send buffer is summed while it is copied in: stream_checksum() gives the
     sums of the bytes tensors() wrote and never reads them again, so a byte changed in the buffer afterwards
     (memory corruption) no longer matches, and the receivers reject it."""
-    src = TrainerSource(_model(2), bucket_bytes=65536, arena=True, kept_dtype=torch.bfloat16)
+    src = TrainerSource(_model(2), arena=True, kept_dtype=torch.bfloat16)
     tensors = list(src.tensors())
     i, b = _bucket_of(src, "embed_tokens.weight")
     assert src._summed[i]
     before = _packed_checksums(src, tensors)
-    assert src.bucket_checksum(b) == before[b]
+    assert _fused(src)[b] == before[b]
     byte_view(tensors[i])[5] ^= 0x40
     after = _packed_checksums(src, tensors)
     assert after[b] != before[b]
-    assert src.bucket_checksum(b) == before[b]
+    assert _fused(src)[b] == before[b]
 
 
 def test_adopted_kept_tensors_are_summed_when_asked():
     """An adopted kept tensor is the trainer's own parameter (the optimizer changes it in place): its bytes
-    are summed when bucket_checksum() is asked, as they are then."""
+    are summed when stream_checksum() is asked, as they are then."""
     model = _model(2)
-    src = TrainerSource(model, bucket_bytes=65536, arena=True)
+    src = TrainerSource(model, arena=True)
     tensors = list(src.tensors())
     i, b = _bucket_of(src, "embed_tokens.weight")
     assert not src._summed[i]
     with torch.no_grad():
         model.embed_tokens.weight.mul_(0.5)  # an optimizer step, after tensors() and before the send
-    assert src.bucket_checksum(b) == _packed_checksums(src, tensors)[b]
+    assert _fused(src)[b] == _packed_checksums(src, tensors)[b]
 
 
 @pytest.mark.parametrize("offset", [0, 16, 1 << 20, (1 << 20) - 48, 3])
@@ -277,7 +299,7 @@ def test_copy_in_equals_a_copy_then_its_sums(offset, src_dtype, dst_dtype):
     n = 700_001
     x = (torch.randn(n, generator=g) * 100).to(src_dtype)
     total = (offset + n * dst_dtype.itemsize + 15) // 16 * 16
-    plan = RefitPlan([("s", "kept", torch.uint8, (total,))], 3 * CHUNK_BYTES // 2 + 16)
+    plan = RefitPlan([("s", "kept", torch.uint8, (total,))])
     fused, plain = ChunkSums(plan), ChunkSums(plan)
     dst, want = torch.empty(n, dtype=dst_dtype), torch.empty(n, dtype=dst_dtype)
     fused.copy_in(dst, x, offset)

@@ -82,7 +82,7 @@ def test_refit_between_cuda_buffers_is_zero_copy_and_exact(tmp_path):
 
     trainer, _ = load_causal_lm(make_tiny_llama(tmp_path / "m", hidden=64, intermediate=80),
                                 dtype=torch.float32)
-    src = TrainerSource(trainer.cuda(), bucket_bytes=4096, arena=True)
+    src = TrainerSource(trainer.cuda(), arena=True)
     targets = allocate_targets(src.plan, "cuda")
     ch = InProcessChannel(1, timeout_s=60)
     receiver = RefitReceiver(ch.endpoint(1), src.plan, targets)
@@ -92,6 +92,6 @@ def test_refit_between_cuda_buffers_is_zero_copy_and_exact(tmp_path):
     sent = RefitSender(ch.endpoint(0), src.plan, device="cuda").send(src.tensors())  # "cuda", not "cuda:0"
     th.join(timeout=60)
     assert got and got[0]["version"] == 1 and receiver.direct
-    assert sent["zero_copy_buckets"] == src.plan.num_buckets
+    assert sent["zero_copy_buckets"] == receiver.layout.num_buckets
     assert torch.equal(stream_arena(src.plan, targets), stream_arena(src.plan, src._slots))
     assert receiver.live_crc32() == src.stream_crc32()

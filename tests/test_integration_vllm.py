@@ -208,7 +208,7 @@ def test_plan_from_canonical_roundtrip_and_tamper():  # what an engine worker re
 
     plan = RefitPlan([("a.weight", "values", torch.float8_e4m3fn, (64, 64)),
                       ("a.weight_scale", "scales", torch.uint8, (64, 2)),
-                      ("n.weight", "kept", torch.bfloat16, (64,))], 4096)
+                      ("n.weight", "kept", torch.bfloat16, (64,))])
     back = RefitPlan.from_canonical(plan.canonical())
     assert back.digest == plan.digest
     bad = plan.canonical()
@@ -253,7 +253,7 @@ def _plan(**shapes):
     for m, (n, k) in shapes.items():
         items += [(f"attn.{m}.weight", "values", torch.float8_e4m3fn, (n, k)),
                   (f"attn.{m}.weight_scale", "scales", torch.uint8, (n, -(-k // 32)))]
-    return RefitPlan(items + [("norm", "kept", torch.bfloat16, (64,))], 4096)
+    return RefitPlan(items + [("norm", "kept", torch.bfloat16, (64,))])
 
 
 def test_check_plan_against_model_names_the_misfits():
@@ -284,7 +284,7 @@ def test_check_plan_against_model_names_the_misfits():
     assert extra == ["attn.x_proj.weight: the engine has no parameter 'attn.x_proj.weight'",
                      "attn.x_proj.weight_scale: the engine has no parameter 'attn.x_proj.weight_scale'"]
     f32 = RefitPlan([*[(e.name, e.role, e.dtype, e.shape) for e in _plan(**fits).entries][:-1],
-                     ("norm", "kept", torch.float32, (64,))], 4096)
+                     ("norm", "kept", torch.float32, (64,))])
     assert mxv.plan_misfits(f32, _Engine()) == ["norm: the plan sends float32, the engine takes bfloat16"]
     # tp=2: the unsliced engine is refused (q rows 64 -> 32 per rank, o_proj K 64 -> 32)
     sliced = mxv.plan_misfits(_plan(**fits), _Engine(), tp=2, kv_heads=2)
@@ -300,7 +300,7 @@ def test_check_plan_against_model_names_the_misfits():
     tied = _Engine()
     tied.config = type("Config", (), {"tie_word_embeddings": True})()
     untied = RefitPlan([*[(e.name, e.role, e.dtype, e.shape) for e in _plan(**fits).entries],
-                        ("lm_head.weight", "kept", torch.bfloat16, (256, 64))], 4096)
+                        ("lm_head.weight", "kept", torch.bfloat16, (256, 64))])
     assert mxv.plan_misfits(untied, tied) == [
         "lm_head.weight: the engine ties lm_head to embed_tokens (tie_word_embeddings); a separate lm_head "
         "from the trainer would be dropped"]
@@ -313,12 +313,12 @@ def test_check_plan_against_model_names_the_misfits():
         "its old weights)"]
     # a scale tensor must be the compact scales of its values (vLLM's reload would fail half-way)
     half = RefitPlan([(e.name, e.role, e.dtype, (64, 1) if e.name == "attn.o_proj.weight_scale" else e.shape)
-                      for e in _plan(**fits).entries], 4096)
+                      for e in _plan(**fits).entries])
     assert mxv.plan_misfits(half, _Engine())[0] == ("attn.o_proj.weight_scale: the plan gives (64, 1), not "
                                                      "the compact scales (64, 2) of its values")
     # a plan naming the fused parameter beside its parts is refused with words, not a bare StopIteration
     both = RefitPlan([(e.name, e.role, e.dtype, e.shape) for e in _plan(**fits).entries]
-                     + [("attn.qkv_proj.weight", "kept", torch.bfloat16, (128, 64))], 4096)
+                     + [("attn.qkv_proj.weight", "kept", torch.bfloat16, (128, 64))])
     assert mxv.plan_misfits(both, _Engine())[0].startswith("attn.qkv_proj.weight: the plan sends")
     with pytest.raises(ValueError, match=r"refit plan does not fit the vLLM model: attn.x_proj.weight: the "
                                          r"engine has no parameter"):

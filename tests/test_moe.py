@@ -142,8 +142,8 @@ def test_policy_keeps_a_whole_moe_layer_and_explicit_modules_convert_whole_exper
     # layer 1's experts all kept (one precision)
     assert list(mxfp8_experts(q)) == ["model.layers.0.mlp.experts"]
     assert isinstance(q.model.layers[1].mlp.experts.gate_up_proj, torch.nn.Parameter)
-    source = TrainerSource(model, policy, bucket_bytes=1 << 16)
-    assert receiver_plan(q, 1 << 16)[0].digest == source.plan.digest
+    source = TrainerSource(model, policy)
+    assert receiver_plan(q)[0].digest == source.plan.digest
     assert quantize_model(q, policy) is q and list(mxfp8_experts(q)) == ["model.layers.0.mlp.experts"]
 
     e = quantize_model(copy.deepcopy(model), modules=["model.layers.1.mlp.experts"])
@@ -156,8 +156,8 @@ def test_policy_keeps_a_whole_moe_layer_and_explicit_modules_convert_whole_exper
 # -- (b) the trainer's refit plan equals the receiver's (the RefitPlanMismatch of issue 14) ------------------
 def test_trainer_plan_digest_equals_receiver_plan_of_quantized_model(moe_dir):
     model = _load(moe_dir)
-    source = TrainerSource(model, bucket_bytes=1 << 16)
-    plan, _ = receiver_plan(quantize_model(copy.deepcopy(model)), 1 << 16)
+    source = TrainerSource(model)
+    plan, _ = receiver_plan(quantize_model(copy.deepcopy(model)))
     names = [e.name for e in plan.entries]
     assert any(n.endswith("experts.down_proj_scale") for n in names)
     assert plan.digest == source.plan.digest
@@ -167,7 +167,7 @@ def test_trainer_plan_digest_equals_receiver_plan_of_quantized_model(moe_dir):
 def _refit(plan, source, targets, versions: int) -> RefitReceiver:
     """``versions`` refits from ``source`` into ``targets`` (receiver in a thread); returns the receiver."""
     ch = InProcessChannel(1, timeout_s=30)
-    receiver = RefitReceiver(ch.endpoint(1), plan, targets)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets, bucket_bytes=4096)
     errors = []
 
     def rx():
@@ -179,7 +179,7 @@ def _refit(plan, source, targets, versions: int) -> RefitReceiver:
 
     th = threading.Thread(target=rx)
     th.start()
-    sender = RefitSender(ch.endpoint(0), source.plan)
+    sender = RefitSender(ch.endpoint(0), source.plan, bucket_bytes=4096)
     for _ in range(versions):
         sender.send(source.tensors())
     th.join(timeout=60)
@@ -190,8 +190,8 @@ def _refit(plan, source, targets, versions: int) -> RefitReceiver:
 def test_in_process_refit_lands_quantize_bytes_and_forward_follows(moe_dir):
     trainer = _load(moe_dir)
     engine = quantize_model(copy.deepcopy(trainer))
-    source = TrainerSource(trainer, bucket_bytes=4096)
-    plan, targets = receiver_plan(engine, 4096)
+    source = TrainerSource(trainer)
+    plan, targets = receiver_plan(engine)
     ids = torch.tensor([[5, 9, 40, 41, 77, 3]])
     _refit(plan, source, targets, versions=1)
     with torch.no_grad():
@@ -331,7 +331,7 @@ def test_deepseek_v3_style_experts_and_shared_experts():
     for w in WEIGHTS:
         ref = mxport.quantize(getattr(mod, w).detach())
         assert torch.equal(qm._buffers[w].view(torch.uint8), ref.data.view(torch.uint8))
-    assert TrainerSource(model, bucket_bytes=1 << 16).plan.digest == receiver_plan(q, 1 << 16)[0].digest
+    assert TrainerSource(model).plan.digest == receiver_plan(q)[0].digest
 
 
 def test_quantized_experts_survive_torch_save_and_load():

@@ -41,8 +41,8 @@ def test_batched_arena_sends_what_per_weight_quantize_sends(model, monkeypatch, 
 
     monkeypatch.setattr(mq, "quantize_many", spy)
     monkeypatch.setattr(trainer_mod, "BATCH_NUMEL", batch_numel)
-    plain = TrainerSource(model, bucket_bytes=4096, kernel=kernel)
-    arena = TrainerSource(model, bucket_bytes=4096, arena=True, kernel=kernel)
+    plain = TrainerSource(model, kernel=kernel)
+    arena = TrainerSource(model, arena=True, kernel=kernel)
     want = list(plain.tensors())
     assert calls == []  # without a send buffer: one quantize per weight, as before
     for _ in range(2):  # twice: the slots are rewritten in place
@@ -64,7 +64,7 @@ def test_batched_arena_sends_what_per_weight_quantize_sends(model, monkeypatch, 
 def test_generator_stays_lazy(model):
     """Pulling the first tensor quantizes one run, not the model: the other slots still hold their old
     bytes."""
-    arena = TrainerSource(model, bucket_bytes=4096, arena=True)
+    arena = TrainerSource(model, arena=True)
     slots = arena._slots
     for s in slots:
         if s.dtype != torch.float32:  # (float32 slots hold the adopted kept parameters: left alone)

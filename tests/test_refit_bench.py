@@ -49,7 +49,7 @@ def test_bf16_baseline_casts_inside_its_step():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.LayerNorm(32))
     model[0].to(torch.bfloat16)
-    src = TrainerSource(model, bucket_bytes=1 << 20, kept_dtype=torch.bfloat16)
+    src = TrainerSource(model, kept_dtype=torch.bfloat16)
     buf, refresh = _bf16_stream(src)
     parts = [t.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8) for _, t in src.tensors_by_name]
     assert torch.equal(buf, torch.cat(parts))

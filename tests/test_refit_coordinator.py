@@ -62,11 +62,11 @@ def test_a_transport_reassigned_to_a_group_where_the_sender_has_another_rank():
     """After a failure the group is re-created and the transports reassigned; in the new group the sender is
     rank 2, not 0. The vote is read with the new sender (it kept the old one: the sender's results listed
     itself as a receiver, and a smaller group raised IndexError)."""
-    plan = RefitPlan(ITEMS, 128)
+    plan = RefitPlan(ITEMS)
     ch = InProcessChannel(2, timeout_s=10)
-    sender = RefitSender(ch.endpoint(0), plan)
+    sender = RefitSender(ch.endpoint(0), plan, bucket_bytes=128)
     targets = [[torch.zeros(s, dtype=d) for _, _, d, s in ITEMS] for _ in range(2)]
-    receivers = [RefitReceiver(ch.endpoint(i + 1), plan, targets[i]) for i in range(2)]
+    receivers = [RefitReceiver(ch.endpoint(i + 1), plan, targets[i], bucket_bytes=128) for i in range(2)]
     assert _refit(sender, receivers, _tensors(1))[0].version == 1
     ch2 = InProcessChannel(2, timeout_s=10)
     sender.transport = _Reversed(ch2.endpoint(0))

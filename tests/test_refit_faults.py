@@ -22,10 +22,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from mxport.refit.buckets import BucketLayout
+
 BUCKET = 256
 PG_TIMEOUT_S = 20.0  # a fault must surface far sooner than this
 PROMPT_S = PG_TIMEOUT_S / 4  # "within seconds": each failure must show up before this
 WAIT_S = 120.0
+
+
+
+def _buckets(plan) -> int:
+    """How many buckets a stream of ``plan`` cut into ``BUCKET`` bytes has."""
+    return BucketLayout(plan, BUCKET).num_buckets
 
 
 def items():
@@ -39,7 +47,7 @@ def items():
 def _plan():
     from mxport.refit import RefitPlan
 
-    return RefitPlan(items(), BUCKET)
+    return RefitPlan(items())
 
 
 def payload(version: int) -> list[torch.Tensor]:
@@ -88,7 +96,7 @@ def _faults_sender(world, init):
     planned is refused before it is posted; then a good refit."""
     from mxport.refit import RefitError, RefitSender
 
-    sender = RefitSender(_transport(0, world, init), _plan())
+    sender = RefitSender(_transport(0, world, init), _plan(), bucket_bytes=BUCKET)
     out = {"v1": sender.send(payload(1))["receivers"]}
     for label, bad, _ in _bad_items():
         tensors = payload(2)
@@ -123,7 +131,7 @@ def _faults_receiver(rank, world, init, direct):
 
     plan = _plan()
     targets = allocate_targets(plan) if direct else [torch.zeros(s, dtype=d) for _, _, d, s in items()]
-    receiver = RefitReceiver(_transport(rank, world, init), plan, targets)
+    receiver = RefitReceiver(_transport(rank, world, init), plan, targets, bucket_bytes=BUCKET)
     res = {"direct": receiver.direct, "failures": {}}
     receiver.receive()
     res["v1"] = torch.equal(_live(targets), _stream(payload(1)))
@@ -167,9 +175,10 @@ def _pickling_peer(rank, init, init2, marker):
     dist.destroy_process_group()
     tr = _transport(rank, 2, init2)
     if rank == 0:
-        RefitSender(tr, _plan()).send(payload(1))
+        RefitSender(tr, _plan(), bucket_bytes=BUCKET).send(payload(1))
     else:
-        RefitReceiver(tr, _plan(), [torch.zeros(s, dtype=d) for _, _, d, s in items()]).receive()
+        targets = [torch.zeros(s, dtype=d) for _, _, d, s in items()]
+        RefitReceiver(tr, _plan(), targets, bucket_bytes=BUCKET).receive()
     tr.close()
     return {}
 
@@ -180,7 +189,8 @@ def _honest_peer(rank, init, init2, marker):
     plan = _plan()
     targets = [torch.full(s, 7, dtype=d) for _, _, d, s in items()]
     tr = _transport(rank, 2, init)
-    end = RefitSender(tr, plan) if rank == 0 else RefitReceiver(tr, plan, targets)
+    end = (RefitSender(tr, plan, bucket_bytes=BUCKET) if rank == 0
+           else RefitReceiver(tr, plan, targets, bucket_bytes=BUCKET))
     before = _live(targets)
     res = {}
     t0 = time.perf_counter()
@@ -211,7 +221,7 @@ def _vote_sender(init, init2):
     """v1 to two receivers; v2 while one of them dies; then v3 to the survivor over a new group."""
     from mxport.refit import RefitError, RefitSender
 
-    sender = RefitSender(_transport(0, 3, init, KILL_PG_TIMEOUT_S), _plan())
+    sender = RefitSender(_transport(0, 3, init, KILL_PG_TIMEOUT_S), _plan(), bucket_bytes=BUCKET)
     out = {"v1": [r["status"] for r in sender.send(payload(1))["receivers"]]}
     try:
         sender.send(payload(2))
@@ -234,7 +244,7 @@ def _vote_survivor(init, init2, direct):
 
     plan = _plan()
     targets = allocate_targets(plan) if direct else [torch.zeros(s, dtype=d) for _, _, d, s in items()]
-    receiver = RefitReceiver(_transport(1, 3, init, KILL_PG_TIMEOUT_S), plan, targets)
+    receiver = RefitReceiver(_transport(1, 3, init, KILL_PG_TIMEOUT_S), plan, targets, bucket_bytes=BUCKET)
     res = {"direct": receiver.direct}
     receiver.receive()
     res["v1"] = torch.equal(_live(targets), _stream(payload(1)))
@@ -271,8 +281,9 @@ def _vote_dying(init, at, marker):
             Path(marker).write_text(repr(time.time()))
             os._exit(17)
 
-    tr = FaultyReceiverTransport(_transport(2, 3, init, KILL_PG_TIMEOUT_S), plan.num_buckets, die)
-    receiver = RefitReceiver(tr, plan, [torch.zeros(s, dtype=d) for _, _, d, s in items()])
+    tr = FaultyReceiverTransport(_transport(2, 3, init, KILL_PG_TIMEOUT_S), _buckets(plan), die)
+    targets = [torch.zeros(s, dtype=d) for _, _, d, s in items()]
+    receiver = RefitReceiver(tr, plan, targets, bucket_bytes=BUCKET)
     receiver.receive()
     receiver.receive()
     return {}
@@ -318,7 +329,7 @@ def _run(jobs, dying=()):
 @pytest.mark.slow
 def test_bad_items_stale_version_and_oversize_bucket_fail_fast_and_keep_weights(tmp_path):
     plan = _plan()
-    assert 0 < plan.bucket_size(plan.num_buckets - 1) < BUCKET  # the last bucket is short: it can grow
+    assert 0 < BucketLayout(plan, BUCKET).sizes[-1] < BUCKET  # the last bucket is short: it can grow
     init = f"file://{tmp_path}/store"
     res, codes = _run([("send", _faults_sender, (3, init)),
                        ("staging", _faults_receiver, (1, 3, init, False)),
@@ -382,7 +393,7 @@ def test_a_receiver_killed_mid_refit_makes_the_survivor_keep_its_weights(tmp_pat
     v3 over a new group succeeds."""
     init, init2 = f"file://{tmp_path}/store1", f"file://{tmp_path}/store2"
     marker = str(tmp_path / "died_at")
-    kill_at = 0 if at == "bucket0" else _plan().num_buckets
+    kill_at = 0 if at == "bucket0" else _buckets(_plan())
     res, codes = _run([("send", _vote_sender, (init, init2)),
                        ("survivor", _vote_survivor, (init, init2, direct)),
                        ("dying", _vote_dying, (init, kill_at, marker))], dying=("dying",))

@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mxport.refit import RefitPlan
+from mxport.refit.buckets import BucketLayout
 from mxport.refit.world import pair_order
 
 TRAINERS, ENGINES = (0, 1), (2, 3)
@@ -38,6 +39,12 @@ WAIT_S = 120.0
 
 
 # ---- pair_order --------------------------------------------------------------------------------------------
+
+def _buckets(plan) -> int:
+    """How many buckets a stream of ``plan`` cut into ``BUCKET`` bytes has."""
+    return BucketLayout(plan, BUCKET).num_buckets
+
+
 def _rounds(trainers, engines):
     """pair_order cut into rounds (round = (e_index - t_index) mod max(T, E))."""
     m = max(len(trainers), len(engines))
@@ -141,7 +148,7 @@ def test_a_transport_failing_on_the_trailer_raises_refit_error():
     from mxport.refit import RefitError, RefitSender
 
     plan = pair_plan(0, 2)
-    sender = RefitSender(_TrailerWaitFails(plan.num_buckets), plan)
+    sender = RefitSender(_TrailerWaitFails(_buckets(plan)), plan, bucket_bytes=BUCKET)
     sender._handshaken = True
     with pytest.raises(RefitError, match=r"v1 failed: the transport failed \(RuntimeError: Connection reset"):
         sender.send(payload(1, 0, 2))
@@ -156,7 +163,7 @@ def pair_items(t: int, e: int) -> list:
 
 
 def pair_plan(t: int, e: int) -> RefitPlan:
-    return RefitPlan(pair_items(t, e), BUCKET)
+    return RefitPlan(pair_items(t, e))
 
 
 def global_digest() -> str:
@@ -237,10 +244,12 @@ def _trainer(rank: int, port: int) -> dict:
     pairs = [(e, pair_plan(t, e)) for t, e in _my_pairs(rank)]
     out: dict = {}
     try:
-        RefitSender.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS).handshake()
+        RefitSender.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS,
+                              bucket_bytes=BUCKET).handshake()
     except RefitPlanMismatch as exc:
         out["mismatch"] = str(exc)
-    sender = RefitSender.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS)
+    sender = RefitSender.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS,
+                                   bucket_bytes=BUCKET)
     for step in STEPS:
         log: list = []
         out[step] = _outcome(lambda step=step, log=log: sender.send(
@@ -260,10 +269,12 @@ def _engine(rank: int, port: int) -> dict:
     out: dict = {}
     wrong = hashlib.sha256(b"another refit").hexdigest() if rank == 3 else global_digest()
     try:
-        RefitReceiver.for_pairs(world, pairs, global_digest=wrong, trainers=TRAINERS).handshake()
+        RefitReceiver.for_pairs(world, pairs, global_digest=wrong, trainers=TRAINERS,
+                                bucket_bytes=BUCKET).handshake()
     except RefitPlanMismatch as exc:
         out["mismatch"] = str(exc)
-    receiver = RefitReceiver.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS)
+    receiver = RefitReceiver.for_pairs(world, pairs, global_digest=global_digest(), trainers=TRAINERS,
+                                       bucket_bytes=BUCKET)
     if rank == 3:  # this engine's copy of bucket 1 of its second pair (from trainer 0) is corrupted once
         r = receiver.streams[receiver.peers.index(0)]
 
@@ -271,7 +282,7 @@ def _engine(rank: int, port: int) -> dict:
             if refit == CORRUPT_STEP and bucket == 1:
                 buf[3] ^= 0x10
 
-        r.transport = FaultyReceiverTransport(r.transport, r.plan.num_buckets, corrupt)
+        r.transport = FaultyReceiverTransport(r.transport, r.layout.num_buckets, corrupt)
     ptrs = {t: [x.data_ptr() for x in ts] for t, ts in targets.items()}
     out["order"] = receiver.peers
     for step in STEPS:
@@ -366,7 +377,7 @@ def test_three_refits_land_exactly_on_every_engine(four_ranks):
             sent = four_ranks[f"t{t}"][step]["ok"]
             assert sent["version"] == step and _statuses(sent["results"]) == {2: "ok", 3: "ok"}
             assert [(p["trainer"], p["engine"]) for p in sent["pairs"]] == _my_pairs(t)
-            assert all(p["buckets"] == pair_plan(t, p["engine"]).num_buckets >= 3 for p in sent["pairs"])
+            assert all(p["buckets"] == _buckets(pair_plan(t, p["engine"])) >= 3 for p in sent["pairs"])
 
 
 @pytest.mark.slow
@@ -424,11 +435,11 @@ def _kill_trainer(rank: int, port: int, port2: int) -> dict:
 
     pairs = [(e, pair_plan(t, e)) for t, e in _my_pairs(rank)]
     sender = RefitSender.for_pairs(_world(rank, port), pairs, global_digest=global_digest(),
-                                   trainers=TRAINERS)
+                                   trainers=TRAINERS, bucket_bytes=BUCKET)
     out = {1: _outcome(lambda: sender.send({e: payload(1, rank, e) for e, _ in pairs}))}
     out[2] = _outcome(lambda: sender.send({e: payload(2, rank, e) for e, _ in pairs}))
     again = RefitSender.for_pairs(_world(rank, port2, 2 * PG_TIMEOUT_S), pairs, global_digest=global_digest(),
-                          trainers=TRAINERS)
+                          trainers=TRAINERS, bucket_bytes=BUCKET)
     again.version = sender.version  # a trainer that survived keeps its refit counter
     out[3] = _outcome(lambda: again.send({e: payload(3, rank, e) for e, _ in pairs}))
     return out
@@ -450,7 +461,7 @@ def _kill_engine(rank: int, port: int, port2: int | None, marker: str) -> dict:
     version = 0
     if port is not None:
         receiver = RefitReceiver.for_pairs(_world(rank, port), pairs, global_digest=global_digest(),
-                                   trainers=TRAINERS)
+                                   trainers=TRAINERS, bucket_bytes=BUCKET)
         if rank == 3:
             r = receiver.streams[receiver.peers.index(0)]
 
@@ -459,14 +470,14 @@ def _kill_engine(rank: int, port: int, port2: int | None, marker: str) -> dict:
                     Path(marker).write_text(repr(time.time()))
                     os._exit(17)
 
-            r.transport = FaultyReceiverTransport(r.transport, r.plan.num_buckets, die)
+            r.transport = FaultyReceiverTransport(r.transport, r.layout.num_buckets, die)
         out[1] = _outcome(receiver.receive)
         out[2] = _outcome(receiver.receive)
         out[2]["failed_at"] = time.time()
         out[2]["live"] = {t: _live_step(targets[t], t, rank, (1, 2)) for t in targets}
         version = receiver.version
     again = RefitReceiver.for_pairs(_world(rank, port2, 2 * PG_TIMEOUT_S), pairs,
-                                    global_digest=global_digest(), trainers=TRAINERS)
+                                    global_digest=global_digest(), trainers=TRAINERS, bucket_bytes=BUCKET)
     again.version = version
     out[3] = _outcome(again.receive)
     out[3]["live"] = {t: _live_step(targets[t], t, rank, (3,)) for t in targets}
@@ -510,9 +521,9 @@ def test_ranks_without_pairs_still_vote_and_learn_the_outcome():
     ch = InProcessChannel(1, timeout_s=10)
     digest = global_digest()
     with pytest.raises(ValueError, match="global_digest must be a hex sha256"):
-        RefitSender.for_pairs(ch.endpoint(0), [], global_digest="abc", trainers=[0])
+        RefitSender.for_pairs(ch.endpoint(0), [], global_digest="abc", trainers=[0], bucket_bytes=BUCKET)
     with pytest.raises(ValueError, match="world rank 1 is not one of the trainer ranks"):
-        RefitSender.for_pairs(ch.endpoint(1), [], global_digest=digest, trainers=[0])
+        RefitSender.for_pairs(ch.endpoint(1), [], global_digest=digest, trainers=[0], bucket_bytes=BUCKET)
     sender = RefitSender.for_pairs(ch.endpoint(0), [], global_digest=digest, trainers=[0])
     receiver = RefitReceiver.for_pairs(ch.endpoint(1), [], global_digest=digest, trainers=[0])
     got: list = []

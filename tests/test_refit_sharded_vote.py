@@ -75,13 +75,15 @@ def _endpoint(world, mesh, rank: int, live: dict | None, bucket: int):
 
     routes = _routes(mesh, rank)
     if rank < T:
-        pairs = [(r.engine, r.plan(bucket)) for r in routes]
-        return RefitSender.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(T)), routes
+        pairs = [(r.engine, r.plan()) for r in routes]
+        return RefitSender.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(T),
+                                     bucket_bytes=bucket), routes
     pairs = []
     for r in routes:
         targets, scatters = route_targets(r, live)
-        pairs.append((r.trainer, r.plan(bucket), targets, scatters))
-    return RefitReceiver.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(T)), routes
+        pairs.append((r.trainer, r.plan(), targets, scatters))
+    return RefitReceiver.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(T),
+                                   bucket_bytes=bucket), routes
 
 
 def _checked(world, mesh, rank: int, live: dict | None):
@@ -89,8 +91,8 @@ def _checked(world, mesh, rank: int, live: dict | None):
     from mxport.refit import RefitReceiver, RefitSender
 
     if rank < T:
-        return RefitSender.from_mesh(world, mesh, BUCKET)
-    return RefitReceiver.from_mesh(world, mesh, live, BUCKET)
+        return RefitSender.from_mesh(world, mesh, bucket_bytes=BUCKET)
+    return RefitReceiver.from_mesh(world, mesh, live, bucket_bytes=BUCKET)
 
 
 def _routes(mesh, rank: int) -> list:

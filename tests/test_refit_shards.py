@@ -76,7 +76,7 @@ def _engine(path: str, policy=None):
 
 def _reference(model, policy=None) -> tuple[list, dict]:
     """TrainerSource of the unsharded model: its plan items and every tensor's full bytes, by name."""
-    src = TrainerSource(model, policy, bucket_bytes=1 << 20, kept_dtype=KEPT)
+    src = TrainerSource(model, policy, kept_dtype=KEPT)
     ref = {e.name: t.clone() for e, t in zip(src.plan.entries, src.tensors(), strict=True)}
     return [(e.name, e.role, e.dtype, e.shape) for e in src.plan.entries], ref
 

@@ -21,16 +21,23 @@ from mxport.refit import (
     Status,
     allocate_targets,
 )
-from mxport.refit.buckets import byte_view
+from mxport.refit.buckets import BucketLayout, byte_view
 from mxport.testing import FaultyReceiverTransport
 
+BUCKET = 128
 ITEMS = [("w.weight", "values", torch.float8_e4m3fn, (8, 32)),
          ("w.weight_scale", "scales", torch.uint8, (8, 1)),
          ("norm.weight", "kept", torch.float32, (40,)), ("emb", "kept", torch.bfloat16, (9, 8))]
 
 
+
+def _buckets(plan) -> int:
+    """How many buckets a stream of ``plan`` cut into ``BUCKET`` bytes has."""
+    return BucketLayout(plan, BUCKET).num_buckets
+
+
 def _plan() -> RefitPlan:
-    return RefitPlan(ITEMS, 128)
+    return RefitPlan(ITEMS)
 
 
 def _version(v: int) -> list[torch.Tensor]:
@@ -94,7 +101,7 @@ def test_one_receivers_corrupt_bytes_make_every_receiver_keep_its_weights(direct
     1's bytes stay exactly v1 although its own copy was fine), both raise naming receiver 2's checksum
     failure, the sender raises with both results; v3 ok on both."""
     plan = _plan()
-    assert plan.num_buckets >= 3
+    assert _buckets(plan) >= 3
 
     def corrupt(refit, bucket, buf):
         if refit == 2 and bucket == 1:
@@ -102,12 +109,12 @@ def test_one_receivers_corrupt_bytes_make_every_receiver_keep_its_weights(direct
 
     ch = InProcessChannel(2, timeout_s=30)
     targets = [_targets(plan, direct), _targets(plan, direct)]
-    eps = [ch.endpoint(1), FaultyReceiverTransport(ch.endpoint(2), plan.num_buckets, corrupt)]
-    receivers = [RefitReceiver(ep, plan, t) for ep, t in zip(eps, targets, strict=True)]
+    eps = [ch.endpoint(1), FaultyReceiverTransport(ch.endpoint(2), _buckets(plan), corrupt)]
+    receivers = [RefitReceiver(ep, plan, t, bucket_bytes=BUCKET) for ep, t in zip(eps, targets, strict=True)]
     assert [r.direct for r in receivers] == [direct, direct]
     ptrs = [r.pointers() for r in receivers]
     outs, lives, threads = _run_receivers(receivers, targets, 3)
-    sent = _send_all(RefitSender(ch.endpoint(0), plan), [1, 2, 3])
+    sent = _send_all(RefitSender(ch.endpoint(0), plan, bucket_bytes=BUCKET), [1, 2, 3])
     for th in threads:
         th.join(timeout=60)
     assert not any(th.is_alive() for th in threads)
@@ -149,11 +156,11 @@ def test_both_receivers_rejecting_name_each_other(direct):
 
     ch = InProcessChannel(2, timeout_s=30)
     targets = [_targets(plan, direct), _targets(plan, direct)]
-    eps = [FaultyReceiverTransport(ch.endpoint(1), plan.num_buckets, corrupt_at(0)),
-           FaultyReceiverTransport(ch.endpoint(2), plan.num_buckets, corrupt_at(2))]
-    receivers = [RefitReceiver(ep, plan, t) for ep, t in zip(eps, targets, strict=True)]
+    eps = [FaultyReceiverTransport(ch.endpoint(1), _buckets(plan), corrupt_at(0)),
+           FaultyReceiverTransport(ch.endpoint(2), _buckets(plan), corrupt_at(2))]
+    receivers = [RefitReceiver(ep, plan, t, bucket_bytes=BUCKET) for ep, t in zip(eps, targets, strict=True)]
     outs, lives, threads = _run_receivers(receivers, targets, 1)
-    sent = _send_all(RefitSender(ch.endpoint(0), plan), [1])
+    sent = _send_all(RefitSender(ch.endpoint(0), plan, bucket_bytes=BUCKET), [1])
     for th in threads:
         th.join(timeout=60)
     zero = torch.zeros(plan.total_bytes, dtype=torch.uint8)
@@ -177,10 +184,10 @@ def test_a_receiver_that_stops_mid_refit_breaks_the_vote_and_nobody_commits(dire
 
     ch = InProcessChannel(2, timeout_s=2)
     targets = [_targets(plan, direct), _targets(plan, direct)]
-    eps = [ch.endpoint(1), FaultyReceiverTransport(ch.endpoint(2), plan.num_buckets, die)]
-    receivers = [RefitReceiver(ep, plan, t) for ep, t in zip(eps, targets, strict=True)]
+    eps = [ch.endpoint(1), FaultyReceiverTransport(ch.endpoint(2), _buckets(plan), die)]
+    receivers = [RefitReceiver(ep, plan, t, bucket_bytes=BUCKET) for ep, t in zip(eps, targets, strict=True)]
     outs, lives, threads = _run_receivers(receivers, targets, 2)
-    sender = RefitSender(ch.endpoint(0), plan)
+    sender = RefitSender(ch.endpoint(0), plan, bucket_bytes=BUCKET)
     sent = _send_all(sender, [1, 2])
     for th in threads:
         th.join(timeout=60)
@@ -224,9 +231,10 @@ def test_a_sender_abort_is_every_receivers_own_reason_and_the_next_refit_succeed
     plan = _plan()
     ch = InProcessChannel(2, timeout_s=30)
     targets = [_targets(plan, False), _targets(plan, True)]
-    receivers = [RefitReceiver(ch.endpoint(i + 1), plan, t) for i, t in enumerate(targets)]
+    receivers = [RefitReceiver(ch.endpoint(i + 1), plan, t, bucket_bytes=BUCKET)
+                 for i, t in enumerate(targets)]
     outs, lives, threads = _run_receivers(receivers, targets, 3)
-    sender = RefitSender(ch.endpoint(0), plan)
+    sender = RefitSender(ch.endpoint(0), plan, bucket_bytes=BUCKET)
     bad = _version(2)
     bad[2] = bad[2].to(torch.float16)
     sent = [sender.send(_version(1))]

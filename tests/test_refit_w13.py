@@ -146,7 +146,7 @@ def test_tp2_engine_w13_buffers_equal_gate_then_up_of_quantize(qwen3moe, trainer
             assert torch.equal(_u8(bufs[down + "_scale"][1]), _u8(cd.scale_inv[..., r:r + 1]))
     # every other byte too: each entry is the unsharded TrainerSource's tensor (quantize of the full tensor,
     # kept ones in bf16) cut with its box
-    src = TrainerSource(model, bucket_bytes=1 << 20, kept_dtype=KEPT)
+    src = TrainerSource(model, kept_dtype=KEPT)
     ref = {e.name: t for e, t in zip(src.plan.entries, src.tensors(), strict=True)}
     for bufs in buffers:
         bad = [f"{n}{b}" for n, b, t in local_items(bufs) if not torch.equal(_u8(t), _u8(ref[n][b.index()]))]

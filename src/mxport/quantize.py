@@ -627,7 +627,8 @@ def quantize_many(
                 sums.add(c.scale_inv, offsets[i][1])
     if batch:
         _check_disjoint(batch)
-        spec = None if sums is None else sums.native([offsets[i] for i, *_ in batch])
+        spec = None if sums is None else sums.native([((offsets[i][0], q.numel()), (offsets[i][1], e.numel()))
+                                                      for i, _, _, q, e in batch])
         NATIVE_PATH.many([(x2, q, e) for _, _, x2, q, e in batch], fmt, floor, sums=spec)
     return results
 

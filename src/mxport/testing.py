@@ -134,7 +134,8 @@ class FaultyTransport(_WrappedTransport):
     broadcast is handed to ``fault(refit, bucket, wire)`` as a *copy* of the bytes (the sender's own memory
     and its checksums stay untouched, as on a real faulty link); ``fault`` may change ``wire`` in place, or
     stop the process. ``refit`` counts refits through this transport from 1; ``bucket`` is the bucket index,
-    ``buckets`` (the plan's ``num_buckets``) for the trailer. Everything else passes through to ``inner``.
+    ``buckets`` (the stream's ``layout.num_buckets``) for the trailer. Everything else passes through to
+    ``inner``.
     """
 
     def broadcast(self, buf, async_op: bool = False):
@@ -215,7 +216,7 @@ class FaultyReceiverTransport(_WrappedTransport):
     returned), ``fault(refit, bucket, buf)`` gets the receiving buffer itself — staging, or the live arena in
     direct mode — and may change it in place, or stop the process (``os._exit``: a receiver dying mid-refit).
     ``refit`` counts refits through this endpoint from 1; ``bucket`` is the bucket index, ``buckets`` (the
-    plan's ``num_buckets``) for the trailer. Every broadcast counts: wrap after any ``share_plan``.
+    stream's ``layout.num_buckets``) for the trailer. Every broadcast counts: wrap after any ``share_plan``.
     Everything else passes through to ``inner``.
     """
 

@@ -32,7 +32,7 @@ medians over ``runs`` after one warm-up:
   (``quantize_many``); ratio = baseline / end-to-end refit step (goal >= 2.5 at 1 GB, :func:`run_large`).
 
 The sender takes the bucket checksums the trainer's quantize kernel computed as it wrote the bytes
-(``send(..., checksums=TrainerSource.bucket_checksum)``: only kept tensors are summed apart); ``fused=False``
+(``send(..., checksums=TrainerSource.stream_checksum)``: only kept tensors are summed apart); ``fused=False``
 measures the sender summing every bucket itself. Each process runs ``threads`` torch threads (default 1).
 
 On CPU loopback gloo the "wire" is two kernel copies that keep both of the machine's 2 cores busy, so every
@@ -186,21 +186,21 @@ def _sender_fns(tr, cfg: dict, kernel) -> tuple[dict[str, Callable], object, dic
     from ..refit.handshake import share_plan
 
     # kept tensors travel as engines hold them (BF16), as in `mxport refit`
-    src = TrainerSource(_bench_model(cfg), bucket_bytes=cfg["bucket_bytes"], arena=True, kernel=kernel,
+    src = TrainerSource(_bench_model(cfg), arena=True, kernel=kernel,
                         kept_dtype=torch.bfloat16)
     plan = share_plan(tr, src.plan)
-    end = RefitSender(tr, plan)
+    end = RefitSender(tr, plan, bucket_bytes=cfg["bucket_bytes"])
     tensors = list(src.tensors())
     bf16, refresh = _bf16_stream(src)
     flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
-    sums = {"checksums": src.bucket_checksum} if cfg.get("fused", True) else {}
+    sums = {"checksums": src.stream_checksum} if cfg.get("fused", True) else {}
 
     def bf16_baseline():
         refresh()
         tr.broadcast(bf16)
 
     fns = {"refit": lambda: end.send(tensors, **sums), "raw": lambda: tr.broadcast(flat),
-           "raw_buckets": _bucketed(tr, flat, plan.bucket_bytes),
+           "raw_buckets": _bucketed(tr, flat, cfg["bucket_bytes"]),
            "e2e": lambda: end.send(src.tensors(), **sums), "nosum": lambda: end.send(tensors),
            "bf16": bf16_baseline, "sender_sums": lambda: end.send(tensors), "engine": bf16_baseline}
     return fns, end, {"bf16_bytes": bf16.numel(), "plan": plan}
@@ -212,7 +212,7 @@ def _receiver_fns(tr, cfg: dict) -> tuple[dict[str, Callable], object, dict]:
     from ..refit.handshake import share_plan
 
     plan = share_plan(tr)
-    end = RefitReceiver(tr, plan, allocate_targets(plan))
+    end = RefitReceiver(tr, plan, allocate_targets(plan), bucket_bytes=cfg["bucket_bytes"])
     flat = torch.zeros(plan.total_bytes, dtype=torch.uint8)
     bf16, requantize, engine = _bf16_receiver(plan, _engine_quantize() if cfg.get("engine") else None)
 
@@ -223,7 +223,7 @@ def _receiver_fns(tr, cfg: dict) -> tuple[dict[str, Callable], object, dict]:
         return step
 
     fns = {"refit": end.receive, "raw": lambda: tr.broadcast(flat),
-           "raw_buckets": _bucketed(tr, flat, plan.bucket_bytes), "e2e": end.receive,
+           "raw_buckets": _bucketed(tr, flat, cfg["bucket_bytes"]), "e2e": end.receive,
            "nosum": end.receive, "bf16": then(requantize), "sender_sums": end.receive,
            "engine": then(engine) if engine is not None else None}
     return fns, end, {"plan": plan}
@@ -274,7 +274,7 @@ def _body(rank: int, init: str, cfg: dict) -> dict | None:
         if rank != 0:
             return None
         plan = facts["plan"]
-        return {"bytes": plan.total_bytes, "buckets": plan.num_buckets, "tensors": len(plan),
+        return {"bytes": plan.total_bytes, "buckets": end.layout.num_buckets, "tensors": len(plan),
                 "kernel": kernel or kernel_label(torch.empty(576, 576)).split(" (")[0],
                 "direct": bool(times["refit"][0][1][2]["direct"]), "bf16_bytes": facts["bf16_bytes"],
                 "threads": torch.get_num_threads(), "fused": bool(cfg.get("fused", True)), **_spans(times)}
@@ -374,7 +374,7 @@ def measure_refit(*, model: bool | str, layers: int = 4, bucket_bytes: int = 32 
     (:data:`SMOLLM2_135M`: the same bytes, for machines without the embedded model), ``"large"`` for
     ``layers`` BF16 layers of :data:`LARGE_LAYER` shapes, False for ``layers`` synthetic layers. ``threads``:
     torch threads of each process (the quantize kernels'); ``fused``: the sender takes the trainer's fused
-    bucket checksums (``TrainerSource.bucket_checksum``) instead of summing the buckets itself. ``engine``:
+    bucket checksums (``TrainerSource.stream_checksum``) instead of summing the buckets itself. ``engine``:
     also time the baseline with the engine's own quantize (vLLM's online MXFP8; default: when vLLM is
     installed)."""
     import importlib.util

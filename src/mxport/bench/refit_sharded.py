@@ -288,9 +288,9 @@ class TrainerSide:
         order = pair_order(range(r.T), range(r.T, r.T + r.E))
         routes = {rt.engine: rt for rt in self.mesh.routes_of(r.rank)}
         self.routes = [routes[e] for t, e in order if t == r.rank and e in routes]
-        pairs = [(rt.engine, rt.plan(r.case.bucket_bytes)) for rt in self.routes]
+        pairs = [(rt.engine, rt.plan()) for rt in self.routes]
         self.sender = RefitSender.for_pairs(r.world, pairs, global_digest=self.mesh.digest,
-                                            trainers=range(r.T))
+                                            trainers=range(r.T), bucket_bytes=r.case.bucket_bytes)
         self.sender.handshake()
         self.full = {shape: torch.empty(shape, dtype=torch.bfloat16) for _, shape in weights(size)}
 
@@ -369,10 +369,10 @@ class EngineSide:
         for t, e in order:
             if e == r.rank and t in routes:
                 targets, scatters = route_targets(routes[t], self.live)
-                pairs.append((t, routes[t].plan(r.case.bucket_bytes), targets))
+                pairs.append((t, routes[t].plan(), targets))
                 self.scatters += scatters
         self.receiver = RefitReceiver.for_pairs(r.world, pairs, global_digest=self.mesh.digest,
-                                                trainers=range(r.T))
+                                                trainers=range(r.T), bucket_bytes=r.case.bucket_bytes)
         self.receiver.handshake()
         self.slices = {}  # this rank's BF16 slice of every weight (calibration and the bit-exact check)
         for i, (name, shape) in enumerate(weights(size)):

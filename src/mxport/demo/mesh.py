@@ -159,7 +159,7 @@ def _reference(cfg: MeshConfig, full: dict, reference):
     with torch.no_grad():
         for n, p in reference.named_parameters():
             p.copy_(full[n])
-    src = TrainerSource(reference, bucket_bytes=cfg.bucket_bytes, kept_dtype=ENGINE_DTYPE,
+    src = TrainerSource(reference, kept_dtype=ENGINE_DTYPE,
                         kernel="eager")  # the reference: the plain torch path, whatever the trainer ranks use
     return {e.name: t for e, t in zip(src.plan.entries, src.tensors(), strict=True)}
 
@@ -197,7 +197,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
         held = exc
     mesh = agree(world, T, held)  # raises on every rank when any rank failed before it
-    sender = RefitSender.from_mesh(world, mesh, cfg.bucket_bytes)  # replicas' digests join the vote
+    # replicas' digests join the vote
+    sender = RefitSender.from_mesh(world, mesh, bucket_bytes=cfg.bucket_bytes)
     sender.handshake()
     if rank == 0:
         q.put(("plan", 0, mesh.summary()))
@@ -250,7 +251,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
         held = exc
     mesh = agree(world, T, held)
-    receiver = RefitReceiver.from_mesh(world, mesh, live, cfg.bucket_bytes)
+    receiver = RefitReceiver.from_mesh(world, mesh, live, bucket_bytes=cfg.bucket_bytes)
     receiver.handshake()
     ptrs = _pointers(live)
     prompt = words.prompt()
@@ -273,7 +274,7 @@ def _load_initial(model, holdings: list[Holding], live: dict) -> None:
     """The engine rank's shard of the model it loaded (its first weights, kept until the first refit)."""
     from ..refit.engine import receiver_plan
 
-    plan, targets = receiver_plan(model, 1 << 20)
+    plan, targets = receiver_plan(model)
     full = {en.name: t for en, t in zip(plan.entries, targets, strict=True)}
     with torch.no_grad():
         for h in holdings:
@@ -289,7 +290,7 @@ def _assemble(pg, mesh, e: int, model, holdings, live) -> None:
             pg.send([_bytes(local_part(live, h.tensor.name, h.box))], 0 + mesh.num_trainers,
                     _TAG_SHARDS).wait()
         return
-    plan, targets = receiver_plan(model, 1 << 20)
+    plan, targets = receiver_plan(model)
     full = {en.name: t for en, t in zip(plan.entries, targets, strict=True)}
     with torch.no_grad():
         for h in holdings:

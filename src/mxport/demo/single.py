@@ -74,11 +74,13 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
 
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32, require_tokenizer=False)
     words = Words.of(model, tok)
-    source = TrainerSource(model, bucket_bytes=cfg.bucket_bytes, arena=True,  # quantize into the send buffer
+    source = TrainerSource(model, arena=True,  # quantize into the send buffer
                            kernel=trainer_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
-    sender = RefitSender(transport, source.plan)
+    sender = RefitSender(transport, source.plan, bucket_bytes=cfg.bucket_bytes)
     sender.handshake()
-    q.put(("plan", 0, source.plan.summary()))
+    layout = sender.layout
+    q.put(("plan", 0, {**source.plan.summary(), "buckets": layout.num_buckets,
+                       "bucket_bytes": layout.bucket_bytes}))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     batch = words.batch(cfg.seq_len)
     shape = _ReplyShape(int(words.prompt().shape[1]), cfg.max_new_tokens, _vocab(model))
@@ -91,7 +93,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         train_s = time.perf_counter() - t0
-        stats = sender.send(source.tensors(), checksums=source.bucket_checksum)  # summed by the quantize
+        stats = sender.send(source.tensors(), checksums=source.stream_checksum)  # summed by the quantize
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
         replies = _gather_replies(transport, shape, None)[1:]
         rows = [_receiver_row(model, words, r, sent_crc32) for r in replies]
@@ -221,8 +223,8 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE, require_tokenizer=False)
     words = Words.of(model, tok)
     quantize_model(model)
-    plan, targets = receiver_plan(model, cfg.bucket_bytes, arena=True)  # weights in one arena: direct receive
-    receiver = RefitReceiver(transport, plan, targets)
+    plan, targets = receiver_plan(model, arena=True)  # weights in one arena: direct receive
+    receiver = RefitReceiver(transport, plan, targets, bucket_bytes=cfg.bucket_bytes)
     ptrs0 = [t.data_ptr() for t in targets]
     receiver.handshake()
     prompt = words.prompt()
@@ -232,7 +234,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
         live_crc = receiver.live_crc32()  # the trainer compares it with the CRC-32 of what it sent
         # the model's own tensors (looked up again, not the receiver's references) still sit where they were
         stable = (receiver.pointers_stable()
-                  and [t.data_ptr() for t in receiver_plan(model, cfg.bucket_bytes)[1]] == ptrs0)
+                  and [t.data_ptr() for t in receiver_plan(model)[1]] == ptrs0)
         t0 = time.perf_counter()
         with torch.no_grad():
             seq = model.generate(prompt, attention_mask=torch.ones_like(prompt),

@@ -216,7 +216,7 @@ def _set_fault(engine, fault: str | None) -> None:
                 os._exit(3)
     else:
         raise ValueError(f"unknown fault {fault!r}")
-    engine.sender.transport = FaultyTransport(inner, engine.plan.num_buckets, fn)
+    engine.sender.transport = FaultyTransport(inner, engine.sender.layout.num_buckets, fn)
 
 
 def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
@@ -250,7 +250,7 @@ def trainer_main(conn, cfg_dict: dict) -> None:
     cfg = TrainerConfig(**cfg_dict)
     register()
     model = AutoModelForCausalLM.from_pretrained(cfg.source, dtype=torch.bfloat16)
-    source = MxportWeightSource(model, bucket_bytes=cfg.bucket_bytes)
+    source = MxportWeightSource(model)
     info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port, world_size=2, rank=0,
                                  timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
     try:
@@ -259,7 +259,9 @@ def trainer_main(conn, cfg_dict: dict) -> None:
         _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
         conn.close()
         os._exit(2)  # at once, whatever the refused init left behind
-    _send(conn, {"ok": True, "plan": source.plan.summary()})
+    layout = engine.sender.layout if engine.sender is not None else None
+    buckets = {"buckets": layout.num_buckets, "bucket_bytes": layout.bucket_bytes} if layout else {}
+    _send(conn, {"ok": True, "plan": {**source.plan.summary(), **buckets}})
     while True:
         try:
             req = _recv(conn)

@@ -74,6 +74,7 @@ from ..refit import (
     allocate_targets,
     checkpoint_tensors,
 )
+from ..refit.buckets import DEFAULT_BUCKET_BYTES
 from ..refit.plan import dtype_from_name
 from ..refit.results import RefitError
 from ..refit.transport import open_group
@@ -154,7 +155,7 @@ def iter_full(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
     return source.iter_full() if implements is not None and implements() else iter(source)
 
 
-def plan_from_metadata(meta: Iterable[ParamMeta], bucket_bytes: int) -> RefitPlan:
+def plan_from_metadata(meta: Iterable[ParamMeta]) -> RefitPlan:
     """The refit plan of a ``WeightSource``'s metadata: FP8 tensors are values, a uint8 tensor named
     ``<values>_scale`` right after its values tensor is their scales, everything else is kept."""
     items, last_values = [], None
@@ -166,7 +167,7 @@ def plan_from_metadata(meta: Iterable[ParamMeta], bucket_bytes: int) -> RefitPla
         else:
             role = "kept"
         items.append((m.name, role, m.dtype, m.shape))
-    return RefitPlan(items, bucket_bytes)
+    return RefitPlan(items)
 
 
 def _param_name(name: str, model: torch.nn.Module) -> str:
@@ -360,6 +361,8 @@ class MxportInitInfo(WeightTransferInitInfo):
     transport: str = "gloo"
     timeout_s: float = 60.0
     use_checksum: bool = True
+    #: the stream's bucket size (the trainer's)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     #: only check the plan against the model and return (the trainer asks this first, before it opens its
     #: end of the group: a refused trainer then holds no port and no thread)
     check_only: bool = False
@@ -420,7 +423,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
             dev = self.device if init_info.transport == "nccl" else torch.device("cpu")
             targets = allocate_targets(plan, dev)
             receiver = RefitReceiver(transport, plan, targets, use_checksum=init_info.use_checksum,
-                                     direct=False)
+                                     bucket_bytes=init_info.bucket_bytes, direct=False)
             receiver.handshake()
         except BaseException:
             transport.close()
@@ -545,9 +548,8 @@ class MxportWeightSource(WeightSource):
     """
 
     def __init__(self, model: torch.nn.Module, policy=None, *,
-                 kept_dtype: torch.dtype | None = torch.bfloat16, nonzero_scales: bool = False,
-                 bucket_bytes: int = 64 << 20):
-        self.trainer = TrainerSource(model, policy, bucket_bytes=bucket_bytes, kept_dtype=kept_dtype)
+                 kept_dtype: torch.dtype | None = torch.bfloat16, nonzero_scales: bool = False):
+        self.trainer = TrainerSource(model, policy, kept_dtype=kept_dtype)
         self.plan = self.trainer.plan
         self.nonzero_scales = bool(nonzero_scales)
         # per plan entry: its model tensor and whether it is quantized (values / scales come in pairs)
@@ -651,7 +653,7 @@ class MxportTrainerInitInfo(TrainerInitInfo):
     transport: str = "gloo"
     timeout_s: float = 60.0
     use_checksum: bool = True
-    bucket_bytes: int = 64 << 20
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     pause_mode: str | None = "wait"
     worker_init_extra: dict = field(default_factory=dict)
 
@@ -782,8 +784,7 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         if source is None:
             raise ValueError("the mxport trainer engine needs a WeightSource "
                              "(e.g. MxportWeightSource(model))")
-        plan = getattr(source, "plan", None) or plan_from_metadata(source_metadata(source),
-                                                                   init_info.bucket_bytes)
+        plan = getattr(source, "plan", None) or plan_from_metadata(source_metadata(source))
         engine = cls(client=client, source=source, plan=plan, is_sender=init_info.is_sender,
                      rank=init_info.rank, pause_mode=init_info.pause_mode, timeout_s=init_info.timeout_s)
         if not engine.is_sender:
@@ -792,14 +793,15 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                        "world_size": init_info.world_size, "plan": plan.canonical(),
                        "plan_digest": plan.digest, "transport": init_info.transport,
                        "timeout_s": init_info.timeout_s, "use_checksum": init_info.use_checksum,
-                       **init_info.worker_init_extra}
+                       "bucket_bytes": init_info.bucket_bytes, **init_info.worker_init_extra}
 
         def connect() -> RefitSender:
             pg = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
                             backend=init_info.transport, timeout_s=init_info.timeout_s)
             dev = "cuda" if init_info.transport == "nccl" else "cpu"
             sender = RefitSender(TorchDistTransport.from_group(pg, src=0), plan,
-                                 use_checksum=init_info.use_checksum, device=dev)
+                                 use_checksum=init_info.use_checksum, bucket_bytes=init_info.bucket_bytes,
+                                 device=dev)
             sender.handshake()
             return sender
 

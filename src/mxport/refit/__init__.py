@@ -1,13 +1,13 @@
 """Refit: move a trainer's MXFP8 weights into a running inference model after every step — planned, bucketed,
 checked, in place, all or nothing.
 
-- :class:`RefitPlan` (ordered tensors, bytes, buckets, digest) and :class:`RefitPlanMismatch`;
+- :class:`RefitPlan` (the manifest: ordered tensors, bytes, digest) and :class:`RefitPlanMismatch`;
 - :class:`RefitSender` / :class:`RefitReceiver`, one coordinator per side for every layout: they agree the
   plan and the version, run this rank's byte streams (:mod:`mxport.refit.stream`: fixed-size buckets,
   overlapped packing, per-bucket checksums, staging or direct receive into an arena from
   :func:`allocate_targets` with a rollback copy), hold ONE vote for the whole world and settle every stream by
   it. ``RefitSender(transport, plan)`` is a world of one multicast stream (one trainer, R engine ranks);
-  ``RefitSender.from_mesh(world, mesh, bucket_bytes)`` one rank of a sharded refit (T trainer, E engine
+  ``RefitSender.from_mesh(world, mesh)`` one rank of a sharded refit (T trainer, E engine
   ranks, one pair stream per route of the global plan :class:`MeshPlan`, agreed with :func:`agree`;
   :class:`Box` / :class:`Holding`); :class:`RefitError` and each receiver's :class:`ReceiverResult` /
   :class:`Status`;

@@ -1,7 +1,8 @@
 """Fixed-size byte buckets: packing tensors' bytes into them, unpacking, the refit trailer and checksums.
 
-One refit on the wire is ``plan.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte
-stream from ``b * bucket_bytes``, ``plan.bucket_size(b)`` bytes long — then one trailer broadcast of int64
+One refit on the wire is ``layout.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte
+stream from ``b * bucket_bytes``, ``layout.sizes[b]`` bytes long (:class:`BucketLayout`: the bucket size is
+the stream's setting, agreed in its handshake, not the plan's) — then one trailer broadcast of int64
 words ``[magic, version, num_buckets, status, entry, reason, checksum_0, ..., checksum_{n-1}]`` (``status`` ok
 or abort; on an abort, ``entry`` the plan index of the tensor at fault or -1, ``reason`` an
 :class:`~mxport.refit.results.AbortReason`). A bucket that lies inside one tensor is broadcast straight from
@@ -21,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from .arena import storage_bytes
-from .plan import RefitPlan
+from .plan import ALIGN, RefitPlan
 
 MAGIC = 0x4D58524654  # "MXRFT"
+#: the bucket size a stream takes when none is given (the size of each broadcast on the wire)
+DEFAULT_BUCKET_BYTES = 32 << 20
 TRAILER_FIXED = 6
 STATUS_OK, STATUS_ABORT = 0, 1
 
@@ -133,58 +136,64 @@ def _span_words(data: torch.Tensor, rho: int) -> torch.Tensor:
     return total
 
 
+#: the cell of :class:`ChunkSums`: a bucket size that is a multiple of it has its checksum chunks made of
+#: whole cells (so a producer's sums serve any such bucket size)
+SUM_CELL = 4096
+
+
 class ChunkSums:
-    """The word sums of a plan's byte stream per :data:`CHUNK_BYTES` chunk of each bucket (what
-    :func:`checksum` mixes), added piece by piece as the stream is produced: a quantize kernel adds the bytes
-    it writes (:func:`mxport.quantize.quantize_many` with ``sums``; the native kernel sums in cache, with no
-    pass of its own), :meth:`add` any other bytes. :meth:`checksum` then gives ``checksum`` of a bucket
-    without reading it. Chunk ``c`` of bucket ``b`` is entry ``b * per_bucket + c`` of :attr:`sums` (int64,
-    on ``device``)."""
+    """The word sums of a plan's byte stream per :data:`SUM_CELL` bytes (what :func:`checksum` mixes, at a
+    finer grain), added piece by piece as the stream is produced: a quantize kernel adds the bytes it writes
+    (:func:`mxport.quantize.quantize_many` with ``sums``; the native kernel sums in cache, with no pass of its
+    own), :meth:`add` any other bytes. :meth:`checksum` then gives ``checksum`` of a stream range (a bucket,
+    whatever the stream's bucket size) without reading it, when the range's chunks are made of whole cells
+    (:meth:`covers`). Cell ``c`` (stream bytes ``c * SUM_CELL`` on) is entry ``c`` of :attr:`sums` (int64, on
+    ``device``)."""
 
     def __init__(self, plan: RefitPlan, device: str | torch.device = "cpu"):
-        self.plan = plan
-        self.per_bucket = -(-plan.bucket_bytes // CHUNK_BYTES)
-        self.sums = torch.zeros(plan.num_buckets * self.per_bucket, dtype=torch.int64, device=device)
+        self.plan, self.total = plan, plan.total_bytes
+        self.sums = torch.zeros(max(1, -(-self.total // SUM_CELL)), dtype=torch.int64, device=device)
 
     def reset(self) -> None:
         self.sums.zero_()
 
-    def native(self, offsets: list[tuple[int, int]]):
-        """The :class:`mxport.native.StreamSums` of a native batch whose outputs start at ``offsets``
-        (values, scales) in the stream: the kernel adds to :attr:`sums` (on the CPU)."""
+    def native(self, spans: list[tuple[tuple[int, int], tuple[int, int]]]):
+        """The :class:`mxport.native.StreamSums` of a native batch whose outputs lie at ``spans`` (per job
+        ``((values offset, bytes), (scales offset, bytes))``) in the stream: the kernel adds to the cells they
+        span (on the CPU) through a view of :attr:`sums`, so its per-thread partial sums are as small as the
+        batch."""
         from ..native import StreamSums
 
-        return StreamSums(offsets, self.plan.bucket_bytes, CHUNK_BYTES, self.sums)
-
-    def _piece(self, off: int, left: int) -> tuple[int, int]:
-        """The checksum chunk holding stream byte ``off`` (its index in :attr:`sums`), and how many of the
-        ``left`` bytes from there lie inside that chunk."""
-        B = self.plan.bucket_bytes
-        b, within = divmod(off, B)
-        c = within // CHUNK_BYTES
-        return b * self.per_bucket + c, min(left, b * B + min((c + 1) * CHUNK_BYTES, B) - off)
+        flat = [s for pair in spans for s in pair]
+        for o, n in flat:
+            if o < 0 or o + n > self.total:
+                raise ValueError(f"{n} bytes at stream offset {o} fall outside the plan's stream")
+        lo = min((o for o, _ in flat), default=0) // SUM_CELL
+        hi = -(-max((o + n for o, n in flat), default=0) // SUM_CELL)
+        base = lo * SUM_CELL
+        return StreamSums([(q - base, e - base) for (q, _), (e, _) in spans], SUM_CELL, SUM_CELL,
+                          self.sums[lo:max(hi, lo + 1)])
 
     def _add(self, sums: torch.Tensor, pieces: list[tuple[torch.Tensor, int]], first: int = 0) -> None:
-        """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (entry ``first`` = ``sums[0]``), in
-        one ``index_add_``."""
-        B, index, parts = self.plan.bucket_bytes, [], []
+        """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (cell ``first`` = ``sums[0]``), in one
+        ``index_add_``."""
+        index, parts = [], []
         for data, offset in pieces:
             n, pos = data.numel(), 0
-            if offset < 0 or offset + n > self.plan.num_buckets * B:
+            if offset < 0 or offset + n > self.total:
                 raise ValueError(f"{n} bytes at stream offset {offset} fall outside the plan's stream")
             while pos < n:
                 off = offset + pos
-                chunk, take = self._piece(off, n - pos)
-                within = off % B
-                full = min(n - pos, B - within) // CHUNK_BYTES
-                if within % CHUNK_BYTES == 0 and full > 1 and data[pos:].storage_offset() % 8 == 0:
-                    # whole chunks of one bucket in one op (one parallel region, not one per chunk)
-                    take = full * CHUNK_BYTES
-                    words = data[pos:pos + take].view(torch.int64).view(full, CHUNK_BYTES // 8)
-                    index += range(chunk - first, chunk - first + full)
-                    parts.append(words.sum(dim=1))
+                cell, within = divmod(off, SUM_CELL)
+                full = (n - pos) // SUM_CELL
+                if within == 0 and full > 1 and data[pos:].storage_offset() % 8 == 0:
+                    # whole cells in one op (one parallel region, not one per cell)
+                    take = full * SUM_CELL
+                    index += range(cell - first, cell - first + full)
+                    parts.append(data[pos:pos + take].view(torch.int64).view(full, SUM_CELL // 8).sum(dim=1))
                 else:
-                    index.append(chunk - first)
+                    take = min(n - pos, SUM_CELL - within)
+                    index.append(cell - first)
                     parts.append(_span_words(data[pos:pos + take], off % 8).view(1))
                 pos += take
         if parts:
@@ -192,49 +201,55 @@ class ChunkSums:
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
         """``dst.copy_(src)`` (casting as ``copy_`` does; ``dst``: a contiguous tensor whose bytes sit at
-        stream ``offset``), one checksum chunk's piece at a time, each piece's words added to :attr:`sums`
-        right after it is written, while it is still in cache: a tensor copied or cast into the send buffer is
-        summed without a pass of its own over memory."""
+        stream ``offset``), a few cells at a time, each piece's words added to :attr:`sums` right after it is
+        written, while it is still in cache: a tensor copied or cast into the send buffer is summed without a
+        pass of its own over memory."""
         d, s = dst.view(-1), src.reshape(-1)
         size = d.element_size()
-        n, pos, index, parts = d.numel() * size, 0, [], []
+        n, pos = d.numel() * size, 0
+        step = 64 * SUM_CELL  # bytes per piece: a few cells, still in L2 when summed
         while pos < n:
             off = offset + pos
-            chunk, take = self._piece(off, n - pos)
+            take = min(n - pos, step - off % SUM_CELL)
             if take % size:  # a piece boundary inside an element (never for the plan's aligned offsets)
                 dst.copy_(src)
                 self.add(dst, offset)
                 return
             piece = d[pos // size:(pos + take) // size]
             piece.copy_(s[pos // size:(pos + take) // size])
-            parts.append(_span_words(piece.view(torch.uint8), off % 8).view(1))
-            index.append(chunk)
+            self._add(self.sums, [(piece.view(torch.uint8), off)])
             pos += take
-        if parts:
-            self.sums.index_add_(0, torch.tensor(index, device=self.sums.device), torch.cat(parts))
 
     def add(self, data: torch.Tensor, offset: int) -> None:
         """Add the bytes of ``data`` (a contiguous tensor, read as its bytes) at stream ``offset``."""
         self._add(self.sums, [(byte_view(data, argname="data"), offset)])
 
-    def checksum(self, b: int, extra: list[tuple[torch.Tensor, int]] = ()) -> int:
-        """:func:`checksum` of bucket ``b`` from the sums, plus the bytes of ``extra`` (``(tensor, stream
-        offset)`` pieces inside bucket ``b``, summed now and not kept: a bucket's kept tensors, read as they
-        are when it is sent)."""
-        size = self.plan.bucket_size(b)
-        first = b * self.per_bucket
-        sums = self.sums[first:first + max(1, -(-size // CHUNK_BYTES))]
+    def covers(self, start: int, size: int) -> bool:
+        """True when the checksum chunks of the range ``[start, start + size)`` are made of whole cells."""
+        return start % SUM_CELL == 0 and (size % SUM_CELL == 0 or start + size == self.total)
+
+    def checksum(self, start: int, size: int, extra: list[tuple[torch.Tensor, int]] = ()) -> int:
+        """:func:`checksum` of the stream range ``[start, start + size)`` (:meth:`covers` it) from the sums,
+        plus the bytes of ``extra`` (``(tensor, stream offset)`` pieces inside it, summed now and not kept: a
+        bucket's kept tensors, read as they are when it is sent)."""
+        if not self.covers(start, size):
+            raise ValueError(f"stream range {start}+{size} does not start and end on cells of {SUM_CELL} "
+                             "bytes")
+        first, n = start // SUM_CELL, max(1, -(-size // SUM_CELL))
+        sums = self.sums[first:first + n]
         if extra:
-            sums = sums.clone()
-            start, pieces = b * self.plan.bucket_bytes, []
+            sums, pieces = sums.clone(), []
             for data, offset in extra:
                 data = byte_view(data, argname="data")
                 if offset < start or offset + data.numel() > start + size:
-                    raise ValueError(f"{data.numel()} bytes at stream offset {offset} are not inside bucket "
-                                     f"{b}")
+                    raise ValueError(f"{data.numel()} bytes at stream offset {offset} are not inside the "
+                                     f"range {start}+{size}")
                 pieces.append((data, offset))
             self._add(sums, pieces, first)
-        return _mix(size // 8, sums.tolist())
+        per = CHUNK_BYTES // SUM_CELL
+        if n % per:
+            sums = torch.cat([sums, sums.new_zeros(per - n % per)])
+        return _mix(size // 8, sums.view(-1, per).sum(dim=1).tolist())
 
 
 @dataclass(frozen=True)
@@ -248,13 +263,24 @@ class Segment:
     length: int
 
 
-class BucketLayout:
-    """Where each tensor's bytes go: per bucket, the ordered segments (computed once from the plan)."""
+def check_bucket_bytes(bucket_bytes) -> int:
+    """``bucket_bytes`` if it is a positive multiple of :data:`~mxport.refit.plan.ALIGN`, else ValueError."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
+            or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
+    return bucket_bytes
 
-    def __init__(self, plan: RefitPlan):
-        self.plan = plan
-        B = plan.bucket_bytes
-        self.segments: list[list[Segment]] = [[] for _ in range(plan.num_buckets)]
+
+class BucketLayout:
+    """A plan's byte stream cut into buckets of ``bucket_bytes`` (the last one may be shorter): per bucket,
+    the ordered segments of the tensors in it, the gaps, the sizes (computed once)."""
+
+    def __init__(self, plan: RefitPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.plan, self.bucket_bytes = plan, check_bucket_bytes(bucket_bytes)
+        B = bucket_bytes
+        self.num_buckets = max(1, -(-plan.total_bytes // B))
+        self.sizes = [min(B, plan.total_bytes - b * B) for b in range(self.num_buckets)]
+        self.segments: list[list[Segment]] = [[] for _ in range(self.num_buckets)]
         for i, e in enumerate(plan.entries):
             pos, end = e.offset, e.offset + e.nbytes
             while pos < end:
@@ -271,10 +297,9 @@ class BucketLayout:
                 if sg.dst > pos:
                     gaps.append((pos, sg.dst - pos))
                 pos = sg.dst + sg.length
-            if pos < plan.bucket_size(b):
-                gaps.append((pos, plan.bucket_size(b) - pos))
+            if pos < self.sizes[b]:
+                gaps.append((pos, self.sizes[b] - pos))
             self.gaps.append(gaps)
-        self.sizes = [plan.bucket_size(b) for b in range(plan.num_buckets)]
         self._chunks: dict[int, list] = {}
         self._gap_index: dict[tuple[int, str], torch.Tensor | None] = {}
 
@@ -310,6 +335,10 @@ class BucketLayout:
                 pos += take
         self._chunks[b] = chunks
         return chunks
+
+    def bucket_of(self, entry: int) -> int:
+        """The bucket holding plan entry ``entry``'s first byte."""
+        return self.plan.entries[entry].offset // self.bucket_bytes
 
     def tensor_names(self, b: int) -> list[str]:
         """Names of the tensors with bytes in bucket ``b``, in stream order."""
@@ -352,7 +381,7 @@ def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload:
 
 def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], payload: torch.Tensor, *,
                 with_checksum: bool = False) -> int | None:
-    """Fill ``payload`` (``plan.bucket_size(b)`` bytes) with bucket ``b``: its segments, and zeros in the
+    """Fill ``payload`` (``layout.sizes[b]`` bytes) with bucket ``b``: its segments, and zeros in the
     gaps.
 
     ``with_checksum``: pack one :data:`CHUNK_BYTES` chunk at a time and sum each chunk's words right after

@@ -1,6 +1,7 @@
-"""The plan handshake: before any payload moves, every endpoint shares its plan digest and refit version; on a
-mismatch every endpoint shares its canonical plan and raises :class:`RefitPlanMismatch` with the first
-differences.
+"""The stream handshake: before any payload moves, every endpoint of a stream shares its plan digest, its
+refit version and its bucket size (the stream's own setting: every endpoint must cut the stream alike); on a
+mismatch every endpoint raises :class:`RefitPlanMismatch` with the first differences (plans that differ are
+shared in their canonical form to name them).
 
 Only fixed-size tensors cross the wire, and nothing received is unpickled:
 
@@ -8,7 +9,8 @@ Only fixed-size tensors cross the wire, and nothing received is unpickled:
    anything else does not speak this protocol (``torch.distributed.all_gather_object`` starts with an int64
    length, say):
    every endpoint raises :class:`RefitError` without reading anything more from it.
-2. ``all_gather`` of int64 ``[digest words 0..3, version]``: the plan's sha256 as four int64 words.
+2. ``all_gather`` of int64 ``[digest words 0..3, version, bucket_bytes]``: the plan's sha256 as four int64
+   words.
 3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length (int64), then of the JSON
    bytes (uint8, zero-padded to the longest; every endpoint refuses beyond :data:`MAX_PLAN_JSON` bytes), each
    parsed
@@ -41,22 +43,24 @@ def _hello(transport: Transport) -> None:
                          f"group?); nothing more was read from it; re-create the transport")
 
 
-def _digest_row(plan: RefitPlan, version: int) -> torch.Tensor:
+def _digest_row(plan: RefitPlan, version: int, bucket_bytes: int) -> torch.Tensor:
     digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
-    return torch.cat([digest, torch.tensor([version], dtype=torch.int64)])
+    return torch.cat([digest, torch.tensor([version, bucket_bytes], dtype=torch.int64)])
 
 
-def exchange_plans(transport: Transport, plan: RefitPlan, version: int = 0) -> int:
-    """Compare ``plan`` with every other endpoint's; return the highest refit version among them.
+def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_bytes: int) -> int:
+    """Compare ``plan`` and ``bucket_bytes`` with every other endpoint's; return the highest refit version
+    among them.
 
     Raises:
         RefitError: a peer that does not speak this handshake, or reports a negative version.
-        RefitPlanMismatch: on every endpoint when any receiver's digest differs from the sender's. The sender
-            lists its differences with each mismatching receiver; a receiver lists its own differences with
-            the sender's plan (or, if it agrees with the sender, names the receivers that do not).
+        RefitPlanMismatch: on every endpoint when any receiver's digest or bucket size differs from the
+            sender's. The sender lists its differences with each mismatching receiver; a receiver lists its
+            own differences with the sender's (or, if it agrees with the sender, names the receivers that do
+            not).
     """
     _hello(transport)
-    rows = transport.all_gather(_digest_row(plan, int(version)))
+    rows = transport.all_gather(_digest_row(plan, int(version), int(bucket_bytes)))
     digests = [row[:4].numpy().tobytes().hex() for row in rows]
     versions = [int(row[4]) for row in rows]
     if min(versions) < 0:
@@ -64,6 +68,7 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int = 0) -> i
                          f"the transport")
     src = transport.src
     if all(d == digests[src] for d in digests):
+        _check_buckets(transport, [int(row[5]) for row in rows], plan.digest)
         return max(versions)
     remote = _exchange_canonical(transport, plan)
     if transport.is_sender:
@@ -77,6 +82,21 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int = 0) -> i
         bad = [r for r, d in enumerate(digests) if d != digests[src]]
         diffs = [f"receiver(s) {bad} disagree with the sender's plan"]
     raise RefitPlanMismatch(diffs or ["digests differ"], local_digest=plan.digest, remote_digest=digests[src])
+
+
+def _check_buckets(transport: Transport, sizes: list[int], digest: str) -> None:
+    """RefitPlanMismatch on every endpoint unless every endpoint cuts the stream into the same buckets."""
+    src, me = transport.src, transport.rank
+    bad = [r for r, n in enumerate(sizes) if n != sizes[src]]
+    if not bad:
+        return
+    if transport.is_sender:
+        diffs = [f"receiver {r}: bucket_bytes: local {sizes[src]} vs remote {sizes[r]}" for r in bad]
+    elif me in bad:
+        diffs = [f"bucket_bytes: local {sizes[me]} vs remote {sizes[src]}"]
+    else:
+        diffs = [f"receiver(s) {bad} cut the stream into other buckets than the sender"]
+    raise RefitPlanMismatch(diffs, local_digest=digest, remote_digest=digest)
 
 
 def _diff(plan: RefitPlan, remote: RefitPlan | str) -> list[str]:

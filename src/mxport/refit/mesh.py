@@ -182,9 +182,9 @@ class Route:
     def nbytes(self) -> int:
         return sum(p.box.numel * dtype_from_name(p.tensor.dtype).itemsize for p in self.pieces)
 
-    def plan(self, bucket_bytes: int) -> RefitPlan:
+    def plan(self) -> RefitPlan:
         """This pair's byte stream as an ordinary refit plan."""
-        return RefitPlan([p.item() for p in self.pieces], bucket_bytes)
+        return RefitPlan([p.item() for p in self.pieces])
 
 
 @contextmanager
@@ -820,8 +820,6 @@ def route_targets(rt: Route, live: dict) -> tuple[list, list]:
 
 
 # -- what a rank holds: its bytes, the scales that go with a box --------------------------------------------
-#: bucket size of the global plans the sources build only to read their entries (no bytes move by them)
-PLAN_BUCKET = 1 << 20
 #: a rank's bytes by tensor name: ``(box, tensor)``, or a list of them for a tensor it holds several boxes of
 Local = dict[str, "tuple[Box, torch.Tensor] | list[tuple[Box, torch.Tensor]]"]
 

@@ -1,11 +1,11 @@
-"""RefitPlan: the ordered list of what one refit moves, where each tensor lands in the byte stream, and a
-digest.
+"""RefitPlan: the manifest of one refit — the ordered list of what it moves, where each tensor lies in the
+byte stream, and a digest.
 
 Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in
-one virtual byte stream cut into fixed-size buckets. A plan entry records the tensor's checkpoint name
-(modelopt names: ``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` /
-``kept``), dtype, shape, byte count and its place in the stream (``offset``; first ``bucket`` = ``offset //
-bucket_bytes``). A tensor larger than a bucket simply spans several buckets.
+one virtual byte stream. A plan entry records the tensor's checkpoint name (modelopt names: ``<m>.weight``
+values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` / ``kept``), dtype, shape, byte
+count and its place in the stream (``offset``, a multiple of :data:`ALIGN`). How the stream is cut into
+buckets on the wire is the stream's own setting (:class:`~mxport.refit.buckets.BucketLayout`), not the plan's.
 
 Sender and receiver build their plans independently (from the trainer's policy and from the inference model)
 and compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the
@@ -31,7 +31,8 @@ ROLES: tuple[str, ...] = get_args(Role)
 Item = tuple[str, Role, torch.dtype | str, Sequence[int]]
 #: every tensor starts at a multiple of this many bytes in the stream (keeps bucket payloads 8-byte aligned)
 ALIGN = 16
-PLAN_FORMAT = "mxport-refit-plan/1"
+#: version 2: the manifest only (version 1 also held the bucket size, now the stream's)
+PLAN_FORMAT = "mxport-refit-plan/2"
 
 
 class RefitPlanMismatch(ValueError):
@@ -61,7 +62,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 #: dtype names a plan received from a peer may name (:meth:`RefitPlan.from_canonical`): what refit moves
 WIRE_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint8", "int8", "int16", "int32",
                          "int64", "bool", "float16", "bfloat16", "float32", "float64"})
-_CANONICAL_KEYS = {"format", "bucket_bytes", "align", "entries"}
+_CANONICAL_KEYS = {"format", "align", "entries"}
 
 
 def _is_count(x) -> bool:
@@ -70,9 +71,9 @@ def _is_count(x) -> bool:
 
 
 def _entry_item(i: int, e) -> tuple[str, str, str, tuple[int, ...]]:
-    """Validate one canonical entry ``[name, role, dtype, shape, nbytes, offset, bucket]`` -> a plan item."""
-    if type(e) is not list or len(e) != 7:
-        raise ValueError(f"plan entry {i} must be a list of 7 fields, got {type(e).__name__}")
+    """Validate one canonical entry ``[name, role, dtype, shape, nbytes, offset]`` -> a plan item."""
+    if type(e) is not list or len(e) != 6:
+        raise ValueError(f"plan entry {i} must be a list of 6 fields, got {type(e).__name__}")
     name, role, dt, shape, *counts = e
     if type(name) is not str or not name:
         raise ValueError(f"plan entry {i}: name must be a non-empty string")
@@ -83,7 +84,7 @@ def _entry_item(i: int, e) -> tuple[str, str, str, tuple[int, ...]]:
     if type(shape) is not list or not all(_is_count(s) for s in shape):
         raise ValueError(f"plan entry {i} ({name!r}): shape must be a list of non-negative ints")
     if not all(_is_count(c) for c in counts):
-        raise ValueError(f"plan entry {i} ({name!r}): nbytes, offset and bucket must be non-negative ints")
+        raise ValueError(f"plan entry {i} ({name!r}): nbytes and offset must be non-negative ints")
     return name, role, dt, tuple(shape)
 
 
@@ -97,7 +98,7 @@ class PlanEntry:
 
     name: checkpoint (HF) name; role: "values" | "scales" | "kept"; dtype: torch dtype name ("float8_e4m3fn",
     "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the
-    stream (a multiple of :data:`ALIGN`); bucket: index of the bucket holding the first byte.
+    stream (a multiple of :data:`ALIGN`).
     """
 
     name: str
@@ -106,29 +107,23 @@ class PlanEntry:
     shape: tuple[int, ...]
     nbytes: int
     offset: int
-    bucket: int
 
     def canonical(self) -> list:
-        return [self.name, self.role, self.dtype, list(self.shape), self.nbytes, self.offset, self.bucket]
+        return [self.name, self.role, self.dtype, list(self.shape), self.nbytes, self.offset]
 
 
 class RefitPlan:
-    """The ordered refit plan (built once, reused for every refit).
+    """The ordered refit plan, the manifest (built once, reused for every refit).
 
     Args:
         items: ``(name, role, dtype, shape)`` in stream order; ``dtype`` a torch dtype or its name.
-        bucket_bytes: payload bytes per bucket, a positive multiple of :data:`ALIGN`.
 
     Raises:
-        ValueError: an unknown role, a duplicate ``(name)``, a bad ``bucket_bytes``, an empty plan.
+        ValueError: an unknown role, a duplicate ``(name)``, an empty plan.
         TypeError: a dtype that is not a torch dtype / dtype name.
     """
 
-    def __init__(self, items: Iterable[Item], bucket_bytes: int):
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
-                or bucket_bytes % ALIGN:
-            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, items: Iterable[Item]):
         entries: list[PlanEntry] = []
         seen: set[str] = set()
         offset = 0
@@ -144,14 +139,12 @@ class RefitPlan:
                 raise TypeError(f"dtype of {name!r} must be a torch.dtype, got {type(dtype).__name__}")
             shape = tuple(int(s) for s in shape)
             nbytes = math.prod(shape) * dtype.itemsize
-            entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset,
-                                     offset // bucket_bytes))
+            entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset))
             offset = _align(offset + nbytes)
         if not entries:
             raise ValueError("a refit plan needs at least one tensor")
         self.entries: tuple[PlanEntry, ...] = tuple(entries)
         self.total_bytes = offset
-        self.num_buckets = max(1, -(-offset // bucket_bytes))
         self._index = {e.name: i for i, e in enumerate(self.entries)}
 
     @classmethod
@@ -160,7 +153,7 @@ class RefitPlan:
 
         Every field is checked strictly: exactly the canonical keys, this plan format and alignment, ints that
         are non-negative ints (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and each entry's
-        ``nbytes``, ``offset`` and ``bucket`` equal to what its shapes imply.
+        ``nbytes`` and ``offset`` equal to what its shapes imply.
 
         Raises:
             ValueError: anything else, naming the first bad field.
@@ -173,31 +166,25 @@ class RefitPlan:
             raise ValueError(f"plan align must be {ALIGN}, got {obj['align']!r}")
         if type(obj["entries"]) is not list:
             raise ValueError("plan entries must be a list")
-        plan = cls([_entry_item(i, e) for i, e in enumerate(obj["entries"])], obj["bucket_bytes"])
+        plan = cls([_entry_item(i, e) for i, e in enumerate(obj["entries"])])
         for e, given in zip(plan.entries, obj["entries"], strict=True):
             if e.canonical() != given:
-                raise ValueError(f"plan entry {e.name!r}: nbytes / offset / bucket {given[4:]} do not follow "
-                                 f"from its dtype and shape ({[e.nbytes, e.offset, e.bucket]})")
+                raise ValueError(f"plan entry {e.name!r}: nbytes / offset {given[4:]} do not follow from its "
+                                 f"dtype and shape ({[e.nbytes, e.offset]})")
         return plan
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def __repr__(self) -> str:
-        return (f"RefitPlan({len(self)} tensors, {self.total_bytes} bytes, {self.num_buckets} buckets of "
-                f"{self.bucket_bytes} bytes, digest {self.digest[:12]})")
+        return f"RefitPlan({len(self)} tensors, {self.total_bytes} bytes, digest {self.digest[:12]})"
 
     def index(self, name: str) -> int:
         return self._index[name]
 
-    def bucket_size(self, b: int) -> int:
-        """Payload bytes of bucket ``b`` (the last one may be shorter)."""
-        return min(self.bucket_bytes, self.total_bytes - b * self.bucket_bytes)
-
     def canonical(self) -> dict:
         """JSON-able canonical form (what the digest covers)."""
-        return {"format": PLAN_FORMAT, "bucket_bytes": self.bucket_bytes, "align": ALIGN,
-                "entries": [e.canonical() for e in self.entries]}
+        return {"format": PLAN_FORMAT, "align": ALIGN, "entries": [e.canonical() for e in self.entries]}
 
     @cached_property
     def digest(self) -> str:
@@ -213,8 +200,7 @@ class RefitPlan:
         return out
 
     def summary(self) -> dict:
-        return {"tensors": len(self), "bytes": self.total_bytes, "buckets": self.num_buckets,
-                "bucket_bytes": self.bucket_bytes, "digest": self.digest,
+        return {"tensors": len(self), "bytes": self.total_bytes, "digest": self.digest,
                 "bytes_by_role": self.nbytes_by_role}
 
     @cached_property
@@ -247,14 +233,12 @@ class RefitPlan:
 def diff_canonical(local: dict, remote: dict, *, limit: int = 10) -> list[str]:
     """The first differences between two canonical plans (``local`` vs ``remote``), as readable strings.
 
-    Kinds: ``bucket_bytes``, ``missing`` (in remote only: the local side lacks it), ``extra`` (local only),
+    Kinds: ``missing`` (in remote only: the local side lacks it), ``extra`` (local only),
     ``reordered`` (same tensors, different position), ``shape``, ``dtype``, ``role``.
     """
     out: list[str] = []
     if local.get("format") != remote.get("format"):
         out.append(f"plan format: local {local.get('format')!r} vs remote {remote.get('format')!r}")
-    if local.get("bucket_bytes") != remote.get("bucket_bytes"):
-        out.append(f"bucket_bytes: local {local.get('bucket_bytes')} vs remote {remote.get('bucket_bytes')}")
     le = {e[0]: (i, e) for i, e in enumerate(local.get("entries", []))}
     re_ = {e[0]: (i, e) for i, e in enumerate(remote.get("entries", []))}
     for name in re_:

@@ -5,7 +5,7 @@ with the whole world and settles every stream by that vote: all commit, or none.
 - ``RefitReceiver(transport, plan, targets)``: one engine rank of a world of ONE multicast stream (its
   trainer's broadcast); the stream lands in staging, or straight into the live tensors when they are one
   arena laid out as the stream (direct mode, with a rollback copy).
-- ``RefitReceiver.from_mesh(world, mesh, live, bucket_bytes)`` (or :meth:`RefitReceiver.for_pairs`): one of E
+- ``RefitReceiver.from_mesh(world, mesh, live)`` (or :meth:`RefitReceiver.for_pairs`): one of E
   engine ranks of a sharded refit, one pair stream from each trainer rank that holds what it needs (staged).
 """
 
@@ -100,8 +100,7 @@ class RefitReceiver(WorldSide):
         return self
 
     @classmethod
-    def from_mesh(cls, world: Transport, mesh: MeshPlan, live: Mapping, bucket_bytes: int,
-                  **kwargs) -> RefitReceiver:
+    def from_mesh(cls, world: Transport, mesh: MeshPlan, live: Mapping, **kwargs) -> RefitReceiver:
         """This engine rank's receiver of an agreed :class:`~mxport.refit.mesh.MeshPlan` into its live
         tensors ``live`` (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`): its routes
         in pair order, each landing in place or through its scatters
@@ -109,7 +108,7 @@ class RefitReceiver(WorldSide):
         pairs = []
         for r in ordered_routes(mesh, world.rank):
             targets, scatters = route_targets(r, live)
-            pairs.append((r.trainer, r.plan(bucket_bytes), targets, scatters))
+            pairs.append((r.trainer, r.plan(), targets, scatters))
         return cls.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(mesh.num_trainers),
                              replicas=find_replicas(mesh), **kwargs)
 
@@ -251,7 +250,7 @@ class RefitReceiver(WorldSide):
                                  f"trainer rank {t}; no pair committed, live weights kept at version "
                                  f"{self.version})")
                 raise
-            stats.append(PairStats(t, self.world.rank, r.plan.total_bytes, r.plan.num_buckets,
+            stats.append(PairStats(t, self.world.rank, r.plan.total_bytes, r.layout.num_buckets,
                                    time.perf_counter() - t0))
         return staged, stats
 

@@ -5,7 +5,7 @@ for the whole world and concludes.
 - ``RefitSender(transport, plan)``: one trainer rank and the R engine ranks of ``transport``'s group, a world
   of ONE multicast stream (one broadcast, however many receivers); the world agreement is that stream's plan
   handshake, the world vote one ``all_gather`` over its group.
-- ``RefitSender.from_mesh(world, mesh, bucket_bytes)`` (or :meth:`RefitSender.for_pairs`): one rank of T
+- ``RefitSender.from_mesh(world, mesh)`` (or :meth:`RefitSender.for_pairs`): one rank of T
   trainer ranks refitting E engine ranks, one pair stream per route of the agreed
   :class:`~mxport.refit.mesh.MeshPlan`, the world handshake and vote of :mod:`mxport.refit.world`.
 """
@@ -48,10 +48,12 @@ class RefitSender(WorldSide):
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        stream_kwargs: :class:`~mxport.refit.stream.StreamSender`'s: ``use_checksum`` (a per-bucket
-            checksum, verified by every receiver before committing), ``device`` (where the pack buffers live:
-            "cpu" for gloo, the GPU for NCCL), ``inflight`` (broadcasts in flight at once, >= 1),
-            ``stream_crc32`` (also a CRC-32 of the whole byte stream, returned as ``stream_crc32``; compare
+        stream_kwargs: :class:`~mxport.refit.stream.StreamSender`'s: ``bucket_bytes`` (payload bytes per
+            broadcast, the stream's bucket size: every receiver must use the same), ``use_checksum`` (a
+            per-bucket checksum, verified by every receiver before committing), ``device`` (where the pack
+            buffers live: "cpu" for gloo, the GPU for NCCL), ``inflight`` (broadcasts in flight at once,
+            >= 1), ``stream_crc32`` (also a CRC-32 of the whole byte stream, returned as ``stream_crc32``;
+            compare
             with :meth:`RefitReceiver.live_crc32`).
 
     Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
@@ -97,11 +99,12 @@ class RefitSender(WorldSide):
         return self
 
     @classmethod
-    def from_mesh(cls, world: Transport, mesh: MeshPlan, bucket_bytes: int, **kwargs) -> RefitSender:
+    def from_mesh(cls, world: Transport, mesh: MeshPlan, **kwargs) -> RefitSender:
         """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan` (group ranks =
-        world ranks): its routes in pair order, the plan's replicas checked; send with :meth:`send_local`."""
+        world ranks): its routes in pair order, the plan's replicas checked; send with :meth:`send_local`.
+        ``kwargs``: :meth:`for_pairs`' (``bucket_bytes`` and the other stream settings included)."""
         routes = ordered_routes(mesh, world.rank)
-        self = cls.for_pairs(world, [(r.engine, r.plan(bucket_bytes)) for r in routes],
+        self = cls.for_pairs(world, [(r.engine, r.plan()) for r in routes],
                              global_digest=mesh.digest, trainers=range(mesh.num_trainers),
                              replicas=find_replicas(mesh), **kwargs)
         self.routes = routes
@@ -138,7 +141,7 @@ class RefitSender(WorldSide):
         return self.send({r.engine: route_tensors(r, local) for r in self.routes}, local=local)
 
     def send(self, tensors: Iterable[torch.Tensor] | Mapping[int, Iterable[torch.Tensor]], *,
-             checksums: Callable[[int], int] | None = None, local: Mapping | None = None
+             checksums: Callable[[int, int], int] | None = None, local: Mapping | None = None
              ) -> SendStats | ShardedSendStats:
         """Send one refit, vote once over the world, conclude.
 
@@ -163,8 +166,9 @@ class RefitSender(WorldSide):
         of the transport itself (a dead receiver, a timeout) raises :class:`RefitError`: re-create the group.
 
         ``checksums``: when the producer knows each bucket's checksum without reading it
-        (``TrainerSource(arena=True).bucket_checksum``: summed by the quantize kernel as it wrote the bytes),
-        ``checksums(b)`` gives :func:`~mxport.refit.buckets.checksum` of bucket ``b`` (a world of one stream);
+        (``TrainerSource(arena=True).stream_checksum``: summed by the quantize kernel as it wrote the bytes),
+        ``checksums(start, size)`` gives :func:`~mxport.refit.buckets.checksum` of the stream bytes ``[start,
+        start + size)``, the bucket there (a world of one stream);
         receivers verify every bucket as always, so a wrong value fails the refit, never passes bad bytes.
 
         Returns:
@@ -241,7 +245,7 @@ class RefitSender(WorldSide):
             return [], exc
 
     def _transmit_all(self, streams: Mapping[int, Iterable[torch.Tensor]], failed: BaseException | None,
-                      checksums: Callable[[int], int] | None):
+                      checksums: Callable[[int, int], int] | None):
         """Transmit every stream in order; after the first abort the rest go out as aborts too (all of them
         when ``failed`` already). Returns the pending sends, their stats and the refit's failure (or None)."""
         unknown = sorted(set(streams) - set(self.engines))
@@ -263,7 +267,7 @@ class RefitSender(WorldSide):
                                  f"{self.world.rank} to engine rank {e})")
                 raise
             pendings.append(p)
-            stats.append(PairStats(self.world.rank, e, s.plan.total_bytes, s.plan.num_buckets,
+            stats.append(PairStats(self.world.rank, e, s.plan.total_bytes, s.layout.num_buckets,
                                    time.perf_counter() - t0))
             if p.aborted and failed is None:
                 failed = p.error

@@ -19,7 +19,7 @@ from ..plan import RefitPlan
 __all__ = ["checkpoint_tensors", "model_tensors", "receiver_plan"]
 
 
-def receiver_plan(model: nn.Module, bucket_bytes: int, *, arena: bool = False
+def receiver_plan(model: nn.Module, *, arena: bool = False
                   ) -> tuple[RefitPlan, list[torch.Tensor]]:
     """The inference side: the plan derived from the live model and its live tensors (the refit targets).
 
@@ -57,7 +57,7 @@ def receiver_plan(model: nn.Module, bucket_bytes: int, *, arena: bool = False
         else:
             items.append((name, "values" if is_fp8_dtype(t.dtype) else "kept", t.dtype, tuple(t.shape)))
             live.append(t)
-    plan = RefitPlan(items, bucket_bytes)
+    plan = RefitPlan(items)
     if arena:
         slots = allocate_targets(plan, live[0].device)
         users = storage_users(model)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ...parallel import Layout, attention_problem, engine_shard
-from ..mesh import PLAN_BUCKET, Box, Holding, Local, TensorInfo, scales_box
+from ..mesh import Box, Holding, Local, TensorInfo, scales_box
 from ..plan import dtype_from_name
 from .plain import receiver_plan
 
@@ -81,7 +81,7 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
     problem = attention_problem(layout.tp, getattr(config, "num_attention_heads", None), kv_heads)
     if problem:
         raise ValueError(f"engine layout {layout}: {problem}")
-    plan, _ = receiver_plan(model, PLAN_BUCKET)
+    plan, _ = receiver_plan(model)
     out: list[Holding] = []
     values: list[Holding] = []
     for e in plan.entries:

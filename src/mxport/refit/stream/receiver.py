@@ -27,6 +27,7 @@ import torch
 
 from ..arena import RollbackCopy, bump_versions, stream_arena
 from ..buckets import (
+    DEFAULT_BUCKET_BYTES,
     MAGIC,
     STATUS_ABORT,
     STATUS_OK,
@@ -103,6 +104,7 @@ class StreamReceiver:
     Args:
         transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s (the live tensors are only ever
             written in place; every refit bumps each target's ``_version``).
+        bucket_bytes: the stream's bucket size, the sender's (checked in the handshake).
         use_checksum: verify each bucket's checksum (the sender must write them).
         refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales,
             caches that do not follow ``_version``).
@@ -122,7 +124,8 @@ class StreamReceiver:
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
-                 use_checksum: bool = True, refresh_hooks: Sequence[Callable[[], None]] = (),
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True,
+                 refresh_hooks: Sequence[Callable[[], None]] = (),
                  inflight: int = 4, direct: bool | None = None):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
@@ -139,7 +142,7 @@ class StreamReceiver:
         self.use_checksum = use_checksum
         self.refresh_hooks = list(refresh_hooks)
         self.inflight = max(1, inflight)
-        self.layout = BucketLayout(plan)
+        self.layout = BucketLayout(plan, bucket_bytes)
         self._views = [byte_view(t, argname=plan.entries[i].name) for i, t in enumerate(targets)]
         self._pointers = self.pointers()
         arena = stream_arena(plan, targets) if direct is not False else None
@@ -149,7 +152,7 @@ class StreamReceiver:
         self.direct = arena is not None
         self._arena = arena
         device = targets[0].device
-        self._trailer = torch.zeros(TRAILER_FIXED + plan.num_buckets, dtype=torch.int64, device=device)
+        self._trailer = torch.zeros(TRAILER_FIXED + self.layout.num_buckets, dtype=torch.int64, device=device)
         self.version = 0
         self.last_checksums: list[int] = []
         #: direct mode: the previous version, restored from on a failure (the staging buffer is that copy)
@@ -163,7 +166,7 @@ class StreamReceiver:
         self._landing = self._bucket_views(arena) if arena is not None else self._payloads
 
     def _bucket_views(self, stream: torch.Tensor) -> list[torch.Tensor]:
-        B = self.plan.bucket_bytes
+        B = self.layout.bucket_bytes
         return [stream[b * B:b * B + n] for b, n in enumerate(self.layout.sizes)]
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -178,7 +181,7 @@ class StreamReceiver:
     def handshake(self) -> None:
         """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any
         payload)."""
-        exchange_plans(self.transport, self.plan, self.version)
+        exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
 
     # -- direct mode: the rollback copy ----------------------------------------------------------------------
     @property
@@ -196,8 +199,8 @@ class StreamReceiver:
 
     def _landed_bytes(self, posted: int) -> int:
         """Stream bytes that broadcasts ``0..posted-1`` may have written."""
-        n = min(posted, self.plan.num_buckets)
-        return min(n * self.plan.bucket_bytes, self.plan.total_bytes)
+        n = min(posted, self.layout.num_buckets)
+        return min(n * self.layout.bucket_bytes, self.plan.total_bytes)
 
     # -- one refit -------------------------------------------------------------------------------------------
     def stage(self) -> Staged:
@@ -254,7 +257,8 @@ class StreamReceiver:
         if self._rollback_copy is not None:
             self._rollback_copy.start()
         seconds = sw.between("first", "done")
-        return ReceiveStats(version=self.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+        return ReceiveStats(version=self.version, bytes=self.plan.total_bytes,
+                            buckets=self.layout.num_buckets,
                             direct=self.direct, seconds=seconds, idle_s=sw.between("posted", "first"),
                             recv_s=sw.between("first", "judged"), commit_s=sw["commit"],
                             gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
@@ -282,7 +286,7 @@ class StreamReceiver:
         while later ones are on the wire. Returns the checksums and when the first bucket arrived. A transport
         failure (dead peer, timeout) raises :class:`RefitError` after waiting for every posted broadcast and,
         in direct mode, restoring what they touched."""
-        n = self.plan.num_buckets
+        n = self.layout.num_buckets
         bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
         got = [0] * n
@@ -310,7 +314,7 @@ class StreamReceiver:
     def _judge(self, trailer: Trailer, got: list[int]) -> _Problem | None:
         """Why the received refit must be rejected (bad trailer, sender abort, stale version, checksum), or
         None."""
-        plan, n = self.plan, self.plan.num_buckets
+        plan, n = self.plan, self.layout.num_buckets
         if trailer.magic != MAGIC or trailer.num_buckets != n or trailer.status not in (STATUS_OK,
                                                                                          STATUS_ABORT):
             return _Problem(Status.BAD_TRAILER, f"bad trailer (magic {trailer.magic:#x}, "
@@ -321,7 +325,7 @@ class StreamReceiver:
             what = f" at tensor {plan.entries[entry].name!r}" if entry >= 0 else ""
             why = _ABORT_WHY.get(trailer.reason, "an error on the sender")
             return _Problem(Status.ABORTED, f"the sender aborted refit v{trailer.version}{what} ({why})",
-                            plan.entries[entry].bucket if entry >= 0 else None, entry)
+                            self.layout.bucket_of(entry) if entry >= 0 else None, entry)
         if trailer.version <= self.version:
             return _Problem(Status.STALE,
                             f"stale refit version {trailer.version} (live version is {self.version})")
@@ -344,7 +348,7 @@ class StreamReceiver:
         if self.direct:
             bump_versions(self.targets)
         else:
-            for b in range(self.plan.num_buckets):
+            for b in range(self.layout.num_buckets):
                 unpack_segments(self.layout.segments[b], self._payloads[b], self._views)
         self.version = int(trailer.version)
         self.last_checksums = trailer.checksums
@@ -371,7 +375,7 @@ class StreamReceiver:
     def _rejection(self, problem: _Problem | None, vote: Vote) -> RefitError:
         """The RefitError of a refit some rank voted no on: this rank's own reason (if it rejected), and the
         other ranks that rejected, with their buckets' tensors."""
-        n, me = self.plan.num_buckets, self.transport.rank
+        n, me = self.layout.num_buckets, self.transport.rank
         others = []
         for r in vote.no:
             same_abort = (problem is not None and problem.status is Status.ABORTED
@@ -390,7 +394,7 @@ class StreamReceiver:
     def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
                trailer: bool = False, receivers: Sequence[ReceiverResult] = ()) -> RefitError:
         """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
-        n = self.plan.num_buckets
+        n = self.layout.num_buckets
         names = self.layout.tensor_names(bucket) if bucket is not None else []
         if bucket is not None:
             where = f"bucket {bucket} of {n} (tensors: {_names(names)})"
@@ -425,8 +429,8 @@ class StreamReceiver:
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return
-        scratch = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
-        for b in range(self.plan.num_buckets):
-            payload = scratch[:self.plan.bucket_size(b)]
+        scratch = torch.empty(self.layout.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
+        for b in range(self.layout.num_buckets):
+            payload = scratch[:self.layout.sizes[b]]
             pack_bucket(self.layout, b, self._views, payload)
             yield b, payload

@@ -3,10 +3,10 @@ buckets inside one tensor straight from its storage, mixed buckets packed into r
 buckets are on the wire (asynchronous broadcast) — then a trailer with the version and per-bucket checksums;
 the coordinator (:class:`~mxport.refit.RefitSender`) holds the vote, then the stream concludes.
 
-Every broadcast has exactly the size the agreed plan gives it (checked before it is posted): a receiver posts
-the same size, and gloo kills a process that receives more bytes than it posted. Every item is checked against
-its plan entry before it is packed; any failure before the trailer sends the remaining buckets (unused
-content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
+Every broadcast has exactly the size the agreed plan and bucket size give it (checked before it is posted):
+a receiver posts the same size, and gloo kills a process that receives more bytes than it posted. Every item
+is checked against its plan entry before it is packed; any failure before the trailer sends the remaining
+buckets (unused content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..buckets import (
+    DEFAULT_BUCKET_BYTES,
     STATUS_ABORT,
     TRAILER_FIXED,
     BucketLayout,
@@ -61,7 +62,7 @@ class _Run:
     version: int
     items: Iterator
     slots: int
-    checksums: Callable[[int], int] | None = None  # the producer's bucket checksums (see send)
+    checksums: Callable[[int, int], int] | None = None  # the producer's checksums of stream ranges (see send)
     sources: list = field(default_factory=list)  # flat uint8 views per entry (None once on the wire)
     pending: deque = field(default_factory=deque)  # (handle, pack slot or None, payload kept alive)
     crcs: list = field(default_factory=list)
@@ -109,6 +110,8 @@ class StreamSender:
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
+        bucket_bytes: payload bytes per broadcast (the last bucket may be shorter), a positive multiple of 16;
+            every receiver of the stream must use the same (checked in the handshake).
         use_checksum: compute a per-bucket checksum (chunked int64 sum,
             :func:`~mxport.refit.buckets.checksum`); receivers verify it before committing.
         device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL); tensors already there are sent
@@ -121,7 +124,8 @@ class StreamSender:
     Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
     """
 
-    def __init__(self, transport: Transport, plan: RefitPlan, *, use_checksum: bool = True,
+    def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 use_checksum: bool = True,
                  device: str | torch.device = "cpu", inflight: int = 2, stream_crc32: bool = False):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
@@ -132,22 +136,22 @@ class StreamSender:
         self.transport, self.plan, self.use_checksum = transport, plan, use_checksum
         self.stream_crc32 = stream_crc32
         self.device = canonical_device(device)
-        self.layout = BucketLayout(plan)
+        self.layout = layout = BucketLayout(plan, bucket_bytes)
         self.inflight = inflight
         self.version = 0
-        self._packbuf = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8, device=self.device)
-                         for _ in range(min(inflight, plan.num_buckets))]
+        self._packbuf = [torch.zeros(bucket_bytes, dtype=torch.uint8, device=self.device)
+                         for _ in range(min(inflight, layout.num_buckets))]
         # number of entries that must be available before bucket b (entries starting before its end)
-        ends = [min((b + 1) * plan.bucket_bytes, plan.total_bytes) for b in range(plan.num_buckets)]
+        ends = [min((b + 1) * bucket_bytes, plan.total_bytes) for b in range(layout.num_buckets)]
         self._need = [sum(1 for e in plan.entries if e.offset < end) for end in ends]
         self._need[-1] = len(plan)
 
     def handshake(self) -> None:
         """Exchange plan digests with every receiver (raises RefitPlanMismatch on all sides on a mismatch)."""
-        self.version = exchange_plans(self.transport, self.plan, self.version)
+        self.version = exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
 
     def transmit(self, tensors: Iterable[torch.Tensor], *,
-                 checksums: Callable[[int], int] | None = None) -> PendingSend:
+                 checksums: Callable[[int, int], int] | None = None) -> PendingSend:
         """Phase one of a refit (:meth:`~mxport.refit.RefitSender.send`): every bucket and the trailer (on a
         failure the remaining buckets and an abort trailer, the error kept in the result; ``checksums`` as in
         ``send``). Follow with the vote (this rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
@@ -159,7 +163,7 @@ class StreamSender:
         run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
         sw = Stopwatch()
         try:
-            for b in range(self.plan.num_buckets):
+            for b in range(self.layout.num_buckets):
                 self._send_bucket(run, b, sw)
             run.reason, run.entry = AbortReason.PRODUCER, -1
             if next(run.items, _END) is not _END:
@@ -175,7 +179,7 @@ class StreamSender:
             return PendingSend(run, sw, exc, self.transport.rank)
         with sw.phase("wait"):
             try:
-                _wait(self._post(make_trailer(run.version, run.crcs), self.plan.num_buckets))
+                _wait(self._post(make_trailer(run.version, run.crcs), self.layout.num_buckets))
             except _TransportFailed as exc:
                 raise self._transport_error(run, exc.error) from exc.error
         return PendingSend(run, sw, None, self.transport.rank)
@@ -193,7 +197,7 @@ class StreamSender:
         results = vote.results
         self._raise_rejections(run, vote)
         seconds = sw.elapsed()
-        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.plan.num_buckets,
+        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.layout.num_buckets,
                          zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
                          pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
                          stream_crc32=run.stream_crc if self.stream_crc32 else None,
@@ -241,11 +245,12 @@ class StreamSender:
             run.slot_busy[slot] = True
         if self.use_checksum and crc is None:
             with sw.phase("checksum"):  # a zero-copy bucket is summed while it is on the wire
-                crc = checksum(payload) if run.checksums is None else run.checksums(b)
+                crc = (checksum(payload) if run.checksums is None
+                       else run.checksums(b * self.layout.bucket_bytes, size))
         run.crcs.append(crc if crc is not None else 0)
         # release sources that are fully handed to the wire (a generator's tensors can then be freed); entries
         # lie in stream order, so those not released yet start at run.released
-        bucket_end, entries, i = b * self.plan.bucket_bytes + size, self.plan.entries, run.released
+        bucket_end, entries, i = b * self.layout.bucket_bytes + size, self.plan.entries, run.released
         while i < len(run.sources) and entries[i].offset + entries[i].nbytes <= bucket_end:
             run.sources[i] = None
             i += 1
@@ -270,8 +275,8 @@ class StreamSender:
         """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it
         has exactly the size the plan gives it (the receivers post that size; a larger message kills them in
         gloo)."""
-        n = self.plan.num_buckets
-        want = self.plan.bucket_size(b) if b < n else (TRAILER_FIXED + n) * 8
+        n = self.layout.num_buckets
+        want = self._planned_size(b) if b < n else (TRAILER_FIXED + n) * 8
         got = payload.nbytes
         if payload.dim() != 1 or got != want:
             raise RuntimeError(f"refit v{self.version}: {'bucket ' + str(b) if b < n else 'the trailer'} is "
@@ -280,6 +285,12 @@ class StreamSender:
             return self.transport.broadcast(payload.to(self.device), async_op=True)
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             raise _TransportFailed(exc) from exc
+
+    def _planned_size(self, b: int) -> int:
+        """Bucket ``b``'s size as the plan and the bucket size give it (computed here, not read from the
+        layout the packing uses: the check of what is posted stays independent of it)."""
+        B = self.layout.bucket_bytes
+        return min(B, self.plan.total_bytes - b * B)
 
     def _retire_oldest(self, run: _Run) -> None:
         """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
@@ -301,7 +312,7 @@ class StreamSender:
         # the receivers that voted no; when none did, the other sender(s) that aborted (sharded refit)
         bad = [r for r in vote.no if r.rank not in vote.sender_ranks] or vote.no
         results = vote.results
-        parts = "; ".join(r.describe(self.plan.num_buckets, vote.sender_ranks) for r in bad)
+        parts = "; ".join(r.describe(self.layout.num_buckets, vote.sender_ranks) for r in bad)
         raise RefitError(f"refit v{run.version} was rejected by {len(bad)} of {len(results)} receiver(s): "
                          f"{parts}; no receiver committed it (every one keeps its previous weights)",
                          bucket=bad[0].bucket if bad[0].bucket >= 0 else None,
@@ -327,11 +338,11 @@ class StreamSender:
         try:
             self._drain(run)
             buf = self._packbuf[0]
-            for b in range(run.posted, self.plan.num_buckets):
-                self._post(buf[:self.plan.bucket_size(b)], b).wait()
-            trailer = make_trailer(run.version, [0] * self.plan.num_buckets, STATUS_ABORT, run.entry,
+            for b in range(run.posted, self.layout.num_buckets):
+                self._post(buf[:self._planned_size(b)], b).wait()
+            trailer = make_trailer(run.version, [0] * self.layout.num_buckets, STATUS_ABORT, run.entry,
                                    run.reason)
-            self._post(trailer, self.plan.num_buckets).wait()
+            self._post(trailer, self.layout.num_buckets).wait()
         except BaseException as exc:  # noqa: BLE001 - report the first error; this one rides along as a note
             error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
             return False

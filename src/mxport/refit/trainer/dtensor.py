@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..mesh import PLAN_BUCKET, Box, Holding, Local, checked_local, scales_box, tensor_infos
+from ..mesh import Box, Holding, Local, checked_local, scales_box, tensor_infos
 from .whole import TrainerSource, kept_wire_dtype
 
 
@@ -50,7 +50,7 @@ class ShardedTrainerSource:
                  kept_dtype: torch.dtype | None = None, kernel: str | None = None):
         from ...sources.dtensor import is_dtensor
 
-        base = TrainerSource(model, policy, bucket_bytes=PLAN_BUCKET, fp8_dtype=fp8_dtype,
+        base = TrainerSource(model, policy, fp8_dtype=fp8_dtype,
                              kept_dtype=kept_dtype, kernel=kernel)
         self.fp8_dtype, self.kept_dtype, self.kernel = fp8_dtype, kept_dtype, kernel
         self.plan = base.plan  # the global plan: full shapes

@@ -4,6 +4,7 @@ laid out as the plan's byte stream, :mod:`mxport.refit.arena`)."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from ...components import compact_scale_shape
 from ..arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
-from ..buckets import BucketLayout, ChunkSums
+from ..buckets import ChunkSums, checksum
 from ..items import model_tensors, tensor_items
 from ..plan import RefitPlan
 
@@ -61,7 +62,6 @@ class TrainerSource:
             each refit, a collective: every rank of their mesh must iterate :meth:`tensors` together.
         policy: a :class:`mxport.policy.PrecisionPolicy` (None = default: linear weights MXFP8; embeddings,
             lm_head, norms, routers kept).
-        bucket_bytes: payload bytes per bucket.
         fp8_dtype: element format of quantized weights.
         kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
         kernel: the quantize kernel (``"native"``, ``"compiled"``, ``"eager"``; None = the fastest that takes
@@ -84,7 +84,7 @@ class TrainerSource:
             (``save_pretrained`` / safetensors write each tensor's own bytes). Costs about the model's refit
             size for the trainer's lifetime, less the adopted tensors' old storage; off by default.
             With it the source also gives each bucket's checksum without reading the bucket
-            (:meth:`bucket_checksum`, for ``RefitSender.send(..., checksums=...)``).
+            (:meth:`stream_checksum`, for ``RefitSender.send(..., checksums=...)``).
 
     Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
     ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil). Native MXFP8 storage
@@ -93,7 +93,7 @@ class TrainerSource:
     element format, exported as is.
     """
 
-    def __init__(self, model: nn.Module, policy=None, *, bucket_bytes: int,
+    def __init__(self, model: nn.Module, policy=None, *,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
                  arena: bool = False, kernel: str | None = None):
         from ...policy import PrecisionPolicy
@@ -116,7 +116,7 @@ class TrainerSource:
                                       scales=(torch.uint8, compact_scale_shape(t.shape, "rowwise")))
             else:
                 items += tensor_items(name, kept_wire_dtype(t, kept_dtype), t.shape)
-        self.plan = RefitPlan(items, bucket_bytes)
+        self.plan = RefitPlan(items)
         self._device = _device_of(self.tensors_by_name, native)
         self.arena = bool(arena)
         self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
@@ -124,7 +124,7 @@ class TrainerSource:
         # the stream's word sums per checksum chunk, of the quantized bytes (added by the quantize kernel as
         # it writes them); entries summed there, and entries yielded, by the current tensors() call
         self._sums = ChunkSums(self.plan, self._device) if self.arena else None
-        self._layout = BucketLayout(self.plan) if self.arena else None
+        self._starts = [e.offset for e in self.plan.entries]
         self._stream = stream_arena(self.plan, self._slots) if self.arena else None  # the buffer, flat
         self._summed = [False] * len(self.plan)
         self._yielded = 0
@@ -216,7 +216,7 @@ class TrainerSource:
 
     def _copy_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Copy (and cast) ``x`` into entry ``i``'s slot of the send buffer, summing its bytes as they are
-        written (:meth:`ChunkSums.copy_in`): :meth:`bucket_checksum` then never reads them again."""
+        written (:meth:`ChunkSums.copy_in`): :meth:`stream_checksum` then never reads them again."""
         self._sums.copy_in(self._slots[i], x, self.plan.entries[i].offset)
         self._summed[i] = True
         return self._slots[i]
@@ -242,34 +242,46 @@ class TrainerSource:
             self._summed[j] = self._summed[j + 1] = True
         return end
 
-    def bucket_checksum(self, b: int) -> int:
-        """The refit checksum (:func:`~mxport.refit.buckets.checksum`) of bucket ``b`` of the stream the
-        current :meth:`tensors` call yields, once it has yielded every tensor with bytes in bucket ``b``,
-        without reading the bucket: the quantized weights' bytes were summed by the quantize kernel as it
-        wrote them (native: in cache, no pass of its own), and the tensors copied or cast into the send buffer
-        (kept tensors, native MXFP8 storage) as they were copied in; only the adopted kept tensors' bytes (the
+    def stream_checksum(self, start: int, size: int) -> int:
+        """The refit checksum (:func:`~mxport.refit.buckets.checksum`) of the stream bytes ``[start, start +
+        size)`` (a bucket, whatever the stream's bucket size) that the current :meth:`tensors` call yields,
+        once it has yielded every tensor with bytes there. For a bucket of whole
+        :data:`~mxport.refit.buckets.SUM_CELL` cells (any bucket size that is a multiple of 4 KiB) without
+        reading the bucket: the quantized weights' bytes were summed by the quantize kernel as it wrote them
+        (native: in cache, no pass of its own), and the tensors copied or cast into the send buffer (kept
+        tensors, native MXFP8 storage) as they were copied in; only the adopted kept tensors' bytes (the
         trainer's own parameters, which the optimizer changes in place) are summed now, from the send buffer,
-        as they are. For ``RefitSender.send(source.tensors(), checksums=source.bucket_checksum)``: the
-        sender asks after posting the bucket, so the adopted tensors are summed while it is on the wire.
+        as they are. Any other range is summed from the send buffer. For ``RefitSender.send(source.tensors(),
+        checksums=source.stream_checksum)``: the sender asks after posting the bucket, so the adopted tensors
+        are summed while it is on the wire.
 
         Raises:
-            ValueError: without ``arena=True``. RuntimeError: some tensor of bucket ``b`` not yielded yet.
+            ValueError: without ``arena=True``, or a range outside the stream. RuntimeError: some tensor of
+            the range not yielded yet.
         """
         if self._sums is None:
-            raise ValueError("bucket_checksum() needs TrainerSource(arena=True)")
-        segments = self._layout.segments[b]
-        if segments and segments[-1].entry >= self._yielded:
-            raise RuntimeError(f"bucket {b}: tensor {self.plan.entries[segments[-1].entry].name!r} has not "
-                               "been produced yet by tensors()")
-        runs: list[list[int]] = []  # runs of consecutive segments not summed yet (only zero padding between)
+            raise ValueError("stream_checksum() needs TrainerSource(arena=True)")
+        end = start + size
+        if start < 0 or size < 0 or end > self.plan.total_bytes:
+            raise ValueError(f"stream range {start}+{size} falls outside the plan's {self.plan.total_bytes} "
+                             "bytes")
+        first, last = bisect.bisect_right(self._starts, start) - 1, bisect.bisect_left(self._starts, end) - 1
+        if last >= self._yielded:
+            raise RuntimeError(f"stream bytes {start}..{end}: tensor {self.plan.entries[last].name!r} has "
+                               "not been produced yet by tensors()")
+        if not self._sums.covers(start, size):
+            return checksum(self._stream[start:end])
+        entries = self.plan.entries
+        runs: list[list[int]] = []  # runs of consecutive entries not summed yet (only zero padding between)
         joined = False
-        for s in segments:
-            if self._summed[s.entry]:
-                joined = False
+        for i in range(max(first, 0), last + 1):
+            e = entries[i]
+            lo, hi = max(e.offset, start), min(e.offset + e.nbytes, end)
+            if self._summed[i] or hi <= lo:
+                joined = joined and hi <= lo
             elif joined:
-                runs[-1][1] = s.dst + s.length
+                runs[-1][1] = hi
             else:
-                runs.append([s.dst, s.dst + s.length])
+                runs.append([lo, hi])
                 joined = True
-        base = b * self.plan.bucket_bytes
-        return self._sums.checksum(b, [(self._stream[base + d0:base + d1], base + d0) for d0, d1 in runs])
+        return self._sums.checksum(start, size, [(self._stream[a:b], a) for a, b in runs])
