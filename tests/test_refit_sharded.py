@@ -371,13 +371,13 @@ def test_three_refits_land_exactly_on_every_engine(four_ranks):
             got = four_ranks[f"e{e}"][step]
             assert got["live"] == {0: step, 1: step} and got["pointers"] is True
             assert got["ok"]["version"] == step and got["ok"]["rank"] == e
-            assert [(p["trainer"], p["engine"]) for p in got["ok"]["pairs"]] == _my_pairs(e)
+            assert [(p["trainer"], *p["engines"]) for p in got["ok"]["streams"]] == _my_pairs(e)
             assert got["ok"]["bytes"] == sum(pair_plan(t, e).total_bytes for t in TRAINERS)
         for t in TRAINERS:
             sent = four_ranks[f"t{t}"][step]["ok"]
-            assert sent["version"] == step and _statuses(sent["results"]) == {2: "ok", 3: "ok"}
-            assert [(p["trainer"], p["engine"]) for p in sent["pairs"]] == _my_pairs(t)
-            assert all(p["buckets"] == _buckets(pair_plan(t, p["engine"])) >= 3 for p in sent["pairs"])
+            assert sent["version"] == step and _statuses(sent["receivers"]) == {2: "ok", 3: "ok"}
+            assert [(p["trainer"], *p["engines"]) for p in sent["streams"]] == _my_pairs(t)
+            assert all(p["buckets"] == _buckets(pair_plan(t, p["engines"][0])) >= 3 for p in sent["streams"])
 
 
 @pytest.mark.slow
@@ -504,7 +504,7 @@ def test_an_engine_killed_mid_refit_leaves_the_survivors_on_their_weights(tmp_pa
         assert res[f"t{t}"][2]["error"].startswith("RefitError: "), res[f"t{t}"][2]["where"]
     for tag in ("t0", "t1"):
         assert res[tag][3]["ok"]["version"] == 3
-        assert _statuses(res[tag][3]["ok"]["results"]) == {2: "ok", 3: "ok"}
+        assert _statuses(res[tag][3]["ok"]["receivers"]) == {2: "ok", 3: "ok"}
     for tag in ("e2", "e3 again"):
         assert res[tag][3]["ok"]["version"] == 3 and res[tag][3]["live"] == {0: 3, 1: 3}
     assert res["e2"][3]["pointers"] is True
@@ -532,5 +532,5 @@ def test_ranks_without_pairs_still_vote_and_learn_the_outcome():
     sent = [sender.send({}).to_dict() for _ in range(2)]
     th.join(timeout=30)
     assert [s["version"] for s in sent] == [1, 2] and [g["version"] for g in got] == [1, 2]
-    assert sent[1]["results"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
-    assert sent[0]["pairs"] == [] and got[0]["pairs"] == [] and got[0]["bytes"] == 0
+    assert sent[1]["receivers"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
+    assert sent[0]["streams"] == [] and got[0]["streams"] == [] and got[0]["bytes"] == 0

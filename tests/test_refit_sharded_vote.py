@@ -1,7 +1,8 @@
 """Issue 23 in one real gloo world (mxport.testing.spawn_world): T = 2 trainer ranks (0, 1), each a
 HeldTensorsSource holding half the rows of a weight and the whole of a replicated ``q_norm``; E = 2 engine
-ranks (2, 3), each needing every tensor whole. Routing takes the replicated norm from trainer 0 for one engine
-and from trainer 1 for the other.
+ranks (2, 3), each needing the other half of the weight's rows (crossed: each engine takes rows from the other
+trainer rank than its own index) and the whole norm. Routing takes the replicated norm from trainer 0 for one
+engine and from trainer 1 for the other.
 
 - a rank that fails before the plan is agreed: every rank raises a RefitError naming it and why, at once;
 - a pair whose handshake fails (engine 3 built with another bucket size): every rank raises a RefitError
@@ -41,6 +42,14 @@ def trainer_items(step: int, t: int) -> list:
     if t == 1 and step in (CONTROL, DRIFT):  # per-rank drift of a replicated tensor
         norm[3] += 0.25
     return [(W_NAME, w[W_NAME][32 * t:32 * (t + 1)].clone(), 0, 32 * t, 64), (NORM, norm)]
+
+
+def engine_items(e: int) -> list:
+    """What engine ``e`` needs: rows ``[32 (1 - e), 32 (2 - e))`` of the weight (the engines differ, so
+    routing spreads the replicated norm over both trainer ranks) and the whole norm."""
+    w = weights(0)
+    r0 = 32 * (1 - e)
+    return [(W_NAME, w[W_NAME][r0:r0 + 32].clone(), 0, r0, 64), (NORM, w[NORM])]
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +125,7 @@ def _refit(ep, routes, rank: int, source, live, state: dict, step: int) -> dict:
     else:
         out = _outcome(lambda: ep.receive().version)
         out["live"] = {n: next((s for s in (*STEPS, AGAIN, CONTROL) if torch.equal(
-            _u8(t), _u8(_expected(s)[n][1]))), None) for n, (_, t) in live.items()}
+            _u8(t), _u8(_expected(s)[n][1][box.index()]))), None) for n, (box, t) in live.items()}
         out["norm"] = _u8(live[NORM][1]).numpy().tobytes()
     return out
 
@@ -140,7 +149,7 @@ def _world(rank: int, init: str) -> dict:
         source = HeldTensorsSource(lambda: trainer_items(state["step"], rank))
         holdings = source.holdings
     else:
-        holdings = HeldTensorsSource(lambda: list(weights(0).items())).holdings
+        holdings = HeldTensorsSource(lambda: engine_items(rank - T)).holdings
         live = engine_buffers(holdings)
     out: dict = {"before": _outcome(lambda: agree(world, T, _failing_source if rank == 1 else holdings))}
     mesh = agree(world, T, holdings)

@@ -246,6 +246,20 @@ class MeshPlan:
         """The group rank of engine ``e`` (engines follow the trainers)."""
         return self.num_trainers + e
 
+    @cached_property
+    def engine_classes(self) -> tuple[int, ...]:
+        """Per engine index, its class: engines that need exactly the same boxes (replicas: data-parallel
+        copies of one engine) share one, numbered in order of first appearance. Routing depends on the class,
+        not the engine, so replicas get the same pieces from every trainer rank (one multicast stream)."""
+        seen: dict[tuple, int] = {}
+        return tuple(seen.setdefault(tuple((h.tensor.name, h.box.start, h.box.stop) for h in held), len(seen))
+                     for held in self.engines)
+
+    def replicas_of(self, engine_rank: int) -> tuple[int, ...]:
+        """The group ranks of the engines of ``engine_rank``'s class (itself included), ascending."""
+        c = self.engine_classes[engine_rank - self.num_trainers]
+        return tuple(self.engine_rank(e) for e, k in enumerate(self.engine_classes) if k == c)
+
     def canonical(self) -> dict:
         """The tensors and every rank's boxes, JSON-able (boxes as ``(tensor index, start, stop)``)."""
         index = {t.name: i for i, t in enumerate(self.tensors)}
@@ -512,12 +526,13 @@ def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | No
     index = {t.name: i for i, t in enumerate(mesh.tensors)}
     routes = []
     for e in engines:
+        c = mesh.engine_classes[e]  # replicas take every piece from the same holder
         needs = sorted(((index[h.tensor.name], h.box.start, h) for h in mesh.engines[e] if h.box.numel),
                        key=itemgetter(0, 1))
         pieces: dict[int, list[Piece]] = {}
         unsorted = set()  # trainers whose pieces of one tensor did not come in box order
         for i, _, h in needs:
-            for t, box in zip(*mesh._held[h.tensor.name].cover(h.box, (i + e) % T, trainer), strict=True):
+            for t, box in zip(*mesh._held[h.tensor.name].cover(h.box, (i + c) % T, trainer), strict=True):
                 mine = pieces.setdefault(t, [])
                 if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
                     unsorted.add(t)

@@ -18,24 +18,22 @@ import torch
 
 from .mesh import MeshPlan, Replica, find_replicas, route_targets
 from .plan import RefitPlan
-from .results import ReceiverResult, ReceiveStats, RefitError, Status
+from .results import ReceiverResult, ReceiveStats, RefitError, Status, StreamStats
 from .stream import Staged, StreamReceiver
 from .transport import PAIR_TAG, Transport
 from .world import (
     NO_REPLICAS,
-    PairStats,
     ReplicaChecks,
-    ShardedReceiveStats,
     WorldSide,
     WorldVote,
     agree_global,
     check_digest,
     check_trainers,
     last_version,
-    ordered_routes,
+    ordered_streams,
     pair_handshakes,
-    pair_transport,
     remember,
+    stream_transport,
     world_vote,
 )
 
@@ -65,7 +63,8 @@ class RefitReceiver(WorldSide):
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor],
                  **stream_kwargs):
         stream = StreamReceiver(transport, plan, targets, **stream_kwargs)
-        self._start(transport, [stream], [transport.src], (transport.src,), None, NO_REPLICAS, 0)
+        receivers = tuple(r for r in range(transport.world_size) if r != transport.src)
+        self._start(transport, [stream], [(transport.src, receivers)], (transport.src,), None, NO_REPLICAS, 0)
 
     @classmethod
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple], *, global_digest: str,
@@ -86,36 +85,48 @@ class RefitReceiver(WorldSide):
             stream_kwargs: passed to each pair's stream (``use_checksum``, ``refresh_hooks``, ``inflight``);
                 always in staging mode, so nothing is written before the world vote.
         """
-        check_digest(global_digest)
-        trainers = check_trainers(world, trainers, False)
-        peers = [int(p[0]) for p in pairs]
-        if len(set(peers)) != len(peers) or any(t not in trainers for t in peers):
-            raise ValueError(f"pairs: each trainer rank once, each one of {list(trainers)}, got {peers}")
-        streams = [StreamReceiver(pair_transport(world, t, world.rank, tag), plan, targets, direct=False,
-                                  **_with_hooks(stream_kwargs, hooks))
-                   for t, plan, targets, *hooks in pairs]
-        self = cls.__new__(cls)
-        self._start(world, streams, peers, trainers, global_digest, ReplicaChecks.of(replicas),
-                    max(int(version), last_version(global_digest)))
-        return self
+        ends = [(int(p[0]), (world.rank,)) for p in pairs]
+        return cls._of_streams(world, [(e, *p[1:]) for e, p in zip(ends, pairs, strict=True)], global_digest,
+                               trainers, tag, replicas, version, stream_kwargs)
 
     @classmethod
     def from_mesh(cls, world: Transport, mesh: MeshPlan, live: Mapping, **kwargs) -> RefitReceiver:
         """This engine rank's receiver of an agreed :class:`~mxport.refit.mesh.MeshPlan` into its live
-        tensors ``live`` (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`): its routes
-        in pair order, each landing in place or through its scatters
-        (:func:`~mxport.refit.mesh.route_targets`)."""
-        pairs = []
-        for r in ordered_routes(mesh, world.rank):
+        tensors ``live`` (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`): one stream
+        per route, in pair order (a multicast stream where replicas of this engine take the same route, see
+        :meth:`RefitSender.from_mesh`), each landing in place or through its scatters
+        (:func:`~mxport.refit.mesh.route_targets`). ``kwargs``: :meth:`for_pairs`'."""
+        streams = []
+        for r, engines in ordered_streams(mesh, world.rank):
             targets, scatters = route_targets(r, live)
-            pairs.append((r.trainer, r.plan(), targets, scatters))
-        return cls.for_pairs(world, pairs, global_digest=mesh.digest, trainers=range(mesh.num_trainers),
-                             replicas=find_replicas(mesh), **kwargs)
+            streams.append(((r.trainer, engines), r.plan(), targets, scatters))
+        kw = {k: kwargs.pop(k) for k in ("tag", "version") if k in kwargs}
+        return cls._of_streams(world, streams, mesh.digest, range(mesh.num_trainers), kw.get("tag", PAIR_TAG),
+                               find_replicas(mesh), kw.get("version", 0), kwargs)
 
-    def _start(self, world: Transport, streams: list[StreamReceiver], peers: list[int],
+    @classmethod
+    def _of_streams(cls, world: Transport, streams: Sequence[tuple], global_digest: str,
+                    trainers: Sequence[int], tag: int, replicas: Sequence[Replica], version: int,
+                    stream_kwargs: dict) -> RefitReceiver:
+        check_digest(global_digest)
+        trainers = check_trainers(world, trainers, False)
+        peers = [t for (t, _), *_ in streams]
+        if len(set(peers)) != len(peers) or any(t not in trainers for t in peers):
+            raise ValueError(f"pairs: each trainer rank once, each one of {list(trainers)}, got {peers}")
+        receivers = [StreamReceiver(stream_transport(world, t, engines, tag), plan, targets, direct=False,
+                                    **_with_hooks(stream_kwargs, hooks))
+                     for (t, engines), plan, targets, *hooks in streams]
+        self = cls.__new__(cls)
+        self._start(world, receivers, [ends for ends, *_ in streams], trainers, global_digest,
+                    ReplicaChecks.of(replicas), max(int(version), last_version(global_digest)))
+        return self
+
+    def _start(self, world: Transport, streams: list[StreamReceiver], ends: list[tuple[int, tuple[int, ...]]],
                trainers: Sequence[int], global_digest: str | None, checks: ReplicaChecks,
                version: int) -> None:
-        self.world, self.streams, self.peers, self.trainers = world, streams, peers, tuple(trainers)
+        self.world, self.streams, self.trainers = world, streams, tuple(trainers)
+        self.stream_ends = ends  # per stream, (its trainer rank, the engine ranks it reaches)
+        self.peers = [t for t, _ in ends]
         self.global_digest, self.checks = global_digest, checks
         self.version = version
         self._handshaken = False
@@ -181,7 +192,7 @@ class RefitReceiver(WorldSide):
             pair_handshakes(self.world, self.streams, self.peers, newest, "trainer")
         self._handshaken = True
 
-    def receive(self) -> ReceiveStats | ShardedReceiveStats:
+    def receive(self) -> ReceiveStats:
         """Receive one refit, validate every bucket, vote, and leave the live tensors on the new version only
         if every rank voted yes (otherwise on the previous one).
 
@@ -193,10 +204,11 @@ class RefitReceiver(WorldSide):
         the others' vote (or a broadcast) fail: they roll back and raise too.
 
         Returns:
-            A world of one stream: :class:`~mxport.refit.results.ReceiveStats` (``version`` now live,
-            ``bytes``, ``buckets``, ``direct``, ``idle_s`` (waiting for the first bucket), ``seconds`` (first
-            bucket in to commit done), ``recv_s``, ``commit_s``, ``gbps``, ``backup_s``, ``backup_wait_s``); a
-            sharded refit: :class:`~mxport.refit.world.ShardedReceiveStats` (per pair bytes and seconds).
+            :class:`~mxport.refit.results.ReceiveStats` (``rank``, ``version`` now live, ``bytes``,
+            ``buckets``, ``direct``, ``idle_s`` (waiting for the first bucket), ``seconds`` (first bucket
+            in to commit done; a sharded refit: the whole call), ``recv_s``, ``commit_s``, ``gbps``,
+            ``backup_s``, ``backup_wait_s``, ``streams``: per stream its trainer and engine ranks, bytes,
+            buckets, seconds).
 
         Raises:
             RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from a sender,
@@ -214,7 +226,8 @@ class RefitReceiver(WorldSide):
         first = next((i for i, s in enumerate(staged) if not s.ok), None)
         wv = self._vote(staged, first)
         if self.multicast:
-            return self.streams[0].settle(staged[0], wv.vote)
+            part = self.streams[0].settle(staged[0], wv.vote)
+            return ReceiveStats.total(self.world.rank, part.version, [part], pair_stats, part.seconds)
         return self._settle_all(staged, pair_stats, wv, first, t0)
 
     def _vote(self, staged: list[Staged], first: int | None) -> WorldVote:
@@ -236,10 +249,10 @@ class RefitReceiver(WorldSide):
                              f"died or timed out; live weights kept at version {self.version}",
                              kept_version=self.version) from exc
 
-    def _stage_all(self) -> tuple[list[Staged], list[PairStats]]:
+    def _stage_all(self) -> tuple[list[Staged], list[StreamStats]]:
         staged: list[Staged] = []
-        stats: list[PairStats] = []
-        for t, r in zip(self.peers, self.streams, strict=True):
+        stats: list[StreamStats] = []
+        for (t, engines), r in zip(self.stream_ends, self.streams, strict=True):
             t0 = time.perf_counter()
             try:
                 staged.append(r.stage())
@@ -250,22 +263,22 @@ class RefitReceiver(WorldSide):
                                  f"trainer rank {t}; no pair committed, live weights kept at version "
                                  f"{self.version})")
                 raise
-            stats.append(PairStats(t, self.world.rank, r.plan.total_bytes, r.layout.num_buckets,
-                                   time.perf_counter() - t0))
+            stats.append(StreamStats(t, engines, r.plan.total_bytes, r.layout.num_buckets,
+                                     time.perf_counter() - t0))
         return staged, stats
 
     def _discard(self, staged: Sequence[Staged]) -> None:
         for r, s in zip(self.streams, staged, strict=False):
             r.discard(s)
 
-    def _settle_all(self, staged: list[Staged], pair_stats: list[PairStats], wv: WorldVote,
-                    first: int | None, t0: float) -> ShardedReceiveStats:
-        """Settle every pair with the world vote; raise the first failure once every pair is settled."""
-        t_commit = time.perf_counter()
+    def _settle_all(self, staged: list[Staged], stream_stats: list[StreamStats], wv: WorldVote,
+                    first: int | None, t0: float) -> ReceiveStats:
+        """Settle every stream with the world vote; raise the first failure once every stream is settled."""
         errors: list[RefitError] = []
+        parts: list[ReceiveStats] = []
         for r, s in zip(self.streams, staged, strict=True):
             try:
-                r.settle(s, wv.vote)
+                parts.append(r.settle(s, wv.vote))
             except RefitError as exc:
                 errors.append(exc)
         if not wv.vote.commit:
@@ -273,12 +286,8 @@ class RefitReceiver(WorldSide):
         self.version = remember(self.global_digest, wv.vote.version)
         if errors:  # a refresh hook failed after a unanimous yes (see StreamReceiver.settle)
             raise errors[0]
-        end = time.perf_counter()
-        seconds = end - t0
-        total = sum(p.bytes for p in pair_stats)
-        gbps = total / seconds / 1e9 if seconds > 0 else 0.0
-        return ShardedReceiveStats(rank=self.world.rank, version=self.version, bytes=total, seconds=seconds,
-                                   commit_s=end - t_commit, gbps=gbps, pairs=tuple(pair_stats))
+        seconds = time.perf_counter() - t0
+        return ReceiveStats.total(self.world.rank, self.version, parts, stream_stats, seconds)
 
     def _rejection(self, staged: list[Staged], wv: WorldVote, first: int | None) -> RefitError:
         """The RefitError of a sharded refit some rank voted no on: this rank's own reason (its first pair

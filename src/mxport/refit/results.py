@@ -169,9 +169,43 @@ class ResultRow:
 
 
 @dataclass(frozen=True)
-class SendStats(ResultRow):
-    """One refit as the sender saw it (see :meth:`~mxport.refit.RefitSender.send`)."""
+class StreamStats(ResultRow):
+    """One byte stream of a refit as this rank saw it: its sending rank (``trainer``), its receiving ranks
+    (``engines``: several for a multicast stream), its bytes and buckets, and the seconds this rank spent on
+    it (the trainer transmitting, an engine receiving and validating)."""
 
+    trainer: int
+    engines: tuple[int, ...]
+    bytes: int
+    buckets: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "engines": list(self.engines)}
+
+
+def _rows_dict(row, *lists: str) -> dict:
+    """``row``'s fields, the ones named in ``lists`` as lists of their rows' dicts."""
+    out = {f: getattr(row, f) for f in row.__dataclass_fields__}
+    for key in lists:
+        out[key] = [r.to_dict() for r in out[key]]
+    return out
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SendStats(ResultRow):
+    """One refit as a trainer rank saw it (see :meth:`~mxport.refit.RefitSender.send`), whatever the layout:
+    ``rank`` (its rank in the world), ``version``, ``bytes`` / ``buckets`` / ``zero_copy_buckets`` (all its
+    streams), ``seconds`` (up to the vote's outcome), the time split (``produce_s``: inside the producer,
+    e.g. quantize; ``pack_s``, ``checksum_s``, ``wait_s``), ``stream_crc32`` (one stream, when asked),
+    ``gbps``, ``receivers`` (every engine rank's :class:`ReceiverResult`) and ``streams`` (one
+    :class:`StreamStats` per stream, in the order they ran)."""
+
+    rank: int
     version: int
     bytes: int
     buckets: int
@@ -184,16 +218,33 @@ class SendStats(ResultRow):
     stream_crc32: int | None
     gbps: float
     receivers: tuple[ReceiverResult, ...]
+    streams: tuple[StreamStats, ...] = ()
 
     def to_dict(self) -> dict:
-        return {**{f: getattr(self, f) for f in self.__dataclass_fields__ if f != "receivers"},
-                "receivers": [r.to_dict() for r in self.receivers]}
+        return _rows_dict(self, "receivers", "streams")
+
+    @classmethod
+    def total(cls, rank: int, version: int, parts: Sequence[SendStats], streams: Sequence[StreamStats],
+              seconds: float, receivers: Sequence[ReceiverResult]) -> SendStats:
+        """One rank's stats of a refit from its streams' (``parts``)."""
+        nbytes = sum(p.bytes for p in parts)
+        return cls(rank=rank, version=version, bytes=nbytes, buckets=sum(p.buckets for p in parts),
+                   zero_copy_buckets=sum(p.zero_copy_buckets for p in parts), seconds=seconds,
+                   produce_s=sum(p.produce_s for p in parts), pack_s=sum(p.pack_s for p in parts),
+                   checksum_s=sum(p.checksum_s for p in parts), wait_s=sum(p.wait_s for p in parts),
+                   stream_crc32=parts[0].stream_crc32 if len(parts) == 1 else None,
+                   gbps=_rate(nbytes, seconds), receivers=tuple(receivers), streams=tuple(streams))
 
 
 @dataclass(frozen=True)
 class ReceiveStats(ResultRow):
-    """One refit as a receiver saw it (see :meth:`~mxport.refit.RefitReceiver.receive`)."""
+    """One refit as an engine rank saw it (see :meth:`~mxport.refit.RefitReceiver.receive`), whatever the
+    layout: ``rank``, ``version`` (now live), ``bytes`` / ``buckets`` (all its streams), ``direct`` (every
+    stream landed straight in the live tensors), ``seconds`` (first bucket in to commit done; a sharded
+    refit: the whole call), ``idle_s`` (waiting for the first bucket), ``recv_s``, ``commit_s``, ``gbps``,
+    ``backup_s`` / ``backup_wait_s`` (direct mode's rollback copy) and ``streams`` (:class:`StreamStats`)."""
 
+    rank: int
     version: int
     bytes: int
     buckets: int
@@ -205,3 +256,19 @@ class ReceiveStats(ResultRow):
     gbps: float
     backup_s: float
     backup_wait_s: float
+    streams: tuple[StreamStats, ...] = ()
+
+    def to_dict(self) -> dict:
+        return _rows_dict(self, "streams")
+
+    @classmethod
+    def total(cls, rank: int, version: int, parts: Sequence[ReceiveStats], streams: Sequence[StreamStats],
+              seconds: float) -> ReceiveStats:
+        """One rank's stats of a refit from its streams' (``parts``)."""
+        nbytes = sum(p.bytes for p in parts)
+        return cls(rank=rank, version=version, bytes=nbytes, buckets=sum(p.buckets for p in parts),
+                   direct=bool(parts) and all(p.direct for p in parts), seconds=seconds,
+                   idle_s=sum(p.idle_s for p in parts), recv_s=sum(p.recv_s for p in parts),
+                   commit_s=sum(p.commit_s for p in parts), gbps=_rate(nbytes, seconds),
+                   backup_s=sum(p.backup_s for p in parts), backup_wait_s=sum(p.backup_wait_s for p in parts),
+                   streams=tuple(streams))

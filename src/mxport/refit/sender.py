@@ -19,25 +19,23 @@ import torch
 
 from .mesh import MeshPlan, Replica, find_replicas, local_part, route_tensors
 from .plan import RefitPlan
-from .results import ReceiverResult, RefitError, SendStats, Status
+from .results import ReceiverResult, RefitError, SendStats, Status, StreamStats
 from .stream import PendingSend, StreamSender
 from .transport import PAIR_TAG, Transport
 from .world import (
     NO_REPLICAS,
-    PairStats,
     ReplicaChecks,
-    ShardedSendStats,
     WorldSide,
     WorldVote,
     agree_global,
     check_digest,
     check_trainers,
     last_version,
-    ordered_routes,
+    ordered_streams,
     pair_handshakes,
-    pair_transport,
     remember,
     replica_digests,
+    stream_transport,
     world_vote,
 )
 
@@ -60,8 +58,9 @@ class RefitSender(WorldSide):
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
-        self._start(transport, [StreamSender(transport, plan, **stream_kwargs)], [-1], (transport.src,),
-                    None, NO_REPLICAS, 0)
+        receivers = tuple(r for r in range(transport.world_size) if r != transport.src)
+        stream = StreamSender(transport, plan, **stream_kwargs)
+        self._start(transport, [stream], [receivers], (transport.src,), None, NO_REPLICAS, 0)
 
     @classmethod
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple[int, RefitPlan]], *, global_digest: str,
@@ -86,35 +85,48 @@ class RefitSender(WorldSide):
                 :func:`~mxport.refit.world.last_version`).
             stream_kwargs: passed to each pair's stream (``use_checksum``, ``inflight``, ...).
         """
-        check_digest(global_digest)
-        trainers = check_trainers(world, trainers, True)
-        engines = [int(e) for e, _ in pairs]
-        if len(set(engines)) != len(engines) or any(e in trainers for e in engines):
-            raise ValueError(f"pairs: each engine rank once, none a trainer rank, got {engines}")
-        streams = [StreamSender(pair_transport(world, world.rank, e, tag), plan, **stream_kwargs)
-                   for e, plan in pairs]
-        self = cls.__new__(cls)
-        self._start(world, streams, engines, trainers, global_digest, ReplicaChecks.of(replicas),
-                    max(int(version), last_version(global_digest)))
-        return self
+        return cls._of_streams(world, [((int(e),), plan) for e, plan in pairs], global_digest, trainers, tag,
+                               replicas, version, stream_kwargs)
 
     @classmethod
     def from_mesh(cls, world: Transport, mesh: MeshPlan, **kwargs) -> RefitSender:
         """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan` (group ranks =
-        world ranks): its routes in pair order, the plan's replicas checked; send with :meth:`send_local`.
-        ``kwargs``: :meth:`for_pairs`' (``bucket_bytes`` and the other stream settings included)."""
-        routes = ordered_routes(mesh, world.rank)
-        self = cls.for_pairs(world, [(r.engine, r.plan()) for r in routes],
-                             global_digest=mesh.digest, trainers=range(mesh.num_trainers),
-                             replicas=find_replicas(mesh), **kwargs)
-        self.routes = routes
+        world ranks): one stream per route, in pair order, the routes to replicas of one engine (engine ranks
+        that need the same boxes) merged into one multicast stream (one broadcast reaches them all); the
+        plan's replicated boxes checked; send with :meth:`send_local`. ``kwargs``: :meth:`for_pairs`'
+        (``bucket_bytes`` and the other stream settings included)."""
+        streams = ordered_streams(mesh, world.rank)
+        kw = {k: kwargs.pop(k) for k in ("tag", "version") if k in kwargs}
+        self = cls._of_streams(world, [(engines, r.plan()) for r, engines in streams], mesh.digest,
+                               range(mesh.num_trainers), kw.get("tag", PAIR_TAG), find_replicas(mesh),
+                               kw.get("version", 0), kwargs)
+        self.routes = [r for r, _ in streams]
         return self
 
-    def _start(self, world: Transport, streams: list[StreamSender], peers: list[int], trainers: Sequence[int],
-               global_digest: str | None, checks: ReplicaChecks, version: int) -> None:
-        self.world, self.streams, self.engines, self.trainers = world, streams, peers, tuple(trainers)
+    @classmethod
+    def _of_streams(cls, world: Transport, streams: Sequence[tuple[tuple[int, ...], RefitPlan]],
+                    global_digest: str, trainers: Sequence[int], tag: int, replicas: Sequence[Replica],
+                    version: int, stream_kwargs: dict) -> RefitSender:
+        check_digest(global_digest)
+        trainers = check_trainers(world, trainers, True)
+        engines = [e for ends, _ in streams for e in ends]
+        if len(set(engines)) != len(engines) or any(e in trainers for e in engines):
+            raise ValueError(f"pairs: each engine rank once, none a trainer rank, got {engines}")
+        senders = [StreamSender(stream_transport(world, world.rank, ends, tag), plan, **stream_kwargs)
+                   for ends, plan in streams]
+        self = cls.__new__(cls)
+        self._start(world, senders, [ends for ends, _ in streams], trainers, global_digest,
+                    ReplicaChecks.of(replicas), max(int(version), last_version(global_digest)))
+        return self
+
+    def _start(self, world: Transport, streams: list[StreamSender], ends: list[tuple[int, ...]],
+               trainers: Sequence[int], global_digest: str | None, checks: ReplicaChecks,
+               version: int) -> None:
+        self.world, self.streams, self.trainers = world, streams, tuple(trainers)
+        self.stream_engines = ends  # per stream, the engine ranks it reaches
+        self.engines = [e[0] for e in ends] if global_digest is not None else [-1]  # each stream's key
         self.global_digest, self.checks, self.version = global_digest, checks, version
-        self.routes: list = []  # the mesh routes of the pairs, when built by from_mesh
+        self.routes: list = []  # the mesh routes of the streams, when built by from_mesh
         self._handshaken = False
 
     # -- the refit ------------------------------------------------------------------------------------------
@@ -134,7 +146,7 @@ class RefitSender(WorldSide):
             remember(self.global_digest, self.version)
         self._handshaken = True
 
-    def send_local(self, local: Mapping) -> ShardedSendStats:
+    def send_local(self, local: Mapping) -> SendStats:
         """:meth:`send` of this rank's bytes ``local`` (``{name: (box, tensor)}``, e.g.
         :meth:`~mxport.refit.ShardedTrainerSource.local`) along its routes (a sender built by
         :meth:`from_mesh`), its replicas' digests taken from the same bytes."""
@@ -142,13 +154,14 @@ class RefitSender(WorldSide):
 
     def send(self, tensors: Iterable[torch.Tensor] | Mapping[int, Iterable[torch.Tensor]], *,
              checksums: Callable[[int, int], int] | None = None, local: Mapping | None = None
-             ) -> SendStats | ShardedSendStats:
+             ) -> SendStats:
         """Send one refit, vote once over the world, conclude.
 
         ``tensors``: a world of one stream: exactly one contiguous tensor per plan entry, in plan order (a
         list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
-        tensors overlaps the broadcast of the current bucket). A sharded refit: ``{engine rank: its pair's
-        tensors}``; ``local`` (the rank's ``{name: (box, tensor)}`` bytes) digests its replicas.
+        tensors overlaps the broadcast of the current bucket). A sharded refit: ``{engine rank: its stream's
+        tensors}`` (a multicast stream's under its first engine rank); ``local`` (the rank's ``{name: (box,
+        tensor)}`` bytes) digests its replicas.
 
         A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors
         that are views of one arena laid out as the plan's byte stream, such as
@@ -172,11 +185,10 @@ class RefitSender(WorldSide):
         receivers verify every bucket as always, so a wrong value fails the refit, never passes bad bytes.
 
         Returns:
-            A world of one stream: :class:`~mxport.refit.results.SendStats` (``version``, ``bytes``,
-            ``buckets``, ``zero_copy_buckets``, ``seconds`` up to every receiver's vote, ``produce_s`` (time
-            inside ``tensors``, e.g. quantize), ``pack_s``, ``checksum_s``, ``wait_s``, ``stream_crc32``,
-            ``gbps``, ``receivers``); a sharded refit: :class:`~mxport.refit.world.ShardedSendStats` (per pair
-            bytes and seconds).
+            :class:`~mxport.refit.results.SendStats` (``rank``, ``version``, ``bytes``, ``buckets``,
+            ``zero_copy_buckets``, ``seconds`` up to every receiver's vote, ``produce_s`` (time inside
+            ``tensors``, e.g. quantize), ``pack_s``, ``checksum_s``, ``wait_s``, ``stream_crc32``, ``gbps``,
+            ``receivers``, ``streams``: per stream its engine ranks, bytes, buckets and seconds).
 
         Raises:
             RefitError: some rank voted no, and so none committed it (``receivers``: every receiver's result;
@@ -189,16 +201,14 @@ class RefitSender(WorldSide):
         self.version = self.version + 1 if self.multicast else remember(self.global_digest, self.version + 1)
         t0 = time.perf_counter()
         digests, digest_failed = self._digests(local)
-        pendings, pair_stats, failed = self._transmit_all(streams, failed or digest_failed, checksums)
+        pendings, stream_stats, failed = self._transmit_all(streams, failed or digest_failed, checksums)
         aborted = next((i for i, p in enumerate(pendings) if p.aborted), None)
         ok = aborted is None and failed is None
         row = ReceiverResult(self.world.rank, Status.OK if ok else Status.ABORTED, -1, -1, self.version)
         wv = self._vote(row, aborted, digests, pendings)
         if failed is not None:
             raise failed  # the producer's error, or why this rank could not send
-        if self.multicast:
-            return self.streams[0].conclude(pendings[0], wv.vote)
-        return self._conclude(pendings, pair_stats, wv, time.perf_counter() - t0)
+        return self._conclude(pendings, stream_stats, wv, time.perf_counter() - t0)
 
     def _vote(self, row: ReceiverResult, aborted: int | None, digests: list[int],
               pendings: list[PendingSend]) -> WorldVote:
@@ -253,8 +263,8 @@ class RefitSender(WorldSide):
             failed = ValueError(f"streams for engine ranks {unknown}, which have no pair with trainer rank "
                                 f"{self.world.rank} (pairs: {self.engines})")
         pendings: list[PendingSend] = []
-        stats: list[PairStats] = []
-        for e, s in zip(self.engines, self.streams, strict=True):
+        stats: list[StreamStats] = []
+        for e, ends, s in zip(self.engines, self.stream_engines, self.streams, strict=True):
             if failed is None and e not in streams:
                 failed = ValueError(f"no stream for engine rank {e} (trainer rank {self.world.rank})")
             s.version = self.version - 1  # every stream carries the refit's version
@@ -267,15 +277,15 @@ class RefitSender(WorldSide):
                                  f"{self.world.rank} to engine rank {e})")
                 raise
             pendings.append(p)
-            stats.append(PairStats(self.world.rank, e, s.plan.total_bytes, s.layout.num_buckets,
-                                   time.perf_counter() - t0))
+            stats.append(StreamStats(self.world.rank, ends, s.plan.total_bytes, s.layout.num_buckets,
+                                     time.perf_counter() - t0))
             if p.aborted and failed is None:
                 failed = p.error
         return pendings, stats, failed
 
-    def _conclude(self, pendings, pair_stats, wv: WorldVote, seconds: float) -> ShardedSendStats:
+    def _conclude(self, pendings, stream_stats, wv: WorldVote, seconds: float) -> SendStats:
         vote = wv.vote
-        if not vote.commit:
+        if not vote.commit and not self.multicast:
             bad = vote.no
             kept = min((r.version for r in vote.results), default=self.version - 1)
             raise RefitError(f"sharded refit v{self.version} was rejected by {len(bad)} rank(s): "
@@ -283,12 +293,10 @@ class RefitSender(WorldSide):
                              "weights)", kept_version=kept, status=bad[0].status,
                              bucket=bad[0].bucket if bad[0].bucket >= 0 else None, receivers=vote.results,
                              tensors=wv.drifted)
-        for s, p in zip(self.streams, pendings, strict=True):
-            s.conclude(p, vote)
-        total = sum(p.bytes for p in pair_stats)
-        return ShardedSendStats(rank=self.world.rank, version=self.version, bytes=total, seconds=seconds,
-                                gbps=total / seconds / 1e9 if seconds > 0 else 0.0, pairs=tuple(pair_stats),
-                                results=tuple(vote.results))
+        parts = [s.conclude(p, vote) for s, p in zip(self.streams, pendings, strict=True)]
+        if self.multicast:  # a world of one stream: its own clock (up to the vote)
+            seconds = parts[0].seconds
+        return SendStats.total(self.world.rank, self.version, parts, stream_stats, seconds, vote.results)
 
 
 def _refusing(error: BaseException, engine: int) -> Iterator[torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -184,13 +185,68 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
     store = dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout,
                           wait_for_workers=True)
     store = dist.PrefixStore(prefix, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    pg = _new_group(store, rank, world_size, backend, timeout)
+    _GROUP_STORES[pg] = (store, backend, timeout)
     return pg
+
+
+def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+#: the store, backend and timeout of each group :func:`open_group` made (its subgroups meet on that store)
+_GROUP_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: subgroups made so far per (group, ranks): every member makes them in the same order, so the count names
+#: the rendezvous of the next one alike on every member
+_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def subgroup(pg, ranks) -> tuple[object, int]:
+    """A process group of the ranks ``ranks`` of the group ``pg`` (group-local ranks; this process among
+    them), and the rank ``ranks[0]`` has in it: a multicast stream's group (one broadcast to several
+    receivers). Collective over those ranks only: each of them calls it with the same ranks, in the same
+    order as its other subgroups of ``pg``. For a group :func:`open_group` made and for torch.distributed's
+    default group (the subgroup meets on that group's store).
+
+    Raises:
+        ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: a group of neither
+        kind (its store is out of reach).
+    """
+    import torch.distributed as dist
+
+    ranks = [int(r) for r in ranks]
+    me = pg.rank()
+    if me not in ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"subgroup: rank {me} must be one of {ranks}, each rank once")
+    store, backend, timeout = _store_of(pg)
+    made = _SUBGROUPS.setdefault(pg, {})
+    key = tuple(ranks)
+    made[key] = n = made.get(key, 0) + 1
+    prefix = f"mxport-sub{n}-" + "-".join(map(str, ranks))
+    return _new_group(dist.PrefixStore(prefix, store), ranks.index(me), len(ranks), backend, timeout), 0
+
+
+def _store_of(pg) -> tuple:
+    """``(store, backend, timeout)`` of a group :func:`open_group` made, or of torch.distributed's default
+    group; TypeError for any other (its store is out of reach)."""
+    import torch.distributed as dist
+
+    if pg in _GROUP_STORES:
+        return _GROUP_STORES[pg]
+    if dist.is_initialized() and pg is dist.group.WORLD:
+        from torch.distributed import distributed_c10d as c10d
+
+        backend = dist.get_backend()
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        return c10d._get_default_store(), backend, pg._get_backend(device).options._timeout
+    raise TypeError("a multicast stream needs a group made by mxport.refit.transport.open_group, or "
+                    "torch.distributed's default group (its subgroups meet on that group's store)")
 
 
 #: the default tag of a :class:`PairTransport`'s messages ("MX")

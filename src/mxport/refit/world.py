@@ -37,8 +37,8 @@ import torch
 from .buckets import byte_view, checksums
 from .mesh import MAX_REASON, MeshPlan, RefitAgreementError, Replica, gather_checked
 from .plan import RefitPlanMismatch
-from .results import REPORT_WORDS, ReceiverResult, RefitError, ResultRow, Status, Vote
-from .transport import PairTransport, Transport
+from .results import REPORT_WORDS, ReceiverResult, RefitError, Status, Vote
+from .transport import PairTransport, TorchDistTransport, Transport, subgroup
 
 #: "MXRFTSH" and the sharded handshake's version (2: the replica checks' word, the pair outcomes' agreement)
 SHARD_HELLO = 0x4D58524654534802
@@ -78,62 +78,6 @@ def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[in
     m = max(len(trainers), len(engines))
     keys = sorted(((ei - ti) % m, ti, ei) for ti in range(len(trainers)) for ei in range(len(engines)))
     return [(trainers[ti], engines[ei]) for _, ti, ei in keys]
-
-
-@dataclass(frozen=True)
-class PairStats(ResultRow):
-    """One pair stream of a sharded refit: its two world ranks, its bytes and buckets, and the seconds this
-    rank spent on it (the trainer transmitting, the engine receiving and validating)."""
-
-    trainer: int
-    engine: int
-    bytes: int
-    buckets: int
-    seconds: float
-
-
-def _pairs_dict(row) -> dict:
-    out = {f: getattr(row, f) for f in row.__dataclass_fields__}
-    out["pairs"] = [p.to_dict() for p in row.pairs]
-    if "results" in out:
-        out["results"] = [r.to_dict() for r in row.results]
-    return out
-
-
-@dataclass(frozen=True)
-class ShardedSendStats(ResultRow):
-    """One sharded refit as a trainer rank saw it: ``rank`` (its world rank), ``version``, ``bytes`` (all its
-    pair streams), ``seconds`` (up to the vote's outcome), ``gbps``, ``pairs`` (:class:`PairStats`, in pair
-    order), ``results`` (every engine rank's :class:`ReceiverResult`)."""
-
-    rank: int
-    version: int
-    bytes: int
-    seconds: float
-    gbps: float
-    pairs: tuple[PairStats, ...]
-    results: tuple[ReceiverResult, ...]
-
-    def to_dict(self) -> dict:
-        return _pairs_dict(self)
-
-
-@dataclass(frozen=True)
-class ShardedReceiveStats(ResultRow):
-    """One sharded refit as an engine rank saw it: ``rank``, ``version`` (now live), ``bytes`` (all its pair
-    streams), ``seconds`` (the whole call: receiving, the vote, the commits), ``commit_s`` (the commits),
-    ``gbps``, ``pairs`` (:class:`PairStats`, in pair order)."""
-
-    rank: int
-    version: int
-    bytes: int
-    seconds: float
-    commit_s: float
-    gbps: float
-    pairs: tuple[PairStats, ...]
-
-    def to_dict(self) -> dict:
-        return _pairs_dict(self)
 
 
 @dataclass(frozen=True)
@@ -324,12 +268,18 @@ def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: 
         failures[0][1] if failures else None)
 
 
-def pair_transport(world: Transport, trainer: int, engine: int, tag: int) -> PairTransport:
+def stream_transport(world: Transport, trainer: int, engines: Sequence[int], tag: int) -> Transport:
+    """The transport of one stream from world rank ``trainer`` to ``engines``: point-to-point on the world's
+    group for one engine (:class:`PairTransport`, messages tagged ``tag``), a group of their own for several
+    (one broadcast reaches them all: :func:`~mxport.refit.transport.subgroup`)."""
     pg = getattr(world, "process_group", None)
     if pg is None:
         raise TypeError(f"world must be a transport over a process group (TorchDistTransport), got "
                         f"{type(world).__name__}")
-    return PairTransport(pg, trainer, engine, tag=tag)
+    if len(engines) == 1:
+        return PairTransport(pg, trainer, engines[0], tag=tag)
+    group, src = subgroup(pg, [trainer, *engines])
+    return TorchDistTransport.from_group(group, src=src)
 
 
 def check_trainers(world: Transport, trainers: Sequence[int], is_trainer: bool) -> tuple[int, ...]:
@@ -343,12 +293,18 @@ def check_trainers(world: Transport, trainers: Sequence[int], is_trainer: bool) 
     return out
 
 
-def ordered_routes(mesh: MeshPlan, rank: int) -> list:
-    """The routes group rank ``rank`` takes part in, in :func:`pair_order` (every rank follows it: no
-    cycles)."""
+def ordered_streams(mesh: MeshPlan, rank: int) -> list[tuple]:
+    """The streams group rank ``rank`` takes part in, as ``(route, engine ranks)``: a route and every replica
+    of its engine (engines holding the same boxes get the same pieces from a trainer: one multicast stream
+    serves them all; the route is the lowest one's), each stream once, in the order every rank follows (the
+    :func:`pair_order` of its first pair: a total order, so no rank waits on one that waits on it)."""
     T = mesh.num_trainers
     order = {pair: i for i, pair in enumerate(pair_order(range(T), range(T, T + mesh.num_engines)))}
-    return sorted(mesh.routes_of(rank), key=lambda r: order[(r.trainer, r.engine)])
+    streams: dict[tuple, tuple] = {}
+    for r in mesh.routes_of(rank):
+        engines = mesh.replicas_of(r.engine)
+        streams.setdefault((r.trainer, engines), (r, engines))
+    return sorted(streams.values(), key=lambda s: order[(s[0].trainer, s[1][0])])
 
 
 class WorldSide:

@@ -257,7 +257,7 @@ class StreamReceiver:
         if self._rollback_copy is not None:
             self._rollback_copy.start()
         seconds = sw.between("first", "done")
-        return ReceiveStats(version=self.version, bytes=self.plan.total_bytes,
+        return ReceiveStats(rank=self.transport.rank, version=self.version, bytes=self.plan.total_bytes,
                             buckets=self.layout.num_buckets,
                             direct=self.direct, seconds=seconds, idle_s=sw.between("posted", "first"),
                             recv_s=sw.between("first", "judged"), commit_s=sw["commit"],

@@ -197,7 +197,8 @@ class StreamSender:
         results = vote.results
         self._raise_rejections(run, vote)
         seconds = sw.elapsed()
-        return SendStats(version=run.version, bytes=self.plan.total_bytes, buckets=self.layout.num_buckets,
+        return SendStats(rank=self.transport.rank, version=run.version, bytes=self.plan.total_bytes,
+                         buckets=self.layout.num_buckets,
                          zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
                          pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
                          stream_crc32=run.stream_crc if self.stream_crc32 else None,
