@@ -1,28 +1,14 @@
 """The world of a refit: what every rank of the group agrees on together, whatever the layout.
 
-T trainer ranks and E engine ranks in one process group (the "world"); each (trainer, engine) pair that has
-bytes to move has its own pair stream (an ordinary :class:`~mxport.refit.plan.RefitPlan` sent from that
-trainer to that engine only, over a :class:`~mxport.refit.transport.PairTransport`), and there is ONE vote
-over the whole world: every engine rank commits all its streams or none, and every trainer rank learns the
-outcome.
-A one-rank refit is the world of one multicast stream (:class:`~mxport.refit.RefitSender`).
-
-1. Every rank processes its own pairs in :func:`pair_order` (a global order without cycles, so no rank waits
-   on a rank that waits on it; with T == E each round is a perfect matching and the pairs run in parallel).
-2. Handshake (:func:`agree_global`, :func:`pair_handshakes`): one world ``all_gather`` of ``[HELLO, global
-   plan digest (4 int64 words), version, replica checks]`` (every rank must give the caller's same global
-   digest, else :class:`RefitPlanMismatch` on every rank), then each pair's own plan handshake, in pair
-   order, then the pairs' outcomes agreed over the world.
-3. A refit: trainers transmit each pair stream (buckets + trailer), engines stage each one (receive and
-   validate, nothing written to the live tensors); then every world rank gives one row ``[status, bucket,
-   entry, version, peer, replica digests...]`` in one ``all_gather`` (:func:`world_vote`: a :class:`Vote`
-   with every trainer rank as a sender; ``peer``: the other end of the pair a rejection concerns, -1 for
-   none); engines settle every pair with that vote (all commit or all roll back), trainers raise
-   :class:`RefitError` naming every rank that voted no.
-
-A dead peer or a timeout raises :class:`RefitError` on the ranks still alive (within about the group's timeout
-per blocked operation); staged pairs are dropped, so the live weights keep their previous version. The group
-is then unusable: re-create it. Versions never go back (:func:`last_version`).
+T trainer ranks and E engine ranks in one process group (the "world"): one stream per route of the agreed
+:class:`~mxport.refit.mesh.MeshPlan` (a pair stream, or one multicast stream to replicas of one engine), taken
+by every rank in one global order (:func:`ordered_streams`: no rank waits on one that waits on it), and ONE
+vote over the whole world (:func:`world_vote`: a row per rank, with the digests of the replicated boxes it
+holds): every engine rank commits all its streams or none, every trainer rank learns the outcome. The
+handshake (:func:`agree_global`, then :func:`pair_handshakes`) agrees the global digest, the version (it never
+goes back: :func:`last_version`) and the replica checks, then each stream's plan. A one-rank refit is the
+world of one multicast stream. A dead peer or a timeout raises :class:`RefitError` on the ranks still alive;
+staged streams are dropped, the live weights keep their previous version, and the group must be re-created.
 """
 
 from __future__ import annotations

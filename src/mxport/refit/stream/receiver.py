@@ -1,19 +1,9 @@
-"""StreamReceiver: one byte stream's receiving end. It receives every bucket and the trailer, validates all of
-them (:meth:`~StreamReceiver.stage`), and once the coordinator (:class:`~mxport.refit.StreamReceiver`) has the
-vote leaves the live tensors on exactly one complete version (:meth:`~StreamReceiver.settle`) — all or
-nothing, pointers never move.
-
-Two modes, chosen from the targets:
-
-* **staging** (any targets): buckets land in a staging copy of the byte stream; after the trailer validates,
-the
-  live tensors are written with ``copy_`` (the commit).
-* **direct** (targets laid out as one arena in the plan's byte order, as
-:func:`~mxport.refit.allocate_targets`
-  makes them): buckets land straight in the live arena, so there is no commit copy. The staging buffer then
-  holds the *previous* version (a rollback copy): on any failure the touched part of the arena is restored
-  from it before :class:`RefitError` is raised. After a successful refit a background thread copies the new
-  version into staging (off the critical path); the next :meth:`~StreamReceiver.receive` waits for it first.
+"""StreamReceiver: one byte stream's receiving end. It receives every bucket and the trailer and
+validates them (:meth:`~StreamReceiver.stage`); once the coordinator (:class:`~mxport.refit.RefitReceiver`)
+has the vote it leaves the live tensors on exactly one complete version (:meth:`~StreamReceiver.settle`),
+pointers unmoved. Staging (any targets: a staging copy, committed with ``copy_``) or direct (targets laid out
+as one arena in the plan's byte order: buckets land in the live arena, a rollback copy restores it on a
+failure); see the class doc.
 """
 
 from __future__ import annotations
