@@ -191,16 +191,22 @@ def test_weight_source_of_sharded_trainers_on_two_ranks(tmp_path):
         assert meta["norm.weight"][1:] == (None, "None")
 
 
-def test_nonzero_scales_only_touch_all_zero_blocks():
-    x = torch.randn(4, 80)
-    x[1, 32:64] = 0
-    x[2, 64:] = 0  # the partial last block
-    c = quantize(x)
-    s = mxv.nonzero_zero_block_scales(c.data, c.scale_inv)
-    want = c.scale_inv.clone()
-    want[1, 1] = want[2, 2] = 1
-    assert c.scale_inv[1, 1] == 0 and c.scale_inv[2, 2] == 0
-    assert torch.equal(s, want)
+def test_nonzero_scales_follow_quantizes_rule(tmp_path):
+    """``MxportWeightSource(nonzero_scales=True)`` yields the bytes of ``quantize(w, nonzero_scales=True)``:
+    NeMo-RL's rule, every byte 0 becomes 1 (an all-zero block and the partial last block here)."""
+    _, model = _tiny_trainer(tmp_path)
+    w = model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w[1, 32:64] = 0
+        w[2, 224:] = 0
+    got = dict(mxv.MxportWeightSource(model, nonzero_scales=True).iter_full())
+    plain = dict(mxv.MxportWeightSource(model).iter_full())
+    name = "model.layers.0.mlp.down_proj.weight"
+    want = quantize(w.detach(), nonzero_scales=True)
+    assert plain[name + "_scale"][1, 1] == 0 and plain[name + "_scale"][2, 7] == 0
+    assert torch.equal(got[name + "_scale"], want.scale_inv) and int((want.scale_inv == 0).sum()) == 0
+    assert torch.equal(got[name].view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(plain[name + "_scale"], quantize(w.detach()).scale_inv)
 
 
 def test_plan_from_canonical_roundtrip_and_tamper():  # what an engine worker rebuilds from the trainer's JSON
