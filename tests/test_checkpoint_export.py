@@ -35,7 +35,7 @@ def source_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 MODELS = {
-    "llama": lambda p: make_tiny_llama(p, hidden=64, intermediate=80),  # K = 80: a partial last block
+    "llama": lambda p: make_tiny_llama(p, hidden=64, intermediate=160),  # K = 160: 5 blocks, an odd count
     "llama_tied": lambda p: make_tiny_llama(p, tie_word_embeddings=True),
     "llama_sharded": lambda p: make_tiny_llama(p, max_shard_size="40KB", dtype=torch.float32),
     "mixtral": lambda p: make_tiny_mixtral(p, experts=3, layers=1),
@@ -180,7 +180,7 @@ def test_module_source_tied_embedding_written_once(tmp_path):
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     check_exact(state, out, "compressed-tensors")
     # a plain state dict (no config): nothing is dropped
-    export_checkpoint({"a.weight": torch.randn(4, 40), "a.bias": torch.randn(4)}, tmp_path / "sd")
+    export_checkpoint({"a.weight": torch.randn(4, 64), "a.bias": torch.randn(4)}, tmp_path / "sd")
     out = load_dir(tmp_path / "sd")
     assert sorted(out) == ["a.bias", "a.weight", "a.weight_scale"]
 

@@ -450,7 +450,7 @@ def test_kernel_argument_checks(kw, msg):
         quantize(torch.randn(2, 32), **kw)
 
 
-# -- nonzero_scales: NeMo-RL's rule for FlashInfer's TRT-LLM kernels (byte 0 -> 1), decoding unchanged ----------
+# -- nonzero_scales: NeMo-RL's rule for FlashInfer's TRT-LLM kernels (byte 0 -> 1), decoding unchanged -------
 def _with_zero_blocks(seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(6, 80, generator=g)
