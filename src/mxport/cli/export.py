@@ -112,6 +112,12 @@ def _print_result(result, fmt: str) -> None:
                       highlight=False)
     if result.nonzero_scales:
         console.print("scale bytes 0 written as 1 (--nonzero-scales)", highlight=False)
+    split = {n: outs for n, outs in result.renamed.items() if len(outs) > 1}
+    if split:
+        first, outs = next(iter(split.items()))
+        console.print(f"fused experts written per expert, under the names vLLM's and SGLang's loaders read: "
+                      f"{len(split)} tensors -> {sum(map(len, split.values()))} (e.g. {first} -> {outs[0]}, "
+                      f"{outs[1]}, ...)", highlight=False)
 
 
 def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, options):
