@@ -183,8 +183,9 @@ def test_k_not_a_multiple_of_32_is_flagged_per_consumer(tmp_path):
     assert code == 1, r.output
     what = "1 MXFP8 tensor with K not a multiple of 32 (a.weight (K=200))"
     assert rep["consumers"] == {
-        "vllm": [f"vLLM: {what}: refuses to load them (modelopt: 'MXFP8 requires input size divisible by "
-                 "32'; compressed-tensors: a K // 32 scale parameter, so the scale shape does not match)"],
+        "vllm": [f"vLLM: {what}: cannot serve them (modelopt refuses to load: 'MXFP8 requires input size "
+                 "divisible by 32'; compressed-tensors loads them into K // 32 scale columns, then fails on "
+                 "the first forward)"],
         "sglang": [f"SGLang: {what}: its MXFP8 kernels read K // 32 scale columns, and a row-parallel "
                    "layer refuses a K per rank that is not a multiple of 32"],
         "te": [f"TE: {what}: MXFP8 tensors need K % 32 == 0 (MXFP8Quantizer.is_quantizable / "

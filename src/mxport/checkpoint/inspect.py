@@ -37,8 +37,9 @@ from .readers import SafetensorsDir, analyse_pairs, data_problems, describe_quan
 #: what each consumer does with an MXFP8 weight whose K is not a multiple of 32 (docs/format.md, "Who
 #: refuses a K that is not a multiple of 32")
 K_RULES = {
-    "vllm": ("vLLM", "refuses to load them (modelopt: 'MXFP8 requires input size divisible by 32'; "
-                     "compressed-tensors: a K // 32 scale parameter, so the scale shape does not match)"),
+    "vllm": ("vLLM", "cannot serve them (modelopt refuses to load: 'MXFP8 requires input size divisible by "
+                     "32'; compressed-tensors loads them into K // 32 scale columns, then fails on the first "
+                     "forward)"),
     "sglang": ("SGLang", "its MXFP8 kernels read K // 32 scale columns, and a row-parallel layer refuses a K "
                          "per rank that is not a multiple of 32"),
     "te": ("TE", "MXFP8 tensors need K % 32 == 0 (MXFP8Quantizer.is_quantizable / get_scale_shape)"),
