@@ -56,6 +56,23 @@ def test_engine_shards_follow_vllm_parallel_layers():
             == (2, 32, 64))
 
 
+def test_column_parallel_mxfp8_slices_vllm_refuses_are_problems():
+    tp2 = Layout(tp=2)
+    s = engine_shard("m.layers.0.mlp.up_proj.weight", (100, 64), Layout(tp=3), quantized=True)
+    assert s.problem == "m.layers.0.mlp.up_proj.weight: 100 rows do not split into 3 equal slices (tp=3)"
+    assert engine_shard("m.layers.0.mlp.up_proj.weight", (100, 64), Layout(tp=3)).problem == ""  # kept
+    s = engine_shard("m.layers.0.mlp.experts.gate_up_proj", (8, 192, 64), tp2, quantized=True)
+    assert s.shape == (8, 96, 64) and s.problem == (
+        "m.layers.0.mlp.experts.gate_up_proj: I=96 split over tp=2 gives 48 per rank, not a multiple of 32 "
+        "(vLLM's MXFP8 MoE requires intermediate_size_per_partition divisible by 32)")
+    gate_up = engine_shard("m.layers.0.mlp.experts.gate_up_proj", (8, 256, 64), tp2, quantized=True)
+    assert gate_up.problem == ""
+    # a whole K that is not whole blocks is no slicing matter: export refuses it (vLLM does at any tp)
+    assert engine_shard("m.layers.0.mlp.gate_proj.weight", (128, 200), tp2, quantized=True).problem == ""
+    assert engine_shard("m.layers.0.mlp.experts.down_proj", (8, 64, 48), Layout(ep=2),
+                        quantized=True).problem == ""
+
+
 def test_row_parallel_k_that_splits_blocks_is_a_problem():
     s = engine_shard("m.layers.0.mlp.down_proj.weight", (64, 96), Layout(tp=2), quantized=True)
     assert s.shape == (64, 48) and "not a multiple of 32" in s.problem
@@ -250,7 +267,13 @@ def test_guide_capacity_tp_claim_holds():
     config = read_config(root / "benchmarks" / "configs" / "qwen3-30b-a3b.json")
     assert config["moe_intermediate_size"] == k and k // tp == per_rank
     problems = predict_config(config, Layout.parse("fsdp=8"), Layout(tp=tp)).problems
-    assert problems and all(f"K={k} split over tp={tp} gives {per_rank} per rank" in p for p in problems)
+    down = [p for p in problems if ".experts.down_proj:" in p]
+    gate_up = [p for p in problems if ".experts.gate_up_proj:" in p]
+    assert len(down) == len(gate_up) == config["num_hidden_layers"] and len(problems) == 2 * len(down)
+    assert all(f"K={k} split over tp={tp} gives {per_rank} per rank" in p for p in down)
+    # the same I sliced on the column side: vLLM's MXFP8 MoE refuses intermediate_size_per_partition 48
+    assert all(f"I={k} split over tp={tp} gives {per_rank} per rank, not a multiple of 32 (vLLM's MXFP8 MoE"
+               in p for p in gate_up)
     assert not predict_config(config, Layout.parse("fsdp=8"), Layout(tp=tp // 2)).problems
 
 

@@ -35,12 +35,33 @@ def source_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 MODELS = {
-    "llama": lambda p: make_tiny_llama(p, hidden=64, intermediate=80),  # K = 80: a partial last block
+    "llama": lambda p: make_tiny_llama(p, hidden=64, intermediate=160),  # K = 160: 5 blocks, an odd count
     "llama_tied": lambda p: make_tiny_llama(p, tie_word_embeddings=True),
     "llama_sharded": lambda p: make_tiny_llama(p, max_shard_size="40KB", dtype=torch.float32),
     "mixtral": lambda p: make_tiny_mixtral(p, experts=3, layers=1),
     "mixtral_fused": lambda p: make_tiny_mixtral(p, experts=3, layers=1, fused_experts=True),
 }
+
+
+def as_mixtral_checkpoint(src: dict) -> dict:
+    """A transformers-5 Mixtral state dict under the checkpoint's names, as save_pretrained writes them and
+    vLLM loads them: ``.mlp.`` -> ``.block_sparse_moe.``; fused ``experts.gate_up_proj`` [E, 2I, H] ->
+    ``experts.{e}.w1.weight`` (gate rows) and ``w3`` (up rows), ``experts.down_proj`` ->
+    ``experts.{e}.w2``."""
+    out = {}
+    for name, x in src.items():
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith(".experts.gate_up_proj"):
+            half = x.shape[1] // 2
+            for e in range(x.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.w1.weight")] = x[e, :half]
+                out[name.replace("gate_up_proj", f"{e}.w3.weight")] = x[e, half:]
+        elif name.endswith(".experts.down_proj"):
+            for e in range(x.shape[0]):
+                out[name.replace("down_proj", f"{e}.w2.weight")] = x[e]
+        else:
+            out[name] = x
+    return out
 
 
 def check_exact(src: dict, out: dict, fmt: str, fp8=torch.float8_e4m3fn, cast=None) -> list[str]:
@@ -72,8 +93,13 @@ def test_export_is_exact_quantize_of_source(tmp_path, kind):
     src_dir = MODELS[kind](tmp_path / "src")
     res = export_checkpoint(src_dir, tmp_path / "out", max_shard_size="30KB")
     src, out = source_tensors(src_dir), load_dir(tmp_path / "out")
+    if kind == "mixtral_fused":  # written per expert, under the checkpoint's names (vLLM's loader reads them)
+        assert res.renamed["model.layers.0.mlp.experts.down_proj"] == [
+            f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight" for e in range(3)]
+        src = as_mixtral_checkpoint(src)
     quantized = check_exact(src, out, "modelopt")
-    assert sorted(quantized) == sorted(d.name for d in res.decisions if d.quantize)
+    assert sorted(quantized) == sorted(n for d in res.decisions if d.quantize for n in res.renamed.get(d.name,
+                                                                                                      [d.name]))
     # policy: embeddings, lm_head, norms, routers kept; linear / expert weights quantized
     for name in src:
         is_q = name in quantized
@@ -83,7 +109,8 @@ def test_export_is_exact_quantize_of_source(tmp_path, kind):
                             "experts.down_proj")):
             assert is_q, name
     if kind == "mixtral_fused":
-        assert out["model.layers.0.mlp.experts.gate_up_proj_scale"].shape == (3, 192, 2)
+        assert out["model.layers.0.block_sparse_moe.experts.2.w3.weight_scale"].shape == (96, 2)
+        assert not any(".mlp." in n for n in out)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     src_cfg = json.loads((src_dir / "config.json").read_text())
     assert cfg["tie_word_embeddings"] == src_cfg.get("tie_word_embeddings", False)
@@ -93,6 +120,23 @@ def test_export_is_exact_quantize_of_source(tmp_path, kind):
         assert (tmp_path / "out" / f).is_file()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_experts_export_as_the_save_pretrained_checkpoint_does(tmp_path, fmt):
+    """The same Mixtral held fused (transformers 5's modules) and as save_pretrained wrote it (per expert,
+    block_sparse_moe): both exports hold the same tensors, names and bytes, and the same config."""
+    outs = {}
+    for kind in ("mixtral", "mixtral_fused"):
+        export_checkpoint(MODELS[kind](tmp_path / kind), tmp_path / f"{kind}-out", fmt=fmt,
+                          policy=PrecisionPolicy(exclude=("*.layers.0.*self_attn.q_proj*",)))
+        outs[kind] = load_dir(tmp_path / f"{kind}-out")
+    a, b = outs["mixtral"], outs["mixtral_fused"]
+    assert sorted(a) == sorted(b) and len(a) == 29  # 3 experts x 3 weights x 2 + attention, router, ...
+    assert all(a[n].dtype == b[n].dtype and torch.equal(a[n].view(U8), b[n].view(U8)) for n in a)
+    qa, qb = (json.loads((tmp_path / f"{k}-out" / "config.json").read_text())["quantization_config"]
+              for k in ("mixtral", "mixtral_fused"))
+    assert qa == qb
+
+
 @pytest.mark.parametrize("kind", ["llama", "mixtral_fused"])
 def test_chunked_quantize_and_cast_are_exact(tmp_path, monkeypatch, kind):
     import mxport.checkpoint.export as ex
@@ -100,7 +144,9 @@ def test_chunked_quantize_and_cast_are_exact(tmp_path, monkeypatch, kind):
     monkeypatch.setattr(ex, "CHUNK_NUMEL", 100)  # a few rows per chunk: partial chunks, 3-D experts split
     src_dir = MODELS[kind](tmp_path / "src")
     export_checkpoint(src_dir, tmp_path / "out", dtype=torch.float32)
-    check_exact(source_tensors(src_dir), load_dir(tmp_path / "out"), "modelopt", cast=torch.float32)
+    src = source_tensors(src_dir)
+    src = as_mixtral_checkpoint(src) if kind == "mixtral_fused" else src
+    check_exact(src, load_dir(tmp_path / "out"), "modelopt", cast=torch.float32)
 
 
 def test_shards_and_index_are_consistent(tmp_path):
@@ -180,7 +226,7 @@ def test_module_source_tied_embedding_written_once(tmp_path):
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     check_exact(state, out, "compressed-tensors")
     # a plain state dict (no config): nothing is dropped
-    export_checkpoint({"a.weight": torch.randn(4, 40), "a.bias": torch.randn(4)}, tmp_path / "sd")
+    export_checkpoint({"a.weight": torch.randn(4, 64), "a.bias": torch.randn(4)}, tmp_path / "sd")
     out = load_dir(tmp_path / "sd")
     assert sorted(out) == ["a.bias", "a.weight", "a.weight_scale"]
 
@@ -241,3 +287,36 @@ def test_gguf_embedded_model(tmp_path):
     assert cfg["tie_word_embeddings"] is True and cfg["quantization_config"]["quant_algo"] == "MXFP8"
     assert ((tmp_path / "out" / "tokenizer.json").is_file()
             or (tmp_path / "out" / "tokenizer_config.json").is_file())
+
+
+def test_qwen_moe_experts_are_written_under_qwen_names(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mxport.testing import make_tiny_qwen3_moe
+
+    src = make_tiny_qwen3_moe(tmp_path / "q", moe_intermediate=64, layers=1, experts=2, with_tokenizer=False)
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    res = export_checkpoint(model, tmp_path / "out", fmt="sglang")
+    out = load_dir(tmp_path / "out")
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj.detach()
+    assert res.renamed["model.layers.0.mlp.experts.gate_up_proj"] == [
+        f"model.layers.0.mlp.experts.{e}.{w}.weight" for e in (0, 1) for w in ("gate_proj", "up_proj")]
+    up1 = quantize(gate_up[1, 64:])
+    assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"].view(U8), up1.data.view(U8))
+    assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"], up1.scale_inv)
+    assert "model.layers.0.mlp.gate.weight" in out and not any(n.endswith("gate_up_proj") for n in out)
+
+
+def test_fused_experts_of_an_unknown_model_type_are_refused_in_one_line(tmp_path):
+    src = make_tiny_mixtral(tmp_path / "src", experts=2, layers=1, fused_experts=True, with_tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "my_moe"}))
+    with pytest.raises(ValueError) as e:
+        export_checkpoint(src, tmp_path / "out")
+    assert str(e.value) == (
+        "fused 3-D experts ('model.layers.0.mlp.experts.down_proj' and 1 more) of model type 'my_moe': "
+        "engines load experts under their checkpoint's per-expert names, which mxport knows for mixtral, "
+        "minimax, minimax_m2, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, olmoe, flex_olmo, "
+        "deepseek_v2, deepseek_v3, glm4_moe, glm4v_moe, dots1, ernie4_5_moe, hunyuan_v1_moe, exaone_moe, "
+        "solar_open only")
+    assert not (tmp_path / "out").exists()

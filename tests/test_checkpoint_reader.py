@@ -129,9 +129,11 @@ def test_read_header_rejects_corrupt_files(tmp_path):
         read_header(f)
 
 
-def make_mxfp8_dir(path, fmt, *, sharded=False):
+def make_mxfp8_dir(path, fmt, *, sharded=False, k=70):
+    """A checkpoint of ``fmt``; the down projection's K is ``k`` (70 by default: a partial last block, which
+    mxport's readers decode and ``inspect`` flags: no engine loads it)."""
     g = torch.Generator().manual_seed(1)
-    src = {"model.layers.0.mlp.down_proj.weight": torch.randn(3, 70, generator=g, dtype=torch.bfloat16),
+    src = {"model.layers.0.mlp.down_proj.weight": torch.randn(3, k, generator=g, dtype=torch.bfloat16),
            "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 4, 64, generator=g)}
     tensors = {"model.embed_tokens.weight": torch.randn(8, 70, generator=g).bfloat16()}
     for n, x in src.items():
@@ -425,14 +427,14 @@ def test_inspect_report_typed_and_dict_keys(tmp_path):
 
     from mxport.checkpoint.inspect import InspectReport, inspect
 
-    make_mxfp8_dir(tmp_path / "ck", "modelopt")
+    make_mxfp8_dir(tmp_path / "ck", "modelopt", k=96)
     rep = inspect(tmp_path / "ck")
     assert isinstance(rep, InspectReport) and rep.ok and rep.format == "modelopt"
     with pytest.raises(dataclasses.FrozenInstanceError):
         rep.format = "sglang"
     d = rep.to_dict()
     assert list(d) == ["path", "format", "format_source", "tensors", "pairs", "totals", "problems",
-                       "warnings"]
+                       "warnings", "consumers"]
     assert d == inspect_checkpoint(tmp_path / "ck") and rep["pairs"] == d["pairs"] and len(d["pairs"]) == 2
     json.dumps(d)
 
@@ -443,7 +445,7 @@ def test_inspect_reports_nothing_mxfp8_and_e5m2_sglang(tmp_path):
     assert inspect_checkpoint(tmp_path / "plain")["problems"] == [
         "nothing MXFP8 in this checkpoint: no FP8 values/scale pair (not quantized?)"]
     ck = tmp_path / "sg"
-    make_mxfp8_dir(ck, "sglang")
+    make_mxfp8_dir(ck, "sglang", k=96)
     cfg = json.loads((ck / "config.json").read_text())
     cfg["quantization_config"]["fmt"] = "e5m2"  # as older mxport wrote it
     (ck / "config.json").write_text(json.dumps(cfg))

@@ -168,3 +168,91 @@ def test_fp8_dtype_offers_e4m3_only_and_refuses_e5m2_while_parsing(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: Invalid value for '--fp8-dtype': e5m2: every format stores MXFP8 values "
                            "as E4M3 only (")
+
+
+# -- K not a multiple of 32 (issue 25): refused, or kept with --keep-unaligned -------------------------------
+@pytest.fixture(scope="module")
+def llama_k200(tmp_path_factory):
+    """down_proj [64, 200]: K = 200 is 6 blocks and 8 values; vLLM refuses it ("MXFP8 requires input size
+    divisible by 32, got 200")."""
+    return make_tiny_llama(tmp_path_factory.mktemp("src") / "k200", intermediate=200)
+
+
+def test_k_not_a_multiple_of_32_is_refused_with_one_line_naming_the_tensors(tmp_path, llama_k200):
+    out = tmp_path / "out"
+    for extra in ([], ["--dry-run"]):
+        r = runner.invoke(app, ["export", str(llama_k200), "-o", str(out), *extra])
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1, r.output
+        assert lines[0].startswith("error: 2 tensors with K not a multiple of 32"), r.output
+        assert "model.layers.0.mlp.down_proj.weight (K=200), model.layers.1.mlp.down_proj.weight (K=200)" \
+            in lines[0] and "--keep-unaligned" in lines[0]
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors", "sglang"])
+def test_keep_unaligned_keeps_them_in_their_dtype_and_says_so(tmp_path, llama_k200, fmt):
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["export", str(llama_k200), "-o", str(out), "--format", fmt, "--keep-unaligned",
+                            "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    down = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
+    for name in down:
+        assert f"kept in high precision {name}: K=200 is not a multiple of 32 (--keep-unaligned)" in \
+            " ".join(r.output.split())
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["kept_unaligned"] == down and data["nonzero_scales"] is False
+    dec = {d["name"]: d for d in data["decisions"]}
+    assert dec[down[0]]["quantize"] is False and dec[down[0]]["reason"] == \
+        "kept: K=200 is not a multiple of 32 (--keep-unaligned)"
+    assert dec["model.layers.0.mlp.up_proj.weight"]["quantize"] is True  # K = 64
+    written, src = load_file(str(out / "model.safetensors")), load_file(str(llama_k200 / "model.safetensors"))
+    assert written[down[1]].dtype == torch.bfloat16 and torch.equal(written[down[1]], src[down[1]])
+    assert not any(k.startswith(down[1]) and k != down[1] for k in written)  # no scale for it
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    ignored = cfg.get("ignore", cfg.get("ignored_layers"))
+    assert [m for m in ignored if "down_proj" in m] == ["model.layers.0.mlp.down_proj",
+                                                       "model.layers.1.mlp.down_proj"]
+
+
+def test_keep_unaligned_keeps_the_share_group_with_the_tensor():
+    from mxport.checkpoint.export import align_decisions
+    from mxport.policy import PrecisionPolicy
+
+    entries = [("m.layers.0.self_attn.q_proj.weight", (64, 200), torch.bfloat16),
+               ("m.layers.0.self_attn.k_proj.weight", (32, 200), torch.bfloat16),
+               ("m.layers.0.self_attn.o_proj.weight", (200, 64), torch.bfloat16),
+               ("m.layers.0.mlp.experts.gate_up_proj", (4, 64, 64), torch.bfloat16),
+               ("m.layers.0.mlp.experts.down_proj", (4, 64, 40), torch.bfloat16)]
+    got = {d.name: d for d in align_decisions(PrecisionPolicy().decide_all(entries), keep_unaligned=True)}
+    assert [n for n, d in got.items() if d.quantize] == ["m.layers.0.self_attn.o_proj.weight"]
+    assert got["m.layers.0.mlp.experts.gate_up_proj"].reason == (
+        "kept: experts of one MoE layer share one precision (m.layers.0.mlp.experts.down_proj: K=40 is not a "
+        "multiple of 32, --keep-unaligned)")
+    assert got["m.layers.0.self_attn.k_proj.weight"].reason == "kept: K=200 is not a multiple of 32 " \
+                                                              "(--keep-unaligned)"
+
+
+def test_nonzero_scales_writes_byte_one_for_zero_blocks(tmp_path):
+    from safetensors.torch import save_file
+
+    src = make_tiny_llama(tmp_path / "src", with_tokenizer=False)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name][3, 32:64] = 0  # an all-zero block
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    r = runner.invoke(app, ["export", str(src), "-o", str(tmp_path / "a"), "--nonzero-scales", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["nonzero_scales"] is True
+    plain = runner.invoke(app, ["export", str(src), "-o", str(tmp_path / "b")])
+    assert plain.exit_code == 0, plain.output
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("a", "b"))
+    assert b[name + "_scale"][3, 1] == 0 and a[name + "_scale"][3, 1] == 1
+    want = quantize(tensors[name], nonzero_scales=True)
+    assert torch.equal(a[name + "_scale"], want.scale_inv) and int((want.scale_inv == 0).sum()) == 0
+    assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))
+    for k in a:
+        if k.endswith("_scale"):
+            mask = b[k] != 0
+            assert torch.equal(a[k][mask], b[k][mask]), k  # only the bytes 0 changed

@@ -167,3 +167,33 @@ def test_every_column_survives_80_columns(tmp_path, monkeypatch):
     rows = [line for line in text.splitlines() if "%" in line and line.startswith("│")]
     assert len(rows) == len(report["pairs"]) > 0  # the zero blocks column: one percentage per pair
     assert all(re.search(r"\d%\s*│$", line) for line in rows)
+
+
+def test_k_not_a_multiple_of_32_is_flagged_per_consumer(tmp_path):
+    """Another producer's checkpoint with K = 200 (6 blocks and 8 values) and K = 64: the scale is compact and
+    right, but vLLM, SGLang and TE refuse the K = 200 weight: one problem per consumer, exit 1."""
+    path = tmp_path / "k200"
+    path.mkdir()
+    a, b = quantize(torch.randn(8, 200)), quantize(torch.randn(8, 64))
+    save_file({"a.weight": a.data, "a.weight_scale": a.scale_inv, "b.weight": b.data,
+               "b.weight_scale": b.scale_inv}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt",
+                                                                           "quant_algo": "MXFP8"}}))
+    code, rep, r = inspect_json(path)
+    assert code == 1, r.output
+    what = "1 MXFP8 tensor with K not a multiple of 32 (a.weight (K=200))"
+    assert rep["consumers"] == {
+        "vllm": [f"vLLM: {what}: cannot serve them (modelopt refuses to load: 'MXFP8 requires input size "
+                 "divisible by 32'; compressed-tensors loads them into K // 32 scale columns, then fails on "
+                 "the first forward)"],
+        "sglang": [f"SGLang: {what}: its MXFP8 kernels read K // 32 scale columns, and a row-parallel "
+                   "layer refuses a K per rank that is not a multiple of 32"],
+        "te": [f"TE: {what}: MXFP8 tensors need K % 32 == 0 (MXFP8Quantizer.is_quantizable / "
+               "get_scale_shape)"]}
+    assert rep["problems"] == [line for lines in rep["consumers"].values() for line in lines]
+    text = " ".join(runner.invoke(app, ["inspect", str(path)]).output.split())
+    assert f"problem: vLLM: {what}" in text and "no problems found" not in text
+    (path / "model.safetensors").unlink()  # the same checkpoint without the K = 200 weight: clean
+    save_file({"b.weight": b.data, "b.weight_scale": b.scale_inv}, str(path / "model.safetensors"))
+    code, rep, r = inspect_json(path)
+    assert code == 0 and rep["consumers"] == {"vllm": [], "sglang": [], "te": []}, r.output

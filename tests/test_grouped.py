@@ -15,7 +15,7 @@ import mxport
 from mxport.sources.te import to_te_layout
 
 UNIFORM = [(64, 96)] * 4
-VARYING = [(32, 96), (100, 96), (1, 96), (128, 96)]
+VARYING = [(32, 96), (160, 96), (64, 96), (128, 96)]
 
 
 def experts(shapes, seed=0):
@@ -33,7 +33,7 @@ def grouped_storage(xs, direction, *, fp8=torch.float8_e4m3fn, swizzled=False, e
     datas, scales, s_off, d_off = [], [], [0], [0]
     for x in xs:
         c = mxport.quantize(x, fp8, direction=direction)
-        data, scale = to_te_layout(c, swizzled=swizzled)
+        data, scale = to_te_layout(c, swizzled=swizzled, grouped=True)
         if not swizzled:  # TE leaves padding uninitialized: fill it with garbage
             rows = x.shape[0] if direction == "rowwise" else -(-x.shape[0] // 32)
             compact = c.scale_inv.reshape(rows, -1)
@@ -288,12 +288,28 @@ def test_te_grouped_tensor_varying_shapes():
         mxport.export_components(gt)
 
 
-def test_te_grouped_columnwise_straddling_experts_refused():
-    xs = experts([(40, 64)] * 2, seed=12)
-    gt = grouped_tensor(xs, "columnwise")
-    for e, x in zip(mxport.export_grouped_components(gt, direction="columnwise"), xs, strict=True):
-        assert_same(e, mxport.quantize(x, direction="columnwise"))
-    with pytest.raises(ValueError, match="straddle"):
+def test_te_grouped_members_follow_tes_grid_arithmetic():
+    """TE sizes a grouped member's grids with MXFP8Quantizer.get_scale_shape's floor divisions (rows
+    roundup(M, 128) x roundup(K // 32, 4) rowwise, roundup(M // 32, 4) x roundup(K, 128) columnwise): rows
+    need not be a multiple of 32 rowwise, but the dimension the blocks run along must be whole blocks."""
+    xs = experts([(40, 64), (100, 64)], seed=12)
+    for e, x in zip(mxport.export_grouped_components(grouped_tensor(xs, "rowwise")), xs, strict=True):
+        assert_same(e, mxport.quantize(x))
+    # columnwise, 40 rows: TE's grid has roundup(40 // 32, 4) = 4 x 128 bytes per member, with no scale for
+    # rows 32..39; the storage as TE allocates it (values of both members, grids zero-filled)
+    data = torch.cat([mxport.quantize(x, direction="columnwise").data.view(torch.uint8).reshape(-1)
+                      for x in xs])
+    gt = GroupedTensor(dict(
+        num_tensors=2, tensor_shapes=[(40, 64), (100, 64)], first_dims=torch.tensor([40, 100]),
+        last_dims=None, logical_shape=(140, 64), rowwise_data=None, columnwise_data=data, scale_inv=None,
+        columnwise_scale_inv=torch.zeros(2 * 4 * 128, dtype=torch.uint8), offsets=[0, 40 * 64, 140 * 64],
+        tensor_offsets=None, scale_inv_offsets=None, columnwise_scale_inv_offsets=[0, 512, 1024],
+        quantizer=SimpleNamespace(dtype=7, optimize_for_gemm=False), _with_gemm_swizzled_scales=False))
+    words = (r"columnwise_data\[expert 0\] of shape \(40, 64\) \(M=40, K=64\) is not a TE MXFP8 shape: TE "
+             r"sizes a grouped member's columnwise grid with M // 32")
+    with pytest.raises(ValueError, match=words):
+        mxport.export_grouped_components(gt, direction="columnwise")
+    with pytest.raises(ValueError, match=words):
         mxport.export_components(gt, direction="columnwise")
 
 

@@ -25,7 +25,7 @@ def _te_storage(c: MXFP8Components, scale: torch.Tensor, fp8_dtype=7):
 
 
 def test_te_scale_grid_larger_than_padded_is_rejected():
-    c = quantize(torch.randn(40, 576))  # TE pads (40, 18) scales to (128, 20)
+    c = quantize(torch.randn(96, 576))  # TE pads (96, 18) scales to (128, 20)
     good = mxport.layouts.pad(c.scale_inv)
     assert torch.equal(mxport.export_components(_te_storage(c, good)).scale_inv, c.scale_inv)
     with pytest.raises(ValueError, match=r"expected TE's padded \(128, 20\)"):
@@ -34,7 +34,7 @@ def test_te_scale_grid_larger_than_padded_is_rejected():
 
 @pytest.mark.parametrize("code", [7.9, 8.5, "7"])
 def test_te_fp8_dtype_codes_are_not_truncated(code):
-    c = quantize(torch.randn(4, 64))
+    c = quantize(torch.randn(32, 64))
     with pytest.raises(TypeError, match="_fp8_dtype"):
         mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv), fp8_dtype=code))
     assert mxport.export_components(_te_storage(c, mxport.layouts.pad(c.scale_inv),

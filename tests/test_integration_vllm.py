@@ -191,16 +191,22 @@ def test_weight_source_of_sharded_trainers_on_two_ranks(tmp_path):
         assert meta["norm.weight"][1:] == (None, "None")
 
 
-def test_nonzero_scales_only_touch_all_zero_blocks():
-    x = torch.randn(4, 80)
-    x[1, 32:64] = 0
-    x[2, 64:] = 0  # the partial last block
-    c = quantize(x)
-    s = mxv.nonzero_zero_block_scales(c.data, c.scale_inv)
-    want = c.scale_inv.clone()
-    want[1, 1] = want[2, 2] = 1
-    assert c.scale_inv[1, 1] == 0 and c.scale_inv[2, 2] == 0
-    assert torch.equal(s, want)
+def test_nonzero_scales_follow_quantizes_rule(tmp_path):
+    """``MxportWeightSource(nonzero_scales=True)`` yields the bytes of ``quantize(w, nonzero_scales=True)``:
+    NeMo-RL's rule, every byte 0 becomes 1 (an all-zero block and the partial last block here)."""
+    _, model = _tiny_trainer(tmp_path)
+    w = model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w[1, 32:64] = 0
+        w[2, 224:] = 0
+    got = dict(mxv.MxportWeightSource(model, nonzero_scales=True).iter_full())
+    plain = dict(mxv.MxportWeightSource(model).iter_full())
+    name = "model.layers.0.mlp.down_proj.weight"
+    want = quantize(w.detach(), nonzero_scales=True)
+    assert plain[name + "_scale"][1, 1] == 0 and plain[name + "_scale"][2, 7] == 0
+    assert torch.equal(got[name + "_scale"], want.scale_inv) and int((want.scale_inv == 0).sum()) == 0
+    assert torch.equal(got[name].view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(plain[name + "_scale"], quantize(w.detach()).scale_inv)
 
 
 def test_plan_from_canonical_roundtrip_and_tamper():  # what an engine worker rebuilds from the trainer's JSON
@@ -924,3 +930,134 @@ def test_mxport_refit_engine_vllm_cli(tmp_path):
     assert out["bf16_bytes"] > out["plan"]["bytes"] and out["raw_broadcast_s"] > 0
     if out["cpu_emulation"]:
         assert "EmulationMxfp8LinearKernel" in proc.stderr
+
+
+# -- checkpoints vLLM's own loader takes (issue 25): K = 200, zero blocks, fused experts ---------------------
+#: a fresh vLLM (its CPU build, MXFP8 emulation) on checkpoint argv[1]: its parameters as its loader stored
+#: them and each layer's quant method go to argv[2] (torch.save), with a greedy generation when argv[3] is
+#: "generate"
+_LOAD = """
+import os, sys, torch
+from mxport.demo import vllm as h
+for k, v in h.engine_env().items():
+    os.environ.setdefault(k, v)
+llm, _ = h.start_engine(sys.argv[1])
+out = {"tensors": h.engine_tensors(llm), "methods": llm.apply_model(lambda m: {
+    n: type(x.quant_method).__name__ for n, x in m.named_modules() if getattr(x, "quant_method", None)})[0]}
+if sys.argv[3] == "generate":
+    out["tokens"] = h.generate(llm, [[5, 6, 7, 8, 9]], max_tokens=4, full=False)[0]["tokens"]
+torch.save(out, sys.argv[2])
+"""
+
+
+def _vllm_load(mx_dir, tmp_path, generate=True):
+    """(returncode, output, what vLLM's loader stored) of a fresh vLLM process on ``mx_dir``."""
+    import os
+    import subprocess
+    import sys
+
+    dump = tmp_path / "engine.pt"
+    args = [sys.executable, "-c", _LOAD, str(mx_dir), str(dump), "generate" if generate else "-"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    got = torch.load(dump) if proc.returncode == 0 else None
+    return proc.returncode, proc.stdout + proc.stderr, got
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@pytest.mark.slow
+@needs_engine
+def test_vllm_refuses_k200_as_mxfp8_and_loads_the_export_that_keeps_it(tmp_path):
+    """K = 200 (down_proj of intermediate 200): as MXFP8 vLLM's loader refuses it ('MXFP8 requires input
+    size divisible by 32, got 200'), which is why export refuses it; `--keep-unaligned --nonzero-scales`
+    keeps it in BF16 and lifts a zero block's scale byte to 1: vLLM loads that export, holds exactly those
+    bytes, and generates."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "src", hidden=128, heads=2, kv_heads=1, intermediate=200, layers=2,
+                          max_positions=1024)
+    w = load_file(str(src / "model.safetensors"))
+    w["model.layers.0.mlp.gate_proj.weight"][3, 32:64] = 0  # an all-zero block: scale byte 0, or 1
+    save_file(w, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight \(K=200\)"):
+        export_checkpoint(str(src), tmp_path / "refused")
+    res = export_checkpoint(str(src), tmp_path / "mx", keep_unaligned=True, nonzero_scales=True)
+    assert res.kept_unaligned == [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
+
+    # the premise, in vLLM itself: the same checkpoint with down_proj as MXFP8 (what export wrote before)
+    bad = tmp_path / "k200-mxfp8"
+    bad.mkdir()
+    for f in (tmp_path / "mx").iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    out = load_file(str(bad / "model.safetensors"))
+    for name in res.kept_unaligned:
+        c = quantize(w[name])
+        out[name], out[name + "_scale"] = c.data, c.scale_inv
+    save_file(out, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    for cfg_file, key in (("config.json", "quantization_config"), ("hf_quant_config.json", "quantization")):
+        cfg = json.loads((bad / cfg_file).read_text())
+        q = cfg[key]
+        q["ignore" if "ignore" in q else "exclude_modules"] = ["lm_head"]
+        (bad / cfg_file).write_text(json.dumps(cfg))
+    code, log, _ = _vllm_load(bad, tmp_path, generate=False)
+    assert code != 0 and "MXFP8 requires input size divisible by 32, got 200" in log, log[-3000:]
+
+    code, log, got = _vllm_load(tmp_path / "mx", tmp_path)
+    assert code == 0, log[-3000:]
+    eng, methods = got["tensors"], got["methods"]
+    for i in (0, 1):
+        assert methods[f"model.layers.{i}.mlp.down_proj"] == "UnquantizedLinearMethod"  # BF16, as exported
+        assert methods[f"model.layers.{i}.mlp.gate_up_proj"] == "ModelOptLinearMethod"  # its MXFP8 scheme
+        down = eng.get(f"model.layers.{i}.mlp.down_proj.weight")  # None where vLLM's CPU GEMM repacked it
+        assert down is None or torch.equal(down, w[f"model.layers.{i}.mlp.down_proj.weight"])
+        assert f"model.layers.{i}.mlp.down_proj.weight_scale" not in eng
+        parts = [quantize(w[f"model.layers.{i}.mlp.{p}_proj.weight"], nonzero_scales=True)
+                 for p in ("gate", "up")]
+        assert torch.equal(_u8(eng[f"model.layers.{i}.mlp.gate_up_proj.weight"]),
+                           torch.cat([_u8(p.data) for p in parts]))
+        assert torch.equal(eng[f"model.layers.{i}.mlp.gate_up_proj.weight_scale"],
+                           torch.cat([p.scale_inv for p in parts]))
+    scale = eng["model.layers.0.mlp.gate_up_proj.weight_scale"]
+    assert scale[3, 1] == 1 and quantize(w["model.layers.0.mlp.gate_proj.weight"]).scale_inv[3, 1] == 0
+    assert len(got["tokens"]) == 4
+
+
+@pytest.mark.slow
+@needs_engine
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_vllm_mixtral_loader_loads_exported_fused_experts(tmp_path, fmt):
+    """A transformers-5 Mixtral held with fused experts (mlp.experts.gate_up_proj [E, 2I, H]): export writes
+    them per expert under the checkpoint's names (block_sparse_moe.experts.{e}.w1 / w3 / w2 + scales), which
+    vLLM's Mixtral loader maps into its FusedMoE w13 / w2 (the fused names matched no module of vLLM's
+    MixtralModel: 'There is no module or parameter named layers.0.mlp'). vLLM holds exactly quantize's bytes
+    of every expert. (Generating needs vLLM's MXFP8 MoE emulation, which runs on Triton: not on this CPU.)"""
+    from safetensors.torch import load_file
+
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_mixtral
+
+    src = make_tiny_mixtral(tmp_path / "src", fused_experts=True, hidden=256, intermediate=128, experts=4,
+                            layers=2, dtype=torch.bfloat16)
+    w = load_file(str(src / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in w  # the fused form
+    export_checkpoint(str(src), tmp_path / "mx", fmt=fmt)
+    code, log, got = _vllm_load(tmp_path / "mx", tmp_path, generate=False)
+    assert code == 0, log[-3000:]
+    eng = got["tensors"]
+    for i in (0, 1):
+        experts = f"model.layers.{i}.block_sparse_moe.experts.routed_experts"
+        for fused, ours in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            want = quantize(w[f"model.layers.{i}.mlp.experts.{ours}"])  # rowwise: per expert, per row
+            assert torch.equal(_u8(eng[f"{experts}.{fused}_weight"]), _u8(want.data)), (i, fused)
+            assert torch.equal(eng[f"{experts}.{fused}_weight_scale"], want.scale_inv), (i, fused)
+        router = eng.get(f"model.layers.{i}.block_sparse_moe.gate.weight")  # None: repacked by the CPU GEMM
+        assert router is None or torch.equal(router, w[f"model.layers.{i}.mlp.gate.weight"])
+        assert got["methods"][f"model.layers.{i}.block_sparse_moe.gate"] == "UnquantizedLinearMethod"

@@ -215,7 +215,11 @@ def test_in_process_refit_lands_quantize_bytes_and_forward_follows(moe_dir):
 @pytest.mark.parametrize("fmt", ["modelopt", "sglang"])
 def test_export_and_load_checkpoint_round_trip_expert_bytes(moe_dir, tmp_path, fmt):
     from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_qwen3_moe
 
+    if json.loads((moe_dir / "config.json").read_text()).get("moe_intermediate_size") == 48:
+        # K = 48 cannot be MXFP8 in a checkpoint (test_cli_export covers the refusal): whole blocks here
+        moe_dir = make_tiny_qwen3_moe(tmp_path / "q64", moe_intermediate=64, dtype=torch.float32)
     model = _load(moe_dir)
     _spread(model)
     out = tmp_path / "ckpt"
@@ -255,8 +259,8 @@ def test_verify_quantizes_experts_and_sweeps_them_with_their_layer(tmp_path):
     from mxport.testing import make_tiny_qwen3_moe
     from mxport.verify import verify
 
-    path = make_tiny_qwen3_moe(tmp_path / "q", dtype=torch.float32)
-    prompts = tmp_path / "p.txt"
+    path = make_tiny_qwen3_moe(tmp_path / "q", moe_intermediate=64, dtype=torch.float32)  # K % 32 == 0:
+    prompts = tmp_path / "p.txt"  # exported as a checkpoint below
     prompts.write_text("Name a color.\n\nCount to three.\n")
     model, tok = _load(path), AutoTokenizer.from_pretrained(str(path))
     r = verify((model, tok), prompts=str(prompts), max_new_tokens=4, per_layer=True, target_kl=0.0)

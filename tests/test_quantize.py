@@ -448,3 +448,83 @@ def test_kernel_native_runs_or_says_why_and_env_steers_the_automatic_choice_only
 def test_kernel_argument_checks(kw, msg):
     with pytest.raises(ValueError, match=msg):
         quantize(torch.randn(2, 32), **kw)
+
+
+# -- nonzero_scales: NeMo-RL's rule for FlashInfer's TRT-LLM kernels (byte 0 -> 1), decoding unchanged -------
+def _with_zero_blocks(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 80, generator=g)
+    x[1, 32:64] = 0  # a whole block
+    x[2, 64:] = 0  # the partial last block
+    x[3, :32] = -0.0  # negative zeros keep their sign bytes
+    x[4, 32:64] = 0
+    x[4, 40] = float("nan")  # NaN is skipped in the amax: an all-zero block with a NaN in it
+    return x
+
+
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("kernel", ["eager", "native", "compiled"])
+def test_nonzero_scales_turns_every_zero_byte_into_one_and_decodes_the_same(direction, kernel):
+    from mxport.quantize import NATIVE_PATH
+
+    if kernel == "native" and not NATIVE_PATH.loaded():
+        pytest.skip(f"no native kernel here: {NATIVE_PATH.failed_reason}")
+    x = _with_zero_blocks()
+    x = x if direction == "rowwise" else x.t().contiguous().repeat(1, 1)
+    ref = quantize(x, direction=direction, kernel=kernel)
+    got = quantize(x, direction=direction, kernel=kernel, nonzero_scales=True)
+    zero = ref.scale_inv == 0
+    assert int(zero.sum()) == 4  # the premise: four blocks have byte 0
+    assert torch.equal(got.scale_inv, torch.where(zero, torch.ones_like(ref.scale_inv), ref.scale_inv))
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))  # zeros keep their bytes
+    a, b = got.dequantize(), ref.dequantize()
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    assert torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+def test_nonzero_scales_also_lifts_tiny_nonzero_blocks_and_re_encodes_them():
+    # amax = 3 * 2**-130 <= 448 * 2**-127: rceil gives byte 0 to a block that is not all zero. NeMo-RL's rule
+    # lifts it to 1 too; its values are re-encoded for 2**-126, so they decode to the same numbers (a bare
+    # byte rewrite would double them).
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([3.0, -1.0, 0.5, 2.0 ** -6]) * 2.0 ** -130
+    ref = quantize(x)
+    got = quantize(x, nonzero_scales=True)
+    assert ref.scale_inv.tolist() == [[0]] and got.scale_inv.tolist() == [[1]]
+    assert ref.data[0, :4].float().tolist() == [0.375, -0.125, 0.0625, 2.0 ** -9]
+    assert got.data[0, :4].float().tolist() == [0.1875, -0.0625, 0.03125, 0.0]
+    assert torch.equal(got.dequantize()[0, :3], ref.dequantize()[0, :3])
+    assert torch.equal(got.dequantize()[0, :3], x[0, :3])
+    assert torch.equal(got.dequantize()[0, 4:], ref.dequantize()[0, 4:])
+    # the one exception: E4M3's smallest subnormal (2**-9) halved is a tie, which rounds to even (0)
+    assert got.dequantize()[0, 3].item() == 0.0 and ref.dequantize()[0, 3].item() == 2.0 ** -136
+
+
+def test_nonzero_scales_without_zero_blocks_changes_nothing():
+    x = torch.randn(5, 96)
+    assert _bytes(quantize(x, nonzero_scales=True))[0].tobytes() == _bytes(quantize(x))[0].tobytes()
+    assert torch.equal(quantize(x, nonzero_scales=True).scale_inv, quantize(x).scale_inv)
+
+
+def test_nonzero_scales_with_out_writes_the_lifted_bytes():
+    x = _with_zero_blocks()
+    out = (torch.empty(x.shape, dtype=torch.uint8), torch.empty(6, 3, dtype=torch.uint8))
+    c = quantize(x, out=out, nonzero_scales=True)
+    assert torch.equal(out[1], quantize(x, nonzero_scales=True).scale_inv) and int((out[1] == 0).sum()) == 0
+    assert c.scale_inv.data_ptr() == out[1].data_ptr()
+
+
+def test_lift_zero_scales_of_components_equals_quantize_with_the_option():
+    from mxport.quantize import lift_zero_scales
+
+    x = _with_zero_blocks(1)
+    for direction in ("rowwise", "columnwise"):
+        a = lift_zero_scales(quantize(x, direction=direction))
+        b = quantize(x, direction=direction, nonzero_scales=True)
+        assert torch.equal(a.scale_inv, b.scale_inv) and torch.equal(a.data.view(torch.uint8),
+                                                                      b.data.view(torch.uint8))
+    c = quantize(torch.randn(3, 64))
+    assert lift_zero_scales(c) is c  # nothing to lift: the same object
+    with pytest.raises(TypeError, match="nonzero_scales must be a bool"):
+        quantize(x, nonzero_scales=1)

@@ -116,6 +116,29 @@ def test_cli_refuses_engine_layout_of_a_gguf_before_starting(monkeypatch):
     assert "9 attention heads do not divide by tp=2" in " ".join(r.output.split())
 
 
+def test_cli_refuses_an_engine_tp_that_slices_mxfp8_experts_vllm_refuses(tmp_path, monkeypatch):
+    """I = 96 over tp=2 is 48 per rank: the down projection's K blocks would straddle ranks, and vLLM's MXFP8
+    MoE refuses the gate_up slice (intermediate_size_per_partition 48): exit 2 before any process starts."""
+    from typer.testing import CliRunner
+
+    import mxport.demo.mesh as mesh_demo
+    from mxport.cli import app
+    from mxport.testing import make_tiny_mixtral
+
+    src = make_tiny_mixtral(tmp_path / "moe", intermediate=96, layers=2, with_tokenizer=False)
+
+    def not_started(*args, **kwargs):
+        raise AssertionError("the refit's processes were started")
+
+    monkeypatch.setattr(mesh_demo, "run_mesh_demo", not_started)
+    r = CliRunner().invoke(app, ["refit", str(src), "--engine", "tp=2", "--steps", "1"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert " ".join(r.output.split()) == (
+        "error: --engine tp=2 on this model: model.layers.0.mlp.experts.gate_up_proj: I=96 split over tp=2 "
+        "gives 48 per rank, not a multiple of 32 (vLLM's MXFP8 MoE requires intermediate_size_per_partition "
+        "divisible by 32) (+3 more)")
+
+
 def test_trainer_help_examples_are_layouts_the_refit_runs():
     """Every layout `mxport refit --help` gives as an example of --trainer is one the command accepts."""
     import re

@@ -89,10 +89,10 @@ class Layer(nn.Module):
 class GPT(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embedding = nn.Embedding(50, 64)
+        self.embedding = nn.Embedding(64, 64)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList([Layer(10), Layer(30)])
-        self.output_layer = Linear(50, 64, 60)
+        self.output_layer = Linear(64, 64, 60)  # a vocabulary of 64: TE shapes are multiples of 32
 
 
 def _has_mxfp8_storage(val) -> bool:

@@ -8,6 +8,7 @@ formula, not with mxport.layouts.
 from __future__ import annotations
 
 import enum
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -106,7 +107,8 @@ def assert_same(e: mxport.MXFP8Components, ref: mxport.MXFP8Components):
     assert torch.equal(e.dequantize(), ref.dequantize())
 
 
-SHAPES = [(3, 64), (100, 48), (128, 16), (2, 64, 96), (256, 4096)]
+#: shapes TE makes (M and K multiples of 32): rows padded to 128 or not, 2, 5, 1, 3, 128 blocks per row
+SHAPES = [(32, 64), (96, 160), (128, 32), (2, 48, 96), (256, 4096)]
 
 
 # -- to_te_layout matches TE's layout, computed independently
@@ -146,8 +148,8 @@ def test_te_export_matches_quantize(shape, direction, fp8, swizzled):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    m=st.integers(1, 300),
-    k=st.integers(1, 300),
+    m=st.integers(1, 10).map(lambda a: 32 * a),
+    k=st.integers(1, 10).map(lambda a: 32 * a),
     direction=st.sampled_from(["rowwise", "columnwise"]),
     swizzled=st.booleans(),
 )
@@ -171,7 +173,7 @@ def test_fp8_dtype_spellings():
 # -- views, copies and writes showing through
 # ---------------------------------------------------------------------
 def test_rowwise_view_and_writes_show_through():
-    x = make_source((200, 128))  # ceil(128/32) = 4 columns: TE pads rows only -> scales are a view
+    x = make_source((160, 128))  # 128/32 = 4 columns: TE pads rows only -> scales are a view
     store = te_storage(x, torch.float8_e4m3fn, "rowwise")
     e = mxport.export_components(store)
     assert e.data.data_ptr() == store._rowwise_data.data_ptr()
@@ -185,7 +187,7 @@ def test_rowwise_view_and_writes_show_through():
 
 
 def test_columnwise_view_when_k_multiple_of_128():
-    store = te_storage(make_source((100, 256)), torch.float8_e4m3fn, "columnwise")
+    store = te_storage(make_source((96, 256)), torch.float8_e4m3fn, "columnwise")
     e = mxport.export_components(store, direction="columnwise")
     assert e.scale_inv.data_ptr() == store._columnwise_scale_inv.data_ptr()
     store._columnwise_data.fill_(0)
@@ -194,7 +196,7 @@ def test_columnwise_view_when_k_multiple_of_128():
 
 @pytest.mark.parametrize(
     "shape,direction,swizzled",
-    [((100, 48), "rowwise", False), ((64, 96), "columnwise", False), ((200, 128), "rowwise", True)],
+    [((96, 96), "rowwise", False), ((64, 96), "columnwise", False), ((160, 128), "rowwise", True)],
 )
 def test_scales_copied_when_padding_in_last_dim_or_swizzled(shape, direction, swizzled):
     store = te_storage(make_source(shape), torch.float8_e4m3fn, direction, swizzled=swizzled)
@@ -207,7 +209,7 @@ def test_scales_copied_when_padding_in_last_dim_or_swizzled(shape, direction, sw
 
 
 def test_one_dimensional_padded_scale_buffer():
-    x = make_source((100, 48))
+    x = make_source((96, 96))
     store = te_storage(x, torch.float8_e4m3fn, "rowwise")
     store._rowwise_scale_inv = store._rowwise_scale_inv.reshape(-1)
     assert_same(mxport.export_components(store), mxport.quantize(x))
@@ -228,7 +230,7 @@ def test_missing_direction_data():
 
 
 def test_e8m0fnu_scales_are_bit_viewed_not_value_cast():
-    x = make_source((100, 48))
+    x = make_source((96, 96))
     store = te_storage(x, torch.float8_e4m3fn, "rowwise")
     store._rowwise_scale_inv = store._rowwise_scale_inv.view(E8M0FNU)
     e = mxport.export_components(store)
@@ -259,7 +261,7 @@ def test_wrong_dtypes():
 
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 def test_scale_grid_too_small(direction):
-    store = te_storage(make_source((300, 200)), torch.float8_e4m3fn, direction)
+    store = te_storage(make_source((320, 224)), torch.float8_e4m3fn, direction)
     name = f"_{direction}_scale_inv"
     s = getattr(store, name)
     setattr(store, name, s[: s.shape[0] // 4, :])
@@ -268,10 +270,43 @@ def test_scale_grid_too_small(direction):
     setattr(store, name, s[:, :1])
     with pytest.raises(ValueError, match="too small"):
         mxport.export_components(store, direction=direction)
-    store = te_storage(make_source((300, 200)), torch.float8_e4m3fn, direction, swizzled=True)
+    store = te_storage(make_source((320, 224)), torch.float8_e4m3fn, direction, swizzled=True)
     setattr(store, name, getattr(store, name).reshape(-1)[:-512])
     with pytest.raises(ValueError, match=name):
         mxport.export_components(store, direction=direction)
+
+
+# -- TE's own shape rule: M and K multiples of 32 (MXFP8Quantizer::get_scale_shape) --------------------------
+@pytest.mark.parametrize("shape", [(32, 200), (3, 64), (100, 48), (64,), (2, 3, 64), (128, 16)])
+def test_shapes_te_refuses_are_refused(shape):
+    """TE makes no MXFP8 tensor of these shapes ("MXFP8 requires tensor dims that are divisible by 32"), so
+    neither reading one (whatever grid came with it) nor laying one out as TE would is allowed: before, K =
+    200 was read with a ceil(200/32) = 7-column grid where TE's arithmetic gives 200 // 32 = 6."""
+    from mxport.sources.te import components_from_te_parts, scale_grid_dims
+
+    c = mxport.quantize(make_source(shape) if len(shape) > 1 else torch.randn(shape))
+    m, k = int(np.prod(shape[:-1])), shape[-1]
+    words = rf"shape {re.escape(str(tuple(shape)))} \(M={m}, K={k}\) is not a TE MXFP8 shape"
+    with pytest.raises(ValueError, match=words):
+        to_te_layout(c)
+    rows, cols = scale_grid_dims(shape, "rowwise")
+    grid = torch.zeros(_up(rows, 128), _up(cols, 4), dtype=torch.uint8)
+    store = SimpleNamespace(_rowwise_data=c.data.view(torch.uint8), _rowwise_scale_inv=grid,
+                            _columnwise_data=None, _columnwise_scale_inv=None, _fp8_dtype=DType.kFloat8E4M3)
+    with pytest.raises(ValueError, match="_rowwise_data of " + words):
+        mxport.export_components(store)
+    with pytest.raises(ValueError, match="data of " + words):
+        components_from_te_parts(c.data, grid, torch.float8_e4m3fn, "rowwise")
+
+
+def test_te_grid_is_te_arithmetic_for_every_shape_it_accepts():
+    """For the shapes TE makes, mxport's padded grid is exactly TE's get_scale_shape (floor division, padded
+    to 128 x 4 rowwise, 4 x 128 columnwise)."""
+    for m, k in [(32, 32), (96, 576), (160, 4096), (4096, 96)]:
+        c = mxport.quantize(make_source((m, k)))
+        assert tuple(to_te_layout(c)[1].shape) == (_up(m, 128), _up(k // 32, 4))
+        c = mxport.quantize(make_source((m, k)), direction="columnwise")
+        assert tuple(to_te_layout(c)[1].shape) == (_up(m // 32, 4), _up(k, 128))
 
 
 def test_unknown_objects():

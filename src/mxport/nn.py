@@ -576,9 +576,12 @@ def load_checkpoint(model: nn.Module, path, *, strict: bool = True, activation: 
     :class:`MXFP8Linear` (with ``activation`` or "none"). For each 3-D expert weight ``<m>.<w>``
     (``mlp.experts.gate_up_proj``): an :class:`MXFP8Experts` ``<m>`` is filled in place, a high-precision
     fused parameter becomes MXFP8 (:func:`quantize_experts`; reported under ``replaced``); both names
-    ``<m>.<w>`` and ``<m>.<w>_scale`` count as filled. Plain tensors (embeddings, norms, biases, kept layers)
-    are copied into the parameter or buffer of the same name (looked up when copied, so a bias after its
-    replaced weight lands in the new module).
+    ``<m>.<w>`` and ``<m>.<w>_scale`` count as filled. Per-expert checkpoint weights (``mxport export``
+    writes them so, as ``save_pretrained`` does: ``block_sparse_moe.experts.{e}.w1/w3/w2``,
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; :mod:`mxport.checkpoint.experts`) are gathered into
+    the model's fused tensor and loaded as one under its name; Mixtral's ``block_sparse_moe`` is the model's
+    ``mlp``. Plain tensors (embeddings, norms, biases, kept layers) are copied into the parameter or buffer
+    of the same name (looked up when copied, so a bias after its replaced weight lands in the new module).
 
     Returns ``{"mxfp8": [...], "replaced": [...], "tensors": [...], "unexpected": [...], "missing": [...]}``
     (``mxfp8``: MXFP8 modules filled in place; ``replaced``: plain modules made MXFP8, so the MXFP8 weights
@@ -686,17 +689,82 @@ def _not_filled(model: nn.Module, filled: set[str]) -> list[str]:
     return [n for n in state if n not in done]
 
 
+class _ExpertFuser:
+    """Per-expert checkpoint weights (``...experts.{e}.w1.weight``, ``...experts.{e}.gate_proj.weight``:
+    :mod:`mxport.checkpoint.experts`) gathered into the fused 3-D tensor of the model's experts module
+    (transformers 5 holds experts fused; Mixtral's ``block_sparse_moe`` is its ``mlp``), gate rows before up
+    rows. A name the model holds as it is passes through."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.parts: dict[str, dict[tuple[int, int | None], object]] = {}
+
+    def _fused(self, prefix: str, attr: str) -> tuple[str, tuple[int, ...]] | None:
+        for mod_name in dict.fromkeys((prefix, prefix.replace(".block_sparse_moe.", ".mlp."))):
+            try:
+                mod = self.model.get_submodule(mod_name)
+            except AttributeError:
+                continue
+            t = mod._parameters.get(attr)  # high precision, or MXFP8 (a buffer of an MXFP8Experts)
+            t = mod._buffers.get(attr) if t is None and isinstance(mod, MXFP8Experts) else t
+            if isinstance(t, torch.Tensor) and t.dim() == 3:
+                return f"{mod_name}.{attr}", tuple(t.shape)
+        return None
+
+    def take(self, name: str, value) -> list[tuple[str, object]]:
+        """``[(name, value)]`` to load now: the tensor itself, nothing (a piece kept until its fused tensor is
+        complete), or the fused tensor once its last piece came."""
+        from .checkpoint.experts import per_expert_part
+
+        if _tensor_at(self.model, name) is not None:
+            return [(name, value)]
+        part = per_expert_part(name)
+        found = self._fused(*part[:2]) if part else None
+        if found is None:  # Mixtral's checkpoint module block_sparse_moe is transformers 5's mlp (its router)
+            renamed = name.replace(".block_sparse_moe.", ".mlp.")
+            return [(renamed if _tensor_at(self.model, renamed) is not None else name, value)]
+        (fused, shape), (_, attr, e, half) = found, part
+        if e >= shape[0]:
+            raise ValueError(f"{name}: expert {e}, but the model's {fused} holds {shape[0]} experts")
+        got = self.parts.setdefault(fused, {})
+        got[(e, half)] = value
+        halves = (0, 1) if attr == "gate_up_proj" else (None,)
+        if len(got) < shape[0] * len(halves):
+            return []
+        del self.parts[fused]
+        return [(fused, _stack_experts([got[(i, h)] for i in range(shape[0]) for h in halves], shape[0]))]
+
+    def incomplete(self) -> list[str]:
+        """The fused tensors some but not all of whose per-expert pieces were in the checkpoint."""
+        return list(self.parts)
+
+
+def _stack_experts(pieces: list, experts: int):
+    """Per-expert pieces (2-D, in fused row order) -> one ``[E, N, K]`` tensor or MXFP8 components."""
+    if all(isinstance(p, MXFP8Components) for p in pieces):
+        fp8 = pieces[0].fp8_dtype
+        data = torch.cat([p.data.view(torch.uint8) for p in pieces]).reshape(experts, -1, pieces[0].shape[-1])
+        scales = torch.cat([p.scale_inv for p in pieces])
+        return MXFP8Components(data.view(fp8), scales.reshape(experts, -1, scales.shape[-1]), "rowwise")
+    if any(isinstance(p, MXFP8Components) for p in pieces):
+        raise ValueError("the experts of one MoE layer mix MXFP8 and high-precision weights")
+    return torch.cat(list(pieces)).reshape(experts, -1, pieces[0].shape[-1])
+
+
 def _load_from_reader(model: nn.Module, reader, path, *, strict: bool, activation: str | None) -> dict:
     if reader.format is None:
         raise ValueError(f"{path} is not an MXFP8 checkpoint (no quantization_config of a known format)")
     report = {"mxfp8": [], "replaced": [], "tensors": [], "unexpected": [], "missing": []}
     filled: set[str] = set()
+    experts = _ExpertFuser(model)
     try:
-        for name, value in reader.iter_tensors():
-            if isinstance(value, MXFP8Components):
-                report[_load_mx(model, name, value, activation, filled)].append(name)
-            else:
-                report[_load_plain(model, name, value, filled)].append(name)
+        for ckpt_name, ckpt_value in reader.iter_tensors():
+            for name, value in experts.take(ckpt_name, ckpt_value):
+                if isinstance(value, MXFP8Components):
+                    report[_load_mx(model, name, value, activation, filled)].append(name)
+                else:
+                    report[_load_plain(model, name, value, filled)].append(name)
+        report["unexpected"] += [f"{n} (some experts only)" for n in experts.incomplete()]
     except ValueError as exc:
         if type(exc) is not ValueError:  # CheckpointError: names its file already
             raise

@@ -18,7 +18,9 @@ Engine tensor parallelism follows vLLM's parallel layers (``vllm/model_executor/
   is 2 and :meth:`Shard.ranges` gives the two row ranges;
 * row parallel, the input dimension K (dim ``-1``) split: ``o_proj``, ``down_proj``, fused
   ``experts.down_proj``; an MXFP8 consumer needs each rank's K to be a multiple of 32 (vLLM ``modelopt.py``
-  rejects others), which :func:`engine_shard` reports;
+  rejects others), which :func:`engine_shard` reports; for a column-parallel MXFP8 tensor it reports rows
+  that do not split evenly, and a fused expert gate_up whose I / tp is not a multiple of 32 (vLLM's MXFP8
+  MoE: ``intermediate_size_per_partition`` divisible by 32);
 * replicated: everything else (norms, biases, routers, MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa``);
 * with expert parallelism (``ep``), fused expert tensors are split by expert (dim 0) over all ``tp * ep``
   ranks instead (vLLM's expert parallel size is its TP x DP size; ``tp=8,ep=16`` is TP 8 attention in 16 data
@@ -158,11 +160,37 @@ def _split(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _column_problem(name: str, shape: tuple[int, ...], parts: int, blocks: int = 1) -> str:
+    """Why vLLM cannot take an MXFP8 column-parallel tensor cut in ``parts`` slices of each of its
+    ``blocks`` row blocks, or "": its rows must split evenly; a fused expert gate_up's slice of I
+    (``intermediate_size_per_partition``) must be whole blocks, as the K of the down projection (vLLM
+    ``ModelOptMxFp8FusedMoE.create_weights``). A K that is not whole blocks is refused at any tp (export).
+    """
+    rows = shape[-2] // blocks
+    if shape[-2] % blocks or rows % parts:
+        return f"{name}: {shape[-2]} rows do not split into {blocks * parts} equal slices (tp={parts})"
+    if blocks == 2 and (rows // parts) % BLOCK_SIZE:
+        return (f"{name}: I={rows} split over tp={parts} gives {rows // parts} per rank, not a multiple of "
+                f"{BLOCK_SIZE} (vLLM's MXFP8 MoE requires intermediate_size_per_partition divisible by 32)")
+    return ""
+
+
+def _row_problem(name: str, shape: tuple[int, ...], tp: int) -> str:
+    """Why vLLM cannot take an MXFP8 row-parallel tensor whose K is split over ``tp`` ranks, or ""."""
+    if shape[-1] % tp or (shape[-1] // tp) % BLOCK_SIZE:
+        return (f"{name}: K={shape[-1]} split over tp={tp} gives {shape[-1] / tp:g} per rank, not a multiple "
+                f"of {BLOCK_SIZE} (MXFP8 blocks would straddle ranks)")
+    return ""
+
+
 def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads: int | None = None,
                  quantized: bool = False) -> Shard:
     """The slice of tensor ``name`` (full ``shape``) that one rank of an ``engine`` layout holds.
 
-    See the module doc.
+    See the module doc. With ``quantized`` (an MXFP8 tensor) and tp > 1, :attr:`Shard.problem` says why
+    vLLM would refuse the slice: row parallel, K / tp not a multiple of 32; column parallel, rows that do not
+    split evenly, or a fused expert gate_up's I / tp not a multiple of 32. (A whole K that is not a multiple
+    of 32 is no slicing matter: ``mxport export`` refuses it, vLLM refuses it at any tp.)
     """
     shape = tuple(int(s) for s in shape)
     tp, ep = engine.tp, engine.ep
@@ -172,18 +200,15 @@ def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads:
         return Shard(None, 1, shape)
     if _EXPERTS_COLUMN.search(name) and len(shape) == 3:  # gate | up, each split (vLLM w13)
         problem = "" if shape[-2] % 2 == 0 else f"{name}: {shape[-2]} rows cannot be gate | up halves"
+        problem = problem or (_column_problem(name, shape, tp, blocks=2) if quantized else "")
         held = (*shape[:-2], 2 * ceil_div(shape[-2] // 2, tp), shape[-1])
         return Shard(-2, tp, held, problem, blocks=2)
     if _COLUMN.search(name) or _VOCAB.search(name) or _EXPERTS_COLUMN.search(name):
         parts = min(tp, kv_heads) if kv_heads and _KV.search(name) else tp
-        return Shard(-2, parts, _split(shape, -2, parts))
+        problem = _column_problem(name, shape, parts) if quantized else ""
+        return Shard(-2, parts, _split(shape, -2, parts), problem)
     if _ROW.search(name) or _EXPERTS_ROW.search(name):
-        held = _split(shape, -1, tp)
-        problem = ""
-        if quantized and (shape[-1] % tp or held[-1] % BLOCK_SIZE):
-            problem = (f"{name}: K={shape[-1]} split over tp={tp} gives {shape[-1] / tp:g} per rank, not a "
-                       f"multiple of {BLOCK_SIZE} (MXFP8 blocks would straddle ranks)")
-        return Shard(-1, tp, held, problem)
+        return Shard(-1, tp, _split(shape, -1, tp), _row_problem(name, shape, tp) if quantized else "")
     return Shard(None, 1, shape)
 
 

@@ -470,6 +470,7 @@ def quantize(
     fast: bool | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     kernel: str | None = None,
+    nonzero_scales: bool = False,
 ) -> MXFP8Components:
     """Quantize a float tensor to MXFP8: FP8 values plus one E8M0 shared scale per block of 32.
 
@@ -491,6 +492,9 @@ def quantize(
             ``"eager"`` (:func:`kernel_for`; it runs even where ``MXPORT_DISABLE_NATIVE`` /
             ``MXPORT_DISABLE_COMPILE``, which steer the automatic choice, are set). Not together with
             ``fast``.
+        nonzero_scales: write E8M0 byte 1 (2^-126) for every block whose scale byte would be 0, as NeMo-RL
+            does for FlashInfer's TRT-LLM MXFP8 kernels, which reject byte 0 (see :func:`lift_zero_scales`:
+            the block's values are re-encoded for that scale, so decoding stays right). Off by default.
         out: optional ``(values, scales)`` to write the result into, rowwise only (e.g. slots of a refit send
             arena): ``values`` contiguous, ``x.shape``, dtype ``fp8_dtype`` or uint8; ``scales`` contiguous,
             the rowwise scale shape, uint8 or ``float8_e8m0fnu``; both on ``x.device``, overlapping neither
@@ -500,7 +504,7 @@ def quantize(
 
     A short last block (K not a multiple of 32) keeps its own scale from its valid elements; blocks never
     cross rows. NaN elements are skipped in the amax and stay NaN; Inf saturates to ±max_norm (amax Inf gives
-    E = 254); an all-zero block gets E = 0.
+    E = 254); an all-zero block gets E = 0 (1 with ``nonzero_scales``).
 
     Returns:
         :class:`MXFP8Components` on ``x.device``.
@@ -508,7 +512,7 @@ def quantize(
     Raises:
         TypeError: ``x`` not a tensor, an integer / bool / complex / FP8 tensor; bad ``fp8_dtype`` (anything
             but the two MXFP8 element dtypes, e.g. ``float8_e4m3fnuz`` or ``float8_e8m0fnu``); ``block_2d``
-            not a bool; ``fast`` not None / True / False.
+            or ``nonzero_scales`` not a bool; ``fast`` not None / True / False.
         ValueError: 0-d ``x``; unknown ``direction`` or ``rounding``; ``block_size`` != 32.
         TooLargeError (a MemoryError and a ValueError): the outputs cannot be allocated (a huge view).
         RuntimeError: ``fast=True`` where no fast kernel is available; a ``kernel`` that cannot run here.
@@ -524,12 +528,13 @@ def quantize(
     check_block_size(block_size)
     _check_rounding(rounding)
     block_2d = _check_bool(block_2d, "block_2d")
+    nonzero = _check_bool(nonzero_scales, "nonzero_scales")
     with allocating("x", x):
-        return _quantize(x, fmt, direction, rounding, block_2d, fast, out, kernel)
+        return _quantize(x, fmt, direction, rounding, block_2d, fast, out, kernel, nonzero)
 
 
 def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str, block_2d: bool, fast,
-              out, kernel: str | None) -> MXFP8Components:
+              out, kernel: str | None, nonzero: bool = False) -> MXFP8Components:
     """:func:`quantize` once its arguments are checked."""
     shape = tuple(x.shape)
     k = shape[-1]
@@ -549,8 +554,10 @@ def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str
         q, e = FAST_PATH(x2, *_kernel_args(fmt, floor, block_2d))
     else:
         q, e = _rowwise_kernel(x2, *_kernel_args(fmt, floor, block_2d))
+    if nonzero:
+        q, e = _lift_rows(q, e, fmt)
     if out_bytes is not None:
-        if kernel != "native":
+        if kernel != "native" or nonzero:
             out_bytes[0].copy_(q)
             out_bytes[1].copy_(e)
         return MXFP8Components(out[0].view(fmt.dtype), as_e8m0_bytes(out[1]), "rowwise")
@@ -563,6 +570,52 @@ def _quantize(x: torch.Tensor, fmt: ElementFormat, direction: str, rounding: str
         e_col = e[::BLOCK_SIZE].repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
         return MXFP8Components(q.reshape(shape), e_col, "columnwise")
     return MXFP8Components(q.t().contiguous().reshape(shape), e.t().contiguous(), "columnwise")
+
+
+def _lift_rows(q: torch.Tensor, e: torch.Tensor, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lift_zero_scales` on rowwise 2-D bytes: ``q`` uint8 ``(M, K)`` values, ``e`` uint8
+    ``(M, ceil(K/32))`` scales; returns them unchanged (the same tensors) when no scale byte is 0."""
+    zero = e == 0
+    if not bool(zero.any()):
+        return q, e
+    k = q.shape[-1]
+    in_zero_block = zero.repeat_interleave(BLOCK_SIZE, dim=-1)[..., :k]
+    v = q.view(fmt.dtype).to(torch.float32)
+    halved = saturating_cast(v * 0.5, fmt.max_norm, fmt.dtype)  # same value at twice the scale, RNE
+    keep = ~in_zero_block | (v == 0) | torch.isnan(v)  # zeros and NaNs keep their bytes
+    return torch.where(keep, q, halved), torch.where(zero, torch.ones_like(e), e)
+
+
+def lift_zero_scales(components: MXFP8Components) -> MXFP8Components:
+    """NeMo-RL's rule for FlashInfer's TRT-LLM MXFP8 kernels (which reject scale byte 0): every block whose
+    E8M0 byte is 0 gets byte 1 (``torch.where(scale == 0, 1, scale)`` in NeMo-RL's
+    ``quantize_mxfp8_weight``), not only all-zero blocks.
+
+    Unlike a bare byte rewrite, the block's values are re-encoded for the new scale (each FP8 value halved,
+    round to nearest even), so decoding never doubles. An all-zero block (the usual byte-0 block) keeps its
+    value bytes and decodes to the same zeros; a nonzero block can have byte 0 only when its amax is at most
+    448 * 2^-127 (about 2.6e-36): its values decode the same except an odd multiple of the element
+    format's smallest subnormal, which rounds to even. Returns ``components`` itself when no byte is 0.
+
+    Raises TypeError when ``components`` is not an :class:`MXFP8Components`.
+    """
+    if not isinstance(components, MXFP8Components):
+        raise TypeError(f"components must be an MXFP8Components, got {type(components).__name__}")
+    fmt = element_format(components.fp8_dtype)
+    data = components.data.view(torch.uint8)
+    shape = tuple(data.shape)
+    if components.direction == "rowwise":
+        k = shape[-1]
+        q, e = _lift_rows(data.reshape(-1, k), components.scale_inv.reshape(-1, ceil_div(k, BLOCK_SIZE)), fmt)
+        if e.data_ptr() == components.scale_inv.data_ptr():
+            return components
+        return MXFP8Components(q.reshape(shape).view(fmt.dtype), e.reshape(components.scale_inv.shape),
+                               "rowwise")
+    q, e = _lift_rows(data.reshape(-1, shape[-1]).t(), components.scale_inv.t(), fmt)
+    if e.data_ptr() == components.scale_inv.data_ptr():
+        return components
+    values = q.t().contiguous().reshape(shape).view(fmt.dtype)
+    return MXFP8Components(values, e.t().contiguous(), "columnwise")
 
 
 def quantize_many(

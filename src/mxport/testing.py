@@ -72,7 +72,7 @@ def make_tiny_mixtral(path: str | os.PathLike, *, seed: int = 0, hidden: int = 6
         model.to(dtype)
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        cfg_dict = model.config.to_dict()
+        cfg_dict = {**model.config.to_dict(), "architectures": ["MixtralForCausalLM"]}  # as save_pretrained
         (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
     else:
         _save(model, path, dtype, None)

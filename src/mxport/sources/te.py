@@ -12,6 +12,12 @@ logical shape ``(*lead, K)`` and ``M = prod(lead)``:
 - ``_with_gemm_swizzled_scales`` (TE ``optimize_for_gemm``): the same bytes in cuBLAS 128x4-tile swizzled
   order with zero padding; columnwise scales are swizzled as their transpose.
 - ``_fp8_dtype``: TE ``DType`` (kFloat8E4M3 = 7, kFloat8E5M2 = 8).
+
+TE's shape rule (``MXFP8Quantizer::get_scale_shape`` in ``pytorch/csrc/quantizer.cpp``: "MXFP8 requires
+tensor dims that are divisible by 32"; ``MXFP8Quantizer.is_quantizable`` in
+``pytorch/tensor/mxfp8_tensor.py``): K and M must both be multiples of 32 (so the data is at least 2-D); TE
+sizes its grids with ``K // 32`` / ``M // 32``. mxport's helpers refuse any other shape
+(:func:`check_te_shape`) instead of guessing a grid TE never makes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,28 @@ def is_te_mxfp8(obj) -> bool:
     return all(hasattr(obj, a) for a in _TE_ATTRS)
 
 
+def check_te_shape(shape, argname: str = "data", direction: str | None = None) -> None:
+    """Raise ValueError unless TE can hold MXFP8 data of logical ``shape``: ``K = shape[-1]`` and
+    ``M = prod(shape[:-1])`` both multiples of 32 (TE ``MXFP8Quantizer::get_scale_shape``; see the module
+    docstring). With ``direction`` (a member of a grouped storage, whose grids TE sizes with the Python
+    ``get_scale_shape``'s floor divisions and no check), only the dimension its blocks run along: K rowwise,
+    M columnwise."""
+    shape = tuple(int(s) for s in shape)
+    k = shape[-1] if shape else 1
+    m = numel_of(shape[:-1])
+    where = f"{argname} of shape {shape} (M={m}, K={k}) is not a TE MXFP8 shape"
+    if direction is not None:
+        dim, n = ("K", k) if direction == "rowwise" else ("M", m)
+        if n % BLOCK_SIZE:
+            raise ValueError(f"{where}: TE sizes a grouped member's {direction} grid with {dim} // "
+                             f"{BLOCK_SIZE} (MXFP8Quantizer.get_scale_shape), so {dim} must be a multiple of "
+                             f"{BLOCK_SIZE}")
+    elif k % BLOCK_SIZE or m % BLOCK_SIZE:
+        raise ValueError(f"{where}: TE requires M = prod(shape[:-1]) and K = shape[-1] to be multiples of "
+                         f"{BLOCK_SIZE} (MXFP8Quantizer::get_scale_shape: 'MXFP8 requires tensor dims that "
+                         "are divisible by 32')")
+
+
 def scale_grid_dims(shape, direction: str) -> tuple[int, int]:
     """The compact 2-D scale grid ``(rows, cols)`` for data of logical ``shape``: rowwise ``(M, ceil(K/32))``,
     columnwise ``(ceil(M/32), K)``, with ``M = prod(shape[:-1])`` (leading dims flattened, as TE does)."""
@@ -50,11 +78,13 @@ def components_from_te_parts(
     *,
     swizzled: bool = False,
     names: tuple[str, str] = ("data", "scale_inv"),
+    grouped: bool = False,
 ) -> MXFP8Components:
     """One direction of a TE MXFP8 storage -> components (see :func:`export_te`, which documents the layout).
 
     ``data``: uint8 (or FP8) ``(*lead, K)``; ``scale_inv``: uint8 / ``float8_e8m0fnu``, TE-padded 2-D (a 1-D
     buffer holding exactly the padded grid's bytes is accepted too), or swizzled bytes when ``swizzled``.
+    ``grouped``: a member of a grouped storage (TE's shape rule for those: :func:`check_te_shape`).
     """
     check_direction(direction)
     dname, sname = names
@@ -64,6 +94,7 @@ def components_from_te_parts(
     values = values_view(data, dtype, argname=dname)
     if values.dim() == 0:
         raise ValueError(f"{dname} must have at least one dimension, got a 0-d tensor")
+    check_te_shape(values.shape, dname, direction if grouped else None)
     scale = scale_bytes(scale_inv, argname=sname)
     rows, cols = scale_grid_dims(values.shape, direction)
     if swizzled:
@@ -108,7 +139,8 @@ def export_te(obj, direction: str = "rowwise") -> MXFP8Components:
 
     Raises:
         ValueError: no data / scales for ``direction`` (e.g. a rowwise-only storage asked for columnwise), a
-            scale grid too small (or, swizzled, of the wrong byte count) for the data.
+            scale grid too small (or, swizzled, of the wrong byte count) for the data, a shape TE does not
+            make (M or K not a multiple of 32: :func:`check_te_shape`).
         TypeError: data not uint8 / FP8, scales not uint8 / ``float8_e8m0fnu`` (``float8_e8m0fnu`` is
             bit-viewed, never value-cast), an unknown ``_fp8_dtype``.
     """
@@ -131,15 +163,18 @@ def export_te(obj, direction: str = "rowwise") -> MXFP8Components:
     )
 
 
-def to_te_layout(components: MXFP8Components, swizzled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def to_te_layout(components: MXFP8Components, swizzled: bool = False, *, grouped: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Components -> the ``(data, scale_inv)`` pair TE stores for that direction.
 
     The inverse of :func:`export_te`.
 
     Args:
-        components: :class:`MXFP8Components`, rowwise or columnwise, any rank >= 1.
+        components: :class:`MXFP8Components`, rowwise or columnwise, of a shape TE makes (M and K multiples of
+            32).
         swizzled: lay the scales out as TE does with ``_with_gemm_swizzled_scales`` / ``optimize_for_gemm``
             (cuBLAS 128x4 tiles; columnwise scales swizzled as their transpose).
+        grouped: lay out one member of a grouped storage (TE's shape rule for those: :func:`check_te_shape`).
 
     Returns:
         ``data``: uint8 with the logical shape, a view of ``components.data`` when it is contiguous.
@@ -150,9 +185,11 @@ def to_te_layout(components: MXFP8Components, swizzled: bool = False) -> tuple[t
 
     Raises:
         TypeError: ``components`` is not an :class:`MXFP8Components`.
+        ValueError: a shape TE cannot hold as MXFP8 (M or K not a multiple of 32: :func:`check_te_shape`).
     """
     if not isinstance(components, MXFP8Components):
         raise TypeError(f"components must be an MXFP8Components, got {type(components).__name__}")
+    check_te_shape(components.shape, "components", components.direction if grouped else None)
     data = components.data if components.data.is_contiguous() else components.data.contiguous()
     direction = components.direction
     rows, cols = scale_grid_dims(components.shape, direction)
