@@ -1,5 +1,5 @@
-"""mxport.layouts: the swizzle equals design.md §3's byte formula for every shape;
-pad/unpad/unswizzle invert."""
+"""mxport.layouts: the swizzle equals design.md §3's byte formula for every shape, on the native path (CPU
+tensors, where the native library is built) and the torch path alike; pad/unpad/unswizzle invert."""
 
 from __future__ import annotations
 
@@ -25,9 +25,22 @@ def formula_swizzle(scale: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.uint8).reshape(pr, pc)
 
 
+@pytest.fixture(params=["native", "torch"])
+def swizzle_path(request, monkeypatch):
+    """Each test twice: CPU tensors through the native library's swizzle, and through the torch ops (what
+    other devices, and CPUs without the native library, run)."""
+    from mxport.quantize import NATIVE_PATH
+
+    if request.param == "torch":
+        monkeypatch.setattr(layouts, "_native_lib", lambda t: None)
+    elif not NATIVE_PATH.available:
+        pytest.skip(f"native library unavailable: {NATIVE_PATH.disabled_reason}")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 2), (128, 4), (129, 5), (192, 18), (576, 18), (300, 9),
-                                   (256, 8)])
-def test_swizzle_equals_byte_formula(shape):
+                                   (256, 8), (256, 64), (128, 84), (384, 70)])
+def test_swizzle_equals_byte_formula(shape, swizzle_path):
     g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
     s = torch.randint(1, 255, shape, dtype=torch.uint8, generator=g)
     sw = layouts.swizzle(s)
@@ -42,6 +55,7 @@ def test_swizzle_equals_byte_formula(shape):
 def test_property_swizzle_roundtrip_and_formula(r, c):
     s = torch.randint(0, 256, (r, c), dtype=torch.uint8)
     sw = layouts.swizzle(s)
+    assert torch.equal(sw, layouts._swizzle_torch(s, *sw.shape))  # native (where built) = torch ops
     assert torch.equal(layouts.unswizzle(sw, r, c), s)
     # spot-check the formula on the corners
     flat = sw.reshape(-1)
@@ -89,7 +103,7 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (129, 5), (257, 130), (128, 4)])
-def test_word_and_byte_paths_agree(shape):
+def test_word_and_byte_paths_agree(shape, swizzle_path):
     """The swizzle moves 4-byte words when the grid's memory allows it, else bytes: misaligned and
     non-contiguous inputs (the byte path) give the same bytes as aligned ones (the word path)."""
     r, c = shape
@@ -105,6 +119,36 @@ def test_word_and_byte_paths_agree(shape):
     assert buf[1:].data_ptr() % 4 != 0
     assert torch.equal(layouts.unswizzle(buf[1:], r, c), x)
     assert torch.equal(layouts.unswizzle(want, r, c), x)
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (256, 256), (384, 1024), (129, 65), (640, 16), (127, 100),
+                                   (1, 70), (1000, 37), (256, 1028)])
+def test_native_swizzle_equals_torch_ops(shape):
+    """The native swizzle (four tiles at a time in strips of sixteen for the full 128-row blocks of a grid
+    with contiguous rows, a word / a byte at a time at the edges) gives the torch ops' bytes: full and partial
+    strips, rows 1 KiB apart (cache sets shared), partial tile rows, one row; and on strided grids (a
+    transpose, rows at an odd stride: unaligned loads, the word-at-a-time path); the unswizzle inverts
+    each."""
+    from mxport import native
+    from mxport.quantize import NATIVE_PATH
+
+    if not NATIVE_PATH.available:
+        pytest.skip(f"native library unavailable: {NATIVE_PATH.disabled_reason}")
+    r, c = shape
+    g = torch.Generator().manual_seed(r * 7 + c)
+    x = torch.randint(0, 256, (r, c), generator=g, dtype=torch.uint8)
+    odd = torch.randint(0, 256, (r, c + 13), generator=g, dtype=torch.uint8)
+    odd[:, 1:c + 1] = x
+    wide = torch.randint(0, 256, (c, r), generator=g, dtype=torch.uint8)
+    wide.t()[:] = x
+    pr, pc = layouts.swizzled_shape(r, c)
+    want = layouts._swizzle_torch(x, pr, pc)
+    for src in (x, odd[:, 1:c + 1], wide.t()):
+        out = torch.full((pr, pc), 0xAB, dtype=torch.uint8)  # every byte written, padding included
+        assert torch.equal(native.swizzle(NATIVE_PATH._lib, src, out), want)
+    back = torch.full((r, c), 0xAB, dtype=torch.uint8)
+    assert torch.equal(native.unswizzle(NATIVE_PATH._lib, want, r, c, back), x)
+    assert torch.equal(layouts.unswizzle(want, r, c), layouts._unswizzle_torch(want, r, c, pr, pc))
 
 
 # -- argument checks and empty grids (found by the API fuzz, tests/fuzz_api.py) ------------------------------

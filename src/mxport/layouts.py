@@ -1,7 +1,9 @@
 """E8M0 scale layouts: compact <-> padded (TE storage) <-> swizzled (cuBLAS / FlashInfer 128×4 tiles).
 
 All functions take and return ``torch.uint8`` tensors (``float8_e8m0fnu`` input is bit-viewed) and work on any
-device with one reshape/permute, never a per-element loop.
+device: the swizzle and unswizzle of CPU tensors run in the native library (:mod:`mxport.native`, one pass
+over the bytes) where it is available, else (and on other devices) one reshape/permute, never a per-element
+loop.
 
 Source: docs/format.md, "Scale layouts: compact, padded, swizzled"; cuBLAS docs "1D block scaling factors
 layout" (VEC32_UE8M0); TE ``pytorch/tensor/storage/mxfp8_tensor_storage.py`` (padding to 128×4); FlashInfer
@@ -15,6 +17,7 @@ import operator
 
 import torch
 
+from . import native
 from .components import check_direction
 from .formats import allocating, as_e8m0_bytes, describe, roundup
 
@@ -122,6 +125,27 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
     pr, pc = swizzled_shape(r, c)
     if scale.numel() == 0:  # R or C is 0: so is roundup(R,128) or roundup(C,4), nothing to place
         return torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
+    lib = _native_lib(scale)
+    if lib is not None:
+        return native.swizzle(lib, scale, torch.empty((pr, pc), dtype=torch.uint8))
+    return _swizzle_torch(scale, pr, pc)
+
+
+def _native_lib(t: torch.Tensor):
+    """The native library when it may take ``t`` (a CPU tensor; the native kernel built, loaded and enabled:
+    see :class:`mxport.quantize._NativePath`), else None. Its swizzle runs in one pass over the bytes (4-byte
+    words of four tiles moved together, 16 bytes a load), where a torch permute of 4-byte words takes several
+    times as long on a CPU (about 3x a copy of the bytes)."""
+    if t.device.type != "cpu":
+        return None
+    from .quantize import NATIVE_PATH  # quantize imports the modules layouts imports, not layouts
+
+    return NATIVE_PATH._lib if NATIVE_PATH.available else None
+
+
+def _swizzle_torch(scale: torch.Tensor, pr: int, pc: int) -> torch.Tensor:
+    """:func:`swizzle` with torch ops (any device): pad, then one permute."""
+    r, c = scale.shape
     if (pr, pc) != (r, c):
         grid = torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
         grid[:r, :c] = scale
@@ -159,6 +183,15 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         )
     if sw.numel() == 0:
         return torch.zeros((rows, cols), dtype=torch.uint8, device=sw.device)
+    lib = _native_lib(sw)
+    if lib is not None:
+        return native.unswizzle(lib, sw.contiguous(), rows, cols,
+                                torch.empty((rows, cols), dtype=torch.uint8))
+    return _unswizzle_torch(sw, rows, cols, pr, pc)
+
+
+def _unswizzle_torch(sw: torch.Tensor, rows: int, cols: int, pr: int, pc: int) -> torch.Tensor:
+    """:func:`unswizzle` with torch ops (any device): one permute, then the compact corner."""
     words = _as_words(sw.reshape(pr, pc)) if sw.is_contiguous() else None
     if words is not None:
         tiles = words.reshape(pr // TILE_ROWS, pc // TILE_COLS, 32, 4).permute(0, 3, 2, 1)

@@ -14,8 +14,11 @@ faster. It follows the same algorithm as :func:`mxport.quantize._rowwise_kernel`
 byte; :mod:`mxport.quantize` checks that on a probe tensor before first use and falls back to the other paths
 if it ever differs.
 
+The same library swizzles and unswizzles E8M0 scale grids (cuBLAS 128x4 tiles, :mod:`mxport.layouts`) in one
+pass over the bytes, where a torch permute of 4-byte words takes about three times a copy.
+
 This module only builds, loads and calls the library; which kernel ``quantize`` uses is decided in
-:mod:`mxport.quantize`. ``MXPORT_DISABLE_NATIVE=1`` turns it off.
+:mod:`mxport.quantize`. ``MXPORT_DISABLE_NATIVE=1`` turns it off (the swizzle then runs on torch ops).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ COMPILE_TIMEOUT_S = 300.0
 #: compiler flags (``-march=native``: the library is built for, and cached per, this machine's CPU)
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C); 3 added
-#: ``mxport_quantize_many`` (several tensors per call), 4 its stream word sums (``struct mxport_sums``)
-ABI = 4
+#: ``mxport_quantize_many`` (several tensors per call), 4 its stream word sums (``struct mxport_sums``), 5 the
+#: scale swizzle (``mxport_swizzle`` / ``mxport_unswizzle``)
+ABI = 5
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -193,7 +197,16 @@ def load(path: Path) -> ctypes.CDLL:
     many.restype = ctypes.c_int
     many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                      ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    declare_swizzle(lib)
     return lib
+
+
+def declare_swizzle(lib: ctypes.CDLL) -> None:
+    """Set the ctypes signatures of the library's ``mxport_swizzle`` / ``mxport_unswizzle``."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.mxport_swizzle.restype = lib.mxport_unswizzle.restype = ctypes.c_int
+    lib.mxport_swizzle.argtypes = [ptr, i64, i64, i64, i64, ptr]
+    lib.mxport_unswizzle.argtypes = [ptr, i64, i64, ptr]
 
 
 class Job(ctypes.Structure):
@@ -395,3 +408,23 @@ def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Te
         raise RuntimeError(f"mxport native kernel rejected the arguments of a batch of {len(jobs)} tensors")
     if partial is not None:
         sums.out.add_(partial.sum(dim=0) if len(runs) > 1 else partial[0])
+
+
+def swizzle(lib: ctypes.CDLL, grid: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The 128x4-tile swizzle (:func:`mxport.layouts.swizzle`) of a 2-D uint8 CPU ``grid`` (any strides)
+    into ``out``, a contiguous uint8 CPU tensor of ``roundup(R,128) * roundup(C,4)`` bytes, padding included,
+    in one pass. Returns ``out``."""
+    (r, c), (rs, cs) = grid.shape, grid.stride()
+    if lib.mxport_swizzle(grid.data_ptr(), r, c, rs, cs, out.data_ptr()) != 0:
+        raise RuntimeError(f"mxport native swizzle rejected a ({r}, {c}) grid of strides ({rs}, {cs})")
+    return out
+
+
+def unswizzle(lib: ctypes.CDLL, swizzled: torch.Tensor, rows: int, cols: int, out: torch.Tensor
+              ) -> torch.Tensor:
+    """The inverse of :func:`swizzle`: a contiguous uint8 CPU tensor of ``roundup(rows,128) *
+    roundup(cols,4)`` swizzled bytes into ``out``, a contiguous uint8 ``(rows, cols)`` CPU tensor, in one
+    pass. Returns ``out``."""
+    if lib.mxport_unswizzle(swizzled.data_ptr(), rows, cols, out.data_ptr()) != 0:
+        raise RuntimeError(f"mxport native unswizzle rejected ({rows}, {cols})")
+    return out

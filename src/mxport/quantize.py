@@ -182,6 +182,24 @@ def _probe_inputs() -> list[torch.Tensor]:
     return [x, x.to(torch.bfloat16), x.to(torch.float16)]
 
 
+def _check_native_swizzle(lib) -> None:
+    """The native swizzle / unswizzle give the torch ops' bytes on a probe grid (partial tiles, 16-column
+    chunks, a transposed view); NativeUnavailable otherwise."""
+    from . import layouts
+
+    g = torch.Generator().manual_seed(5)
+    grid = torch.randint(0, 256, (300, 45), generator=g, dtype=torch.uint8)
+    for src in (grid, grid.t()):
+        r, c = src.shape
+        pr, pc = layouts.swizzled_shape(r, c)
+        want = layouts._swizzle_torch(src, pr, pc)
+        got = native.swizzle(lib, src, torch.empty((pr, pc), dtype=torch.uint8))
+        back = native.unswizzle(lib, want, r, c, torch.empty((r, c), dtype=torch.uint8))
+        if not (torch.equal(want, got) and torch.equal(back, src)):
+            raise native.NativeUnavailable(f"self-check failed: the swizzle of a {tuple(src.shape)} grid "
+                                           "differs from torch's")
+
+
 class _NativePath:
     """The native CPU kernel (:mod:`mxport.native`), built and loaded lazily, checked against the eager kernel
     on probe tensors before first use; disabled for good (with the reason) when any of that fails.
@@ -231,6 +249,7 @@ class _NativePath:
                     raise native.NativeUnavailable(
                         f"self-check failed: {x.dtype} -> {fmt.name}, {'floor' if floor else 'rceil'}"
                         f"{', 32x32 blocks' if block_2d else ''} differs from the eager kernel")
+            _check_native_swizzle(lib)
         except native.NativeUnavailable as exc:
             self._fail(str(exc))
             return

@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MXPORT_NATIVE_ABI 4
+#define MXPORT_NATIVE_ABI 5
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
@@ -1118,6 +1118,150 @@ int mxport_quantize_many(int64_t n, const struct mxport_job *jobs, int elem, int
                                              inv_max_norm, emax, block_2d);
         if (rc != 0)
             return -1;
+    }
+    return 0;
+}
+
+/*
+ * Scale layouts (mxport.layouts): the cuBLAS / FlashInfer 128x4-tile swizzle of an E8M0 grid and its inverse,
+ * in one pass over the bytes. A grid of R x C scales, padded to PR = roundup(R, 128) rows and PC = roundup(C, 4)
+ * columns, is cut into 128 x 4 tiles, stored in row-major tile order, 512 bytes each; entry (r, c) lands at byte
+ * ((r / 128) * (PC / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4, padding bytes 0. So the
+ * 16 bytes at chunk i of a tile are the 4-byte words of its rows i, i + 32, i + 64, i + 96: with the grid's rows
+ * contiguous, four 16-byte loads (one per row: the same word of four tiles side by side) and a 4 x 4 transpose of
+ * 32-bit words give one 16-byte chunk of each of four tiles. Edges (rows past R, columns past C, strided grids) go
+ * one word / one byte at a time.
+ */
+#if defined(__SSE2__)
+#define SWIZZLE_SSE2 1
+#include <emmintrin.h>
+
+/* 4 x 4 transpose of 32-bit words: row j of the result holds word j of a, b, c, d. */
+static inline void transpose4x4(__m128i *a, __m128i *b, __m128i *c, __m128i *d) {
+    __m128i ab0 = _mm_unpacklo_epi32(*a, *b), ab1 = _mm_unpackhi_epi32(*a, *b);
+    __m128i cd0 = _mm_unpacklo_epi32(*c, *d), cd1 = _mm_unpackhi_epi32(*c, *d);
+    *a = _mm_unpacklo_epi64(ab0, cd0);
+    *b = _mm_unpackhi_epi64(ab0, cd0);
+    *c = _mm_unpacklo_epi64(ab1, cd1);
+    *d = _mm_unpackhi_epi64(ab1, cd1);
+}
+#else
+#define SWIZZLE_SSE2 0 /* no 4-tile path: every tile a word / a byte at a time */
+#endif
+
+/* The four bytes of row r, columns c0 .. c0 + 3 of a strided grid (0 past its rows / columns). */
+static uint32_t grid_word(const uint8_t *src, int64_t rows, int64_t cols, int64_t rs, int64_t cs, int64_t r,
+                          int64_t c0) {
+    uint8_t b[4] = {0, 0, 0, 0};
+    for (int j = 0; r < rows && j < 4 && c0 + j < cols; j++)
+        b[j] = src[r * rs + (c0 + j) * cs];
+    uint32_t w;
+    memcpy(&w, b, 4);
+    return w;
+}
+
+/* Tiles [t0, t1) of tile row a (nt tiles a tile row), a word at a time. */
+static void swizzle_tiles_slow(const uint8_t *src, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
+                               uint8_t *dst, int64_t a, int64_t t0, int64_t t1, int64_t nt) {
+    for (int64_t t = t0; t < t1; t++) {
+        uint8_t *tile = dst + (a * nt + t) * 512;
+        for (int i = 0; i < 32; i++)
+            for (int b = 0; b < 4; b++) {
+                uint32_t w = grid_word(src, rows, cols, rs, cs, 128 * a + 32 * b + i, 4 * t);
+                memcpy(tile + 16 * i + 4 * b, &w, 4);
+            }
+    }
+}
+
+/* Tiles [0, 4 * n4) of tile row a, whose 128 rows are all in the grid and contiguous: four tiles at a time, in
+ * strips of sixteen tiles (64 columns): each row's 64 bytes of a strip are read in one go, so no cache line of
+ * the grid is read twice (rows 1 KiB or more apart share a few cache sets, and are gone by the next strip). */
+static void swizzle_tiles_fast(const uint8_t *src, int64_t rs, uint8_t *dst, int64_t a, int64_t n4, int64_t nt) {
+#if defined(__SSE2__)
+    for (int64_t s0 = 0; s0 < n4; s0 += 4)
+        for (int i = 0; i < 32; i++)
+            for (int64_t t = 4 * s0; t < 4 * (s0 + 4 < n4 ? s0 + 4 : n4); t += 4) {
+                const uint8_t *s = src + (128 * a + i) * rs + 4 * t;
+                uint8_t *o = dst + (a * nt + t) * 512 + 16 * i;
+                __m128i w0 = _mm_loadu_si128((const __m128i *)s);
+                __m128i w1 = _mm_loadu_si128((const __m128i *)(s + 32 * rs));
+                __m128i w2 = _mm_loadu_si128((const __m128i *)(s + 64 * rs));
+                __m128i w3 = _mm_loadu_si128((const __m128i *)(s + 96 * rs));
+                transpose4x4(&w0, &w1, &w2, &w3);
+                _mm_storeu_si128((__m128i *)o, w0);
+                _mm_storeu_si128((__m128i *)(o + 512), w1);
+                _mm_storeu_si128((__m128i *)(o + 1024), w2);
+                _mm_storeu_si128((__m128i *)(o + 1536), w3);
+            }
+#else
+    (void)src, (void)rs, (void)dst, (void)a, (void)n4, (void)nt;  /* n4 is 0 (see mxport_swizzle) */
+#endif
+}
+
+/*
+ * Swizzle the rows x cols grid at src (byte (r, c) at src[r * rs + c * cs]) into dst, roundup(rows, 128) *
+ * roundup(cols, 4) bytes, padding included. Returns 0, or -1 for a negative size or stride.
+ */
+int mxport_swizzle(const uint8_t *src, int64_t rows, int64_t cols, int64_t rs, int64_t cs, uint8_t *dst) {
+    if (rows < 0 || cols < 0 || rs < 0 || cs < 0)
+        return -1;
+    const int64_t ntr = (rows + 127) / 128, nt = (cols + 3) / 4;
+    for (int64_t a = 0; a < ntr; a++) {
+        const int64_t n4 = SWIZZLE_SSE2 && cs == 1 && 128 * a + 128 <= rows ? cols / 16 : 0;
+        swizzle_tiles_fast(src, rs, dst, a, n4, nt);
+        swizzle_tiles_slow(src, rows, cols, rs, cs, dst, a, 4 * n4, nt, nt);
+    }
+    return 0;
+}
+
+/* Tiles [t0, t1) of tile row a (nt tiles a tile row) back into the rows x cols grid dst, a byte at a time. */
+static void unswizzle_tiles_slow(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int64_t a,
+                                 int64_t t0, int64_t t1, int64_t nt) {
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = src + (a * nt + t) * 512;
+        for (int64_t r = 128 * a; r < rows && r < 128 * a + 128; r++)
+            for (int64_t c = 4 * t; c < cols && c < 4 * t + 4; c++)
+                dst[r * cols + c] = tile[(r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4];
+    }
+}
+
+/* Tiles [0, 4 * n4) of tile row a, whose 128 rows are all in the grid: four tiles at a time, in strips of sixteen
+ * tiles (see swizzle_tiles_fast: each row's 64 bytes of a strip are written in one go). */
+static void unswizzle_tiles_fast(const uint8_t *src, int64_t cols, uint8_t *dst, int64_t a, int64_t n4,
+                                 int64_t nt) {
+#if defined(__SSE2__)
+    for (int64_t s0 = 0; s0 < n4; s0 += 4)
+        for (int i = 0; i < 32; i++)
+            for (int64_t t = 4 * s0; t < 4 * (s0 + 4 < n4 ? s0 + 4 : n4); t += 4) {
+                const uint8_t *s = src + (a * nt + t) * 512 + 16 * i;
+                uint8_t *o = dst + (128 * a + i) * cols + 4 * t;
+                __m128i w0 = _mm_loadu_si128((const __m128i *)s);
+                __m128i w1 = _mm_loadu_si128((const __m128i *)(s + 512));
+                __m128i w2 = _mm_loadu_si128((const __m128i *)(s + 1024));
+                __m128i w3 = _mm_loadu_si128((const __m128i *)(s + 1536));
+                transpose4x4(&w0, &w1, &w2, &w3);
+                _mm_storeu_si128((__m128i *)o, w0);
+                _mm_storeu_si128((__m128i *)(o + 32 * cols), w1);
+                _mm_storeu_si128((__m128i *)(o + 64 * cols), w2);
+                _mm_storeu_si128((__m128i *)(o + 96 * cols), w3);
+            }
+#else
+    (void)src, (void)cols, (void)dst, (void)a, (void)n4, (void)nt;  /* n4 is 0 (see mxport_unswizzle) */
+#endif
+}
+
+/*
+ * The inverse of mxport_swizzle: roundup(rows, 128) * roundup(cols, 4) swizzled bytes at src into the contiguous
+ * rows x cols grid dst. Returns 0, or -1 for a negative size.
+ */
+int mxport_unswizzle(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows < 0 || cols < 0)
+        return -1;
+    const int64_t ntr = (rows + 127) / 128, nt = (cols + 3) / 4;
+    for (int64_t a = 0; a < ntr; a++) {
+        const int64_t n4 = SWIZZLE_SSE2 && 128 * a + 128 <= rows ? cols / 16 : 0;
+        unswizzle_tiles_fast(src, cols, dst, a, n4, nt);
+        unswizzle_tiles_slow(src, rows, cols, dst, a, 4 * n4, nt, nt);
     }
     return 0;
 }

@@ -8,8 +8,8 @@ when available, else CPU:
 * ``view export NxN`` — :func:`mxport.export_components` of a TE rowwise storage whose scales need no crop of
   the last dimension and no unswizzle (N % 128 == 0): views only. Ratio to quantize; goal: O(1), microseconds.
 * ``view export 256x256`` — the same on a small weight; ratio = small / large (about 1: independent of size).
-* ``swizzled export NxN`` — the same storage with ``_with_gemm_swizzled_scales`` (one unswizzle permute of the
-  scales). Ratio to quantize; goal <= 0.05.
+* ``swizzled export NxN`` — the same storage with ``_with_gemm_swizzled_scales`` (one unswizzle of the
+  scales: the native library's one-pass routine on CPU, a permute elsewhere). Ratio to quantize; goal <= 0.05.
 
 N = 8192 (quick: 2048).
 """
@@ -85,6 +85,5 @@ def run(quick: bool = False) -> list[dict]:
              f"view export {shape_s} {view_t * 1e6:.1f} us", small_t / view_t, "ratio ~ 1 (size-independent)",
              f"the same export on a weight 1/{(side // SMALL_SIDE) ** 2} the size"),
         _row(f"swizzled export {shape_s}", sw_t * 1e6, "us", q_label, sw_t / q_t, "ratio <= 0.05",
-             f"_with_gemm_swizzled_scales: one unswizzle permute + copy of {comps.scale_inv.numel()} "
-             "scale bytes"),
+             f"_with_gemm_swizzled_scales: one unswizzle (copy) of {comps.scale_inv.numel()} scale bytes"),
     ]
