@@ -1,11 +1,13 @@
 """The native CPU kernel (mxport/_native/mxfp8_cpu.c via mxport.native) gives the same bytes as the eager
 kernel on every bfloat16 / float16 bit pattern, on random float32 bit patterns and shapes, with NaN / Inf /
-subnormals, split over threads or not; and quantize falls back cleanly where it cannot be built or fails its
-self-check."""
+subnormals, split over threads or not, in each instruction-set branch this CPU runs (an AVX-512 CPU also runs
+the AVX2 build), its fast paths with and without their float32 fallback; and quantize falls back cleanly
+where it cannot be built or fails its self-check."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 from mxport import native, quantize
 from mxport.components import MXFP8Components
 from mxport.formats import element_format
-from mxport.quantize import NATIVE_PATH, _kernel_args, _rowwise_kernel, kernel_for
+from mxport.quantize import NATIVE_PATH, _kernel_args, _native_args, _rowwise_kernel, kernel_for
 
 ELEMENTS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -30,15 +32,61 @@ def _eager(x2, fp8_dtype, floor, block_2d=False):
     return _rowwise_kernel(x2, *_kernel_args(element_format(fp8_dtype), floor, block_2d))
 
 
-def _native(x2, fp8_dtype, floor, block_2d=False):
-    return NATIVE_PATH(x2, element_format(fp8_dtype), floor, block_2d)
+def _native(x2, fp8_dtype, floor, block_2d=False, lib=None):
+    fmt = element_format(fp8_dtype)
+    if lib is None:
+        return NATIVE_PATH(x2, fmt, floor, block_2d)
+    return native.quantize_rows(lib, x2, *_native_args(fmt, floor), block_2d=block_2d)
 
 
-def _assert_same(x2, fp8_dtype, floor, block_2d=False):
-    q, e = _native(x2, fp8_dtype, floor, block_2d)
+def _assert_same(x2, fp8_dtype, floor, block_2d=False, lib=None):
+    q, e = _native(x2, fp8_dtype, floor, block_2d, lib)
     rq, re = _eager(x2, fp8_dtype, floor, block_2d)
     assert torch.equal(e, re), f"scales differ at {(e != re).nonzero()[:5].tolist()}"
     assert torch.equal(q, rq), f"values differ at {(q != rq).nonzero()[:5].tolist()}"
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build_with(flags: str):
+    """The native library built with extra compiler flags (they win over -march=native's), cached like the
+    default build under a key of its own: $CC plus the flags."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CC", " ".join([*native.find_compiler(), flags]))
+        return native.load(native.build())
+
+
+@functools.cache
+def _isa_flags() -> dict[str, str]:
+    """Extra compiler flags of each instruction-set branch this CPU runs: the default build's, and on an
+    AVX-512 CPU the AVX2 + F16C one too (AVX-512 off), so that both are checked whichever quantize uses."""
+    isas = {native.isa(NATIVE_PATH._lib): ""}
+    if "avx512" in isas and {"avx2", "f16c"} <= _cpu_flags():
+        isas["avx2"] = "-mno-avx512f"
+    return isas
+
+
+@functools.cache
+def _lib(isa: str, fast_only: bool = False):
+    """The library of a branch (:func:`_isa_flags`); fast_only: built with MXPORT_TEST_FAST_ONLY (the fast
+    paths' float32 fallback for small scales and FP8 subnormals compiled out)."""
+    flags = _isa_flags()[isa] + (" -DMXPORT_TEST_FAST_ONLY=1" if fast_only else "")
+    if not flags:
+        return NATIVE_PATH._lib
+    lib = _build_with(flags.strip())
+    assert native.isa(lib) == isa
+    return lib
+
+
+def _isas() -> list[str]:
+    return list(_isa_flags()) if NATIVE_PATH.available else ["avx512"]  # the module is skipped then
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -74,23 +122,26 @@ def _bf16_blocks_below_their_amax(seed: int, mantissas=(0, 0x40, 0x7F)) -> torch
     return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("fp8_dtype", ELEMENTS)
 @pytest.mark.parametrize("floor", [False, True])
-def test_bf16_every_magnitude_below_every_scale(fp8_dtype, floor):
+def test_bf16_every_magnitude_below_every_scale(fp8_dtype, floor, isa):
     """The bfloat16 fast path (eight blocks at a time in 16-bit lanes) gives the eager bytes on
     :func:`_bf16_blocks_below_their_amax`: rows of eight blocks of one amax, the same blocks shuffled (eight
     scales per group), and rows of 18 blocks + 17 elements (a group of two and a short last block)."""
     blocks = _bf16_blocks_below_their_amax(13)
-    _assert_same(blocks.reshape(-1, 256), fp8_dtype, floor)
+    lib = _lib(isa)
+    _assert_same(blocks.reshape(-1, 256), fp8_dtype, floor, lib=lib)
     perm = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(17))
-    _assert_same(blocks[perm].reshape(-1, 256), fp8_dtype, floor)
+    _assert_same(blocks[perm].reshape(-1, 256), fp8_dtype, floor, lib=lib)
     flat = blocks[perm].reshape(-1)
     rows = flat.numel() // 593
-    _assert_same(flat[:rows * 593].reshape(rows, 593), fp8_dtype, floor)
+    _assert_same(flat[:rows * 593].reshape(rows, 593), fp8_dtype, floor, lib=lib)
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("fp8_dtype", ELEMENTS)
-def test_bf16_rceil_with_another_inv_max_norm_saturates(fp8_dtype):
+def test_bf16_rceil_with_another_inv_max_norm_saturates(fp8_dtype, isa):
     """The C entry point takes inv_max_norm from its caller. With f32(1 / max_norm) a rceil product never
     exceeds max_norm and the bf16 path skips its clamp; with a smaller one, 1 / (max_norm * 8/7) =
     2^-(emax + 1), products reach 2^(emax + 1) and must saturate, as the eager kernel does with the same
@@ -100,7 +151,7 @@ def test_bf16_rceil_with_another_inv_max_norm_saturates(fp8_dtype):
     inv = float(np.float32(1.0) / np.float32(fmt.max_norm * 8 / 7))
     x = _bf16_blocks_below_their_amax(19, (0x6C, 0x7C)).reshape(-1, 256)
     elem = int(fp8_dtype == torch.float8_e5m2)
-    q, e = native.quantize_rows(NATIVE_PATH._lib, x, elem, False, inv, fmt.emax)
+    q, e = native.quantize_rows(_lib(isa), x, elem, False, inv, fmt.emax)
     rq, re = _rowwise_kernel(x, fmt.max_norm, inv, fmt.emax, fp8_dtype, False, False)
     assert torch.equal(e, re)
     assert torch.equal(q, rq)
@@ -170,19 +221,70 @@ def _f32_layouts(blocks: torch.Tensor) -> list[torch.Tensor]:
     return [blocks.reshape(-1, 256), perm[:n3].reshape(-1, 96), flat[:rows * 593].reshape(rows, 593)]
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("fp8_dtype", ELEMENTS)
 @pytest.mark.parametrize("floor", [False, True])
-def test_f32_every_rounding_below_every_scale(fp8_dtype, floor):
-    """The float32 fast path (eight blocks at a time in 32-bit lanes, exponent-add scaling, integer RNE) gives
-    the eager bytes on :func:`_f32_blocks_below_their_amax` in each of :func:`_f32_layouts`."""
+def test_f32_every_rounding_below_every_scale(fp8_dtype, floor, isa):
+    """The float32 fast paths (AVX-512: sixteen blocks at a time, AVX2: eight, in 32-bit lanes, exponent-add
+    scaling, integer RNE) give the eager bytes on :func:`_f32_blocks_below_their_amax` in each of
+    :func:`_f32_layouts`."""
     blocks = _f32_blocks_below_their_amax(29)
     for x in _f32_layouts(blocks):
-        _assert_same(x, fp8_dtype, floor)
+        _assert_same(x, fp8_dtype, floor, lib=_lib(isa))
 
 
+def _kept_blocks(dtype, fp8_dtype, floor) -> torch.Tensor:
+    """The blocks of :func:`_f32_blocks_below_their_amax` (as ``dtype``) that a fast path casts itself, every
+    rounding position below every scale included: amax exponents from 40 up (scales E > bias + mbits), no NaN
+    or Inf, and each element whose 16-bit code (the AVX-512 path's) lies in [-(mbits << mbits), 2^mbits) — a
+    product that may be a nonzero FP8 subnormal — set to zero. So it keeps the products that round up to
+    min_normal from below it, and those just under min_subnormal / 2 (code 0, signed)."""
+    x = _f32_blocks_below_their_amax(41).to(dtype)
+    bits = x.float().view(torch.int32).long()
+    keep = (((bits[:, 0] >> 23) & 0xFF) >= 40) & x.float().isfinite().all(dim=1)
+    x = x[keep][:int(keep.sum()) // 48 * 48]  # whole rows of 256 and of 96
+    mbits, bias = (3, 7) if fp8_dtype == torch.float8_e4m3fn else (2, 15)
+    e = _eager(x, fp8_dtype, floor)[1].long()  # (n, 1): one scale a block
+    assert int(e.min()) > bias + mbits
+    mag = x.float().view(torch.int32).long() & 0x7FFFFFFF
+    shift = 23 - mbits
+    code = (mag + ((bias - e) << 23) + (1 << (shift - 1)) - 1 + ((mag >> shift) & 1)) >> shift
+    return torch.where((code >= -(mbits << mbits)) & (code < 1 << mbits), torch.zeros_like(x), x)
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_dtype", ELEMENTS)
+@pytest.mark.parametrize("floor", [False, True])
+def test_fast_paths_alone_give_the_blocks_they_keep(dtype, fp8_dtype, floor, isa):
+    """With the float32 fallback compiled out (MXPORT_TEST_FAST_ONLY), the fast paths alone give the eager
+    bytes on every block they keep (:func:`_kept_blocks`: whole groups of one scale, of mixed scales, and rows
+    of 18 blocks for the per-row path): each rounding position, ties, carries into the next binade,
+    saturation, codes flushed to (signed) zero, products that round up to min_normal. The tests above, where
+    most blocks hold FP8 subnormals, check the fallback."""
+    lib = _lib(isa, fast_only=True)
+    blocks = _kept_blocks(dtype, fp8_dtype, floor)
+    perm = blocks[torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(43))]
+    n = blocks.shape[0] // 19  # rows of 18 blocks and a short one of 17 (the float path casts it)
+    rows_593 = perm[:19 * n].reshape(n, 608)[:, :593].contiguous()
+    for x in (blocks.reshape(-1, 256), perm.reshape(-1, 96), rows_593):
+        _assert_same(x, fp8_dtype, floor, lib=lib)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_fast_only_build_needs_its_fallback(isa):
+    """The fast-only build differs from the eager kernel on blocks with FP8 subnormal products: the test above
+    sees the fast path, not the fallback (and the fallback is what makes the default build right there)."""
+    x = _f32_layouts(_f32_blocks_below_their_amax(29))[0]
+    q, _ = _native(x, torch.float8_e4m3fn, False, lib=_lib(isa, fast_only=True))
+    assert not torch.equal(q, _eager(x, torch.float8_e4m3fn, False)[0])
+    _assert_same(x, torch.float8_e4m3fn, False, lib=_lib(isa))
+
+
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("fp8_dtype", ELEMENTS)
 @pytest.mark.parametrize("which", ["saturating", "high", "tiny"])
-def test_f32_rceil_with_another_inv_max_norm(fp8_dtype, which):
+def test_f32_rceil_with_another_inv_max_norm(fp8_dtype, which, isa):
     """rceil on :func:`_f32_blocks_below_their_amax` with an inv_max_norm other than f32(1 / max_norm), as the
     eager kernel takes it: 1 / (max_norm * 8/7) (products up to 8/7 max_norm, the ones rounding above it
     saturated), 2^20 / max_norm (scales 20 binades up, clamped at 254 for the largest amaxes: products far
@@ -193,7 +295,7 @@ def test_f32_rceil_with_another_inv_max_norm(fp8_dtype, which):
            "high": float(np.float32(2.0**20) / np.float32(fmt.max_norm)), "tiny": 2.0**-149}[which]
     elem = int(fp8_dtype == torch.float8_e5m2)
     for x in _f32_layouts(_f32_blocks_below_their_amax(31)):
-        q, e = native.quantize_rows(NATIVE_PATH._lib, x, elem, False, inv, fmt.emax)
+        q, e = native.quantize_rows(_lib(isa), x, elem, False, inv, fmt.emax)
         rq, re = _rowwise_kernel(x, fmt.max_norm, inv, fmt.emax, fp8_dtype, False, False)
         assert torch.equal(e, re), f"scales differ at {(e != re).nonzero()[:5].tolist()}"
         assert torch.equal(q, rq), f"values differ at {(q != rq).nonzero()[:5].tolist()}"
@@ -225,13 +327,14 @@ def test_f32_quantize_many_with_sums(rounding):
         _assert_components_equal(c, _per_tensor(x, torch.float8_e4m3fn, rounding))
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("fp8_dtype,floor,block_2d",
                          list(itertools.product(ELEMENTS, (False, True), (False, True))))
-def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d):
+def test_random_float32_bit_patterns(fp8_dtype, floor, block_2d, isa):
     """Any 32-bit pattern (NaN payloads of both signs included) in blocks of mixed magnitudes."""
     g = torch.Generator().manual_seed(11)
     bits = torch.randint(-(2**31), 2**31 - 1, (300, 640), generator=g, dtype=torch.int64).to(torch.int32)
-    _assert_same(bits.view(torch.float32), fp8_dtype, floor, block_2d)
+    _assert_same(bits.view(torch.float32), fp8_dtype, floor, block_2d, lib=_lib(isa))
 
 
 @settings(max_examples=80, deadline=None)
@@ -462,15 +565,6 @@ def test_cc_with_arguments(monkeypatch, tmp_path):
     lib = native.load(native.build(tmp_path / native.LIB_NAME))
     q, e = native.quantize_rows(lib, torch.ones(1, 32), 0, False, 1 / 448, 8)
     assert e.tolist() == [[119]]
-
-
-def _cpu_flags() -> set[str]:
-    from pathlib import Path
-
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def test_kernel_isa_matches_the_cpu():

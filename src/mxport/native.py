@@ -8,8 +8,9 @@ ranges run on ``torch.get_num_threads()`` threads.
 
 Why a C kernel: on CPU, ``torch.compile`` lowers the quantizer to an amax pass, a scale pass and a cast pass
 with scalar bit casts; the C kernel reads each block once into registers (sixteen blocks share one
-shuffle-tree amax and one vector of scales; the AVX2 build takes bfloat16 rows eight blocks at a time, cast
-in 16-bit integer lanes, and the rest one block at a time, eight float32 lanes wide) and runs several times
+shuffle-tree amax and one vector of scales; float32 rows are cast in 32-bit integer lanes, sixteen blocks at a
+time with AVX-512 and eight with AVX2; the AVX2 build takes bfloat16 rows eight blocks at a time, cast in
+16-bit integer lanes, and the rest one block at a time, eight float32 lanes wide) and runs several times
 faster. It follows the same algorithm as :func:`mxport.quantize._rowwise_kernel` byte for
 byte; :mod:`mxport.quantize` checks that on a probe tensor before first use and falls back to the other paths
 if it ever differs.

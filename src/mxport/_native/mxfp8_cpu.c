@@ -12,7 +12,8 @@
  *
  * Sixteen blocks are handled together: their amaxes meet in one vector through a shuffle tree, their scales are
  * computed in one vector, then each block is re-read from L1 and cast. 32x32 blocks (TE with_2d_quantization) take
- * the max of those amax vectors over 32 rows. No torch headers: the Python side
+ * the max of those amax vectors over 32 rows. float32 rows of 1-D blocks are cast in 32-bit integer lanes instead
+ * (see "float32 rows" in the AVX-512 section), with the float path above for the blocks that need it. No torch headers: the Python side
  * (mxport/native.py) compiles this file once with the system C compiler and calls it through ctypes, splitting
  * rows across threads.
  *
@@ -65,6 +66,14 @@ enum { IN_F32 = 0, IN_BF16 = 1, IN_F16 = 2 };
 enum { EL_E4M3 = 0, EL_E5M2 = 1 };
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* Tests only (a build that quantize uses fails its self-check with it): the fast paths (bfloat16 and float32 rows
+ * cast in integer lanes) keep their own bytes for every block outside groups with a NaN or an Inf, with their
+ * float32 fallback for small scales and FP8 subnormals compiled out, so that a test can see that the blocks the
+ * fallback leaves alone get the right bytes from the fast path itself. */
+#ifndef MXPORT_TEST_FAST_ONLY
+#define MXPORT_TEST_FAST_ONLY 0
+#endif
 
 #if MXPORT_HAVE_KERNEL == 2
 /* ---- AVX2 + F16C kernel: one block of 32 elements at a time, eight float32 lanes wide ---------------------- */
@@ -386,7 +395,7 @@ INLINE void quantize_bf16_group(const uint16_t *xr, uint8_t *qr, uint8_t *er, in
             break;
         bf16_block(xr + 32 * j, qr + 32 * j, bf16_block_c(c, j), elem, &k, &low);
     }
-    if (bad & ((1 << g) - 1) || bf16_has_subnormal(low, &k))
+    if (!MXPORT_TEST_FAST_ONLY && (bad & ((1 << g) - 1) || bf16_has_subnormal(low, &k)))
         bf16_group_redo(xr, qr, g, e, c, elem);
 }
 
@@ -543,7 +552,7 @@ INLINE void quantize_f32_group(const float *xr, uint8_t *qr, uint8_t *er, int g,
         f32_block(xr + 32 * j, qr + 32 * j, _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(j)), elem, &k,
                   &low);
     }
-    if (bad & ((1 << g) - 1) || f32_has_subnormal(low, &k))
+    if (!MXPORT_TEST_FAST_ONLY && (bad & ((1 << g) - 1) || f32_has_subnormal(low, &k)))
         f32_group_redo(xr, qr, g, e, c, elem);
 }
 
@@ -902,43 +911,200 @@ INLINE void cast_group(const char *xr, uint8_t *qr, int64_t k, int64_t b0, int g
     }
 }
 
-/* Rows [r0, r0 + nr) share their scales: nr = 1 for 1-D blocks, up to 32 for 32x32 blocks (the amax of a block is
- * the max over its rows; every row of the row group stores the same scale bytes, as the eager kernel does). */
-INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
-                               int elem, int floor_r, float inv_max_norm, int emax) {
+/* One group of g (1..16) blocks from block b0 of rows [r0, r0 + nr), which share their scales: nr = 1 for 1-D
+ * blocks, up to 32 for 32x32 blocks (the amax of a block is the max over its rows; every row of the row group
+ * stores the same scale bytes, as the eager kernel does). */
+INLINE void group_rows(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int64_t b0, int g,
+                       int full, int in_dt, int elem, int floor_r, float inv_max_norm, int emax) {
     const int esize = in_dt == IN_F32 ? 4 : 2;
-    const int64_t nb = (k + 31) / 32, full_groups = (k / 32) / 16;
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        const int full = b0 / 16 < full_groups, g = (int)(nb - b0 < 16 ? nb - b0 : 16);
-        __m512i amax = _mm512_setzero_si512();
-        int nan = 0;
-        for (int r = 0; r < nr; r++) {
-            const char *xr = x + (r0 + r) * k * esize;
-            __m512i a = full ? group_amax(xr, k, b0, 16, 1, in_dt, &nan) : group_amax(xr, k, b0, g, 0, in_dt, &nan);
-            amax = _mm512_max_epu32(amax, a);
-        }
-        __attribute__((aligned(64))) float mult[16];
-        __m512i eb = group_scales(amax, in_dt, floor_r, inv_max_norm, emax, mult);
-        for (int r = 0; r < nr; r++) {
-            const char *xr = x + (r0 + r) * k * esize;
-            store_scales(e + (r0 + r) * nb, b0, g, full, eb);
-            if (full)
-                cast_group(xr, q + (r0 + r) * k, k, b0, 16, 1, in_dt, elem, mult, nan);
-            else
-                cast_group(xr, q + (r0 + r) * k, k, b0, g, 0, in_dt, elem, mult, nan);
-        }
+    const int64_t nb = (k + 31) / 32;
+    __m512i amax = _mm512_setzero_si512();
+    int nan = 0;
+    for (int r = 0; r < nr; r++) {
+        const char *xr = x + (r0 + r) * k * esize;
+        __m512i a = full ? group_amax(xr, k, b0, 16, 1, in_dt, &nan) : group_amax(xr, k, b0, g, 0, in_dt, &nan);
+        amax = _mm512_max_epu32(amax, a);
     }
+    __attribute__((aligned(64))) float mult[16];
+    __m512i eb = group_scales(amax, in_dt, floor_r, inv_max_norm, emax, mult);
+    for (int r = 0; r < nr; r++) {
+        const char *xr = x + (r0 + r) * k * esize;
+        store_scales(e + (r0 + r) * nb, b0, g, full, eb);
+        if (full)
+            cast_group(xr, q + (r0 + r) * k, k, b0, 16, 1, in_dt, elem, mult, nan);
+        else
+            cast_group(xr, q + (r0 + r) * k, k, b0, g, 0, in_dt, elem, mult, nan);
+    }
+}
+
+/* Blocks [b0, ceil(k/32)) of rows [r0, r0 + nr) (see group_rows), sixteen at a time. */
+INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uint8_t *q, uint8_t *e, int64_t b0,
+                               int in_dt, int elem, int floor_r, float inv_max_norm, int emax) {
+    const int64_t nb = (k + 31) / 32, full_groups = (k / 32) / 16;
+    for (; b0 < nb; b0 += 16) {
+        const int g = (int)(nb - b0 < 16 ? nb - b0 : 16);
+        if (b0 / 16 < full_groups && b0 % 16 == 0)
+            group_rows(x, r0, nr, k, q, e, b0, 16, 1, in_dt, elem, floor_r, inv_max_norm, emax);
+        else
+            group_rows(x, r0, nr, k, q, e, b0, g, 0, in_dt, elem, floor_r, inv_max_norm, emax);
+    }
+}
+
+/* ---- float32 rows: sixteen blocks at a time in 32-bit integer lanes ----------------------------------------
+ * The arithmetic of the AVX2 build's "float32 rows" (see there why it gives the bytes of the float32 path: the
+ * product's FP8 code is an integer add of c = ((bias - E) << 23) + half - 1 to x's magnitude bits, "+ lsb, shift"
+ * for ties to even), sixteen lanes wide. A group of sixteen blocks shares one amax reduction and one vector of
+ * scales, worked out a group ahead of its cast; each block's c is broadcast from memory. Codes are packed two
+ * blocks (four vectors) at a time with signed saturating packs: the 16-bit codes are exact (they lie in
+ * [-2048, 2048)), the 16 -> 8-bit pack turns codes <= 0 into 0 and the sign bytes come from the raw inputs through
+ * the same packs. A 16-bit code q in [-(mbits << mbits), 2^mbits) is a product that may be a nonzero FP8
+ * subnormal: a product above min_subnormal / 2 has an exponent of at least -bias - mbits, so q >= -(mbits <<
+ * mbits), and one that rounds to min_normal or more has q >= 2^mbits, which the float path gives too (its
+ * subnormal rounding of a product >= min_normal (1 - 2^-(mbits+1)) is 2^mbits); zeros give q < -(mbits << mbits)
+ * (E > bias + mbits). A group with such a code, a scale E <= bias + mbits (zero and float32-subnormal inputs could
+ * then look normal) or a NaN / Inf is cast over by the float path (group_rows), byte for byte the same. */
+
+struct f32x16_consts {
+    __m512i mag_mask, one, sub_shift, sub_top, max_code, sign, order;
+};
+
+INLINE struct f32x16_consts f32x16_consts_for(int elem) {
+    const int mbits = elem == EL_E4M3 ? 3 : 2;
+    struct f32x16_consts k = {
+        _mm512_set1_epi32(0x7FFFFFFF), _mm512_set1_epi32(1), _mm512_set1_epi16((short)(mbits << mbits)),
+        _mm512_set1_epi16((short)((mbits << mbits) + (1 << mbits) - 1)),
+        _mm512_set1_epi16(elem == EL_E4M3 ? 0x7E : 0x7B), _mm512_set1_epi8((char)0x80),
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)};
+    return k;
+}
+
+/* FP8 codes (int32 lanes, <= 0 for code 0, unclamped) of sixteen float32 inputs r given their block's c. */
+INLINE __m512i f32x16_codes(__m512i r, __m512i c, int shift, const struct f32x16_consts *k) {
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(r, shift), k->one);  /* bit shift of r is bit shift of |r| */
+    return _mm512_srai_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_and_si512(r, k->mag_mask), c), lsb), shift);
+}
+
+/* Two full blocks at p (c0, c1: their c) into 64 bytes at out; folds their subnormal-check lanes into *sub
+ * (unsigned 16-bit min: a lane <= sub_top marks a code that may be a nonzero FP8 subnormal). */
+INLINE void f32x16_pair(const float *p, uint8_t *out, __m512i c0, __m512i c1, int elem, int saturate,
+                        const struct f32x16_consts *k, __m512i *sub) {
+    const int shift = elem == EL_E4M3 ? 20 : 21;
+    __m512i r0 = _mm512_loadu_si512(p), r1 = _mm512_loadu_si512(p + 16);
+    __m512i r2 = _mm512_loadu_si512(p + 32), r3 = _mm512_loadu_si512(p + 48);
+    __m512i q01 = _mm512_packs_epi32(f32x16_codes(r0, c0, shift, k), f32x16_codes(r1, c0, shift, k));
+    __m512i q23 = _mm512_packs_epi32(f32x16_codes(r2, c1, shift, k), f32x16_codes(r3, c1, shift, k));
+    *sub = _mm512_min_epu16(*sub, _mm512_min_epu16(_mm512_add_epi16(q01, k->sub_shift),
+                                                    _mm512_add_epi16(q23, k->sub_shift)));
+    if (saturate) {
+        q01 = _mm512_min_epi16(q01, k->max_code);
+        q23 = _mm512_min_epi16(q23, k->max_code);
+    }
+    __m512i v = _mm512_packus_epi16(q01, q23);  /* per 128-bit lane L: elements 4L..4L+3 of r0, r1, r2, r3 */
+    __m512i s = _mm512_packs_epi16(_mm512_packs_epi32(r0, r1), _mm512_packs_epi32(r2, r3));
+    v = _mm512_ternarylogic_epi32(v, s, k->sign, 0xF8);  /* v | (s & 0x80) */
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi32(k->order, v));
+}
+
+/* A group's scales, worked out a group ahead of its cast: e (E8M0 bytes, 32-bit lanes); special when the group
+ * holds a NaN or an Inf. */
+struct plan16 {
+    __m512i e;
+    __mmask16 special;
+};
+
+INLINE struct plan16 f32x16_plan(const float *xr, int floor_r, float inv_max_norm, int emax) {
+    const __m512i mag_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i m[16];
+    for (int j = 0; j < 16; j++)
+        m[j] = _mm512_max_epu32(_mm512_and_si512(_mm512_loadu_si512(xr + 32 * j), mag_mask),
+                                _mm512_and_si512(_mm512_loadu_si512(xr + 32 * j + 16), mag_mask));
+    __m512i amax = reduce_max16(m, 0);
+    struct plan16 plan = {scale_bytes(amax, floor_r, inv_max_norm, emax),
+                          _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7F7FFFFF))};
+    return plan;
+}
+
+/* Sixteen full float32 blocks from xr into qr (FP8 bytes) and er (E8M0 bytes), with their plan. */
+INLINE void f32x16_group(const float *xr, uint8_t *qr, uint8_t *er, struct plan16 plan, int elem, int floor_r,
+                         float inv_max_norm, int emax, int saturate) {
+    const int bias = elem == EL_E4M3 ? 7 : 15, mbits = elem == EL_E4M3 ? 3 : 2, half = 1 << (22 - mbits);
+    if (plan.special) {
+        group_rows((const char *)xr, 0, 1, 512, qr, er, 0, 16, 1, IN_F32, elem, floor_r, inv_max_norm, emax);
+        return;
+    }
+    _mm_storeu_si128((__m128i *)er, _mm512_cvtepi32_epi8(plan.e));
+    /* E <= 254: E << 23 fits in int32 */
+    __attribute__((aligned(64))) int32_t c[16];
+    _mm512_store_si512(c, _mm512_sub_epi32(_mm512_set1_epi32((bias << 23) + half - 1),
+                                           _mm512_slli_epi32(plan.e, 23)));
+    const struct f32x16_consts k = f32x16_consts_for(elem);
+    __m512i sub = _mm512_set1_epi16(-1);
+    for (int j = 0; j < 16; j += 2)
+        f32x16_pair(xr + 32 * j, qr + 32 * j, _mm512_set1_epi32(c[j]), _mm512_set1_epi32(c[j + 1]), elem,
+                    saturate, &k, &sub);
+    if (!MXPORT_TEST_FAST_ONLY && (_mm512_cmplt_epi32_mask(plan.e, _mm512_set1_epi32(bias + mbits + 1)) ||
+                                   _mm512_cmple_epu16_mask(sub, k.sub_top))) {
+        __attribute__((aligned(64))) float mult[16];
+        _mm512_store_ps(mult, multipliers(plan.e));
+        cast_group((const char *)xr, qr, 512, 0, 16, 1, IN_F32, elem, mult, 0);
+    }
+}
+
+/* Prefetch of a group: its input ROW_PREFETCH_BYTES ahead, its output as many elements ahead (for writing). The
+ * hardware prefetchers alone leave one thread well short of the memory bandwidth, most of all on 4 KiB pages
+ * (they stop at page boundaries). A hint: never faults, so reading past the end is harmless. */
+#define ROW_PREFETCH_BYTES 4096
+INLINE void f32x16_prefetch(const float *x, const uint8_t *q) {
+    for (int l = 0; l < 32; l++)
+        __builtin_prefetch((const char *)x + ROW_PREFETCH_BYTES + 64 * l, 0, 3);
+    for (int l = 0; l < 8; l++)
+        __builtin_prefetch(q + ROW_PREFETCH_BYTES / 4 + 64 * l, 1, 3);
+}
+
+/* One float32 row of k elements: groups of sixteen full blocks, then the rest (at most 15 blocks and a short
+ * one) by group_rows. */
+INLINE void f32x16_row(const float *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                       float inv_max_norm, int emax, int saturate) {
+    const int64_t groups = k / 512;
+    struct plan16 plan = {_mm512_setzero_si512(), 0};
+    if (groups)
+        plan = f32x16_plan(xr, floor_r, inv_max_norm, emax);
+    for (int64_t i = 0; i < groups; i++) {
+        struct plan16 next = plan;
+        f32x16_prefetch(xr + 512 * i, qr + 512 * i);
+        if (i + 1 < groups)
+            next = f32x16_plan(xr + 512 * (i + 1), floor_r, inv_max_norm, emax);
+        f32x16_group(xr + 512 * i, qr + 512 * i, er + 16 * i, plan, elem, floor_r, inv_max_norm, emax, saturate);
+        plan = next;
+    }
+    quantize_row_group((const char *)xr, 0, 1, k, qr, er, 16 * groups, IN_F32, elem, floor_r, inv_max_norm, emax);
+}
+
+/* One float32 row; with rceil and the exact f32(1/max_norm) the codes need no clamp (see the AVX2 build's
+ * quantize_fast_row), so it is left out. */
+INLINE void f32x16_fast_row(const float *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
+                            float inv_max_norm, int emax) {
+    if (floor_r || inv_max_norm != 1.0f / (elem == EL_E4M3 ? 448.0f : 57344.0f))
+        f32x16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 1);
+    else
+        f32x16_row(xr, k, qr, er, elem, floor_r, inv_max_norm, emax, 0);
 }
 
 INLINE void quantize_rows_impl(const char *x, int64_t rows, int64_t k, uint8_t *q, uint8_t *e, int in_dt,
                                int elem, int floor_r, float inv_max_norm, int emax, int block_2d) {
-    if (!block_2d) {
+    if (in_dt == IN_F32 && !block_2d) {
+        const float *xf = (const float *)x;
+        if (k % 32 == 0) {  /* rows of whole blocks: one long row of rows * k */
+            f32x16_fast_row(xf, rows * k, q, e, elem, floor_r, inv_max_norm, emax);
+            return;
+        }
         for (int64_t r = 0; r < rows; r++)
-            quantize_row_group(x, r, 1, k, q, e, in_dt, elem, floor_r, inv_max_norm, emax);
+            f32x16_fast_row(xf + r * k, k, q + r * k, e + r * ((k + 31) / 32), elem, floor_r, inv_max_norm, emax);
         return;
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += 32)
-        quantize_row_group(x, r0, (int)(rows - r0 < 32 ? rows - r0 : 32), k, q, e, in_dt, elem, floor_r,
+    const int group = block_2d ? 32 : 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += group)
+        quantize_row_group(x, r0, (int)(rows - r0 < group ? rows - r0 : group), k, q, e, 0, in_dt, elem, floor_r,
                            inv_max_norm, emax);
 }
 
