@@ -24,9 +24,14 @@ them alike:
 * ``fresh 8192x8192`` — ``quantize(x)`` of a BF16 8192x8192 tensor *without* ``out=`` (fresh outputs, above
   glibc's 32 MiB mmap threshold: every call maps new pages) against a ``copy_`` of the same BF16 tensor into
   a preallocated one; 1 thread (goal >= 0.6) and the default thread count.
+* ``float32 8192x8192`` — ``quantize(x)`` of a float32 8192x8192 tensor against the same tensor in BF16,
+  interleaved: nanoseconds per element, ratio float32 / BF16 (goal <= 1.3 on 1 thread; the default thread
+  count too). ``model weights float32`` — the same for the SmolLM2-shaped weights batched (``quantize_many``).
 * ``size sweep`` — the same fresh-output quantize, 1 thread, of ``(n / 4096, 4096)`` BF16 tensors for ``n`` =
-  64K, 256K, ..., 256M elements (16M in quick mode): nanoseconds per element per size, and the largest step up
-  from one size to the next (goal: no size more than 25% slower per element than the size below it).
+  64K, 256K, ..., 256M elements (16M in quick mode), every size once per round (interleaved, so that load
+  from other processes hits every size alike; each timed call right after an untimed one of the same size):
+  nanoseconds per element per size, and the largest step up from one size to the next (goal: no size more
+  than 25% slower per element than the size below it).
 
 Bytes moved by a quantize of ``n`` BF16 elements: ``2n`` read + ``n`` FP8 written + ``n/32`` E8M0 bytes
 written (the same count is used for torchao, so GB/s ratios are speed ratios).
@@ -79,16 +84,19 @@ def _torchao_to_mx():
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, runs: int, warmup: int,
-                        device=None) -> dict[str, float]:
+                        device=None, settle: int = 0) -> dict[str, float]:
     """Median seconds per call of each function, timed in rounds (one call of each per round, after ``warmup``
-    untimed rounds), so that load from other processes hits every contender alike and ratios stay fair."""
+    untimed rounds), so that load from other processes hits every contender alike and ratios stay fair.
+    ``settle``: untimed calls of a function right before each of its timed ones (its caches and TLB warm
+    again after the other contenders' calls: on the 2-core VM a 64K-element quantize takes 60 us warm and
+    300-440 us right after any 256 MB pass over memory)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
         for k, fn in fns.items():
-            times[k].append(measure(fn, runs=1, warmup=0, device=device).median)
+            times[k].append(measure(fn, runs=1, warmup=settle, device=device).median)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -127,6 +135,8 @@ def run(quick: bool = False) -> list[dict]:
             rows += [dict(r, metric=r["metric"] + ", 1 thread", goal="ratio >= 0.4")
                      for r in _model_rows(4 if quick else 30, runs=runs, warmup=warmup, device=device)[1:]]
     rows += _fresh_rows(runs=runs, warmup=warmup, device=device)
+    rows += _f32_rows(runs=runs, warmup=warmup, device=device)
+    rows += _model_f32_rows(4 if quick else 30, runs=runs, warmup=warmup, device=device)
     if device.type == "cpu":
         rows += _sweep_rows(1 << (24 if quick else 28), runs=runs, device=device)
     return rows
@@ -169,19 +179,70 @@ def _fresh_rows(*, runs: int, warmup: int, device: torch.device) -> list[dict]:
     return rows
 
 
-def _sweep_rows(top: int, *, runs: int, device: torch.device) -> list[dict]:
-    """Fresh-output quantize per element over sizes 64K .. ``top`` elements (x4 steps), 1 thread."""
+def _f32_rows(*, runs: int, warmup: int, device: torch.device) -> list[dict]:
+    """Quantize of a float32 8192x8192 tensor against the same tensor in BF16, per element: 1 thread and
+    default."""
+    from ..quantize import kernel_label
     from ..quantize import quantize as mx_quantize
 
-    per, n = {}, 1 << 16
+    x32 = torch.randn(8192, 8192, generator=torch.Generator().manual_seed(4)).to(device)
+    x16 = x32.to(torch.bfloat16)
+    rows = []
+    counts = [1, torch.get_num_threads()] if device.type == "cpu" else [torch.get_num_threads()]
+    for n in dict.fromkeys(counts):
+        with _threads(n):
+            med = interleaved_medians({"f32": lambda: mx_quantize(x32), "bf16": lambda: mx_quantize(x16)},
+                                      runs=runs, warmup=warmup, device=device)
+        f32, bf16 = (med[k] / x32.numel() * 1e9 for k in ("f32", "bf16"))
+        label = "1 thread" if n == 1 else f"{n} threads"
+        rows.append(_row(f"float32 8192x8192, {label}", f32, "ns/elem", f"bfloat16 {bf16:.3f} ns/elem",
+                         f32 / bf16, "ratio <= 1.3" if n == 1 else "informational",
+                         f"quantize without out= of the same values in float32 ({med['f32'] * 1e3:.1f} ms) "
+                         f"and bfloat16 ({med['bf16'] * 1e3:.1f} ms), {runs} interleaved runs; ratio = "
+                         f"float32 / bfloat16 per element; {kernel_label(x32)}"))
+    return rows
+
+
+def _model_f32_rows(layers: int, *, runs: int, warmup: int, device: torch.device) -> list[dict]:
+    """The SmolLM2-shaped linear weights in float32 (a trainer's master weights) against the same in BF16,
+    batched into preallocated slots, per element, 1 thread on CPU."""
+    from ..quantize import quantize_many
+
+    gen = torch.Generator().manual_seed(1)
+    x32 = [torch.randn(s, generator=gen).to(device) for _ in range(layers) for s in SMOLLM2_LAYER]
+    x16 = [x.to(torch.bfloat16) for x in x32]
+    outs = [(torch.empty(x.shape, dtype=torch.uint8, device=device),
+             torch.empty((x.shape[0], -(-x.shape[1] // 32)), dtype=torch.uint8, device=device)) for x in x32]
+    numel = sum(x.numel() for x in x32)
+    with _threads(1 if device.type == "cpu" else torch.get_num_threads()):
+        med = interleaved_medians({"f32": lambda: quantize_many(x32, outs=outs),
+                                   "bf16": lambda: quantize_many(x16, outs=outs)},
+                                  runs=runs, warmup=warmup, device=device)
+    f32, bf16 = (med[k] / numel * 1e9 for k in ("f32", "bf16"))
+    label = ", 1 thread" if device.type == "cpu" else ""
+    return [_row(f"model weights float32{label}", f32, "ns/elem", f"bfloat16 {bf16:.3f} ns/elem", f32 / bf16,
+                 "ratio <= 1.3",
+                 f"{len(x32)} weights of {layers} SmolLM2-135M layers ({numel / 1e6:.1f} M elements) "
+                 f"batched into preallocated slots, float32 (master weights) {med['f32'] * 1e3:.2f} ms vs "
+                 f"bfloat16 {med['bf16'] * 1e3:.2f} ms, {runs} interleaved runs; ratio = float32 / bfloat16 "
+                 "per element")]
+
+
+def _sweep_rows(top: int, *, runs: int, device: torch.device) -> list[dict]:
+    """Fresh-output quantize per element over sizes 64K .. ``top`` elements (x4 steps), 1 thread, the sizes
+    interleaved: each round times one call of each size, right after an untimed one of the same size. Timed
+    one size after the other (as before), the sizes met different load from other processes: on the shared
+    2-core VM the worst step of three such sweeps in a row was 1.48x, 2.66x and 1.50x, at 16M, 4M and 4M
+    elements."""
+    from ..quantize import quantize as mx_quantize
+
+    sizes = [1 << b for b in range(16, top.bit_length(), 2)]
+    gen = torch.Generator().manual_seed(3)
+    xs = {n: torch.randn(n // 4096, 4096, generator=gen, dtype=torch.bfloat16) for n in sizes}
     with _threads(1):
-        while n <= top:
-            x = torch.randn(n // 4096, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-            t = interleaved_medians({"q": lambda x=x: mx_quantize(x)}, runs=runs, warmup=2, device=device)
-            per[n] = t["q"] / n * 1e9
-            del x
-            n *= 4
-    sizes = list(per)
+        med = interleaved_medians({str(n): (lambda x=x: mx_quantize(x)) for n, x in xs.items()}, runs=runs,
+                                  warmup=1, device=device, settle=1)
+    per = {n: med[str(n)] / n * 1e9 for n in sizes}
     steps = [per[b] / per[a] for a, b in zip(sizes, sizes[1:], strict=False)]
     worst = max(range(len(steps)), key=steps.__getitem__)
     rows = [_row(f"size sweep {n >> 10}K elements, 1 thread", per[n], "ns/elem", "itself", 1.0, "plot",
