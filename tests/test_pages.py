@@ -127,6 +127,23 @@ def test_the_oldest_spare_makes_room(monkeypatch):
     assert pages.spare_bytes() == 6 << 20
 
 
+def test_a_mapping_that_cannot_be_made_is_a_memory_error(monkeypatch):
+    """A large output the system cannot map (after the spares are given back) raises MemoryError, an
+    allocation failure as torch.empty's RuntimeError is, so that callers name the argument
+    (formats.TooLargeError); it was the mmap's OSError, which layouts.swizzle let through for a huge
+    expanded grid."""
+    calls = []
+
+    def no_memory(size):
+        calls.append(size)
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(pages, "_new_mapping", no_memory)
+    with pytest.raises(MemoryError, match="cannot map"):
+        pages.fresh_bytes(BIG)
+    assert len(calls) == 2  # once more after releasing the spares
+
+
 def test_default_limit_is_bounded():
     assert 0 < pages.spare_limit() <= 1 << 30
 

@@ -134,7 +134,8 @@ def _new_mapping(size: int) -> _Mapping:
 def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
     """A new contiguous uint8 CPU tensor of ``shape`` for a kernel to fill completely (its initial contents
     are unspecified). From :data:`HUGE_PAGE_MIN_BYTES` on it lives on its own huge-page mapping, a spare one
-    of the same rounded size when the pool has it (see the module doc)."""
+    of the same rounded size when the pool has it (see the module doc). MemoryError when it cannot be
+    mapped."""
     n = math.prod(shape)
     if n < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):  # small, or not a POSIX system
         return torch.empty(shape, dtype=torch.uint8)
@@ -146,7 +147,10 @@ def fresh_bytes(shape: tuple[int, ...]) -> torch.Tensor:
             m = _new_mapping(size)
         except OSError:  # out of memory (or mappings): the spares go back to the system, then one more try
             release_spares()
-            m = _new_mapping(size)
+            try:
+                m = _new_mapping(size)
+            except OSError as exc:  # an allocation failure, as torch.empty's, for callers' TooLargeError
+                raise MemoryError(f"cannot map {size} bytes for a fresh output: {exc}") from exc
     view = memoryview(m.mm)[m.start:m.start + n]
     # runs when the tensor's storage, the last user, releases it; never at exit (finalize's default), when
     # the buffers still in use would join the pool and an exit handler's quantize write over them
