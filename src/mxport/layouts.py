@@ -20,6 +20,7 @@ import torch
 from . import native
 from .components import check_direction
 from .formats import allocating, as_e8m0_bytes, describe, roundup
+from .pages import fresh_bytes
 
 TILE_ROWS = 128
 TILE_COLS = 4
@@ -127,15 +128,17 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
         return torch.zeros((pr, pc), dtype=torch.uint8, device=scale.device)
     lib = _native_lib(scale)
     if lib is not None:
-        return native.swizzle(lib, scale, torch.empty((pr, pc), dtype=torch.uint8))
+        return native.swizzle(lib, scale, fresh_bytes((pr, pc)))  # every byte written, padding included
     return _swizzle_torch(scale, pr, pc)
 
 
 def _native_lib(t: torch.Tensor):
     """The native library when it may take ``t`` (a CPU tensor; the native kernel built, loaded and enabled:
-    see :class:`mxport.quantize._NativePath`), else None. Its swizzle runs in one pass over the bytes (4-byte
-    words of four tiles moved together, 16 bytes a load), where a torch permute of 4-byte words takes several
-    times as long on a CPU (about 3x a copy of the bytes)."""
+    see :class:`mxport.quantize._NativePath`), else None. Its swizzle runs in one pass over the bytes on one
+    thread (4-byte words of four tiles moved together, 16 bytes a load: 1.2-1.4x a memcpy of the bytes), into
+    outputs from :func:`mxport.pages.fresh_bytes` (large ones reused without page faults); a torch permute of
+    4-byte words took about 3x a copy, and its copy runs on torch's thread pool, which waits for a descheduled
+    thread when another process holds a core."""
     if t.device.type != "cpu":
         return None
     from .quantize import NATIVE_PATH  # quantize imports the modules layouts imports, not layouts
@@ -185,8 +188,7 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         return torch.zeros((rows, cols), dtype=torch.uint8, device=sw.device)
     lib = _native_lib(sw)
     if lib is not None:
-        return native.unswizzle(lib, sw.contiguous(), rows, cols,
-                                torch.empty((rows, cols), dtype=torch.uint8))
+        return native.unswizzle(lib, sw.contiguous(), rows, cols, fresh_bytes((rows, cols)))
     return _unswizzle_torch(sw, rows, cols, pr, pc)
 
 

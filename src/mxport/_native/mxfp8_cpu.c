@@ -1341,7 +1341,9 @@ static void swizzle_tiles_slow(const uint8_t *src, int64_t rows, int64_t cols, i
 
 /* Tiles [0, 4 * n4) of tile row a, whose 128 rows are all in the grid and contiguous: four tiles at a time, in
  * strips of sixteen tiles (64 columns): each row's 64 bytes of a strip are read in one go, so no cache line of
- * the grid is read twice (rows 1 KiB or more apart share a few cache sets, and are gone by the next strip). */
+ * the grid is read twice (rows 1 KiB or more apart share a few cache sets, and are gone by the next strip), and
+ * the strip's 8 KiB of tiles are written whole while in L1. (Chunk i of every tile of the row before chunk i + 1,
+ * as unswizzle_tiles_fast goes, was slower here: 8.6 against 7.4 ms for a 32768 x 1024 grid.) */
 static void swizzle_tiles_fast(const uint8_t *src, int64_t rs, uint8_t *dst, int64_t a, int64_t n4, int64_t nt) {
 #if defined(__SSE2__)
     for (int64_t s0 = 0; s0 < n4; s0 += 4)
@@ -1391,26 +1393,28 @@ static void unswizzle_tiles_slow(const uint8_t *src, int64_t rows, int64_t cols,
     }
 }
 
-/* Tiles [0, 4 * n4) of tile row a, whose 128 rows are all in the grid: four tiles at a time, in strips of sixteen
- * tiles (see swizzle_tiles_fast: each row's 64 bytes of a strip are written in one go). */
+/* Tiles [0, 4 * n4) of tile row a, whose 128 rows are all in the grid: four tiles at a time, chunk i of every
+ * tile of the row before chunk i + 1, so that the grid is written along its rows (four streams, whole cache
+ * lines) while the tile row (128 x cols bytes) is read again from L1 / L2. (Strips of sixteen tiles, as
+ * swizzle_tiles_fast goes, were slower here: 8.2 against 6.8 ms for a 32768 x 1024 grid.) */
 static void unswizzle_tiles_fast(const uint8_t *src, int64_t cols, uint8_t *dst, int64_t a, int64_t n4,
                                  int64_t nt) {
 #if defined(__SSE2__)
-    for (int64_t s0 = 0; s0 < n4; s0 += 4)
-        for (int i = 0; i < 32; i++)
-            for (int64_t t = 4 * s0; t < 4 * (s0 + 4 < n4 ? s0 + 4 : n4); t += 4) {
-                const uint8_t *s = src + (a * nt + t) * 512 + 16 * i;
-                uint8_t *o = dst + (128 * a + i) * cols + 4 * t;
-                __m128i w0 = _mm_loadu_si128((const __m128i *)s);
-                __m128i w1 = _mm_loadu_si128((const __m128i *)(s + 512));
-                __m128i w2 = _mm_loadu_si128((const __m128i *)(s + 1024));
-                __m128i w3 = _mm_loadu_si128((const __m128i *)(s + 1536));
-                transpose4x4(&w0, &w1, &w2, &w3);
-                _mm_storeu_si128((__m128i *)o, w0);
-                _mm_storeu_si128((__m128i *)(o + 32 * cols), w1);
-                _mm_storeu_si128((__m128i *)(o + 64 * cols), w2);
-                _mm_storeu_si128((__m128i *)(o + 96 * cols), w3);
-            }
+    for (int i = 0; i < 32; i++) {
+        const uint8_t *s = src + a * nt * 512 + 16 * i;
+        uint8_t *o = dst + (128 * a + i) * cols;
+        for (int64_t t = 0; t < 4 * n4; t += 4) {
+            __m128i w0 = _mm_loadu_si128((const __m128i *)(s + 512 * t));
+            __m128i w1 = _mm_loadu_si128((const __m128i *)(s + 512 * t + 512));
+            __m128i w2 = _mm_loadu_si128((const __m128i *)(s + 512 * t + 1024));
+            __m128i w3 = _mm_loadu_si128((const __m128i *)(s + 512 * t + 1536));
+            transpose4x4(&w0, &w1, &w2, &w3);
+            _mm_storeu_si128((__m128i *)(o + 4 * t), w0);
+            _mm_storeu_si128((__m128i *)(o + 32 * cols + 4 * t), w1);
+            _mm_storeu_si128((__m128i *)(o + 64 * cols + 4 * t), w2);
+            _mm_storeu_si128((__m128i *)(o + 96 * cols + 4 * t), w3);
+        }
+    }
 #else
     (void)src, (void)cols, (void)dst, (void)a, (void)n4, (void)nt;  /* n4 is 0 (see mxport_unswizzle) */
 #endif
