@@ -911,6 +911,16 @@ INLINE void cast_group(const char *xr, uint8_t *qr, int64_t k, int64_t b0, int g
     }
 }
 
+/* Prefetch of `lines` cache lines of input ROW_PREFETCH_BYTES ahead of p: the hardware prefetchers alone leave one
+ * thread well short of the memory bandwidth, most of all on 4 KiB pages (they stop at page boundaries).
+ * (Prefetching the output for writing as well was slower.) A hint: never faults, so reading past the end is
+ * harmless. */
+#define ROW_PREFETCH_BYTES 4096
+INLINE void prefetch_ahead(const char *p, int lines) {
+    for (int l = 0; l < lines; l++)
+        __builtin_prefetch(p + ROW_PREFETCH_BYTES + 64 * l, 0, 3);
+}
+
 /* One group of g (1..16) blocks from block b0 of rows [r0, r0 + nr), which share their scales: nr = 1 for 1-D
  * blocks, up to 32 for 32x32 blocks (the amax of a block is the max over its rows; every row of the row group
  * stores the same scale bytes, as the eager kernel does). */
@@ -978,10 +988,12 @@ INLINE struct f32x16_consts f32x16_consts_for(int elem) {
     return k;
 }
 
-/* FP8 codes (int32 lanes, <= 0 for code 0, unclamped) of sixteen float32 inputs r given their block's c. */
+/* FP8 codes (int32 lanes, <= 0 for code 0, unclamped) of sixteen float32 inputs r given their block's c: the
+ * "+ lsb" of ties to even is a masked add of 1 where bit `shift` of r (that of |r|) is set. */
 INLINE __m512i f32x16_codes(__m512i r, __m512i c, int shift, const struct f32x16_consts *k) {
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(r, shift), k->one);  /* bit shift of r is bit shift of |r| */
-    return _mm512_srai_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_and_si512(r, k->mag_mask), c), lsb), shift);
+    __m512i u = _mm512_add_epi32(_mm512_and_si512(r, k->mag_mask), c);
+    u = _mm512_mask_add_epi32(u, _mm512_test_epi32_mask(r, _mm512_set1_epi32(1 << shift)), u, k->one);
+    return _mm512_srai_epi32(u, shift);
 }
 
 /* Two full blocks at p (c0, c1: their c) into 64 bytes at out; folds their subnormal-check lanes into *sub
@@ -1050,17 +1062,6 @@ INLINE void f32x16_group(const float *xr, uint8_t *qr, uint8_t *er, struct plan1
     }
 }
 
-/* Prefetch of a group: its input ROW_PREFETCH_BYTES ahead, its output as many elements ahead (for writing). The
- * hardware prefetchers alone leave one thread well short of the memory bandwidth, most of all on 4 KiB pages
- * (they stop at page boundaries). A hint: never faults, so reading past the end is harmless. */
-#define ROW_PREFETCH_BYTES 4096
-INLINE void f32x16_prefetch(const float *x, const uint8_t *q) {
-    for (int l = 0; l < 32; l++)
-        __builtin_prefetch((const char *)x + ROW_PREFETCH_BYTES + 64 * l, 0, 3);
-    for (int l = 0; l < 8; l++)
-        __builtin_prefetch(q + ROW_PREFETCH_BYTES / 4 + 64 * l, 1, 3);
-}
-
 /* One float32 row of k elements: groups of sixteen full blocks, then the rest (at most 15 blocks and a short
  * one) by group_rows. */
 INLINE void f32x16_row(const float *xr, int64_t k, uint8_t *qr, uint8_t *er, int elem, int floor_r,
@@ -1071,7 +1072,7 @@ INLINE void f32x16_row(const float *xr, int64_t k, uint8_t *qr, uint8_t *er, int
         plan = f32x16_plan(xr, floor_r, inv_max_norm, emax);
     for (int64_t i = 0; i < groups; i++) {
         struct plan16 next = plan;
-        f32x16_prefetch(xr + 512 * i, qr + 512 * i);
+        prefetch_ahead((const char *)(xr + 512 * i), 32);
         if (i + 1 < groups)
             next = f32x16_plan(xr + 512 * (i + 1), floor_r, inv_max_norm, emax);
         f32x16_group(xr + 512 * i, qr + 512 * i, er + 16 * i, plan, elem, floor_r, inv_max_norm, emax, saturate);
