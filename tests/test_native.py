@@ -301,14 +301,17 @@ def test_f32_rceil_with_another_inv_max_norm(fp8_dtype, which, isa):
         assert torch.equal(q, rq), f"values differ at {(q != rq).nonzero()[:5].tolist()}"
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
-def test_f32_quantize_many_with_sums(rounding):
+def test_f32_quantize_many_with_sums(rounding, isa, monkeypatch):
     """quantize_many with fused sums (the native kernel sums its output tile by tile, through the same row
-    functions) on the float32 layouts of :func:`_f32_blocks_below_their_amax`: each tensor gets the eager
-    bytes, and the sums are the eager kernel's (summed with torch ops)."""
+    functions) on the float32 layouts of :func:`_f32_blocks_below_their_amax`, in each instruction-set branch:
+    each tensor gets the eager bytes, and the sums are the eager kernel's (summed with torch ops)."""
     from mxport.quantize import quantize_many
     from mxport.refit.buckets import BucketLayout, ChunkSums
     from mxport.refit.plan import RefitPlan
+
+    monkeypatch.setattr(NATIVE_PATH, "_lib", _lib(isa))
 
     xs = _f32_layouts(_f32_blocks_below_their_amax(37))
     offsets, pos = [], 5
