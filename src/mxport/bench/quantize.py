@@ -232,8 +232,8 @@ def _sweep_rows(top: int, *, runs: int, device: torch.device) -> list[dict]:
     """Fresh-output quantize per element over sizes 64K .. ``top`` elements (x4 steps), 1 thread, the sizes
     interleaved: each round times one call of each size, right after an untimed one of the same size. Timed
     one size after the other (as before), the sizes met different load from other processes: on the shared
-    2-core VM the worst step of three such sweeps in a row was 1.48x, 2.66x and 1.50x, at 16M, 4M and 4M
-    elements."""
+    2-core VM the worst step of three such sweeps in a row was 1.48x, 2.66x and 1.50x, at 64M -> 256M, 4M ->
+    16M and 4M -> 16M elements."""
     from ..quantize import quantize as mx_quantize
 
     sizes = [1 << b for b in range(16, top.bit_length(), 2)]
