@@ -964,15 +964,15 @@ INLINE void quantize_row_group(const char *x, int64_t r0, int nr, int64_t k, uin
  * The arithmetic of the AVX2 build's "float32 rows" (see there why it gives the bytes of the float32 path: the
  * product's FP8 code is an integer add of c = ((bias - E) << 23) + half - 1 to x's magnitude bits, "+ lsb, shift"
  * for ties to even), sixteen lanes wide. A group of sixteen blocks shares one amax reduction and one vector of
- * scales; each block's c is broadcast from memory. Codes are packed two
- * blocks (four vectors) at a time with signed saturating packs: the 16-bit codes are exact (they lie in
- * [-2048, 2048)), the 16 -> 8-bit pack turns codes <= 0 into 0 and the sign bytes come from the raw inputs through
- * the same packs. A 16-bit code q in [-(mbits << mbits), 2^mbits) is a product that may be a nonzero FP8
- * subnormal: a product above min_subnormal / 2 has an exponent of at least -bias - mbits, so q >= -(mbits <<
- * mbits), and one that rounds to min_normal or more has q >= 2^mbits, which the float path gives too (its
- * subnormal rounding of a product >= min_normal (1 - 2^-(mbits+1)) is 2^mbits); zeros give q < -(mbits << mbits)
- * (E > bias + mbits). A group with such a code, a scale E <= bias + mbits (zero and float32-subnormal inputs could
- * then look normal) or a NaN / Inf is cast over by the float path (group_rows), byte for byte the same. */
+ * scales; each block's c is broadcast from memory. Codes are packed two blocks (four vectors) at a time with signed
+ * saturating packs: the 16-bit codes are exact (those of the blocks kept lie in [-2048, 256)), the 16 -> 8-bit pack
+ * turns codes <= 0 into 0 and the sign bytes come from the raw inputs through the same packs. A 16-bit code q in
+ * [-(mbits << mbits), 2^mbits) is a product that may be a nonzero FP8 subnormal: a product above min_subnormal / 2
+ * has an exponent of at least -bias - mbits, so q >= -(mbits << mbits), and one that rounds to min_normal or more
+ * has q >= 2^mbits, which the float path gives too (its subnormal rounding of a product >= min_normal (1 -
+ * 2^-(mbits+1)) is 2^mbits); zeros give q < -(mbits << mbits) (E > bias + mbits). A group with such a code, a scale
+ * E <= bias + mbits (zero and float32-subnormal inputs could then look normal) or a NaN / Inf is cast over by the
+ * float path (group_rows), byte for byte the same. */
 
 struct f32x16_consts {
     __m512i mag_mask, one, sub_shift, sub_top, max_code, sign, order;
