@@ -293,3 +293,16 @@ def test_plan_refuses_a_config_without_its_sizes(tmp_path, cfg, missing):
     assert line.startswith(f"error: config gives no {missing}: the model's sizes are needed"), line
     with pytest.raises(ValueError, match=f"config gives no {missing}:"):
         config_entries(cfg)
+
+
+def test_plan_names_attention_heads_the_engine_tp_does_not_divide():
+    """Found by a newcomer: `mxport plan --engine tp=2` on the embedded model (9 heads) predicted a refit
+    (exit 0) that `mxport refit` refuses; both now read the problem from one place (predict's problems)."""
+    from mxport.capacity import predict_config
+
+    config = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 1,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 1000}
+    problems = predict_config(config, Layout(), Layout(tp=2)).problems
+    assert problems[0] == ("9 attention heads do not divide by tp=2 (vLLM refuses this layout; tp can be 1, "
+                           "3, 9)")
+    assert not any("attention heads" in p for p in predict_config(config, Layout(), Layout(tp=3)).problems)

@@ -155,6 +155,19 @@ def test_export_of_an_mxfp8_checkpoint_is_refused(tmp_path, llama, fmt):
         assert not (tmp_path / "again").exists()
 
 
+def test_refit_and_verify_of_an_mxfp8_checkpoint_are_refused(tmp_path, llama):
+    """Found by a newcomer: `mxport refit` / `mxport verify` given an MXFP8 checkpoint as SOURCE loaded it as
+    a model (its FP8 values without their scales) and reported garbage text with exact: yes, or a perfect
+    score, exit 0. Both refuse it as export does: one line, exit 2, before any process starts."""
+    run = CliRunner().invoke
+    assert run(app, ["export", str(llama), "-o", str(tmp_path / "mx")]).exit_code == 0
+    for args in (["refit", str(tmp_path / "mx"), "--steps", "1"],
+                 ["verify", str(tmp_path / "mx"), "--max-new-tokens", "1"]):
+        res = run(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "already holds FP8 tensors" in res.output and "Traceback" not in res.output
+
+
 def test_fp8_dtype_offers_e4m3_only_and_refuses_e5m2_while_parsing(tmp_path):
     """Every format refuses E5M2 values: --help offers e4m3 alone, and e5m2 is refused while the command line
     is parsed (before the source or -o are looked at), in one line that says why."""

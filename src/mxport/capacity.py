@@ -210,7 +210,7 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
     kv = _kv_heads(config or {})
     mx_rank = cut = zero = scatter = 0
     params = quant_params = quant_rank = 0
-    problems: list[str] = []
+    problems: list[str] = _attention_problems(config or {}, engine)
     for d in decisions:
         numel = math.prod(d.shape)
         params += numel
@@ -308,6 +308,17 @@ def config_entries(config: dict) -> list[tuple[str, tuple[int, ...], torch.dtype
     params = dict(model.named_parameters())  # tied weights (lm_head = embed_tokens) once, as refit sends them
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     return [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items() if n not in tied]
+
+
+def _attention_problems(config: dict, engine: Layout) -> list[str]:
+    """The attention or KV heads of ``config`` that do not divide by the engine's tp, as vLLM refuses them
+    (:func:`mxport.parallel.attention_problem`), or nothing."""
+    from .parallel import attention_problem
+
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    problem = attention_problem(engine.tp, heads if type(heads) is int else None,
+                                kv if type(kv) is int else None)
+    return [problem] if problem else []
 
 
 def read_config(path: str | Path) -> dict:

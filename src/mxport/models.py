@@ -179,6 +179,29 @@ def vocabulary_prompts_note(where, count: int = 1, *, length: int = PROMPT_TOKEN
     return f"no tokenizer in {where}: {what} token ids drawn from the vocabulary (seed {seed})"
 
 
+def fp8_source_error(names: list[str]) -> ValueError:
+    """Why a source holding FP8 tensors (an MXFP8 or FP8 checkpoint) is refused as a model to quantize,
+    train or verify: loaded as a model, its FP8 values lose their scales (export would copy them as plain
+    tensors)."""
+    return ValueError(f"the source already holds FP8 tensors ({names[0]!r} and {len(names) - 1} more): "
+                      "mxport quantizes high-precision models; give it the BF16 / FP32 model (`mxport "
+                      "inspect` reads MXFP8 checkpoints of every format)")
+
+
+def fp8_tensor_names(src: ModelSource) -> list[str]:
+    """The FP8 tensors of a Hugging Face model directory's safetensors, read from their headers ([] for a
+    GGUF)."""
+    if src.kind != "hf_dir":
+        return []
+    from safetensors import safe_open
+
+    out = []
+    for f in sorted(src.path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out += [k for k in st.keys() if st.get_slice(k).get_dtype().startswith("F8")]
+    return out
+
+
 def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    require_tokenizer: bool = True):
@@ -187,10 +210,16 @@ def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
     ``source`` as in :func:`resolve_source`. The model is put in eval mode on ``device`` in ``dtype``. Offline
     only: ``local_files_only=True``. With ``require_tokenizer=False`` a folder without tokenizer files
     (:func:`has_tokenizer`) gives ``(model, None)``: draw prompts with :func:`vocabulary_prompts`.
+
+    Raises:
+        ValueError: the source holds FP8 tensors (an MXFP8 / FP8 checkpoint, :func:`fp8_source_error`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = source if isinstance(source, ModelSource) else resolve_source(source)
+    fp8 = fp8_tensor_names(src)
+    if fp8:
+        raise fp8_source_error(fp8)
     kwargs = {"local_files_only": True}
     if src.kind == "gguf":
         kwargs["gguf_file"] = src.gguf_file

@@ -110,9 +110,9 @@ def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
     entries = reader.entries()
     fp8 = [n for n, _, dtype in entries if is_fp8_dtype(dtype)]
     if fp8:
-        raise ValueError(f"the source already holds FP8 tensors ({fp8[0]!r} and {len(fp8) - 1} more): mxport "
-                         "export quantizes high-precision models; give it the BF16 / FP32 model (`mxport "
-                         "inspect` reads MXFP8 checkpoints of every format)")
+        from ..models import fp8_source_error
+
+        raise fp8_source_error(fp8)
     return (policy or PrecisionPolicy()).decide_all(entries)
 
 

@@ -155,10 +155,13 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     require("transformers", *(("vllm",) if name == "vllm" else ()))
     mb = default_bucket_mb() if bucket_mb is None else bucket_mb
     bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
-    from ..models import has_tokenizer, resolve_source
+    from ..models import fp8_source_error, fp8_tensor_names, has_tokenizer, resolve_source
 
     with console.status("resolving the model"):  # converting the embedded model once says so itself
         src = resolve_source(source)
+    fp8 = fp8_tensor_names(src)
+    if fp8:  # an MXFP8 checkpoint loaded as a model loses its scales: refused before any process starts
+        raise fp8_source_error(fp8)
     if src.kind == "gguf":
         if name == "vllm":
             raise ValueError("--engine vllm needs a Hugging Face model directory (*.safetensors), "
@@ -200,13 +203,8 @@ def _check_model_layouts(config: dict, t_layout, e_layout) -> None:
     heads that do not divide by tp, a row-parallel K split that is not whole MXFP8 blocks (the engine ranks
     would fail on it after starting)."""
     from ..capacity import predict_config
-    from ..parallel import attention_problem
 
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    problems = [attention_problem(e_layout.tp, heads if type(heads) is int else None,
-                                  kv if type(kv) is int else None)]
-    problems += list(predict_config(config, t_layout, e_layout).problems)
-    problems = [p for p in problems if p]
+    problems = predict_config(config, t_layout, e_layout).problems
     if problems:
         raise ValueError(f"--engine {e_layout} on this model: {problems[0]}"
                          + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
