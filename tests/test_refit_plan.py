@@ -106,10 +106,26 @@ def test_plan_is_the_manifest_bucket_size_is_the_streams():
         RefitPlan.from_canonical(old)
 
 
-@pytest.mark.parametrize("bad", [0, -16, 10, 16.0, True])
+@pytest.mark.parametrize("bad", [0, -16, 10, 16.0, True, 1 << 63])
 def test_layout_rejects_bad_bucket_bytes(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
         BucketLayout(RefitPlan(_items([((3,), torch.uint8)])), bad)
+
+
+def test_a_bucket_size_beyond_the_plan_allocates_only_the_plans_bytes():
+    """A bucket size far beyond the plan's bytes (1 TiB, the largest int64 multiple of 16) is one bucket of
+    the plan's bytes: the sender's pack buffers are that large, not ``bucket_bytes``."""
+    plan = RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32)]))
+    g = torch.Generator().manual_seed(1)
+    sent = [_random(getattr(torch, e.dtype), e.shape, g) for e in plan.entries]
+    for bucket in (1 << 40, (1 << 63) - 16):
+        targets = [torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.entries]
+        stats, got, receiver = _refit_in_process(plan, [sent], targets, bucket_bytes=bucket,
+                                                 stream_crc32=True)
+        assert not isinstance(stats[0], Exception), stats[0]
+        assert stats[0].buckets == 1 and got[0].version == 1 and not receiver.direct
+        assert all(torch.equal(a, b) for a, b in zip(sent, targets, strict=True))
+        assert receiver.live_crc32() == stats[0].stream_crc32  # re-packed into one scratch bucket
 
 
 def test_plan_rejects_bad_items():

@@ -54,7 +54,7 @@ class RefitSender(WorldSide):
             compare
             with :meth:`RefitReceiver.live_crc32`).
 
-    Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
+    Pack buffers (``inflight`` x the largest bucket) are allocated once.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
