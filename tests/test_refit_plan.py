@@ -102,7 +102,7 @@ def test_plan_is_the_manifest_bucket_size_is_the_streams():
     assert canon["entries"][1] == ["t1", "kept", "float32", [5, 7], 140, 16]
     assert BucketLayout(plan, 16).num_buckets == 10 and BucketLayout(plan, 4096).num_buckets == 1
     old = {**canon, "format": "mxport-refit-plan/1", "bucket_bytes": 64}
-    with pytest.raises(ValueError, match="exactly the keys"):
+    with pytest.raises(ValueError, match="format must be 'mxport-refit-plan/2', got 'mxport-refit-plan/1'"):
         RefitPlan.from_canonical(old)
 
 
@@ -951,6 +951,33 @@ def test_handshake_refuses_streams_cut_into_other_buckets():
     assert all(isinstance(x, RefitPlanMismatch) for x in out)
     assert "receiver 1: bucket_bytes: local 64 vs remote 128" in str(out[0])
     assert "bucket_bytes: local 128 vs remote 64" in str(out[1])
+
+
+def test_handshake_refuses_a_peer_of_version_1_before_rows_of_two_sizes_meet():
+    """A peer of the handshake's version 1 (an mxport before the bucket size left the plan) sends its hello,
+    then a digest row of 5 words ([digest, version], no bucket size): it is refused by its hello on both
+    ends, before the 6-word rows of this version meet its row in one all_gather (gloo then reads past what a
+    rank posted)."""
+    from mxport.refit import RefitError
+    from mxport.refit.handshake import exchange_plans
+
+    plan = RefitPlan(_items([((40,), torch.float32)]))
+    v1 = 0x4D58524654485301  # "MXRFTHS", version 1
+
+    def old_peer(ep):
+        words = [int(w) for w in ep.all_gather(torch.tensor([v1], dtype=torch.int64))]
+        if any(w != v1 for w in words):
+            raise RefitError("stranger")
+        return ep.all_gather(torch.zeros(5, dtype=torch.int64))
+
+    for new_end, old_end in ((0, 1), (1, 0)):
+        fns = [None, None]
+        fns[new_end], fns[old_end] = (lambda ep: exchange_plans(ep, plan, 0, 64)), old_peer
+        out = _both(*fns)
+        assert isinstance(out[new_end], RefitError), out[new_end]
+        assert f"rank {old_end} does not speak the mxport refit handshake (it sent {v1:#x}" in str(
+            out[new_end])
+        assert isinstance(out[old_end], RefitError)
 
 
 def test_share_plan_gives_receivers_the_senders_plan():

@@ -27,8 +27,10 @@ from .plan import RefitPlan, RefitPlanMismatch, diff_canonical
 from .results import RefitError
 from .transport import Transport
 
-#: "MXRFTHS" and the handshake protocol's version (1)
-HELLO = 0x4D58524654485301
+#: "MXRFTHS" and the handshake protocol's version (2: the digest row carries the bucket size; version 1's
+#: row, without it, is a word shorter: a peer of another version is refused here, before rows of two sizes
+#: meet in one all_gather)
+HELLO = 0x4D58524654485302
 #: the longest canonical plan JSON an endpoint accepts from a peer
 MAX_PLAN_JSON = 64 << 20
 
