@@ -235,7 +235,7 @@ class ChunkSums:
         if not self.covers(start, size):
             raise ValueError(f"stream range {start}+{size} does not start and end on cells of {SUM_CELL} "
                              "bytes")
-        first, n = start // SUM_CELL, max(1, -(-size // SUM_CELL))
+        first, n = start // SUM_CELL, -(-size // SUM_CELL)  # no cell for an empty range
         sums = self.sums[first:first + n]
         if extra:
             sums, pieces = sums.clone(), []
