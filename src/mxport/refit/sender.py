@@ -142,7 +142,8 @@ class RefitSender(WorldSide):
             self.version = s.version
         else:
             self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
-            self.version = pair_handshakes(self.world, self.streams, self.engines, self.version, "engine")
+            self.version = pair_handshakes(self.world, self.streams, self.stream_engines, self.version,
+                                           "engine")
             remember(self.global_digest, self.version)
         self._handshaken = True
 
