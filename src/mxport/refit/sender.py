@@ -198,7 +198,7 @@ class RefitSender(WorldSide):
         """
         if not self._handshaken:
             self.handshake()
-        streams, failed = self._streams_of(tensors)
+        streams, failed = self._streams_of(tensors, checksums)
         self.version = self.version + 1 if self.multicast else remember(self.global_digest, self.version + 1)
         t0 = time.perf_counter()
         digests, digest_failed = self._digests(local)
@@ -229,12 +229,16 @@ class RefitSender(WorldSide):
                              "had every row may have committed it, the others keep their previous weights: "
                              "re-create the group and refit again", kept_version=self.version - 1) from exc
 
-    def _streams_of(self, tensors) -> tuple[Mapping, BaseException | None]:
+    def _streams_of(self, tensors, checksums) -> tuple[Mapping, BaseException | None]:
         """``{peer: tensors}`` of a refit, or (nothing, why not): a sharded refit takes a mapping by engine
-        rank; anything else is refused through the vote (every pair sent as an abort), not before it, so that
-        no rank waits for this one."""
+        rank, and no ``checksums`` (a producer's sums are of its own plan's stream, not of a route's);
+        anything else is refused through the vote (every pair sent as an abort), not before it, so that no
+        rank waits for this one."""
         if self.multicast:
             return {-1: tensors}, None
+        if checksums is not None:
+            return {}, ValueError("checksums= gives the buckets of a world of one stream (the producer's own "
+                                  "plan); a sharded refit's streams carry route plans: send without it")
         if isinstance(tensors, Mapping):
             return tensors, None
         return {}, TypeError(f"a sharded refit sends {{engine rank: tensors}} (one stream per pair), got "
