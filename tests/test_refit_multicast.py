@@ -166,16 +166,29 @@ def _default_world(rank: int, init: str) -> dict:
             out[attempt] = {"ok": stats.to_dict()}
         except Exception as exc:  # noqa: BLE001 - the test looks at it
             out[attempt] = {"error": f"{type(exc).__name__}: {exc}"}
+        end.close()  # the multicast stream's own group; the world and the pair streams on it stay
+    multicast = [s.transport for s in end.streams if s.transport.ranks and len(s.transport.ranks) > 2]
+    out["closed"] = [_closed(t) for t in multicast]
+    out["world_open"] = world.all_gather(torch.ones(1))[0].item() == 1.0
     if rank:
         out["live"] = all(torch.equal(_u8(t), _u8(source.local()[n][1][box.index()]))
                           for n, (box, t) in live.items())
     return out
 
 
+def _closed(transport) -> bool:
+    try:
+        transport.all_gather(torch.zeros(1))
+    except RuntimeError as exc:
+        return "this refit transport is closed" in str(exc)
+    return False
+
+
 def test_a_replica_cutting_other_buckets_is_named_by_its_world_rank_and_the_world_refits_after(tmp_path):
     """On the default group: the multicast stream's handshake names the replica that cuts other buckets by
     its world rank (not its rank in the stream's group) and the stream by all its engines; every rank
-    refuses; ends re-created on the same world then refit bit-exact."""
+    refuses; ends re-created on the same world then refit bit-exact; ``close()`` shuts the multicast
+    stream's group down and leaves the world open."""
     from mxport.testing import spawn_world
 
     res = spawn_world(_default_world, 4, tmp_path, wait_s=150)
@@ -188,4 +201,6 @@ def test_a_replica_cutting_other_buckets_is_named_by_its_world_rank_and_the_worl
         assert "ok" in res[r]["again"], res[r]["again"]
         assert res[r]["again"]["ok"]["version"] == 1
     assert [tuple(s["engines"]) for s in res[0]["again"]["ok"]["streams"]] == [(1,), (2, 3)]
+    for r in range(4):  # close() shut the multicast group down, the world is open
+        assert res[r]["closed"] == ([] if r == 1 else [True]) and res[r]["world_open"], res[r]
     assert all(res[e]["live"] for e in (1, 2, 3))

@@ -334,6 +334,16 @@ class WorldSide:
         """A world of one stream on a new group (the old one failed): the stream's transport is the world."""
         self._one().transport = self.world = transport
 
+    def close(self) -> None:
+        """Shut down the groups this end made for its multicast streams (:func:`stream_transport`: a group of
+        their own per stream), so their connections and threads end now, not at interpreter exit; the world
+        group, the pair streams on it and a world of one stream's transport stay their owner's. Call it on an
+        end that is done (before re-creating it on the same world, or after a failure); using it afterwards
+        raises RuntimeError."""
+        if not self.multicast:
+            for s in self.streams:
+                s.transport.close()  # a pair stream's close leaves the world's group alone
+
     @property
     def plan(self):
         return self._one().plan
