@@ -173,6 +173,32 @@ def test_stream_checksum_refuses_a_range_not_produced_yet():
         TrainerSource(_model()).stream_checksum(0, SUM_CELL)
 
 
+def test_stream_checksum_of_any_range_of_whole_words_is_the_checksum_of_its_bytes():
+    """Ranges on cells and off them, straddling entries, empty ones (at a cell inside the stream too), over a
+    plan with an empty tensor: each equals ``checksum`` of the send buffer's bytes there; a range off the
+    8-byte words is refused by name."""
+    import random
+
+    m = _model()
+    m.register_buffer("empty", torch.zeros(0))
+    src = TrainerSource(m, arena=True)
+    list(src.tensors())
+    total, stream = src.plan.total_bytes, src._stream
+    rng = random.Random(0)
+    cells = [c * SUM_CELL for c in range(total // SUM_CELL + 1)]
+    ranges = [(0, 0), (0, total), (total, 0), (SUM_CELL, 0), (16, SUM_CELL), (SUM_CELL, total - SUM_CELL)]
+    ranges += [(s, n) for s in rng.sample(cells, 20) for n in (0, SUM_CELL, 3 * SUM_CELL, total - s)
+               if s + n <= total]
+    for _ in range(40):
+        s = rng.randrange(total // 8) * 8
+        ranges.append((s, rng.randrange((total - s) // 8 + 1) * 8))
+    for s, n in ranges:
+        assert src.stream_checksum(s, n) == checksum(stream[s:s + n]), (s, n)
+    for s, n in ((3, 8), (8, 3), (SUM_CELL + 4, SUM_CELL)):
+        with pytest.raises(ValueError, match=f"stream range {s}\\+{n} must start and end on 8-byte words"):
+            src.stream_checksum(s, n)
+
+
 def _refit(src: TrainerSource, fault=None, versions: int = 1):
     """In-process refits of ``src`` with its fused checksums; returns (sent, received, targets, calls)."""
     plan = src.plan

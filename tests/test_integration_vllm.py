@@ -443,6 +443,15 @@ def test_engine_cache_resets_through_the_client(caplog):
         mxv.MxportTrainerInitInfo(master_address="h", master_port=1, rank=0, pause_mode="keep")
 
 
+@pytest.mark.parametrize("bad", [1000, 0, 4096.0])
+def test_trainer_init_info_refuses_a_bucket_size_no_stream_takes(bad):
+    """The stream's bucket size is checked where the trainer's init info is made (before any port is opened
+    or the workers are asked), not after both ends joined the group."""
+    with pytest.raises(ValueError, match=f"bucket_bytes must be a positive multiple of 16 below 2\\*\\*63, "
+                                         f"got {bad!r}"):
+        mxv.MxportTrainerInitInfo(master_address="h", master_port=1, rank=0, bucket_bytes=bad)
+
+
 def test_register_and_cpu_emulation_never_displaces_a_native_kernel(monkeypatch):
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,

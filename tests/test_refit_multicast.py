@@ -135,3 +135,72 @@ def test_a_corrupt_bucket_on_one_replica_is_refused_everywhere(world):
     assert "engine rank 3: checksum" in world[0][CORRUPT_STEP]["error"]
     for e in (*REPLICAS, HALF):
         assert world[e][CORRUPT_STEP]["live"] == CORRUPT_STEP - 1
+
+
+def _default_world(rank: int, init: str) -> dict:
+    """T = 1 on torch.distributed's default group; engine 1 needs the first half of the rows, engines 2 and 3
+    are replicas (one multicast stream). Engine 3 first cuts the stream into other buckets; then every rank
+    re-creates its end on the same world (the multicast group's next rendezvous) and refits."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mxport.refit import HeldTensorsSource, RefitReceiver, RefitSender, agree, engine_buffers
+    from mxport.refit.transport import TorchDistTransport
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=20))
+    world = TorchDistTransport()
+    full = [(n, w) for n, w in weights(1).items()]
+    held = full if rank != 1 else [(n, w[:32].clone(), 0, 0, 64) for n, w in full]
+    source = HeldTensorsSource(lambda: held)
+    mesh = agree(world, 1, source.holdings)
+    live = engine_buffers(source.holdings) if rank else None
+    out = {}
+    for attempt, bucket in (("mismatch", 2048 if rank == 3 else 1024), ("again", 1024)):
+        end = (RefitSender.from_mesh(world, mesh, bucket_bytes=bucket) if rank == 0
+               else RefitReceiver.from_mesh(world, mesh, live, bucket_bytes=bucket))
+        try:
+            stats = end.send_local(source.local()) if rank == 0 else end.receive()
+            out[attempt] = {"ok": stats.to_dict()}
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[attempt] = {"error": f"{type(exc).__name__}: {exc}"}
+        end.close()  # the multicast stream's own group; the world and the pair streams on it stay
+    multicast = [s.transport for s in end.streams if s.transport.ranks and len(s.transport.ranks) > 2]
+    out["closed"] = [_closed(t) for t in multicast]
+    out["world_open"] = world.all_gather(torch.ones(1))[0].item() == 1.0
+    if rank:
+        out["live"] = all(torch.equal(_u8(t), _u8(source.local()[n][1][box.index()]))
+                          for n, (box, t) in live.items())
+    return out
+
+
+def _closed(transport) -> bool:
+    try:
+        transport.all_gather(torch.zeros(1))
+    except RuntimeError as exc:
+        return "this refit transport is closed" in str(exc)
+    return False
+
+
+def test_a_replica_cutting_other_buckets_is_named_by_its_world_rank_and_the_world_refits_after(tmp_path):
+    """On the default group: the multicast stream's handshake names the replica that cuts other buckets by
+    its world rank (not its rank in the stream's group) and the stream by all its engines; every rank
+    refuses; ends re-created on the same world then refit bit-exact; ``close()`` shuts the multicast
+    stream's group down and leaves the world open."""
+    from mxport.testing import spawn_world
+
+    res = spawn_world(_default_world, 4, tmp_path, wait_s=150)
+    for r in range(4):
+        assert "error" in res[r]["mismatch"] and "RefitAgreementError" in res[r]["mismatch"]["error"], res[r]
+        msg = res[r]["mismatch"]["error"]
+        assert ("rank 0: the multicast stream to engine ranks 2, 3: RefitPlanMismatch: refit plans differ, "
+                "nothing was sent: receiver 2 (world rank 3): bucket_bytes: local 1024 vs remote 2048") in msg
+        assert "receiver(s) [3] cut the stream into other buckets than the sender" in msg
+        assert "ok" in res[r]["again"], res[r]["again"]
+        assert res[r]["again"]["ok"]["version"] == 1
+    assert [tuple(s["engines"]) for s in res[0]["again"]["ok"]["streams"]] == [(1,), (2, 3)]
+    for r in range(4):  # close() shut the multicast group down, the world is open
+        assert res[r]["closed"] == ([] if r == 1 else [True]) and res[r]["world_open"], res[r]
+    assert all(res[e]["live"] for e in (1, 2, 3))

@@ -102,14 +102,30 @@ def test_plan_is_the_manifest_bucket_size_is_the_streams():
     assert canon["entries"][1] == ["t1", "kept", "float32", [5, 7], 140, 16]
     assert BucketLayout(plan, 16).num_buckets == 10 and BucketLayout(plan, 4096).num_buckets == 1
     old = {**canon, "format": "mxport-refit-plan/1", "bucket_bytes": 64}
-    with pytest.raises(ValueError, match="exactly the keys"):
+    with pytest.raises(ValueError, match="format must be 'mxport-refit-plan/2', got 'mxport-refit-plan/1'"):
         RefitPlan.from_canonical(old)
 
 
-@pytest.mark.parametrize("bad", [0, -16, 10, 16.0, True])
+@pytest.mark.parametrize("bad", [0, -16, 10, 16.0, True, 1 << 63])
 def test_layout_rejects_bad_bucket_bytes(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
         BucketLayout(RefitPlan(_items([((3,), torch.uint8)])), bad)
+
+
+def test_a_bucket_size_beyond_the_plan_allocates_only_the_plans_bytes():
+    """A bucket size far beyond the plan's bytes (1 TiB, the largest int64 multiple of 16) is one bucket of
+    the plan's bytes: the sender's pack buffers are that large, not ``bucket_bytes``."""
+    plan = RefitPlan(_items([((3,), torch.uint8), ((5, 7), torch.float32)]))
+    g = torch.Generator().manual_seed(1)
+    sent = [_random(getattr(torch, e.dtype), e.shape, g) for e in plan.entries]
+    for bucket in (1 << 40, (1 << 63) - 16):
+        targets = [torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.entries]
+        stats, got, receiver = _refit_in_process(plan, [sent], targets, bucket_bytes=bucket,
+                                                 stream_crc32=True)
+        assert not isinstance(stats[0], Exception), stats[0]
+        assert stats[0].buckets == 1 and got[0].version == 1 and not receiver.direct
+        assert all(torch.equal(a, b) for a, b in zip(sent, targets, strict=True))
+        assert receiver.live_crc32() == stats[0].stream_crc32  # re-packed into one scratch bucket
 
 
 def test_plan_rejects_bad_items():
@@ -935,6 +951,33 @@ def test_handshake_refuses_streams_cut_into_other_buckets():
     assert all(isinstance(x, RefitPlanMismatch) for x in out)
     assert "receiver 1: bucket_bytes: local 64 vs remote 128" in str(out[0])
     assert "bucket_bytes: local 128 vs remote 64" in str(out[1])
+
+
+def test_handshake_refuses_a_peer_of_version_1_before_rows_of_two_sizes_meet():
+    """A peer of the handshake's version 1 (an mxport before the bucket size left the plan) sends its hello,
+    then a digest row of 5 words ([digest, version], no bucket size): it is refused by its hello on both
+    ends, before the 6-word rows of this version meet its row in one all_gather (gloo then reads past what a
+    rank posted)."""
+    from mxport.refit import RefitError
+    from mxport.refit.handshake import exchange_plans
+
+    plan = RefitPlan(_items([((40,), torch.float32)]))
+    v1 = 0x4D58524654485301  # "MXRFTHS", version 1
+
+    def old_peer(ep):
+        words = [int(w) for w in ep.all_gather(torch.tensor([v1], dtype=torch.int64))]
+        if any(w != v1 for w in words):
+            raise RefitError("stranger")
+        return ep.all_gather(torch.zeros(5, dtype=torch.int64))
+
+    for new_end, old_end in ((0, 1), (1, 0)):
+        fns = [None, None]
+        fns[new_end], fns[old_end] = (lambda ep: exchange_plans(ep, plan, 0, 64)), old_peer
+        out = _both(*fns)
+        assert isinstance(out[new_end], RefitError), out[new_end]
+        assert f"rank {old_end} does not speak the mxport refit handshake (it sent {v1:#x}" in str(
+            out[new_end])
+        assert isinstance(out[old_end], RefitError)
 
 
 def test_share_plan_gives_receivers_the_senders_plan():

@@ -534,3 +534,18 @@ def test_ranks_without_pairs_still_vote_and_learn_the_outcome():
     assert [s["version"] for s in sent] == [1, 2] and [g["version"] for g in got] == [1, 2]
     assert sent[1]["receivers"] == [{"rank": 1, "status": "ok", "bucket": -1, "entry": -1, "version": 2}]
     assert sent[0]["streams"] == [] and got[0]["streams"] == [] and got[0]["bytes"] == 0
+    # a producer's checksums (of its own plan's stream) are refused in a sharded refit, through the vote
+    th = threading.Thread(target=lambda: got.append(_raised(receiver.receive)))
+    th.start()
+    with pytest.raises(ValueError, match="checksums= gives the buckets of a world of one stream"):
+        sender.send({}, checksums=lambda start, size: 0)
+    th.join(timeout=30)
+    assert "RefitError" in got[-1] and "trainer rank 0: aborted" in got[-1], got[-1]
+
+
+def _raised(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"

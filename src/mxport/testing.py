@@ -108,6 +108,7 @@ class _WrappedTransport(Transport):
     def __init__(self, inner, buckets: int, fault):
         self.inner, self.buckets, self.fault = inner, buckets, fault
         self.rank, self.world_size, self.src = inner.rank, inner.world_size, inner.src
+        self.ranks = getattr(inner, "ranks", None)
         self._count = 0
 
     def _next(self) -> tuple[int, int]:

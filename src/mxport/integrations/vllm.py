@@ -75,7 +75,7 @@ from ..refit import (
     allocate_targets,
     checkpoint_tensors,
 )
-from ..refit.buckets import DEFAULT_BUCKET_BYTES
+from ..refit.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..refit.plan import dtype_from_name
 from ..refit.results import RefitError
 from ..refit.transport import open_group
@@ -413,6 +413,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         if plan.digest != init_info.plan_digest:
             raise ValueError(f"init_info plan digest {init_info.plan_digest[:12]} does not match its plan "
                              f"({plan.digest[:12]})")
+        check_bucket_bytes(init_info.bucket_bytes)
         self._check(plan)  # ValueError: nothing joined, the working trainer's connection untouched
         if init_info.check_only:
             return
@@ -652,6 +653,7 @@ class MxportTrainerInitInfo(TrainerInitInfo):
     worker_init_extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_bucket_bytes(self.bucket_bytes)  # refused here, before any port or RPC
         if self.pause_mode not in (None, "wait", "abort"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or None, got {self.pause_mode!r} ('keep' "
                              "would resume requests on KV cached with the previous weights)")

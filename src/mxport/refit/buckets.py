@@ -235,7 +235,7 @@ class ChunkSums:
         if not self.covers(start, size):
             raise ValueError(f"stream range {start}+{size} does not start and end on cells of {SUM_CELL} "
                              "bytes")
-        first, n = start // SUM_CELL, max(1, -(-size // SUM_CELL))
+        first, n = start // SUM_CELL, -(-size // SUM_CELL)  # no cell for an empty range
         sums = self.sums[first:first + n]
         if extra:
             sums, pieces = sums.clone(), []
@@ -264,10 +264,12 @@ class Segment:
 
 
 def check_bucket_bytes(bucket_bytes) -> int:
-    """``bucket_bytes`` if it is a positive multiple of :data:`~mxport.refit.plan.ALIGN`, else ValueError."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
+    """``bucket_bytes`` if it is a positive multiple of :data:`~mxport.refit.plan.ALIGN` below 2**63 (it
+    travels as an int64 word in the stream handshake), else ValueError."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or not 0 < bucket_bytes < 1 << 63 \
             or bucket_bytes % ALIGN:
-        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
+        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN} below 2**63, got "
+                         f"{bucket_bytes!r}")
     return bucket_bytes
 
 

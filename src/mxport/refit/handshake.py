@@ -27,8 +27,10 @@ from .plan import RefitPlan, RefitPlanMismatch, diff_canonical
 from .results import RefitError
 from .transport import Transport
 
-#: "MXRFTHS" and the handshake protocol's version (1)
-HELLO = 0x4D58524654485301
+#: "MXRFTHS" and the handshake protocol's version (2: the digest row carries the bucket size; version 1's
+#: row, without it, is a word shorter: a peer of another version is refused here, before rows of two sizes
+#: meet in one all_gather)
+HELLO = 0x4D58524654485302
 #: the longest canonical plan JSON an endpoint accepts from a peer
 MAX_PLAN_JSON = 64 << 20
 
@@ -75,12 +77,12 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_b
         diffs = []
         for r, d in enumerate(digests):
             if r != src and d != plan.digest:
-                diffs += [f"receiver {r}: {x}" for x in _diff(plan, remote[r])]
+                diffs += [f"{_receiver(transport, r)}: {x}" for x in _diff(plan, remote[r])]
     elif digests[transport.rank] != digests[src]:
         diffs = _diff(plan, remote[src])
     else:
         bad = [r for r, d in enumerate(digests) if d != digests[src]]
-        diffs = [f"receiver(s) {bad} disagree with the sender's plan"]
+        diffs = [f"receiver(s) {_world_ranks(transport, bad)} disagree with the sender's plan"]
     raise RefitPlanMismatch(diffs or ["digests differ"], local_digest=plan.digest, remote_digest=digests[src])
 
 
@@ -91,12 +93,27 @@ def _check_buckets(transport: Transport, sizes: list[int], digest: str) -> None:
     if not bad:
         return
     if transport.is_sender:
-        diffs = [f"receiver {r}: bucket_bytes: local {sizes[src]} vs remote {sizes[r]}" for r in bad]
+        diffs = [f"{_receiver(transport, r)}: bucket_bytes: local {sizes[src]} vs remote {sizes[r]}"
+                 for r in bad]
     elif me in bad:
         diffs = [f"bucket_bytes: local {sizes[me]} vs remote {sizes[src]}"]
     else:
-        diffs = [f"receiver(s) {bad} cut the stream into other buckets than the sender"]
+        diffs = [f"receiver(s) {_world_ranks(transport, bad)} cut the stream into other buckets than the "
+                 "sender"]
     raise RefitPlanMismatch(diffs, local_digest=digest, remote_digest=digest)
+
+
+def _world_ranks(transport: Transport, ranks: list[int]) -> list[int]:
+    """``ranks`` of ``transport`` as the world's ranks (a stream of a sharded refit), or as they are (also
+    for a transport of the caller's own that has no ``ranks``)."""
+    world = getattr(transport, "ranks", None)
+    return ranks if world is None else [world[r] for r in ranks]
+
+
+def _receiver(transport: Transport, r: int) -> str:
+    """``receiver 2``, or on a stream of a larger world ``receiver 2 (world rank 5)``."""
+    world = getattr(transport, "ranks", None)
+    return f"receiver {r}" if world is None else f"receiver {r} (world rank {world[r]})"
 
 
 def _diff(plan: RefitPlan, remote: RefitPlan | str) -> list[str]:

@@ -158,10 +158,10 @@ class RefitPlan:
         Raises:
             ValueError: anything else, naming the first bad field.
         """
+        if type(obj) is dict and obj.get("format", PLAN_FORMAT) != PLAN_FORMAT:  # another version's plan
+            raise ValueError(f"plan format must be {PLAN_FORMAT!r}, got {obj['format']!r}")
         if type(obj) is not dict or set(obj) != _CANONICAL_KEYS:
             raise ValueError(f"a canonical plan is a dict with exactly the keys {sorted(_CANONICAL_KEYS)}")
-        if obj["format"] != PLAN_FORMAT:
-            raise ValueError(f"plan format must be {PLAN_FORMAT!r}, got {obj['format']!r}")
         if obj["align"] != ALIGN or type(obj["align"]) is not int:
             raise ValueError(f"plan align must be {ALIGN}, got {obj['align']!r}")
         if type(obj["entries"]) is not list:

@@ -54,7 +54,7 @@ class RefitSender(WorldSide):
             compare
             with :meth:`RefitReceiver.live_crc32`).
 
-    Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
+    Pack buffers (``inflight`` x the largest bucket) are allocated once.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
@@ -142,7 +142,8 @@ class RefitSender(WorldSide):
             self.version = s.version
         else:
             self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
-            self.version = pair_handshakes(self.world, self.streams, self.engines, self.version, "engine")
+            self.version = pair_handshakes(self.world, self.streams, self.stream_engines, self.version,
+                                           "engine")
             remember(self.global_digest, self.version)
         self._handshaken = True
 
@@ -197,7 +198,7 @@ class RefitSender(WorldSide):
         """
         if not self._handshaken:
             self.handshake()
-        streams, failed = self._streams_of(tensors)
+        streams, failed = self._streams_of(tensors, checksums)
         self.version = self.version + 1 if self.multicast else remember(self.global_digest, self.version + 1)
         t0 = time.perf_counter()
         digests, digest_failed = self._digests(local)
@@ -228,12 +229,16 @@ class RefitSender(WorldSide):
                              "had every row may have committed it, the others keep their previous weights: "
                              "re-create the group and refit again", kept_version=self.version - 1) from exc
 
-    def _streams_of(self, tensors) -> tuple[Mapping, BaseException | None]:
+    def _streams_of(self, tensors, checksums) -> tuple[Mapping, BaseException | None]:
         """``{peer: tensors}`` of a refit, or (nothing, why not): a sharded refit takes a mapping by engine
-        rank; anything else is refused through the vote (every pair sent as an abort), not before it, so that
-        no rank waits for this one."""
+        rank, and no ``checksums`` (a producer's sums are of its own plan's stream, not of a route's);
+        anything else is refused through the vote (every pair sent as an abort), not before it, so that no
+        rank waits for this one."""
         if self.multicast:
             return {-1: tensors}, None
+        if checksums is not None:
+            return {}, ValueError("checksums= gives the buckets of a world of one stream (the producer's own "
+                                  "plan); a sharded refit's streams carry route plans: send without it")
         if isinstance(tensors, Mapping):
             return tensors, None
         return {}, TypeError(f"a sharded refit sends {{engine rank: tensors}} (one stream per pair), got "

@@ -26,11 +26,14 @@ class _Done:
 
 
 class Transport(ABC):
-    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``."""
+    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``. ``ranks``: a stream of a larger
+    world (a pair or a multicast stream of a sharded refit), the world rank of each of its ranks; None when
+    its ranks are the world's."""
 
     rank: int
     world_size: int
     src: int
+    ranks: tuple[int, ...] | None = None
 
     @property
     def is_sender(self) -> bool:

@@ -224,8 +224,9 @@ def agree_global(world: Transport, global_digest: str, version: int, checks: Rep
 def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: int, peer_role: str) -> int:
     """Each pair's plan handshake in pair order (a failing pair does not stop the others: its peer runs it
     too), then one world agreement on the outcomes: any failure raises :class:`RefitAgreementError` on every
-    rank, naming each failing rank, its pair and the reason. ``peer_role``: "engine" on a trainer rank (its
-    pair senders start at ``version``); returns the highest version seen."""
+    rank, naming each failing rank, its pair and the reason. ``peers``: each stream's other end (a rank, or a
+    multicast stream's engine ranks). ``peer_role``: "engine" on a trainer rank (its pair senders start at
+    ``version``); returns the highest version seen."""
     failures: list[tuple[int, BaseException]] = []
     for peer, ep in zip(peers, endpoints, strict=True):
         if peer_role == "engine":
@@ -237,7 +238,7 @@ def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: 
             continue
         if peer_role == "engine":
             version = max(version, ep.version)
-    mine = "; ".join(f"the pair with {peer_role} rank {p}: {type(e).__name__}: {e}" for p, e in failures)
+    mine = "; ".join(f"{_stream_name(peer_role, p)}: {type(e).__name__}: {e}" for p, e in failures)
     text = mine.encode()[:MAX_REASON]
     row = torch.tensor([int(bool(failures)), len(text)], dtype=torch.int64)
     rows = gather_checked(world, row, "sharded refit handshake (pair outcomes)")
@@ -254,6 +255,14 @@ def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: 
         failures[0][1] if failures else None)
 
 
+def _stream_name(peer_role: str, peer) -> str:
+    """``the pair with engine rank 4``, or for a multicast stream (``peer``: its engine ranks) ``the
+    multicast stream to engine ranks 2, 3``."""
+    if isinstance(peer, tuple) and len(peer) > 1:
+        return f"the multicast stream to {peer_role} ranks {', '.join(map(str, peer))}"
+    return f"the pair with {peer_role} rank {peer[0] if isinstance(peer, tuple) else peer}"
+
+
 def stream_transport(world: Transport, trainer: int, engines: Sequence[int], tag: int) -> Transport:
     """The transport of one stream from world rank ``trainer`` to ``engines``: point-to-point on the world's
     group for one engine (:class:`PairTransport`, messages tagged ``tag``), a group of their own for several
@@ -265,7 +274,9 @@ def stream_transport(world: Transport, trainer: int, engines: Sequence[int], tag
     if len(engines) == 1:
         return PairTransport(pg, trainer, engines[0], tag=tag)
     group, src = subgroup(pg, [trainer, *engines])
-    return TorchDistTransport.from_group(group, src=src)
+    transport = TorchDistTransport.from_group(group, src=src)
+    transport.ranks = (trainer, *engines)  # its handshake names its receivers by their world ranks
+    return transport
 
 
 def check_trainers(world: Transport, trainers: Sequence[int], is_trainer: bool) -> tuple[int, ...]:
@@ -322,6 +333,16 @@ class WorldSide:
     def transport(self, transport: Transport) -> None:
         """A world of one stream on a new group (the old one failed): the stream's transport is the world."""
         self._one().transport = self.world = transport
+
+    def close(self) -> None:
+        """Shut down the groups this end made for its multicast streams (:func:`stream_transport`: a group of
+        their own per stream), so their connections and threads end now, not at interpreter exit; the world
+        group, the pair streams on it and a world of one stream's transport stay their owner's. Call it on an
+        end that is done (before re-creating it on the same world, or after a failure); using it afterwards
+        raises RuntimeError."""
+        if not self.multicast:
+            for s in self.streams:
+                s.transport.close()  # a pair stream's close leaves the world's group alone
 
     @property
     def plan(self):

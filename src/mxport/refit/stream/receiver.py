@@ -419,7 +419,7 @@ class StreamReceiver:
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return
-        scratch = torch.empty(self.layout.bucket_bytes, dtype=torch.uint8, device=self._staging.device)
+        scratch = torch.empty(max(self.layout.sizes), dtype=torch.uint8, device=self._staging.device)
         for b in range(self.layout.num_buckets):
             payload = scratch[:self.layout.sizes[b]]
             pack_bucket(self.layout, b, self._views, payload)

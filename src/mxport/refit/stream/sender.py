@@ -121,7 +121,7 @@ class StreamSender:
             ~3 GB/s on CPU) and return it as ``stream_crc32``; compare with
             :meth:`RefitReceiver.live_crc32` for an end-to-end bit-exactness check.
 
-    Pack buffers (``inflight`` x ``bucket_bytes``) are allocated once.
+    Pack buffers (``inflight`` x the largest bucket) are allocated once.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -139,7 +139,8 @@ class StreamSender:
         self.layout = layout = BucketLayout(plan, bucket_bytes)
         self.inflight = inflight
         self.version = 0
-        self._packbuf = [torch.zeros(bucket_bytes, dtype=torch.uint8, device=self.device)
+        # as large as the largest bucket (a bucket size beyond the plan's bytes allocates only those)
+        self._packbuf = [torch.zeros(max(layout.sizes), dtype=torch.uint8, device=self.device)
                          for _ in range(min(inflight, layout.num_buckets))]
         # number of entries that must be available before bucket b (entries starting before its end)
         ends = [min((b + 1) * bucket_bytes, plan.total_bytes) for b in range(layout.num_buckets)]

@@ -256,8 +256,9 @@ class TrainerSource:
         are summed while it is on the wire.
 
         Raises:
-            ValueError: without ``arena=True``, or a range outside the stream. RuntimeError: some tensor of
-            the range not yielded yet.
+            ValueError: without ``arena=True``, a range outside the stream, or one that does not start and
+            end on 8-byte words (the checksum sums int64 words). RuntimeError: some tensor of the range not
+            yielded yet.
         """
         if self._sums is None:
             raise ValueError("stream_checksum() needs TrainerSource(arena=True)")
@@ -265,6 +266,9 @@ class TrainerSource:
         if start < 0 or size < 0 or end > self.plan.total_bytes:
             raise ValueError(f"stream range {start}+{size} falls outside the plan's {self.plan.total_bytes} "
                              "bytes")
+        if start % 8 or size % 8:
+            raise ValueError(f"stream range {start}+{size} must start and end on 8-byte words (the checksum "
+                             "sums int64 words)")
         first, last = bisect.bisect_right(self._starts, start) - 1, bisect.bisect_left(self._starts, end) - 1
         if last >= self._yielded:
             raise RuntimeError(f"stream bytes {start}..{end}: tensor {self.plan.entries[last].name!r} has "
