@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, compress, islice
-from operator import itemgetter, le, lt, ne
+from operator import attrgetter, itemgetter, le, lt, ne
 from typing import TYPE_CHECKING
 
 from ..formats import BLOCK_SIZE, ceil_div
@@ -120,6 +120,7 @@ class Box:
 
 
 _BOX_START, _BOX_STOP = Box.start.__set__, Box.stop.__set__
+_START, _STOP = attrgetter("start"), attrgetter("stop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +230,10 @@ class MeshPlan:
         if not self.trainers or not self.engines:
             raise ValueError("a sharded refit needs at least one trainer rank and one engine rank")
         with _gc_paused():
-            self.tensors = _merge_tensors(self.trainers, self.engines)
-            self._held = _index_holders(self.tensors, self.trainers)
+            uniform = _uniform_trainers(self.trainers)
+            self.tensors = _merge_tensors(self.trainers, self.engines, uniform)
+            self._held = _index_holders(self.tensors, self.trainers, uniform)
+            del uniform  # before the collector rescans what the build left
             _check_coverage(self.tensors, self._held, self.engines)
         self._rank_routes: dict[int, list[Route]] = {}
 
@@ -307,11 +310,16 @@ class MeshPlan:
                 "digest": self.digest}
 
 
-def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
+def _merge_tensors(trainers, engines, uniform: _Uniform | None = None) -> tuple[TensorInfo, ...]:
+    """Every tensor described, in natural name order, after checking every rank's holdings (one by one but
+    the trainer ranks' when ``uniform`` has checked them: see :func:`_uniform_trainers`)."""
     seen: dict[str, TensorInfo] = {}
     agreed: dict[int, bool] = {}  # per description met (by id): valid, and equal to its name's first one
     problems: list[str] = []
-    for side, ranks in (("trainer", trainers), ("engine", engines)):
+    if uniform is not None:
+        seen = {t.name: t for t in uniform.tensors}
+        agreed = dict.fromkeys(map(id, uniform.tensors), True)
+    for side, ranks in (("trainer", () if uniform else trainers), ("engine", engines)):
         for r, held in enumerate(ranks):
             first_box: dict[str, Box] = {}
             more: dict[str, list[Box]] = {}  # the boxes of a tensor this rank gives several of
@@ -344,6 +352,66 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
 #: the most bytes one tensor may have (sizes travel as int64 words)
 MAX_TENSOR_BYTES = (1 << 63) - 1
 
+_TENSOR, _BOX, _NAME = attrgetter("tensor"), attrgetter("box"), attrgetter("name")
+
+
+@dataclass(frozen=True, slots=True)
+class _Uniform:
+    """Trainer ranks that each hold one box of each of the same tensors, in one order (FSDP shards, whole
+    copies, one tp layout): ``tensors`` in that order (rank 0's descriptions); per tensor every rank's box;
+    per tensor dimension (tensor by tensor) every rank's box start and stop."""
+
+    tensors: list[TensorInfo]
+    boxes: list[tuple[Box, ...]]
+    starts: list[tuple[int, ...]]
+    stops: list[tuple[int, ...]]
+
+    def holders(self) -> dict[str, _Holders]:
+        """Each tensor's :class:`_Holders`; one for the tensors of one shape whose boxes are equal (the layers
+        of a model)."""
+        ranks, out, layouts, d = list(range(len(self.boxes[0]) if self.boxes else 0)), {}, {}, 0
+        for t, boxes in zip(self.tensors, self.boxes, strict=True):
+            lo, hi = self.starts[d:d + len(t.shape)], self.stops[d:d + len(t.shape)]
+            d += len(t.shape)
+            key = (t.shape, *lo, *hi)
+            found = layouts.get(key)
+            if found is None:
+                found = layouts[key] = _Holders(t.shape, ranks, list(boxes), lo, hi)
+            out[t.name] = found
+        return out
+
+
+def _uniform_trainers(trainers) -> _Uniform | None:
+    """The trainer ranks' holdings as a :class:`_Uniform`, checked with loops in C (every description valid,
+    every box within its tensor), when every rank holds one box of each of the same tensors in one order;
+    else None (and for holdings with any problem: :func:`_merge_tensors` then checks them one by one and
+    words each problem)."""
+    try:
+        tensors = list(map(_TENSOR, trainers[0]))
+        names = list(map(_NAME, tensors))
+        if len(set(names)) != len(names):
+            return None
+        for t in tensors:
+            _check_info(t)
+        dims = [len(t.shape) for t in tensors]
+        boxes, starts, stops = [], [], []
+        for held in trainers:  # rank by rank, as the holdings lie in memory
+            if list(map(_TENSOR, held)) != tensors:
+                return None
+            mine = list(map(_BOX, held))
+            hi = list(map(_STOP, mine))
+            if list(map(len, hi)) != dims:
+                return None
+            boxes.append(mine)
+            starts.append(list(chain.from_iterable(map(_START, mine))))
+            stops.append(list(chain.from_iterable(hi)))
+        stops = list(zip(*stops, strict=True))
+        if not all(map(le, map(max, stops), chain.from_iterable(t.shape for t in tensors))):
+            return None
+        return _Uniform(tensors, list(zip(*boxes, strict=True)), list(zip(*starts, strict=True)), stops)
+    except Exception:  # noqa: BLE001 - whatever it is, the one-by-one checks word it (or raise it)
+        return None
+
 
 def _check_info(t: TensorInfo) -> None:
     if not isinstance(t, TensorInfo) or not t.name or t.role not in ROLES or t.dtype not in WIRE_DTYPES:
@@ -362,12 +430,13 @@ class _Holders:
     dim-0 ranges; when those ranges are also disjoint, the piece a holder gives in the greedy cover is its
     box's intersection with the need, whatever the order: the holders a need meets are found by bisection."""
 
-    def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box]):
+    def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box], lo=None, hi=None):
         self.ranks, self.boxes, self.rest = ranks, boxes, shape[1:]
-        found = _slab_ranges(shape, boxes)
+        found = _slab_ranges(shape, boxes, lo, hi)
         self.slabs = found is not None
         self.starts, self.stops, order = found or ([], [], [])
-        self.slab_ranks, self.slab_boxes = [ranks[i] for i in order], [boxes[i] for i in order]
+        self.slab_ranks = list(map(ranks.__getitem__, order))
+        self.slab_boxes = list(map(boxes.__getitem__, order))
         self.disjoint = self.slabs and all(map(le, self.stops, islice(self.starts, 1, None)))
         self.union_starts, self.union_stops = _union(self.starts, self.stops, self.disjoint)
 
@@ -411,15 +480,19 @@ class _Holders:
         return ranks, boxes
 
 
-def _slab_ranges(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[int], list[int], list[int]] | None:
+def _slab_ranges(shape: tuple[int, ...], boxes: list[Box], lo: list[tuple[int, ...]] | None = None,
+                 hi: list[tuple[int, ...]] | None = None) -> tuple[list[int], list[int], list[int]] | None:
     """None unless every box is the whole tensor but a range of dim 0; else the non-empty ranges' starts,
-    stops and box positions, sorted by start (loops in C: this runs over every holding)."""
-    lo, hi = [b.start for b in boxes], [b.stop for b in boxes]
-    tail = itemgetter(slice(1, None))
-    if len(shape) > 1 and (list(map(tail, lo)).count((0,) * (len(shape) - 1)) != len(lo)
-                           or list(map(tail, hi)).count(shape[1:]) != len(hi)):
+    stops and box positions, sorted by start (loops in C: this runs over every holding). ``lo`` / ``hi``:
+    the boxes' starts / stops per dimension, when known."""
+    n = len(boxes)
+    if not n:
+        return [], [], []
+    lo = list(zip(*map(_START, boxes), strict=True)) if lo is None else lo
+    hi = list(zip(*map(_STOP, boxes), strict=True)) if hi is None else hi
+    if any(lo[d].count(0) != n or hi[d].count(shape[d]) != n for d in range(1, len(shape))):
         return None
-    starts, stops = list(map(itemgetter(0), lo)), list(map(itemgetter(0), hi))
+    starts, stops = list(lo[0]), list(hi[0])
     held = list(map(lt, starts, stops))
     order = list(compress(range(len(boxes)), held))
     if len(order) < len(boxes):
@@ -446,7 +519,10 @@ def _union(starts: list[int], stops: list[int], disjoint: bool) -> tuple[list[in
     return union_starts, union_stops
 
 
-def _index_holders(tensors, trainers) -> dict[str, _Holders]:
+def _index_holders(tensors, trainers, uniform: _Uniform | None = None) -> dict[str, _Holders]:
+    if uniform is not None:  # a tensor only engine ranks describe has no holders
+        held = uniform.holders()
+        return {t.name: held.get(t.name) or _Holders(t.shape, [], []) for t in tensors}
     held: dict[str, tuple[list[int], list[Box]]] = {t.name: ([], []) for t in tensors}
     for t, held_by_rank in enumerate(trainers):
         for h in held_by_rank:
