@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, compress, islice
+from itertools import chain, compress, groupby, islice, repeat
 from operator import attrgetter, itemgetter, le, lt, ne
 from typing import TYPE_CHECKING
 
@@ -368,7 +368,7 @@ class _Uniform:
 
     def holders(self) -> dict[str, _Holders]:
         """Each tensor's :class:`_Holders`; one for the tensors of one shape whose boxes are equal (the layers
-        of a model)."""
+        of a model), so that routing covers a need of theirs once."""
         ranks, out, layouts, d = list(range(len(self.boxes[0]) if self.boxes else 0)), {}, {}, 0
         for t, boxes in zip(self.tensors, self.boxes, strict=True):
             lo, hi = self.starts[d:d + len(t.shape)], self.stops[d:d + len(t.shape)]
@@ -439,6 +439,7 @@ class _Holders:
         self.slab_boxes = list(map(boxes.__getitem__, order))
         self.disjoint = self.slabs and all(map(le, self.stops, islice(self.starts, 1, None)))
         self.union_starts, self.union_stops = _union(self.starts, self.stops, self.disjoint)
+        self._covers: dict[tuple, tuple[list[int], list[Box]]] = {}  # cover of disjoint slabs, by need
 
     def rotated(self, first: int) -> Iterator[tuple[int, Box]]:
         """The holders in rank order from rank ``first`` on, wrapping around."""
@@ -457,10 +458,18 @@ class _Holders:
 
     def cover(self, need: Box, first: int, trainer: int | None = None) -> tuple[list[int], list[Box]]:
         """The pieces of the greedy cover of ``need`` by the holders from rank ``first`` on (:func:`_cover`),
-        only those of rank ``trainer`` when given: their ranks and their boxes."""
+        only those of rank ``trainer`` when given: their ranks and their boxes (lists not to be changed:
+        disjoint slabs give the same pieces for the same need, whatever ``first``, and keep them)."""
         if not self.disjoint:
             pieces = [p for p in _cover(need, self.rotated(first))[0] if trainer in (None, p[0])]
             return [t for t, _ in pieces], [box for _, box in pieces]
+        key = (need.start, need.stop, trainer)
+        found = self._covers.get(key)
+        if found is None:
+            found = self._covers[key] = self._cover_slabs(need, trainer)
+        return found
+
+    def _cover_slabs(self, need: Box, trainer: int | None) -> tuple[list[int], list[Box]]:
         a, b = need.start[0], need.stop[0]
         if trainer is None:
             lo, hi = bisect_right(self.stops, a), bisect_left(self.starts, b)
@@ -605,17 +614,28 @@ def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | No
         c = mesh.engine_classes[e]  # replicas take every piece from the same holder
         needs = sorted(((index[h.tensor.name], h.box.start, h) for h in mesh.engines[e] if h.box.numel),
                        key=itemgetter(0, 1))
-        pieces: dict[int, list[Piece]] = {}
-        unsorted = set()  # trainers whose pieces of one tensor did not come in box order
-        for i, _, h in needs:
-            for t, box in zip(*mesh._held[h.tensor.name].cover(h.box, (i + c) % T, trainer), strict=True):
-                mine = pieces.setdefault(t, [])
-                if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
-                    unsorted.add(t)
-                mine.append(Piece._of(h.tensor, box))
-        for t in unsorted:
-            pieces[t].sort(key=lambda p: (index[p.tensor.name], p.box.start))
-        routes += [Route(t, mesh.engine_rank(e), tuple(ps)) for t, ps in pieces.items()]
+        ranks: list[int] = []  # every piece and its trainer rank, tensor by tensor in the needs' order
+        pieces: list[Piece] = []
+        for i, needs_of_tensor in groupby(needs, itemgetter(0)):
+            got: list[int] = []
+            boxes: list[Box] = []
+            mine: list[Piece] = []
+            for _, _, h in needs_of_tensor:
+                more, cut = mesh._held[h.tensor.name].cover(h.box, (i + c) % T, trainer)
+                got += more
+                boxes += cut
+                mine += map(Piece._of, repeat(h.tensor), cut)
+            if len(set(got)) < len(got):  # a trainer's pieces of one tensor go in box order
+                keys = list(zip(got, map(_START, boxes), strict=True))
+                order = sorted(range(len(got)), key=keys.__getitem__)
+                got, mine = list(map(got.__getitem__, order)), list(map(mine.__getitem__, order))
+            ranks += got
+            pieces += mine
+        order = sorted(range(len(ranks)), key=ranks.__getitem__)  # by trainer, each in tensor order
+        ranks, pieces = list(map(ranks.__getitem__, order)), list(map(pieces.__getitem__, order))
+        for t in dict.fromkeys(ranks):
+            mine = pieces[bisect_left(ranks, t):bisect_right(ranks, t)]
+            routes.append(Route(t, mesh.engine_rank(e), tuple(mine)))
     return sorted(routes, key=lambda r: (r.trainer, r.engine))
 
 
