@@ -260,6 +260,15 @@ def test_one_box_object_given_twice_by_a_rank_is_refused():
         MeshPlan([[Holding(Q, box), Holding(Q, box)]], [[Holding(Q, box)]])
 
 
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_the_digest_is_that_of_the_canonical_json(name):
+    """The digest's text is the canonical form's JSON, however it is written (the trainer ranks' rows of
+    uniform holdings are written layout by layout)."""
+    mesh = MeshPlan(*MESHES[name]())
+    text = json.dumps(mesh.canonical(), sort_keys=True, separators=(",", ":"))
+    assert mesh.digest == hashlib.sha256(text.encode()).hexdigest()
+
+
 def _bad_rank(trainers, r: int, holding: Holding) -> list[list[Holding]]:
     """``trainers`` with rank ``r``'s holding of the same tensor replaced by ``holding``."""
     return [[holding if i == r and h.tensor.name == holding.tensor.name else h for h in held]

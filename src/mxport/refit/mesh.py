@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, compress, groupby, islice, repeat
-from operator import attrgetter, itemgetter, le, lt, ne
+from operator import add, attrgetter, itemgetter, le, lt, ne
 from typing import TYPE_CHECKING
 
 from ..formats import BLOCK_SIZE, ceil_div
@@ -202,6 +202,18 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _dumps(obj) -> str:
+    """The plan's canonical JSON text: sorted keys, no spaces."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), check_circular=False)
+
+
+def _box_texts(boxes: Sequence[Box]) -> list[str]:
+    """Each box of one tensor as its canonical row writes it after the tensor index: ``[start],[stop]]``
+    (their ints as JSON writes them; the loops in C)."""
+    ints = ",".join(["%d"] * len(boxes[0].start)) if boxes else ""
+    return list(map(f"[{ints}],[{ints}]]".__mod__, map(add, map(_START, boxes), map(_STOP, boxes))))
+
+
 _NUM = re.compile(r"(\d+)")
 
 
@@ -233,6 +245,8 @@ class MeshPlan:
             uniform = _uniform_trainers(self.trainers)
             self.tensors = _merge_tensors(self.trainers, self.engines, uniform)
             self._held = _index_holders(self.tensors, self.trainers, uniform)
+            # per trainer holding (the same tensors on every rank): its tensor's holders, for the digest
+            self._layouts = None if uniform is None else [self._held[t.name] for t in uniform.tensors]
             del uniform  # before the collector rescans what the build left
             _check_coverage(self.tensors, self._held, self.engines)
         self._rank_routes: dict[int, list[Route]] = {}
@@ -265,19 +279,38 @@ class MeshPlan:
 
     def canonical(self) -> dict:
         """The tensors and every rank's boxes, JSON-able (boxes as ``(tensor index, start, stop)``)."""
+        return self._canonical(self.trainers)
+
+    def _canonical(self, trainers) -> dict:
         index = {t.name: i for i, t in enumerate(self.tensors)}
 
         def ranks(side):
             return [[(index[h.tensor.name], h.box.start, h.box.stop) for h in held] for held in side]
 
         return {"format": MESH_FORMAT, "tensors": [t.canonical() for t in self.tensors],
-                "trainers": ranks(self.trainers), "engines": ranks(self.engines)}
+                "trainers": ranks(trainers), "engines": ranks(self.engines)}
 
     @cached_property
     def digest(self) -> str:
+        """SHA-256 of the canonical form as JSON text (sorted keys, no spaces)."""
         with _gc_paused():
-            text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), check_circular=False)
+            if self._layouts is None:
+                text = _dumps(self.canonical())
+            else:  # the same text, the trainer ranks' rows (the last key) written layout by layout
+                text = _dumps(self._canonical(()))
+                text = text.removesuffix('"trainers":[]}') + f'"trainers":{self._layout_rows()}}}'
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _layout_rows(self) -> str:
+        """The trainer ranks' canonical rows as JSON text, for uniform holdings (:class:`_Uniform`): the text
+        of each layout's box on each rank made once, whichever tensors share the layout."""
+        index = {t.name: i for i, t in enumerate(self.tensors)}
+        heads = [f"[{index[h.tensor.name]}," for h in self.trainers[0]]
+        texts = {h: _box_texts(h.boxes) for h in dict.fromkeys(self._layouts)}  # per layout, rank by rank
+        columns = list(map(texts.__getitem__, self._layouts))
+        rows = ("[" + ",".join(map(add, heads, map(itemgetter(r), columns))) + "]"
+                for r in range(self.num_trainers))
+        return "[" + ",".join(rows) + "]"
 
     @cached_property
     def routes(self) -> tuple[Route, ...]:
