@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mxport.bench.mesh_plan import MoeShape, chunk, moe_mesh_holdings
+from mxport.refit import RefitPlanMismatch
 from mxport.refit.mesh import (
     Box,
     Holding,
@@ -257,3 +258,47 @@ def test_one_box_object_given_twice_by_a_rank_is_refused():
     box = Box.full(Q.shape)
     with pytest.raises(Exception, match=r"trainer rank 0 gives .l.0.q.weight.\[0:64,0:96\] twice"):
         MeshPlan([[Holding(Q, box), Holding(Q, box)]], [[Holding(Q, box)]])
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_the_digest_is_that_of_the_canonical_json(name):
+    """The digest's text is the canonical form's JSON, however it is written (the trainer ranks' rows of
+    uniform holdings are written layout by layout)."""
+    mesh = MeshPlan(*MESHES[name]())
+    text = json.dumps(mesh.canonical(), sort_keys=True, separators=(",", ":"))
+    assert mesh.digest == hashlib.sha256(text.encode()).hexdigest()
+
+
+def _bad_rank(trainers, r: int, holding: Holding) -> list[list[Holding]]:
+    """``trainers`` with rank ``r``'s holding of the same tensor replaced by ``holding``."""
+    return [[holding if i == r and h.tensor.name == holding.tensor.name else h for h in held]
+            for i, held in enumerate(trainers)]
+
+
+@pytest.mark.parametrize(("holding", "problem"), [
+    (Holding(Q, Box((32, 0), (70, 96))), r"trainer rank 2: box \[32:70,0:96\] lies outside 'l.0.q.weight' "
+                                         r"\(64, 96\)$"),
+    (Holding(info("l.0.q.weight", (64, 96), dtype="float32"), Box((32, 0), (48, 96))),
+     r"trainer rank 2 describes 'l.0.q.weight' as kept float32 \(64, 96\), another rank as kept bfloat16 "
+     r"\(64, 96\)$"),
+    (Holding(Q, Box((32,), (48,))),
+     r"trainer rank 2: box \[32:48\] lies outside 'l.0.q.weight' \(64, 96\)"),
+])
+def test_a_problem_on_one_rank_of_uniform_holdings_is_worded_as_before(holding, problem):
+    """Holdings alike on every rank but one are checked one by one: the same problems in the same words."""
+    trainers = _bad_rank(fsdp(4), 2, holding)
+    with pytest.raises(RefitPlanMismatch, match=problem):
+        MeshPlan(trainers, tp_engine(2))
+
+
+def test_an_equal_description_from_another_object_is_the_same_tensor():
+    """Uniform holdings compare descriptions by value, as the one-by-one check does."""
+    copy = info(Q.name, Q.shape)
+    trainers = _bad_rank(fsdp(4), 1, Holding(copy, along(Q, 0, 4, 1).box))
+    assert MeshPlan(trainers, tp_engine(4)).digest == RECORDED["fsdp4-tp4"][0]
+
+
+def test_an_invalid_description_raises_as_before():
+    bad = info("l.0.q.weight", (64, 96), role="nonsense")
+    with pytest.raises(ValueError, match="not a valid tensor description"):
+        MeshPlan([[Holding(bad, Box.full(bad.shape))]] * 2, [[Holding(bad, Box.full(bad.shape))]])

@@ -35,8 +35,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, compress, islice
-from operator import itemgetter, le, lt, ne
+from itertools import chain, compress, groupby, islice, repeat
+from operator import add, attrgetter, itemgetter, le, lt, ne
 from typing import TYPE_CHECKING
 
 from ..formats import BLOCK_SIZE, ceil_div
@@ -120,6 +120,7 @@ class Box:
 
 
 _BOX_START, _BOX_STOP = Box.start.__set__, Box.stop.__set__
+_START, _STOP = attrgetter("start"), attrgetter("stop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,18 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _dumps(obj) -> str:
+    """The plan's canonical JSON text: sorted keys, no spaces."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), check_circular=False)
+
+
+def _box_texts(boxes: Sequence[Box]) -> list[str]:
+    """Each box of one tensor as its canonical row writes it after the tensor index: ``[start],[stop]]``
+    (their ints as JSON writes them; the loops in C)."""
+    ints = ",".join(["%d"] * len(boxes[0].start)) if boxes else ""
+    return list(map(f"[{ints}],[{ints}]]".__mod__, map(add, map(_START, boxes), map(_STOP, boxes))))
+
+
 _NUM = re.compile(r"(\d+)")
 
 
@@ -229,8 +242,12 @@ class MeshPlan:
         if not self.trainers or not self.engines:
             raise ValueError("a sharded refit needs at least one trainer rank and one engine rank")
         with _gc_paused():
-            self.tensors = _merge_tensors(self.trainers, self.engines)
-            self._held = _index_holders(self.tensors, self.trainers)
+            uniform = _uniform_trainers(self.trainers)
+            self.tensors = _merge_tensors(self.trainers, self.engines, uniform)
+            self._held = _index_holders(self.tensors, self.trainers, uniform)
+            # per trainer holding (the same tensors on every rank): its tensor's holders, for the digest
+            self._layouts = None if uniform is None else [self._held[t.name] for t in uniform.tensors]
+            del uniform  # before the collector rescans what the build left
             _check_coverage(self.tensors, self._held, self.engines)
         self._rank_routes: dict[int, list[Route]] = {}
 
@@ -262,19 +279,38 @@ class MeshPlan:
 
     def canonical(self) -> dict:
         """The tensors and every rank's boxes, JSON-able (boxes as ``(tensor index, start, stop)``)."""
+        return self._canonical(self.trainers)
+
+    def _canonical(self, trainers) -> dict:
         index = {t.name: i for i, t in enumerate(self.tensors)}
 
         def ranks(side):
             return [[(index[h.tensor.name], h.box.start, h.box.stop) for h in held] for held in side]
 
         return {"format": MESH_FORMAT, "tensors": [t.canonical() for t in self.tensors],
-                "trainers": ranks(self.trainers), "engines": ranks(self.engines)}
+                "trainers": ranks(trainers), "engines": ranks(self.engines)}
 
     @cached_property
     def digest(self) -> str:
+        """SHA-256 of the canonical form as JSON text (sorted keys, no spaces)."""
         with _gc_paused():
-            text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), check_circular=False)
+            if self._layouts is None:
+                text = _dumps(self.canonical())
+            else:  # the same text, the trainer ranks' rows (the last key) written layout by layout
+                text = _dumps(self._canonical(()))
+                text = text.removesuffix('"trainers":[]}') + f'"trainers":{self._layout_rows()}}}'
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _layout_rows(self) -> str:
+        """The trainer ranks' canonical rows as JSON text, for uniform holdings (:class:`_Uniform`): the text
+        of each layout's box on each rank made once, whichever tensors share the layout."""
+        index = {t.name: i for i, t in enumerate(self.tensors)}
+        heads = [f"[{index[h.tensor.name]}," for h in self.trainers[0]]
+        texts = {h: _box_texts(h.boxes) for h in dict.fromkeys(self._layouts)}  # per layout, rank by rank
+        columns = list(map(texts.__getitem__, self._layouts))
+        rows = ("[" + ",".join(map(add, heads, map(itemgetter(r), columns))) + "]"
+                for r in range(self.num_trainers))
+        return "[" + ",".join(rows) + "]"
 
     @cached_property
     def routes(self) -> tuple[Route, ...]:
@@ -307,11 +343,16 @@ class MeshPlan:
                 "digest": self.digest}
 
 
-def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
+def _merge_tensors(trainers, engines, uniform: _Uniform | None = None) -> tuple[TensorInfo, ...]:
+    """Every tensor described, in natural name order, after checking every rank's holdings (one by one but
+    the trainer ranks' when ``uniform`` has checked them: see :func:`_uniform_trainers`)."""
     seen: dict[str, TensorInfo] = {}
     agreed: dict[int, bool] = {}  # per description met (by id): valid, and equal to its name's first one
     problems: list[str] = []
-    for side, ranks in (("trainer", trainers), ("engine", engines)):
+    if uniform is not None:
+        seen = {t.name: t for t in uniform.tensors}
+        agreed = dict.fromkeys(map(id, uniform.tensors), True)
+    for side, ranks in (("trainer", () if uniform else trainers), ("engine", engines)):
         for r, held in enumerate(ranks):
             first_box: dict[str, Box] = {}
             more: dict[str, list[Box]] = {}  # the boxes of a tensor this rank gives several of
@@ -344,6 +385,66 @@ def _merge_tensors(trainers, engines) -> tuple[TensorInfo, ...]:
 #: the most bytes one tensor may have (sizes travel as int64 words)
 MAX_TENSOR_BYTES = (1 << 63) - 1
 
+_TENSOR, _BOX, _NAME = attrgetter("tensor"), attrgetter("box"), attrgetter("name")
+
+
+@dataclass(frozen=True, slots=True)
+class _Uniform:
+    """Trainer ranks that each hold one box of each of the same tensors, in one order (FSDP shards, whole
+    copies, one tp layout): ``tensors`` in that order (rank 0's descriptions); per tensor every rank's box;
+    per tensor dimension (tensor by tensor) every rank's box start and stop."""
+
+    tensors: list[TensorInfo]
+    boxes: list[tuple[Box, ...]]
+    starts: list[tuple[int, ...]]
+    stops: list[tuple[int, ...]]
+
+    def holders(self) -> dict[str, _Holders]:
+        """Each tensor's :class:`_Holders`; one for the tensors of one shape whose boxes are equal (the layers
+        of a model), so that routing covers a need of theirs once."""
+        ranks, out, layouts, d = list(range(len(self.boxes[0]) if self.boxes else 0)), {}, {}, 0
+        for t, boxes in zip(self.tensors, self.boxes, strict=True):
+            lo, hi = self.starts[d:d + len(t.shape)], self.stops[d:d + len(t.shape)]
+            d += len(t.shape)
+            key = (t.shape, *lo, *hi)
+            found = layouts.get(key)
+            if found is None:
+                found = layouts[key] = _Holders(t.shape, ranks, list(boxes), lo, hi)
+            out[t.name] = found
+        return out
+
+
+def _uniform_trainers(trainers) -> _Uniform | None:
+    """The trainer ranks' holdings as a :class:`_Uniform`, checked with loops in C (every description valid,
+    every box within its tensor), when every rank holds one box of each of the same tensors in one order;
+    else None (and for holdings with any problem: :func:`_merge_tensors` then checks them one by one and
+    words each problem)."""
+    try:
+        tensors = list(map(_TENSOR, trainers[0]))
+        names = list(map(_NAME, tensors))
+        if len(set(names)) != len(names):
+            return None
+        for t in tensors:
+            _check_info(t)
+        dims = [len(t.shape) for t in tensors]
+        boxes, starts, stops = [], [], []
+        for held in trainers:  # rank by rank, as the holdings lie in memory
+            if list(map(_TENSOR, held)) != tensors:
+                return None
+            mine = list(map(_BOX, held))
+            hi = list(map(_STOP, mine))
+            if list(map(len, hi)) != dims:
+                return None
+            boxes.append(mine)
+            starts.append(list(chain.from_iterable(map(_START, mine))))
+            stops.append(list(chain.from_iterable(hi)))
+        stops = list(zip(*stops, strict=True))
+        if not all(map(le, map(max, stops), chain.from_iterable(t.shape for t in tensors))):
+            return None
+        return _Uniform(tensors, list(zip(*boxes, strict=True)), list(zip(*starts, strict=True)), stops)
+    except Exception:  # noqa: BLE001 - whatever it is, the one-by-one checks word it (or raise it)
+        return None
+
 
 def _check_info(t: TensorInfo) -> None:
     if not isinstance(t, TensorInfo) or not t.name or t.role not in ROLES or t.dtype not in WIRE_DTYPES:
@@ -362,14 +463,16 @@ class _Holders:
     dim-0 ranges; when those ranges are also disjoint, the piece a holder gives in the greedy cover is its
     box's intersection with the need, whatever the order: the holders a need meets are found by bisection."""
 
-    def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box]):
+    def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box], lo=None, hi=None):
         self.ranks, self.boxes, self.rest = ranks, boxes, shape[1:]
-        found = _slab_ranges(shape, boxes)
+        found = _slab_ranges(shape, boxes, lo, hi)
         self.slabs = found is not None
         self.starts, self.stops, order = found or ([], [], [])
-        self.slab_ranks, self.slab_boxes = [ranks[i] for i in order], [boxes[i] for i in order]
+        self.slab_ranks = list(map(ranks.__getitem__, order))
+        self.slab_boxes = list(map(boxes.__getitem__, order))
         self.disjoint = self.slabs and all(map(le, self.stops, islice(self.starts, 1, None)))
         self.union_starts, self.union_stops = _union(self.starts, self.stops, self.disjoint)
+        self._covers: dict[tuple, tuple[list[int], list[Box]]] = {}  # cover of disjoint slabs, by need
 
     def rotated(self, first: int) -> Iterator[tuple[int, Box]]:
         """The holders in rank order from rank ``first`` on, wrapping around."""
@@ -388,10 +491,18 @@ class _Holders:
 
     def cover(self, need: Box, first: int, trainer: int | None = None) -> tuple[list[int], list[Box]]:
         """The pieces of the greedy cover of ``need`` by the holders from rank ``first`` on (:func:`_cover`),
-        only those of rank ``trainer`` when given: their ranks and their boxes."""
+        only those of rank ``trainer`` when given: their ranks and their boxes (lists not to be changed:
+        disjoint slabs give the same pieces for the same need, whatever ``first``, and keep them)."""
         if not self.disjoint:
             pieces = [p for p in _cover(need, self.rotated(first))[0] if trainer in (None, p[0])]
             return [t for t, _ in pieces], [box for _, box in pieces]
+        key = (need.start, need.stop, trainer)
+        found = self._covers.get(key)
+        if found is None:
+            found = self._covers[key] = self._cover_slabs(need, trainer)
+        return found
+
+    def _cover_slabs(self, need: Box, trainer: int | None) -> tuple[list[int], list[Box]]:
         a, b = need.start[0], need.stop[0]
         if trainer is None:
             lo, hi = bisect_right(self.stops, a), bisect_left(self.starts, b)
@@ -411,15 +522,19 @@ class _Holders:
         return ranks, boxes
 
 
-def _slab_ranges(shape: tuple[int, ...], boxes: list[Box]) -> tuple[list[int], list[int], list[int]] | None:
+def _slab_ranges(shape: tuple[int, ...], boxes: list[Box], lo: list[tuple[int, ...]] | None = None,
+                 hi: list[tuple[int, ...]] | None = None) -> tuple[list[int], list[int], list[int]] | None:
     """None unless every box is the whole tensor but a range of dim 0; else the non-empty ranges' starts,
-    stops and box positions, sorted by start (loops in C: this runs over every holding)."""
-    lo, hi = [b.start for b in boxes], [b.stop for b in boxes]
-    tail = itemgetter(slice(1, None))
-    if len(shape) > 1 and (list(map(tail, lo)).count((0,) * (len(shape) - 1)) != len(lo)
-                           or list(map(tail, hi)).count(shape[1:]) != len(hi)):
+    stops and box positions, sorted by start (loops in C: this runs over every holding). ``lo`` / ``hi``:
+    the boxes' starts / stops per dimension, when known."""
+    n = len(boxes)
+    if not n:
+        return [], [], []
+    lo = list(zip(*map(_START, boxes), strict=True)) if lo is None else lo
+    hi = list(zip(*map(_STOP, boxes), strict=True)) if hi is None else hi
+    if any(lo[d].count(0) != n or hi[d].count(shape[d]) != n for d in range(1, len(shape))):
         return None
-    starts, stops = list(map(itemgetter(0), lo)), list(map(itemgetter(0), hi))
+    starts, stops = list(lo[0]), list(hi[0])
     held = list(map(lt, starts, stops))
     order = list(compress(range(len(boxes)), held))
     if len(order) < len(boxes):
@@ -446,7 +561,10 @@ def _union(starts: list[int], stops: list[int], disjoint: bool) -> tuple[list[in
     return union_starts, union_stops
 
 
-def _index_holders(tensors, trainers) -> dict[str, _Holders]:
+def _index_holders(tensors, trainers, uniform: _Uniform | None = None) -> dict[str, _Holders]:
+    if uniform is not None:  # a tensor only engine ranks describe has no holders
+        held = uniform.holders()
+        return {t.name: held.get(t.name) or _Holders(t.shape, [], []) for t in tensors}
     held: dict[str, tuple[list[int], list[Box]]] = {t.name: ([], []) for t in tensors}
     for t, held_by_rank in enumerate(trainers):
         for h in held_by_rank:
@@ -529,17 +647,28 @@ def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | No
         c = mesh.engine_classes[e]  # replicas take every piece from the same holder
         needs = sorted(((index[h.tensor.name], h.box.start, h) for h in mesh.engines[e] if h.box.numel),
                        key=itemgetter(0, 1))
-        pieces: dict[int, list[Piece]] = {}
-        unsorted = set()  # trainers whose pieces of one tensor did not come in box order
-        for i, _, h in needs:
-            for t, box in zip(*mesh._held[h.tensor.name].cover(h.box, (i + c) % T, trainer), strict=True):
-                mine = pieces.setdefault(t, [])
-                if mine and mine[-1].tensor.name == h.tensor.name and box.start < mine[-1].box.start:
-                    unsorted.add(t)
-                mine.append(Piece._of(h.tensor, box))
-        for t in unsorted:
-            pieces[t].sort(key=lambda p: (index[p.tensor.name], p.box.start))
-        routes += [Route(t, mesh.engine_rank(e), tuple(ps)) for t, ps in pieces.items()]
+        ranks: list[int] = []  # every piece and its trainer rank, tensor by tensor in the needs' order
+        pieces: list[Piece] = []
+        for i, needs_of_tensor in groupby(needs, itemgetter(0)):
+            got: list[int] = []
+            boxes: list[Box] = []
+            mine: list[Piece] = []
+            for _, _, h in needs_of_tensor:
+                more, cut = mesh._held[h.tensor.name].cover(h.box, (i + c) % T, trainer)
+                got += more
+                boxes += cut
+                mine += map(Piece._of, repeat(h.tensor), cut)
+            if len(set(got)) < len(got):  # a trainer's pieces of one tensor go in box order
+                keys = list(zip(got, map(_START, boxes), strict=True))
+                order = sorted(range(len(got)), key=keys.__getitem__)
+                got, mine = list(map(got.__getitem__, order)), list(map(mine.__getitem__, order))
+            ranks += got
+            pieces += mine
+        order = sorted(range(len(ranks)), key=ranks.__getitem__)  # by trainer, each in tensor order
+        ranks, pieces = list(map(ranks.__getitem__, order)), list(map(pieces.__getitem__, order))
+        for t in dict.fromkeys(ranks):
+            mine = pieces[bisect_left(ranks, t):bisect_right(ranks, t)]
+            routes.append(Route(t, mesh.engine_rank(e), tuple(mine)))
     return sorted(routes, key=lambda r: (r.trainer, r.engine))
 
 
