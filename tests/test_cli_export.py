@@ -155,6 +155,18 @@ def test_export_of_an_mxfp8_checkpoint_is_refused(tmp_path, llama, fmt):
         assert not (tmp_path / "again").exists()
 
 
+def test_an_export_that_quantizes_nothing_is_refused(tmp_path, llama):
+    """Found by a newcomer: `--include 'zzz*'` (or --keep-first beyond the layer count) wrote "0 tensors
+    MXFP8" under a config declaring MXFP8, exit 0, which inspect then rejects. Refused: one line, exit 2,
+    nothing written; --dry-run still shows the decisions."""
+    for args in (["--include", "zzz*"], ["--keep-first", "100"]):
+        r = runner.invoke(app, ["export", str(llama), "-o", str(tmp_path / "none"), *args])
+        assert r.exit_code == 2, (args, r.output)
+        assert "no tensor of the" in r.output and "would be MXFP8" in r.output
+        assert not (tmp_path / "none").exists()
+    assert runner.invoke(app, ["export", str(llama), "--dry-run", "--include", "zzz*"]).exit_code == 0
+
+
 def test_refit_and_verify_of_an_mxfp8_checkpoint_are_refused(tmp_path, llama):
     """Found by a newcomer: `mxport refit` / `mxport verify` given an MXFP8 checkpoint as SOURCE loaded it as
     a model (its FP8 values without their scales) and reported garbage text with exact: yes, or a perfect

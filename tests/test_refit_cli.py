@@ -140,6 +140,25 @@ def test_refit_ctrl_c_prints_the_steps_done_and_exits_130(llama, monkeypatch):
     assert "mxport refit" in r.output and "refit s" in r.output  # the table of the step done
 
 
+def test_refit_ctrl_c_writes_the_steps_done_to_json(llama, monkeypatch, tmp_path):
+    """Found by a newcomer: after Ctrl-C no --json file was written, though the table of the finished steps
+    was printed; it now holds them, with ok false and interrupted true."""
+    import json
+
+    import mxport.demo.single as demo
+
+    def interrupted(cfg, on_event, timeout_s):
+        on_event("step", 0, _fake_step(1))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["refit", str(llama), "--steps", "3", "--json", str(out)])
+    assert r.exit_code == 130, (r.output, r.exception)
+    got = json.loads(out.read_text())
+    assert got["ok"] is False and got["interrupted"] is True and [s["step"] for s in got["steps"]] == [1]
+
+
 def test_engine_output_goes_to_the_log_not_the_terminal(tmp_path):
     """What an in-process engine, its libraries and its children write (to file descriptors 1 and 2, or to
     Python's ``sys.stdout`` / ``sys.stderr``: gloo's connection lines, a spawned engine core, warnings) lands

@@ -110,7 +110,8 @@ def refit(
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
 
     Exit 0 on success; 1 if a step is not bit-exact, pointers moved, a vLLM engine served KV of the previous
-    weights, or a process failed; 2 on bad input; 130 on Ctrl-C (after printing the steps done).
+    weights, or a process failed; 2 on bad input; 130 on Ctrl-C (after printing the steps done; --json then
+    holds them, with "ok": false and "interrupted": true).
     """
     json_to_stdout(json_out)
     with user_errors():
@@ -125,7 +126,7 @@ def refit(
                            lr, timeout)
     else:
         job = _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
-    out = {**_drive(job, steps), **({"prompt_note": note} if note else {})}
+    out = {**_drive(job, steps, json_out), **({"prompt_note": note} if note else {})}
     rows = out["steps"]
     out.update(ok=bool(rows) and all(StepReport.from_dict(r).ok for r in rows),
                seconds=time.perf_counter() - t0,
@@ -250,9 +251,10 @@ def _plan_line(plan: dict) -> str:
     return f"plan: {plan['tensors']} tensors, {routes}{plan['bytes'] / 1e6:.1f} MB{buckets}; step 1 ..."
 
 
-def _drive(job: _Job, steps: int) -> dict:
+def _drive(job: _Job, steps: int, json_out: str | None = None) -> dict:
     """Run ``job`` under one progress display; the processes' output goes to log files (kept when a process
-    fails, named in the error). Ctrl-C prints the steps already done, then ends with exit code 130."""
+    fails, named in the error). Ctrl-C prints the steps already done (and writes them to ``json_out``, with
+    ``"ok": false, "interrupted": true``), then ends with exit code 130."""
     from ..demo.procs import DemoFailed
 
     log_dir = tempfile.mkdtemp(prefix="mxport-refit-")
@@ -278,6 +280,8 @@ def _drive(job: _Job, steps: int) -> dict:
         raise fail(f"{job.failed}{exc}\n(process logs: {log_dir})", EXIT_CHECK_FAILED) from None
     except KeyboardInterrupt:
         shutil.rmtree(log_dir, ignore_errors=True)
+        if json_out:
+            emit_json({**job.header, "steps": rows, "ok": False, "interrupted": True}, json_out)
         _print_interrupted(job, rows, steps)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except BaseException:  # SIGTERM (see mxport.cli.main): nothing left behind
