@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import traceback
 
 import pytest
 import torch
@@ -305,10 +304,9 @@ def _kill_receiver(init, init2, direct=False):
 
 
 def _entry(fn, args, q, tag):
-    try:
-        q.put((tag, "ok", fn(*args)))
-    except BaseException as exc:  # noqa: BLE001
-        q.put((tag, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    from mxport.testing import child_entry
+
+    child_entry(fn, args, q, tag)
 
 
 def _run(jobs, expect_exit=None):

@@ -11,11 +11,9 @@ timeout, the sender raises, and the next refit over a new group succeeds.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import queue
 import time
-import traceback
 
 import numpy as np
 import pytest
@@ -290,11 +288,9 @@ def _vote_dying(init, at, marker):
 
 
 def _entry(fn, args, q, tag):
-    faulthandler.dump_traceback_later(WAIT_S, exit=True)  # a watchdog: a stuck child never outlives the test
-    try:
-        q.put((tag, "ok", fn(*args)))
-    except BaseException as exc:  # noqa: BLE001
-        q.put((tag, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    from mxport.testing import child_entry
+
+    child_entry(fn, args, q, tag, WAIT_S)  # a watchdog: a stuck child never outlives the test
 
 
 def _run(jobs, dying=()):

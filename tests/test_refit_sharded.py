@@ -14,7 +14,6 @@ uint8 scales, bfloat16; several buckets) and deterministic content per step; one
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import os
 import queue
@@ -293,11 +292,9 @@ def _engine(rank: int, port: int) -> dict:
 
 
 def _entry(fn, args, q, tag):
-    faulthandler.dump_traceback_later(WAIT_S, exit=True)  # a stuck child never outlives the test
-    try:
-        q.put((tag, "ok", fn(*args)))
-    except BaseException as exc:  # noqa: BLE001
-        q.put((tag, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    from mxport.testing import child_entry
+
+    child_entry(fn, args, q, tag, WAIT_S)  # a stuck child never outlives the test
 
 
 def _free_port() -> int:

@@ -236,13 +236,27 @@ class FaultyReceiverTransport(_WrappedTransport):
         return None
 
 
-def _world_entry(fn, rank: int, init: str, q) -> None:
+def child_entry(fn, args, q, tag, watchdog_s: float | None = None) -> None:
+    """A spawned test process's body: ``q.put((tag, "ok", fn(*args)))`` (or ``(tag, "error", traceback)``),
+    then exit at once, without the interpreter's teardown: gloo's process groups, destroyed there, aborted a
+    process now and then ("terminate called without an active exception", exit code -6) after a run whose
+    every step had passed. ``watchdog_s``: a stuck child dumps its threads and exits after that long."""
+    import faulthandler
     import traceback
 
+    if watchdog_s:
+        faulthandler.dump_traceback_later(watchdog_s, exit=True)
     try:
-        q.put((rank, "ok", fn(rank, init)))
+        q.put((tag, "ok", fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        q.put((tag, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+def _world_entry(fn, rank: int, init: str, q) -> None:
+    child_entry(fn, (rank, init), q, rank)
 
 
 def spawn_world(fn, world: int, store_dir: str | os.PathLike, *, wait_s: float = 120.0,
