@@ -42,7 +42,8 @@ def full(t: TensorInfo) -> Holding:
 
 def reference_routes(mesh: MeshPlan) -> list[Route]:
     """The routing of commit d48bcf6: every holder of a tensor in rank order from ``(tensor index + engine
-    index) mod T``, each covering what the earlier ones left."""
+    index) mod T``, each covering what the earlier ones left; the engine's class in place of its index since
+    replicas (engines that need the same boxes) take every piece from the same holder."""
     T = mesh.num_trainers
     index = {t.name: i for i, t in enumerate(mesh.tensors)}
     holders: dict[str, list] = {t.name: [] for t in mesh.tensors}
@@ -50,11 +51,13 @@ def reference_routes(mesh: MeshPlan) -> list[Route]:
         for h in held:
             holders[h.tensor.name].append((t, h.box))
     pieces: dict = {}
+    classes: dict = {}  # the engines' needs, in order of first appearance
     for e, needs in enumerate(mesh.engines):
+        c = classes.setdefault(tuple((h.tensor.name, h.box.start, h.box.stop) for h in needs), len(classes))
         for h in needs:
             if h.box.numel == 0:
                 continue
-            first = (index[h.tensor.name] + e) % T
+            first = (index[h.tensor.name] + c) % T
             ranked = sorted(holders[h.tensor.name], key=lambda tb: (tb[0] - first) % T)
             for t, box in _cover(h.box, ranked)[0]:
                 pieces.setdefault((t, e), []).append(Piece(h.tensor, box))
