@@ -255,8 +255,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
         FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; a tensor to
-            quantize whose K is not a multiple of 32 without ``keep_unaligned``; a policy that quantizes no
-            tensor at all; nothing is left behind.
+            quantize whose K is not a multiple of 32 without ``keep_unaligned``; nothing is left behind.
     """
     check_fp8_dtype(fmt, fp8_dtype)
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -272,10 +271,6 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
     planned = plan(reader, policy)
     decisions = align_decisions(planned, keep_unaligned)
-    if not any(d.quantize for d in decisions):
-        raise ValueError(f"no tensor of the {len(decisions)} would be MXFP8 (--include / --exclude / "
-                         "--keep-first leave none): the checkpoint would declare MXFP8 quantization and hold "
-                         "none; check the patterns with --dry-run")
     kept = [d.name for d, p in zip(decisions, planned, strict=True) if p.quantize and not d.quantize]
     if _tied(config):  # tied embeddings: the head is the embedding, written once
         decisions = [d for d in decisions if d.name != "lm_head.weight"]

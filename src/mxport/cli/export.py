@@ -106,6 +106,10 @@ def _print_result(result, fmt: str) -> None:
                   f"{len(result.decisions) - n_q} kept, "
                   f"{result.input_bytes / 1e6:.1f} MB in -> {result.output_bytes / 1e6:.1f} MB out, "
                   f"{len(result.files)} files", highlight=False)
+    if not n_q:  # what inspect then reports as a problem: an MXFP8 config over no MXFP8 tensor
+        console.print("[yellow]warning:[/] no tensor is MXFP8 (--include / --exclude / --keep-first left "
+                      "none), yet the config declares MXFP8 quantization; check the patterns with --dry-run",
+                      highlight=False)
     reasons = {d.name: d.reason for d in result.decisions}
     for name in result.kept_unaligned:
         console.print(f"[yellow]kept in high precision[/] {name}: {reasons[name].removeprefix('kept: ')}",
