@@ -136,7 +136,7 @@ def test_cli_refuses_an_engine_tp_that_slices_mxfp8_experts_vllm_refuses(tmp_pat
     assert " ".join(r.output.split()) == (
         "error: --engine tp=2 on this model: model.layers.0.mlp.experts.gate_up_proj: I=96 split over tp=2 "
         "gives 48 per rank, not a multiple of 32 (vLLM's MXFP8 MoE requires intermediate_size_per_partition "
-        "divisible by 32) (+3 more)")
+        "divisible by 32) (+3 more: `mxport plan` lists them)")
 
 
 def test_trainer_help_examples_are_layouts_the_refit_runs():

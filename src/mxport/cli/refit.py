@@ -207,8 +207,9 @@ def _check_model_layouts(config: dict, t_layout, e_layout) -> None:
 
     problems = predict_config(config, t_layout, e_layout).problems
     if problems:
+        more = len(problems) - 1
         raise ValueError(f"--engine {e_layout} on this model: {problems[0]}"
-                         + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+                         + (f" (+{more} more: `mxport plan` lists them)" if more else ""))
 
 
 #: the most processes a sharded refit starts on this machine (trainer ranks + engine ranks)
@@ -225,7 +226,10 @@ def _check_layouts(t_layout, e_layout, receivers: int) -> None:
     if e_layout.fsdp > 1 or e_layout.pp > 1:
         raise ValueError(f"--engine {e_layout}: engines shard by tp and ep (no fsdp or pp)")
     if receivers != 1:
-        raise ValueError("--receivers applies to a one-rank trainer and engine; use --engine tp=N")
+        given = ", ".join(f"--{name} {x}" for name, x in (("trainer", t_layout), ("engine", e_layout))
+                          if x.ranks > 1)
+        raise ValueError(f"--receivers does not combine with a sharded layout ({given}): there every engine "
+                         "rank is a receiver")
     if t_layout.ranks + e_layout.ranks > MAX_SHARDED_RANKS:
         raise ValueError(f"{t_layout.ranks} trainer + {e_layout.ranks} engine ranks: at most "
                          f"{MAX_SHARDED_RANKS} processes here")
