@@ -395,27 +395,33 @@ def test_a_failing_source_leaves_the_group_in_step():
     """The trainer's WeightSource raising mid-refit: the sender aborts with its trailer and the ranks vote, so
     the next refit may go on the same group (a send that failed any other way before a vote may not)."""
 
-    class Sender:  # takes what RefitSender.send takes; the abort-and-vote protocol is the sender's own test
-        def __init__(self, fail):
-            self.fail = fail
+    from mxport.refit import RefitPlan
 
-        def send(self, tensors):
-            for _ in tensors:
-                pass
-            if self.fail:
-                raise RuntimeError("the transport failed")
-            return "stats"
+    plan = RefitPlan([("a", "kept", torch.float32, (1,)), ("b", "kept", torch.float32, (1,))])
+
+    def send(local, fail=False):  # reads the source as RefitSender.send_local does; the abort-and-vote
+        for name in ("a", "b"):  # protocol is the sender's own test
+            local[name]
+        if fail:
+            raise RuntimeError("the transport failed")
+        return "stats"
 
     def source():
-        yield torch.zeros(1)
+        yield "a", torch.zeros(1)
         raise OSError("the producer failed")
 
-    job = mxv._SendJob(Sender(False), source())
+    local = mxv.InOrder(plan, source())
+    job = mxv._SendJob(lambda: send(local), local)
     assert job.wait(10) and job.in_step and isinstance(job.error, OSError)
-    job = mxv._SendJob(Sender(True), iter([torch.zeros(1)]))
+    local = mxv.InOrder(plan, [("a", torch.zeros(1)), ("b", torch.zeros(1))])
+    job = mxv._SendJob(lambda: send(local, fail=True), local)
     assert job.wait(10) and not job.in_step
-    job = mxv._SendJob(Sender(False), iter([torch.zeros(1)]))
+    local = mxv.InOrder(plan, [("a", torch.zeros(1)), ("b", torch.zeros(1))])
+    job = mxv._SendJob(lambda: send(local), local)
     assert job.wait(10) and job.in_step and job.result() == "stats"
+    local = mxv.InOrder(plan, [("b", torch.zeros(1))])  # out of plan order: refused, named
+    job = mxv._SendJob(lambda: send(local), local)
+    assert job.wait(10) and job.in_step and "yielded 'b' at position 0, the plan expects a" in str(job.error)
 
 
 def test_engine_cache_resets_through_the_client(caplog):

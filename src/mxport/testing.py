@@ -304,3 +304,10 @@ def spawn_world(fn, world: int, store_dir: str | os.PathLike, *, wait_s: float =
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+
+
+def flip_live_byte(worker, param: str) -> None:
+    """``collective_rpc`` target for tests: flip the low bit of the first byte of parameter ``param`` of a
+    vLLM worker's model (a live weight altered behind the refit's back)."""
+    p = worker.weight_transfer_engine.model.get_parameter(param)
+    p.data.view(-1)[:1].view(torch.uint8).bitwise_xor_(1)

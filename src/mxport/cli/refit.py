@@ -120,7 +120,7 @@ def refit(
     t0 = time.perf_counter()
     note = _prompt_note(src)
     if name == "vllm":
-        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout)
+        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp)
     elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
         job = _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
                            lr, timeout)
@@ -145,11 +145,10 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     name, e_layout = parse_engine(engine)
     t_layout = Layout.parse(trainer)
     sharded = t_layout.ranks > 1 or e_layout.ranks > 1
-    if sharded and name == "vllm":
-        raise ValueError(f"--engine vllm runs one engine rank here (vLLM CPU has no tensor parallelism) "
-                         f"and one trainer rank; a sharded refit (--trainer {_ranks(str(t_layout))}, "
-                         f"--engine {e_layout}) runs with --engine mxport")
-    if sharded:
+    if name == "vllm" and (t_layout.ranks > 1 or e_layout.ep > 1):
+        raise ValueError(f"--engine vllm runs one trainer rank and a tensor-parallel engine (vllm,tp=N); "
+                         f"--trainer {_ranks(str(t_layout))} / --engine {e_layout} run with --engine mxport")
+    if sharded and name != "vllm":
         _check_layouts(t_layout, e_layout, receivers)
     if name == "vllm" and receivers != 1:
         raise ValueError("--receivers applies to --engine mxport; a vLLM engine is one engine")
@@ -376,7 +375,7 @@ def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_to
                  "bucket_bytes": bucket_bytes})
 
 
-def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout) -> _Job:
+def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1) -> _Job:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.demo.vllm)."""
     from ..demo.vllm import run_vllm_refit_demo
 
@@ -387,10 +386,13 @@ def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout) -> _Job:
 
     def start(log_dir: str, on_event) -> dict:
         return run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
-                                   max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event)
+                                   max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event,
+                                   tp=tp)
 
     return _Job("vLLM: export, start (~1 min)", "vLLM refit failed: ", start,
-                {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes}, engine_in_process=True)
+                {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes,
+                 "engine_layout": f"tp={tp}"},
+                engine_in_process=True)
 
 
 def _step_line(row: dict) -> str:

@@ -168,6 +168,7 @@ class TrainerConfig:
     port: int
     timeout_s: float = 30.0
     bucket_bytes: int = 1 << 20
+    engines: int = 1  # the engine's workers (tensor-parallel ranks)
 
 
 def _load_step(model, src: str, step: int) -> None:
@@ -198,10 +199,11 @@ def _set_fault(engine, fault: str | None) -> None:
     has the engine's update call name another plan."""
     from ..testing import FaultyTransport
 
-    inner = getattr(engine.sender.transport, "inner", engine.sender.transport)
+    stream = engine.sender.streams[0]
+    inner = getattr(stream.transport, "inner", stream.transport)
     engine.client = getattr(engine.client, "inner", engine.client)
     if fault is None:
-        engine.sender.transport = inner
+        stream.transport = inner
         return
     if fault == "digest":
         engine.client = _ForgedDigest(engine.client)
@@ -216,7 +218,7 @@ def _set_fault(engine, fault: str | None) -> None:
                 os._exit(3)
     else:
         raise ValueError(f"unknown fault {fault!r}")
-    engine.sender.transport = FaultyTransport(inner, engine.sender.layout.num_buckets, fn)
+    stream.transport = FaultyTransport(inner, stream.layout.num_buckets, fn)
 
 
 def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
@@ -251,7 +253,8 @@ def trainer_main(conn, cfg_dict: dict) -> None:
     register()
     model = AutoModelForCausalLM.from_pretrained(cfg.source, dtype=torch.bfloat16)
     source = MxportWeightSource(model)
-    info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port, world_size=2, rank=0,
+    info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port,
+                                 world_size=1 + cfg.engines, rank=0,
                                  timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
     try:
         engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
@@ -259,8 +262,10 @@ def trainer_main(conn, cfg_dict: dict) -> None:
         _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
         conn.close()
         os._exit(2)  # at once, whatever the refused init left behind
-    layout = engine.sender.layout if engine.sender is not None else None
-    buckets = {"buckets": layout.num_buckets, "bucket_bytes": layout.bucket_bytes} if layout else {}
+    sender = engine.sender
+    layouts = [s.layout for s in sender.streams]
+    buckets = {"buckets": sum(x.num_buckets for x in layouts), "bucket_bytes": layouts[0].bucket_bytes,
+               "engine_bytes": sender.mesh.engine_bytes()}
     _send(conn, {"ok": True, "plan": {**source.plan.summary(), **buckets}})
     while True:
         try:
@@ -339,7 +344,15 @@ def _context_len(model_dir: str, cap: int = 512) -> int:
     return min(cap, int(cfg.get("max_position_embeddings") or cap))
 
 
-def start_engine(mx_dir: str, *, max_model_len: int | None = None, full_logprobs: bool = True):
+def _bind_cpus(tp: int) -> None:
+    """vLLM's CPU workers each bind to cores (``VLLM_CPU_OMP_THREADS_BIND``, one list per worker): one core
+    each, round robin over this process's cores, unless the variable is set."""
+    cores = sorted(os.sched_getaffinity(0))
+    binds = "|".join(str(cores[i % len(cores)]) for i in range(tp))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
+
+
+def start_engine(mx_dir: str, *, max_model_len: int | None = None, full_logprobs: bool = True, tp: int = 1):
     """A ``vllm.LLM`` on the MXFP8 checkpoint ``mx_dir`` with the ``"mxport"`` weight-transfer backend
     (``max_model_len`` None: 512 tokens, or the model's context when shorter).
 
@@ -354,8 +367,13 @@ def start_engine(mx_dir: str, *, max_model_len: int | None = None, full_logprobs
 
     register()
     emulated = enable_cpu_emulation()
+    parallel = {}
+    if tp > 1:
+        if emulated:
+            _bind_cpus(tp)
+        parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     llm = LLM(model=mx_dir, max_model_len=max_model_len or _context_len(mx_dir), enforce_eager=True,
-              dtype="bfloat16", max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20,
+              **parallel, dtype="bfloat16", max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20,
               max_logprobs=-1 if full_logprobs else 20,
               weight_transfer_config={"backend": "mxport"})
     return llm, emulated
@@ -385,27 +403,36 @@ def generate(llm, prompt_ids: list[list[int]], max_tokens: int = 8, full: bool =
     return res
 
 
-def engine_tensors(llm) -> dict[str, torch.Tensor]:
-    """CPU copies of the engine's parameters (as its loader stores them), less those it keeps elsewhere: on
-    x86 CPUs with AVX-512 vLLM's CPU GEMM dispatch repacks a BF16 linear (the lm_head) into a oneDNN handle
-    and leaves its ``weight`` empty (``vllm/model_executor/layers/utils.py``), which cannot be read back."""
-    return llm.apply_model(lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()
-                                      if p.numel() > 0})[0]
+def _params(m) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in m.named_parameters() if p.numel() > 0}
 
 
-def engine_pointers(llm) -> dict[str, int]:
-    return llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+def _pointers(m) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in m.named_parameters()}
+
+
+def engine_tensors(llm, rank: int = 0) -> dict[str, torch.Tensor]:
+    """CPU copies of worker ``rank``'s parameters (as its loader stores them), less those it keeps elsewhere:
+    on x86 CPUs with AVX-512 vLLM's CPU GEMM dispatch repacks a BF16 linear (the lm_head) into a oneDNN
+    handle and leaves its ``weight`` empty (``vllm/model_executor/layers/utils.py``), which cannot be read
+    back."""
+    return llm.apply_model(_params)[rank]
+
+
+def engine_pointers(llm) -> list[dict[str, int]]:
+    """Every worker's parameter pointers."""
+    return llm.apply_model(_pointers)
 
 
 class VllmRefitSession:
     """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
 
     def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tp: int = 1):
         from .procs import free_port
 
-        self.src_dir, self.timeout_s, self.bucket_bytes = src_dir, timeout_s, bucket_bytes
-        self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len)
+        self.src_dir, self.timeout_s, self.bucket_bytes, self.tp = src_dir, timeout_s, bucket_bytes, tp
+        self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len, tp=tp)
         self.proc = self.conn = None
         self._free_port = free_port
         self.plan_summary = self.connect()
@@ -415,7 +442,7 @@ class VllmRefitSession:
         handshake through vLLM. Once the engine accepts it, it replaces the session's trainer; if the engine
         refuses it (RuntimeError with the engine's message), the session's trainer stays connected."""
         src = self.src_dir if src_dir is None else str(src_dir)
-        cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes)
+        cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes, self.tp)
         proc, conn = start_trainer(cfg)
         ans = serve_step(self.llm, conn, None, self.timeout_s + 120)
         if ans.get("error"):
@@ -444,9 +471,12 @@ class VllmRefitSession:
         _stop(self.proc, self.conn)
         self.proc = self.conn = None
 
-    def engine_stats(self) -> dict:
-        """The worker engine's stats of its last refit (``apply_s``: vLLM's layerwise reload, ...)."""
-        return self.llm.collective_rpc(lambda worker: dict(worker.weight_transfer_engine.last_stats))[0]
+    def engine_stats(self) -> list[dict]:
+        """Every worker's stats of its last refit (``apply_s``, ``apply_paths``, ``attested``, ``bytes``,
+        ``host_bytes``, ...)."""
+        from ..integrations.vllm import worker_stats
+
+        return self.llm.collective_rpc(worker_stats)
 
     def raw_broadcast_s(self, nbytes: int, reps: int = 3) -> float:
         """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process.
@@ -515,6 +545,36 @@ def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
     return bad
 
 
+def slice_mismatches(session: VllmRefitSession, step: int) -> list[str]:
+    """Every worker's boxes whose live bytes (checkpoint layout) differ from ``mxport.quantize`` of the
+    trainer's step-``step`` weights cut to that box; each as ``rank N: name[box]``."""
+    from .. import quantize
+    from ..integrations.vllm import worker_pieces
+    from ..refit.attest import route_crc
+    from ..refit.mesh import Box, Holding, TensorInfo
+
+    w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
+         for n, t in trainer_weights(session.src_dir, step).items()}
+    bad, cache = [], {}
+
+    def full(name: str) -> torch.Tensor:
+        if name not in cache:
+            base = name.removesuffix("_scale")
+            quantized = name != base or f"{name}_scale" in names
+            c = quantize(w[base]) if quantized else None
+            cache[name] = w[name] if c is None else (c.scale_inv if name != base else c.data)
+        return cache[name]
+
+    for rank, pieces in enumerate(session.llm.collective_rpc(worker_pieces)):
+        names = {p[0] for p in pieces}
+        for name, start, stop, crc in pieces:
+            box = Box(tuple(start), tuple(stop))
+            h = Holding(TensorInfo(name, "kept", "", ()), box)
+            if name.removesuffix("_scale") not in w or route_crc([h], lambda n, b: full(n)[b.index()]) != crc:
+                bad.append(f"rank {rank}: {name}{box}")
+    return bad
+
+
 def _prompts(session: VllmRefitSession, max_new_tokens: int) -> tuple[list[int], list[int]]:
     """The demo's prompts: the refit demo's question (at most 48 tokens), and a long one spanning more than
     two CPU KV blocks (the question's tokens repeated; shorter where the model's context is)."""
@@ -544,13 +604,19 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     logp_train = session.score(prompt, gen["tokens"])
     v = min(gen["logp"].shape[-1], logp_train.shape[-1])
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
-    st, bad, calls = ans["stats"], engine_mismatches(session, step), ans["engine_calls_s"]
+    st, calls = ans["stats"], ans["engine_calls_s"]
+    bad = engine_mismatches(session, step) if session.tp == 1 else slice_mismatches(session, step)
     seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. prefix cache reset
+    workers = session.engine_stats()
+    ranks = [{"rank": r, "bytes": int(x.get("bytes", 0)), "attested": bool(x.get("attested")),
+              "apply_s": float(x.get("apply_s", 0.0)), "apply_paths": x.get("apply_paths", {}),
+              "host_bytes": int(x.get("host_bytes", 0))} for r, x in enumerate(workers)]
     return StepReport(
         step=step, bytes=int(st["bytes"]), seconds=seconds,
         gbps=st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0, gen_kl_error=kl["mean"], bit_exact=not bad,
         pointers_stable=engine_pointers(session.llm) == ptr0,
-        details={"transfer_s": st["seconds"], "apply_s": float(session.engine_stats().get("apply_s", 0.0)),
+        details={"transfer_s": st["seconds"], "apply_s": max(r["apply_s"] for r in ranks),
+                 "attested": bool(st.get("attested")) and all(r["attested"] for r in ranks), "ranks": ranks,
                  "gen_kl_error_max": kl["max"], "mismatches": bad[:8], "kv_fresh": _same(seen, fresh),
                  "prefix_cache_reset": bool(st.get("prefix_cache_reset")), "long_prompt_tokens": len(long),
                  "tokens": gen["tokens"], "engine": "vllm"}).to_dict()
@@ -558,11 +624,11 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
                         max_new_tokens: int = 16, timeout_s: float = 120.0, workdir: str | None = None,
-                        on_event=None) -> dict:
-    """``mxport refit SOURCE --engine vllm``: export ``source`` (an HF model directory) as MXFP8, start a real
-    vLLM engine on it (``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel
-    added for this process), start a trainer process, and refit ``steps`` times through vLLM's weight-transfer
-    calls.
+                        on_event=None, tp: int = 1) -> dict:
+    """``mxport refit SOURCE --engine vllm[,tp=N]``: export ``source`` (an HF model directory) as MXFP8, start
+    a real vLLM engine on it (``tp`` > 1: tensor-parallel workers, each refitted with its own slice;
+    ``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added), start a
+    trainer process, and refit ``steps`` times through vLLM's weight-transfer calls.
 
     The trainer's weights at step k are :func:`trainer_weights` (a seeded perturbation of the source, not an
     optimizer step). ``on_event(kind, rank, payload)`` sees the plan (``"plan"``) and each step as it finishes
@@ -585,7 +651,7 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
     with tempfile.TemporaryDirectory(prefix="mxport-vllm-", dir=workdir) as tmp:
         mx = str(Path(tmp) / "mxfp8")
         export_checkpoint(source, mx)
-        session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes, tp=tp)
         say = on_event or (lambda kind, rank, payload: None)
         try:
             say("plan", 0, session.plan_summary)
@@ -602,5 +668,6 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
         finally:
             session.close_trainer()
     by_role = plan["bytes_by_role"]
-    return {"engine": "vllm", "steps": rows, "plan": plan, "raw_broadcast_s": raw,
+    return {"engine": "vllm", "engine_layout": f"tp={tp}", "steps": rows, "plan": plan,
+            "raw_broadcast_s": raw,
             "bf16_bytes": by_role["values"] * 2 + by_role["kept"], "cpu_emulation": session.emulated}

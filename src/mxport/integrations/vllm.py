@@ -41,7 +41,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, ClassVar
@@ -67,15 +67,18 @@ from ..formats import is_fp8_dtype
 from ..parallel import Layout, engine_shard
 from ..quantize import lift_zero_scales
 from ..refit import (
+    Box,
+    Holding,
     RefitPlan,
     RefitReceiver,
     RefitSender,
     TorchDistTransport,
     TrainerSource,
-    allocate_targets,
-    checkpoint_tensors,
+    agree,
 )
+from ..refit.attest import attest_round
 from ..refit.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from ..refit.mesh import TensorInfo
 from ..refit.plan import dtype_from_name
 from ..refit.results import RefitError
 from ..refit.transport import open_group
@@ -379,14 +382,22 @@ class MxportUpdateInfo(WeightTransferUpdateInfo):
 
 
 class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpdateInfo]):
-    """vLLM worker-side engine: receive a whole refit, validate it, then apply it through layerwise reload.
+    """vLLM worker-side engine: receive this worker's own slice of every refit straight from the trainer,
+    validate it, write it into the live weights, re-derive what the kernels keep beside them, attest.
 
     ``init_weight_transfer_engine`` checks the trainer's plan against this worker's model (every name, dtype
-    and shape, and that every engine weight is covered: :func:`plan_misfits`) before joining the trainer's
-    group, and replaces a working trainer's connection only once the new one has agreed on the plan.
-    ``update_weights`` receives, validates and applies (vLLM resets its update session when ``update_weights``
-    raises, so a refit that fails there leaves the worker ready for the next one); ``start_weight_update`` and
-    ``finish_weight_update`` have nothing left to do."""
+    and shape, and that every engine weight is covered: :func:`plan_misfits`), works out the boxes of every
+    plan tensor this tensor-parallel rank holds and where they land in its live parameters
+    (:mod:`mxport.integrations.vllm_slices`), then joins the trainer's group and agrees the sharded plan
+    (:func:`mxport.refit.agree`: trainer ranks ``0 .. rank_offset - 1``, workers after them). It replaces a
+    working trainer's connection only once the new one has agreed.
+
+    ``update_weights`` receives this worker's pieces (checksummed buckets, staged), commits them into the
+    live tensors only once every worker and trainer voted ok (all or nothing, pointers stable), re-derives
+    each touched layer by its path (``in_place`` / ``redispatch`` / ``dequant`` / ``layerwise``, counted in
+    ``last_stats["apply_paths"]``), then attests: every worker's checksums of its live weights in checkpoint
+    layout go to the trainer, which compares them with what it sent (``last_stats["attested"]``).
+    ``start_weight_update`` and ``finish_weight_update`` have nothing left to do."""
 
     init_info_cls = MxportInitInfo
     update_info_cls = MxportUpdateInfo
@@ -396,17 +407,34 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         super().__init__(config, vllm_config, device, model)
         self.plan: RefitPlan | None = None
         self.receiver: RefitReceiver | None = None
-        self.targets: list[torch.Tensor] = []
-        self._transport: TorchDistTransport | None = None
+        self.live: dict = {}
+        self.layers: list = []
+        self.attested: dict[str, int] = {}  # the checksums attested at the last refit
+        self._world: TorchDistTransport | None = None
         self.last_stats: dict = {}
 
-    def _check(self, plan: RefitPlan) -> None:
-        kv_heads = None
+    def _kv_heads(self) -> int | None:
         get_kv = getattr(self.model_config, "get_total_num_kv_heads", None)
-        if callable(get_kv):
-            kv_heads = int(get_kv())
-        check_plan_against_model(plan, self.model, tp=int(self.parallel_config.tensor_parallel_size),
-                                  kv_heads=kv_heads)
+        return int(get_kv()) if callable(get_kv) else None
+
+    def _tp(self) -> tuple[int, int]:
+        """``(tensor parallel size, this worker's rank in it)``."""
+        tp = int(self.parallel_config.tensor_parallel_size)
+        if tp == 1:
+            return 1, 0
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return tp, int(get_tensor_model_parallel_rank())
+
+    def _check(self, plan: RefitPlan) -> None:
+        check_plan_against_model(plan, self.model, tp=self._tp()[0], kv_heads=self._kv_heads())
+
+    def _slices(self, plan: RefitPlan):
+        from .vllm_slices import live_slices, worker_holdings
+
+        tp, rank = self._tp()
+        holdings = worker_holdings(plan, self.model, tp=tp, rank=rank, kv_heads=self._kv_heads())
+        return holdings, *live_slices(self.model, holdings)
 
     def init_transfer_engine(self, init_info: MxportInitInfo) -> None:
         plan = RefitPlan.from_canonical(init_info.plan)
@@ -415,28 +443,45 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                              f"({plan.digest[:12]})")
         check_bucket_bytes(init_info.bucket_bytes)
         self._check(plan)  # ValueError: nothing joined, the working trainer's connection untouched
+        holdings, live, layers = self._slices(plan)
         if init_info.check_only:
             return
         rank = init_info.rank_offset + worker_rank(self.parallel_config)
         pg = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                         backend=init_info.transport, timeout_s=init_info.timeout_s)
-        transport = TorchDistTransport.from_group(pg, src=0)
+        world = TorchDistTransport.from_group(pg)
         try:
-            dev = self.device if init_info.transport == "nccl" else torch.device("cpu")
-            targets = allocate_targets(plan, dev)
-            receiver = RefitReceiver(transport, plan, targets, use_checksum=init_info.use_checksum,
-                                     bucket_bytes=init_info.bucket_bytes, direct=False)
+            mesh = agree(world, init_info.rank_offset, holdings)
+            receiver = RefitReceiver.from_mesh(world, mesh, live, use_checksum=init_info.use_checksum,
+                                               bucket_bytes=init_info.bucket_bytes)
             receiver.handshake()
         except BaseException:
-            transport.close()
+            world.close()
             raise
         self.shutdown()  # the previous trainer's connection, only now that the new one agreed
-        self._transport, self.receiver, self.targets, self.plan = transport, receiver, targets, plan
+        self._world, self.receiver, self.plan, self.mesh = world, receiver, plan, mesh
+        self.live, self.layers, self.holdings = live, layers, holdings
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is touched only once every byte of the refit is validated."""
 
     def receive_weights(self, update_info: MxportUpdateInfo) -> None:
+        """Receive, apply and attest one refit (see the class doc). A failure raises with one worker; with
+        several it is logged and kept in ``last_stats`` (``ok: false``, ``error``) and the trainer raises it:
+        vLLM's multiprocess executor returns the first worker's error and leaves the other workers' answers
+        queued (``MultiprocExecutor.collective_rpc``), so every later call to the engine would read a stale
+        answer."""
+        try:
+            self._receive(update_info)
+        except Exception as exc:
+            self.last_stats = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            if int(self.parallel_config.world_size) * int(self.parallel_config.data_parallel_size) == 1:
+                raise
+            log.error("mxport: refit failed on this worker (the trainer reports it): %s", exc)
+
+    def _receive(self, update_info: MxportUpdateInfo) -> None:
+        from .vllm_slices import apply_layers, checkpoint_part, staged_bytes, tensor_digests
+
         if self.receiver is None or self.plan is None:
             raise RuntimeError("mxport weight transfer not initialized: "
                                "call init_weight_transfer_engine first")
@@ -447,21 +492,41 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                              f"init ({agreed}); the trainer's group is closed: re-run "
                              "init_weight_transfer_engine")
         try:
-            stats = self.receiver.receive()  # RefitError: nothing applied, previous weights stay live
+            stats = self.receiver.receive()  # RefitError: nothing written, previous weights stay live
         except RefitError as exc:
             if not exc.receivers:  # no vote (a dead or slow trainer): buckets may still come on this group
                 self._drop()
             raise
         t0 = time.perf_counter()
         try:
-            apply_checkpoint_weights(self.model, self.model_config,
-                                     checkpoint_tensors(self.plan, self.targets, "modelopt"))
+            paths = apply_layers(self.layers)
         except Exception as exc:
             raise RuntimeError(
-                f"vLLM's layerwise reload failed on a validated refit ({type(exc).__name__}: {exc}); layers "
-                "reloaded before the failure hold the new weights, the others may not be usable: restart the "
-                "engine") from exc
-        self.last_stats = {**stats.to_dict(), "apply_s": time.perf_counter() - t0}
+                f"re-deriving the refitted layers failed ({type(exc).__name__}: {exc}); the bytes were "
+                "written, layers after the failure may not be usable: restart the engine") from exc
+        apply_s = time.perf_counter() - t0
+        part = checkpoint_part(self.live, self.layers)
+        bad = attest_round(self._world, self.mesh, part)
+        self.attested = tensor_digests(self.holdings, part) if not bad else {}
+        slice_bytes = sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in self.holdings)
+        self.last_stats = {**stats.to_dict(), "ok": not bad, "apply_s": apply_s, "apply_paths": paths,
+                           "attested": not bad,
+                           "slice_bytes": slice_bytes, "host_bytes": slice_bytes + staged_bytes(self.layers)}
+        if bad:
+            raise RuntimeError(f"attestation failed: routes {bad} (trainer, engine rank) hold other bytes "
+                               "than were sent")
+
+    def attest(self) -> dict:
+        """This worker's live weights against the checksums attested at the last refit: ``{"rank",
+        "attested", "changed"}`` (the plan tensors whose live bytes differ, a stale derived copy included)."""
+        from .vllm_slices import checkpoint_part, tensor_digests
+
+        if not self.attested:
+            return {"rank": worker_rank(self.parallel_config), "attested": False,
+                    "changed": [], "why": "no attested refit yet"}
+        now = tensor_digests(self.holdings, checkpoint_part(self.live, self.layers))
+        changed = sorted(n for n, c in now.items() if self.attested.get(n) != c)
+        return {"rank": worker_rank(self.parallel_config), "attested": not changed, "changed": changed}
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: :meth:`receive_weights` applied the validated refit."""
@@ -475,9 +540,39 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         self.shutdown()
 
     def shutdown(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-        self._transport, self.receiver, self.targets, self.plan = None, None, [], None
+        if self.receiver is not None:
+            self.receiver.close()
+        if self._world is not None:
+            self._world.close()
+        self._world, self.receiver, self.plan = None, None, None
+
+
+def worker_stats(worker) -> dict:
+    """``collective_rpc`` target: a worker's ``"mxport"`` engine's stats of its last refit."""
+    return dict(worker.weight_transfer_engine.last_stats)
+
+
+def _attest_worker(worker) -> dict:
+    return worker.weight_transfer_engine.attest()
+
+
+def attest(llm) -> list[dict]:
+    """Attest a vLLM engine now: every worker re-reads its live weights in checkpoint layout and compares them
+    with the checksums attested at its last refit. One ``{"rank", "attested", "changed"}`` per worker
+    (``changed``: the plan tensors whose live bytes differ -- a weight altered since, a stale derived copy).
+    ``llm``: anything with vLLM's ``collective_rpc`` (an ``LLM``, an engine client)."""
+    return list(llm.collective_rpc(_attest_worker))
+
+
+def worker_pieces(worker) -> list:
+    """``collective_rpc`` target: ``[name, box start, box stop, CRC-32]`` of every box the worker holds, read
+    from its live weights in checkpoint layout (what a check of its bytes against the trainer's needs)."""
+    from ..refit.attest import route_crc
+    from .vllm_slices import checkpoint_part
+
+    eng = worker.weight_transfer_engine
+    part = checkpoint_part(eng.live, eng.layers)
+    return [[h.tensor.name, list(h.box.start), list(h.box.stop), route_crc([h], part)] for h in eng.holdings]
 
 
 # -- trainer side
@@ -794,11 +889,17 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         def connect() -> RefitSender:
             pg = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
                             backend=init_info.transport, timeout_s=init_info.timeout_s)
-            dev = "cuda" if init_info.transport == "nccl" else "cpu"
-            sender = RefitSender(TorchDistTransport.from_group(pg, src=0), plan,
-                                 use_checksum=init_info.use_checksum, bucket_bytes=init_info.bucket_bytes,
-                                 device=dev)
-            sender.handshake()
+            world = TorchDistTransport.from_group(pg)
+            try:
+                mesh = agree(world, 1, whole_holdings(plan))
+                dev = "cuda" if init_info.transport == "nccl" else "cpu"
+                sender = RefitSender.from_mesh(world, mesh, use_checksum=init_info.use_checksum,
+                                               bucket_bytes=init_info.bucket_bytes, device=dev)
+                sender.handshake()
+            except BaseException:
+                world.close()
+                raise
+            sender.mesh = mesh
             return sender
 
         # the engine checks the plan first, before this side listens: a refused trainer holds no port
@@ -832,10 +933,14 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             self.cache.pause()
             _start(client)
             started = True
-            self._job = _SendJob(self.sender, _in_plan_order(iter_full(self.source), plan))
+            local = InOrder(plan, iter_full(self.source))
+            self._job = _SendJob(lambda: _send_and_attest(self.sender, local), local)
             _rpc("update_weights", client.update_weights, {"plan_digest": plan.digest})
-            stats = self._job.result()
-            _rpc("finish_weight_update", client.finish_weight_update)
+            try:
+                stats, bad = self._job.result()
+            finally:  # workers of a multi-worker engine answer a refused refit without raising (see
+                # MxportWeightTransferEngine.receive_weights): their update session is ended here either way
+                _rpc("finish_weight_update", client.finish_weight_update)
             reset = self.cache.reset()
         except BaseException:
             if started:  # a refit may have reached the engine's weights before the failure reached us
@@ -844,7 +949,7 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         finally:
             self.cache.resume()
         self.last_stats = {**(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)),
-                           "prefix_cache_reset": reset}
+                           "prefix_cache_reset": reset, "attested": not bad}
 
     def _check_in_step(self) -> None:
         """Wait for the previous refit's send if it is still going (at most the group's timeout); raise if it
@@ -861,7 +966,8 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
 
     def shutdown(self) -> None:
         if self.sender is not None:
-            self.sender.transport.close()
+            self.sender.close()
+            self.sender.world.close()
             self.sender = None
 
 
@@ -881,40 +987,78 @@ def _start(client) -> None:
         _rpc("start_weight_update", client.start_weight_update)
 
 
-def _in_plan_order(source: Iterable[tuple[str, torch.Tensor]], plan: RefitPlan) -> Iterator[torch.Tensor]:
-    for i, (name, t) in enumerate(source):
-        if i >= len(plan) or name != plan.entries[i].name:
-            want = plan.entries[i].name if i < len(plan) else "nothing (the plan is complete)"
-            raise ValueError(f"WeightSource yielded {name!r} at position {i}, the plan expects {want}")
-        yield t
+def _send_and_attest(sender: RefitSender, local: InOrder):
+    """One refit from this trainer rank, then the attestation round the engine ranks join once they have
+    applied it: ``(send stats, routes whose ends disagree)``."""
+    stats = sender.send_local(local)
+    return stats, attest_round(sender.world, sender.mesh, local.part)
+
+
+def whole_holdings(plan: RefitPlan) -> list[Holding]:
+    """A trainer rank that holds every tensor of ``plan`` whole."""
+    return [Holding(TensorInfo(e.name, e.role, e.dtype, tuple(e.shape)), Box.full(e.shape))
+            for e in plan.entries]
+
+
+class InOrder(Mapping):
+    """A trainer rank's ``{name: (box, tensor)}`` (whole tensors) over a ``WeightSource``'s pairs, produced
+    lazily in plan order as the routes ask for them (each tensor once, kept for later routes and the
+    attestation), each checked against the plan's name at its position."""
+
+    def __init__(self, plan: RefitPlan, source: Iterable[tuple[str, torch.Tensor]]):
+        self.plan, self._source, self._got = plan, iter(source), {}
+        self.error: BaseException | None = None  # what the source raised (the sender aborts, all vote)
+
+    def __getitem__(self, name: str):
+        try:
+            while name not in self._got:
+                self._next()
+        except BaseException as exc:
+            self.error = exc
+            raise
+        return self._got[name]
+
+    def _next(self) -> None:
+        i = len(self._got)
+        pair = next(self._source, None)
+        if i >= len(self.plan) or pair is None or pair[0] != self.plan.entries[i].name:
+            want = self.plan.entries[i].name if i < len(self.plan) else "nothing (the plan is complete)"
+            got = "nothing" if pair is None else repr(pair[0])
+            raise ValueError(f"WeightSource yielded {got} at position {i}, the plan expects {want}")
+        e = self.plan.entries[i]
+        self._got[e.name] = (Box.full(e.shape), pair[1])
+
+    def __iter__(self):
+        return (e.name for e in self.plan.entries)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def part(self, name: str, box: Box) -> torch.Tensor:
+        from ..refit.mesh import local_part
+
+        return local_part(self, name, box)
 
 
 class _SendJob:
     """The sender's side of one refit, on a daemon thread: ``in_step`` once it has ended in step with the
     engine (sent and voted on, accepted or not; a sender that failed before the vote leaves it False)."""
 
-    def __init__(self, sender: RefitSender, tensors: Iterator[torch.Tensor]):
-        self.done = threading.Event()
-        self.in_step, self.error, self._stats, self._producer_error = False, None, None, None
-        threading.Thread(target=self._run, args=(sender, self._watched(tensors)), daemon=True,
-                         name="mxport-send").start()
+    def __init__(self, send: Callable[[], Any], source: InOrder | None = None):
+        self.done, self.source = threading.Event(), source
+        self.in_step, self.error, self._stats = False, None, None
+        threading.Thread(target=self._run, args=(send,), daemon=True, name="mxport-send").start()
 
-    def _watched(self, tensors: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    def _run(self, send) -> None:
         try:
-            yield from tensors
-        except BaseException as exc:
-            self._producer_error = exc
-            raise
-
-    def _run(self, sender: RefitSender, tensors) -> None:
-        try:
-            self._stats = sender.send(tensors)
+            self._stats = send()
             self.in_step = True
         except RefitError as exc:
             self.error, self.in_step = exc, bool(exc.receivers)  # receivers: the ranks voted
         except BaseException as exc:  # noqa: BLE001 - raised again by result()
             # the source's own error: the sender aborted the refit with its trailer and the ranks voted
-            self.error, self.in_step = exc, exc is self._producer_error
+            self.error = exc
+            self.in_step = self.source is not None and exc is self.source.error
         finally:
             self.done.set()
 

@@ -1,0 +1,309 @@
+"""What one vLLM worker holds of a refit plan, where each byte lands in its live weights, and how each layer
+re-derives what its kernel keeps beside them (the engine layout of the ``"mxport"`` backend).
+
+* :func:`worker_holdings`: the boxes of every plan tensor that tensor-parallel rank ``rank`` holds, by
+  vLLM's rules: column-parallel rows (q / k / v with KV heads replicated over ``tp // kv_heads`` ranks, gate /
+  up), row-parallel K ranges (scales: their K blocks), a vocabulary's rows from the layer's own
+  ``shard_indices`` (padding rows stay the engine's), everything else whole.
+* :func:`live_slices`: those boxes as views of the worker's live parameters (q / k / v at their row offsets
+  in ``qkv_proj``, gate / up in ``gate_up_proj``, from ``output_partition_sizes``), and one
+  :class:`LayerApply` per layer saying how the layer takes new bytes:
+
+  ``in_place``     the live parameters are the checkpoint layout and the kernel derives nothing from them
+                   (vLLM's ``EmulationMxfp8LinearKernel`` with ``VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD=0``,
+                   norms, biases, embeddings on GPUs): bytes land in them directly;
+  ``redispatch``   the same, and the CPU GEMM dispatch keeps a packed copy of the weight (a vocabulary
+                   layer's ``cpu_linear``: the tied lm_head's logits): re-packed from the new weight;
+  ``dequant``      the emulation kernel dequantized the weight to BF16 at load (vLLM's default): the FP8
+                   values are staged, the scales land in place, the BF16 weight is re-decoded in place;
+  ``layerwise``    anything else (a kernel that swizzles, repacks or empties its weights): the layer's
+                   checkpoint-layout tensors are staged, then vLLM's own post-load processing runs on them
+                   and its results are copied into the live tensors (pointers stable), as vLLM's layerwise
+                   reload does, for this layer only.
+
+  A layer that has a tensor no plan entry gives (a static input scale, say) cannot be re-processed from the
+  refit alone: :func:`live_slices` refuses it, naming it and its kernel.
+* :func:`apply_layers`: the re-derivations, for the layers a refit touched (after every byte was validated
+  and written).
+* :func:`holding_digests`: per holding, a checksum of the live bytes in checkpoint layout (undoing the
+  emulation kernel's BF16 decode): what attestation compares with what the trainer sent.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..parallel import Layout, attention_problem
+from ..refit.engine.slices import engine_boxes
+from ..refit.mesh import Box, Holding, TensorInfo, scales_box
+from ..refit.plan import RefitPlan
+
+PATHS = ("in_place", "redispatch", "dequant", "layerwise")
+_VOCAB_NAMES = ("embed_tokens", "lm_head")
+
+
+@dataclass
+class LayerApply:
+    """How one vLLM layer takes a refit: ``path`` (one of :data:`PATHS`), its kernel's name, and for the
+    staged paths the checkpoint-layout buffers the refit lands in (``{parameter name: tensor}``)."""
+
+    name: str
+    module: torch.nn.Module
+    path: str
+    kernel: str
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _fused_of(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    """``{part: (fused parameter module, index of the part)}`` from the model's ``packed_modules_mapping``."""
+    mapping = getattr(model, "packed_modules_mapping", {}) or {}
+    return {part: (fused, i) for fused, parts in mapping.items() for i, part in enumerate(parts)}
+
+
+def _target(name: str, fused_of: dict) -> tuple[str, str, int | None]:
+    """``(module name, parameter name, part index or None)`` of the vLLM parameter plan tensor ``name`` loads
+    into (``...q_proj.weight`` -> ``(...qkv_proj, weight, 0)``)."""
+    module, _, param = name.rpartition(".")
+    parts = module.split(".")
+    part = None
+    for i, c in enumerate(parts):
+        if c in fused_of:
+            parts[i], part = fused_of[c]
+    return ".".join(parts), param, part
+
+
+def _vocab_rows(model: torch.nn.Module, module_name: str) -> tuple[int, int] | None:
+    """The checkpoint rows ``[start, end)`` a vocabulary layer of this rank holds (its ``shard_indices``), or
+    None when the module is not one."""
+    mod = model.get_submodule(module_name)
+    si = getattr(mod, "shard_indices", None)
+    if si is None:
+        return None
+    return int(si.org_vocab_start_index), int(si.org_vocab_end_index)
+
+
+def worker_holdings(plan: RefitPlan, model: torch.nn.Module, *, tp: int, rank: int,
+                    kv_heads: int | None = None) -> list[Holding]:
+    """What tensor-parallel rank ``rank`` of ``tp`` of the vLLM ``model`` needs of ``plan`` (see the module
+    doc): one holding per plan entry, or several for a tensor whose rank's part is several boxes.
+
+    Raises:
+        ValueError: a layout vLLM refuses (attention heads, KV heads), a K split that cuts MXFP8 blocks."""
+    config = getattr(model, "config", None)
+    problem = attention_problem(tp, getattr(config, "num_attention_heads", None), kv_heads)
+    if problem:
+        raise ValueError(f"engine layout tp={tp}: {problem}")
+    layout, fused_of = Layout(tp=tp), _fused_of(model)
+    out: list[Holding] = []
+    values: list[Holding] = []
+    for e in plan.entries:
+        info = TensorInfo(e.name, e.role, e.dtype, tuple(e.shape))
+        module, _, _ = _target(e.name, fused_of)
+        vocab = _vocab_rows(model, module) if module.endswith(_VOCAB_NAMES) else None
+        if e.role == "scales" and values:
+            boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
+        elif vocab is not None:
+            boxes = [Box.along(info.shape, 0, *vocab)]
+        else:
+            boxes = engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
+        held = [Holding(info, box) for box in boxes]
+        out += held
+        values = held if e.role == "values" else []
+    return out
+
+
+def _kernel_name(mod: torch.nn.Module) -> str:
+    qm = getattr(mod, "quant_method", None)
+    kernel = getattr(qm, "kernel", None)
+    return type(kernel if kernel is not None else qm).__name__ if qm is not None else "none"
+
+
+def _recorded(mod: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's checkpoint-layout parameters as vLLM recorded them for layerwise reload (meta tensors), or
+    its live ones when there is no record."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        recorded = dict(get_layerwise_info(mod).restore_metadata[0])
+    except ImportError:  # pragma: no cover - vLLM without layerwise reload
+        recorded = {}
+    live = dict(mod.named_parameters(recurse=False))
+    return {n: recorded.get(n, t) for n, t in live.items()} | recorded
+
+
+def _path(mod: torch.nn.Module, names: set[str]) -> str:
+    """How layer ``mod`` takes new bytes for its parameters ``names`` (see the module doc)."""
+    kernel = _kernel_name(mod)
+    live = dict(mod.named_parameters(recurse=False))
+    recorded = _recorded(mod)
+    same = all(n in live and live[n].numel() > 0 and tuple(live[n].shape) == tuple(recorded[n].shape)
+               and live[n].dtype == recorded[n].dtype for n in names)
+    if kernel == "EmulationMxfp8LinearKernel":
+        return "in_place" if same else "dequant"
+    if kernel in ("none", "UnquantizedEmbeddingMethod") and same:
+        return "redispatch" if getattr(mod, "cpu_linear", None) is not None else "in_place"
+    return "layerwise"
+
+
+def _layer_of(model, module: str, names: set[str]) -> LayerApply:
+    mod = model.get_submodule(module)
+    path = _path(mod, names)
+    recorded = _recorded(mod)
+    if path == "layerwise":
+        missing = sorted(set(recorded) - names)
+        if missing:
+            raise ValueError(f"{module}: its kernel {_kernel_name(mod)} keeps {missing}, which the refit "
+                             "does not carry: this layer cannot be re-processed from the refit alone")
+    staged = {}
+    if path == "layerwise":
+        staged = {n: torch.zeros(recorded[n].shape, dtype=recorded[n].dtype) for n in recorded}
+    elif path == "dequant":
+        staged = {"weight": torch.zeros(recorded["weight"].shape, dtype=recorded["weight"].dtype)}
+    return LayerApply(module, mod, path, _kernel_name(mod), staged)
+
+
+def _rows(model, module: str, part: int | None) -> int:
+    """The first row of fused part ``part`` in the live parameter (0 for an unfused one)."""
+    if part is None:
+        return 0
+    sizes = getattr(model.get_submodule(module), "output_partition_sizes", None)
+    if sizes is None:
+        raise ValueError(f"{module}: a fused layer without output_partition_sizes")
+    return int(sum(int(s) for s in sizes[:part]))
+
+
+def live_slices(model: torch.nn.Module, holdings: Sequence[Holding]) -> tuple[dict, list[LayerApply]]:
+    """``(live, layers)``: ``live`` maps each plan tensor to ``(box, view)`` (a list of them for several
+    boxes) into the worker's live parameters (or into a staged layer's buffers); ``layers`` says how each
+    touched layer takes its bytes (see the module doc).
+
+    Raises:
+        ValueError: a layer that cannot take a refit (naming it and its kernel), a view whose shape is not
+            its box's (a plan that does not fit: :func:`~mxport.integrations.vllm.plan_misfits` says more)."""
+    fused_of = _fused_of(model)
+    by_module: dict[str, set[str]] = {}
+    for h in holdings:
+        module, param, _ = _target(h.tensor.name, fused_of)
+        by_module.setdefault(module, set()).add(param)
+    layers = {m: _layer_of(model, m, names) for m, names in by_module.items()}
+    live: dict[str, list] = {}
+    for h in holdings:
+        module, param, part = _target(h.tensor.name, fused_of)
+        layer = layers[module]
+        whole = layer.staged.get(param)
+        if whole is None:
+            whole = getattr(layer.module, param).data
+        view = whole
+        if part is not None or tuple(whole.shape) != h.box.shape:  # a fused part's or a vocabulary's rows
+            dim = -2 if whole.dim() >= 2 else 0  # a bias: its one dimension
+            view = whole.narrow(dim, _rows(model, module, part), h.box.shape[dim])
+        if tuple(view.shape) != h.box.shape:
+            raise ValueError(f"{h.tensor.name}: the engine's {module}.{param} gives {tuple(view.shape)} for "
+                             f"the box {h.box} {h.box.shape} this rank holds")
+        live.setdefault(h.tensor.name, []).append((h.box, view))
+    out = {n: v[0] if len(v) == 1 else v for n, v in live.items()}
+    return out, list(layers.values())
+
+
+def _redispatch(layer: LayerApply) -> None:
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(layer.module, remove_weight=False)
+
+
+def _dequant(layer: LayerApply) -> None:
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
+
+    mod = layer.module
+    n, k = layer.staged["weight"].shape
+    scale = mod.weight_scale.data[:n, :k // 32].contiguous()
+    mod.weight.data.copy_(dequant_mxfp8_to_bf16(layer.staged["weight"], scale))
+
+
+def _layerwise(layer: LayerApply) -> None:
+    """vLLM's layerwise reload for one layer, from the staged checkpoint-layout tensors: restore the layer's
+    recorded (checkpoint-layout) parameters, fill them, run the kernel's post-load processing, copy the
+    results into the original tensors and put those back (pointers stable)."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _copy_and_restore_kernel_tensors,
+        get_layerwise_info,
+    )
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    mod = layer.module
+    info = get_layerwise_info(mod)
+    info.kernel_tensors = get_layer_params_buffers(mod)
+    info.kernel_non_persistent_buffers = set(mod._non_persistent_buffers_set)
+    restore_layer_on_meta(mod, info)
+    materialize_layer(mod, info)
+    for n, t in layer.staged.items():
+        getattr(mod, n).data.copy_(t)
+    if hasattr(mod, "_already_called_process_weights_after_loading"):
+        delattr(mod, "_already_called_process_weights_after_loading")
+    mod.quant_method.process_weights_after_loading(mod)
+    _copy_and_restore_kernel_tensors(mod, info)
+    info.reset()
+
+
+_APPLY = {"redispatch": _redispatch, "dequant": _dequant, "layerwise": _layerwise}
+
+
+def apply_layers(layers: Sequence[LayerApply]) -> dict[str, int]:
+    """Re-derive what each layer's kernel keeps beside the bytes just written (see the module doc); returns
+    the number of layers per path."""
+    with torch.no_grad():
+        for layer in layers:
+            fn = _APPLY.get(layer.path)
+            if fn is not None:
+                fn(layer)
+    counts = dict.fromkeys(PATHS, 0)
+    for layer in layers:
+        counts[layer.path] += 1
+    return counts
+
+
+def checkpoint_part(live: dict, layers: Sequence[LayerApply]):
+    """``part(name, box)``: the live bytes of ``box`` of plan tensor ``name`` in checkpoint layout: a view
+    of the live weights, except a ``dequant`` layer's FP8 values, re-encoded from its live BF16 decode and
+    live scales (exact: every decoded value is an FP8 value times a power of two). What attestation reads."""
+    from ..refit.mesh import local_part
+
+    staged = {layer.staged["weight"].data_ptr(): layer for layer in layers if layer.path == "dequant"}
+
+    def part(name: str, box: Box) -> torch.Tensor:
+        view = local_part(live, name, box)
+        layer = staged.get(view.untyped_storage().data_ptr())
+        return view if layer is None else _reencode(layer, view)
+
+    return part
+
+
+def _reencode(layer: LayerApply, view: torch.Tensor) -> torch.Tensor:
+    """The FP8 values of ``view`` (rows of a ``dequant`` layer's staged weight) re-encoded from the same rows
+    of its live BF16 weight and its live scales."""
+    mod = layer.module
+    k = mod.weight.shape[-1]
+    r0, rows = view.storage_offset() // k, view.shape[-2]
+    w = mod.weight.data.narrow(-2, r0, rows).float()
+    s = mod.weight_scale.data.narrow(-2, r0, rows)[:, :k // 32].to(torch.int32)
+    scale = torch.exp2((s - 127).float()).repeat_interleave(32, dim=-1)
+    return (w / scale).to(view.dtype)[..., view.storage_offset() % k:][..., :view.shape[-1]]
+
+
+def tensor_digests(holdings: Sequence[Holding], part) -> dict[str, int]:
+    """``{tensor name: CRC-32}`` of the live bytes (:func:`checkpoint_part`) of every box a worker holds."""
+    out: dict[str, int] = {}
+    for h in holdings:
+        t = part(h.tensor.name, h.box).contiguous()
+        out[h.tensor.name] = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy().tobytes(),
+                                        out.get(h.tensor.name, 0))
+    return out
+
+
+def staged_bytes(layers: Sequence[LayerApply]) -> int:
+    """Bytes of the layers' staging buffers (the ``dequant`` and ``layerwise`` paths' checkpoint copies)."""
+    return sum(t.numel() * t.element_size() for layer in layers for t in layer.staged.values())

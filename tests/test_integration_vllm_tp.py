@@ -1,0 +1,114 @@
+"""vLLM's CPU build with two tensor-parallel workers, refitted through the "mxport" backend: each worker
+receives its own slice straight into its live weights, attests what it holds, and a refit one worker rejects
+is applied by none. Runs in .venv-vllm (scripts/setup_vllm.sh); skips where vLLM is not installed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup_vllm.sh makes .venv-vllm)")
+mxv = pytest.importorskip("mxport.integrations.vllm")
+from vllm.platforms import current_platform  # noqa: E402
+
+from mxport.demo import vllm as harness  # noqa: E402
+from mxport.testing import flip_live_byte  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not current_platform.is_cpu() or os.cpu_count() < 2,
+    reason="a tensor-parallel vLLM engine of 2 CPU workers (vLLM's CPU build on a machine of 2+ cores)")]
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_llama
+
+    d = tmp_path_factory.mktemp("vllm-tp2")
+    src = make_tiny_llama(d / "bf16", hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2)
+    export_checkpoint(str(src), d / "mx")
+    s = harness.VllmRefitSession(str(src), str(d / "mx"), timeout_s=30, bucket_bytes=64 << 10, tp=2)
+    s.dir, s.ptr0 = d, harness.engine_pointers(s.llm)
+    yield s
+    s.close_trainer()
+
+
+def _refit_ok(s, step):
+    ans = s.refit(step)
+    assert ans.get("ok"), ans
+    return ans
+
+
+#: a fresh tensor-parallel vLLM on argv[1] (tp = argv[2]): its greedy tokens and log-probs to argv[3]
+_FRESH = """
+import sys, torch
+from mxport.demo import vllm as h
+llm, _ = h.start_engine(sys.argv[1], tp=int(sys.argv[2]))
+out = h.generate(llm, [[5, 6, 7, 8, 9], [40, 41, 42]], full=False)
+torch.save([{"tokens": o["tokens"], "logprobs": o["logprobs"]} for o in out], sys.argv[3])
+"""
+
+
+def test_each_worker_gets_its_slice_and_generates_as_a_fresh_tp2_engine_on_the_export(tp2, tmp_path):
+    ans = _refit_ok(tp2, 1)
+    workers = tp2.engine_stats()
+    assert [w["attested"] for w in workers] == [True, True] and ans["stats"]["attested"] == 1
+    plan = tp2.plan_summary
+    # every projection is cut in two, the norms are whole on both: each worker about half of the plan
+    assert [w["bytes"] for w in workers] == plan["engine_bytes"]
+    assert sum(plan["engine_bytes"]) == ans["stats"]["bytes"]
+    for b in plan["engine_bytes"]:
+        assert abs(b - plan["bytes"] / 2) / (plan["bytes"] / 2) < 0.05
+    assert all(w["host_bytes"] <= 1.2 * w["bytes"] for w in workers)
+    assert harness.slice_mismatches(tp2, 1) == []
+    assert harness.engine_pointers(tp2.llm) == tp2.ptr0
+    ours = [{"tokens": o["tokens"], "logprobs": o["logprobs"]}
+            for o in harness.generate(tp2.llm, PROMPTS, full=False)]
+    mx = harness.export_step(tp2.src_dir, 1, tmp_path)
+    dump = tmp_path / "fresh.pt"
+    proc = subprocess.run([sys.executable, "-c", _FRESH, mx, "2", str(dump)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ours == torch.load(dump)
+
+
+def test_a_refit_one_worker_rejects_is_applied_by_none(tp2):
+    _refit_ok(tp2, 1)
+    ans = tp2.refit(2, fault="corrupt")  # stream 0 (to worker 0) corrupt: worker 0 rejects, worker 1 votes ok
+    assert not ans.get("ok") and "checksum" in ans["error"]
+    assert [w["ok"] for w in tp2.engine_stats()] == [False, False]
+    assert harness.slice_mismatches(tp2, 1) == []  # both workers still hold step 1
+    assert [a["attested"] for a in mxv.attest(tp2.llm)] == [True, True]
+    _refit_ok(tp2, 2)
+    assert harness.slice_mismatches(tp2, 2) == []
+    assert harness.engine_pointers(tp2.llm) == tp2.ptr0
+
+
+def test_attestation_names_a_live_weight_altered_after_the_refit(tp2):
+    _refit_ok(tp2, 3)
+    assert [a["attested"] for a in mxv.attest(tp2.llm)] == [True, True]
+    tp2.llm.collective_rpc(functools.partial(flip_live_byte, param="model.layers.1.mlp.down_proj.weight"))
+    got = mxv.attest(tp2.llm)
+    assert [a["attested"] for a in got] == [False, False]
+    assert [a["changed"] for a in got] == [["model.layers.1.mlp.down_proj.weight"]] * 2
+    _refit_ok(tp2, 4)  # the next refit writes every byte again: attested
+    assert [a["attested"] for a in mxv.attest(tp2.llm)] == [True, True]
+
+
+def test_cli_refuses_a_tp_the_model_cannot_take(tmp_path):
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=96, heads=3, kv_heads=1, intermediate=256)
+    from pathlib import Path
+
+    mxport = str(Path(sys.executable).with_name("mxport"))
+    proc = subprocess.run([mxport, "refit", str(src), "--engine", "vllm,tp=2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "3 attention heads do not divide by tp=2" in proc.stdout + proc.stderr

@@ -1,0 +1,41 @@
+"""Attestation: each engine rank's checksums of the bytes it holds against the trainer's of what it sent,
+one all-gather per refit, every mismatch named by its (trainer, engine) route."""
+
+import threading
+
+import torch
+
+from mxport.refit import Box, Holding, InProcessChannel, MeshPlan
+from mxport.refit.attest import attest_round
+from mxport.refit.mesh import TensorInfo, local_part
+
+W = TensorInfo("w", "kept", "float32", (4, 8))
+
+
+def _run(tamper_engine: int | None) -> list:
+    full = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    halves = [Box.along((4, 8), 0, 0, 2), Box.along((4, 8), 0, 2, 4)]
+    mesh = MeshPlan([[Holding(W, Box.full((4, 8)))]], [[Holding(W, b)] for b in halves])
+    held = [{"w": (Box.full((4, 8)), full)}]
+    for e, b in enumerate(halves):  # what each engine holds after the refit (one of them altered)
+        t = full[b.index()].clone()
+        if e + 1 == tamper_engine:
+            t[0, 0] += 1
+        held.append({"w": (b, t)})
+    ch, out = InProcessChannel(2, timeout_s=30), [None] * 3
+
+    def rank(r: int) -> None:
+        out[r] = attest_round(ch.endpoint(r), mesh, lambda n, box: local_part(held[r], n, box))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_every_rank_learns_the_route_whose_engine_holds_other_bytes():
+    assert _run(None) == [[], [], []]
+    assert _run(2) == [[(0, 2)]] * 3
+    assert _run(1) == [[(0, 1)]] * 3
