@@ -550,8 +550,8 @@ def slice_mismatches(session: VllmRefitSession, step: int) -> list[str]:
     trainer's step-``step`` weights cut to that box; each as ``rank N: name[box]``."""
     from .. import quantize
     from ..integrations.vllm import worker_pieces
-    from ..refit.attest import route_crc
-    from ..refit.mesh import Box, Holding, TensorInfo
+    from ..refit.attest import bytes_digest
+    from ..refit.mesh import Box
 
     w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
          for n, t in trainer_weights(session.src_dir, step).items()}
@@ -567,10 +567,10 @@ def slice_mismatches(session: VllmRefitSession, step: int) -> list[str]:
 
     for rank, pieces in enumerate(session.llm.collective_rpc(worker_pieces)):
         names = {p[0] for p in pieces}
-        for name, start, stop, crc in pieces:
+        for name, start, stop, digest in pieces:
             box = Box(tuple(start), tuple(stop))
-            h = Holding(TensorInfo(name, "kept", "", ()), box)
-            if name.removesuffix("_scale") not in w or route_crc([h], lambda n, b: full(n)[b.index()]) != crc:
+            known = name.removesuffix("_scale") in w
+            if not known or bytes_digest(full(name)[box.index()]) != digest:
                 bad.append(f"rank {rank}: {name}{box}")
     return bad
 

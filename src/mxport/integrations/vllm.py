@@ -76,7 +76,7 @@ from ..refit import (
     TrainerSource,
     agree,
 )
-from ..refit.attest import attest_round
+from ..refit.attest import PieceDigests, attest_round
 from ..refit.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from ..refit.mesh import TensorInfo
 from ..refit.plan import dtype_from_name
@@ -335,21 +335,6 @@ def worker_rank(parallel_config) -> int:
     return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
 
 
-def apply_checkpoint_weights(model: torch.nn.Module, model_config, pairs: Iterable[tuple[str, torch.Tensor]]):
-    """Load checkpoint-format ``pairs`` into a loaded vLLM model through its layerwise reload, which re-runs
-    ``process_weights_after_loading`` per layer and copies the results into the original tensors."""
-    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    with torch.no_grad():
-        initialize_layerwise_reload(model)
-        try:
-            with disable_mtp_completeness_check():
-                model.load_weights(iter(pairs))
-        finally:
-            finalize_layerwise_reload(model, model_config)
-
-
 # -- inference side
 # -------------------------------------------------------------------------------------------------
 @dataclass
@@ -505,11 +490,13 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                 f"re-deriving the refitted layers failed ({type(exc).__name__}: {exc}); the bytes were "
                 "written, layers after the failure may not be usable: restart the engine") from exc
         apply_s = time.perf_counter() - t0
-        part = checkpoint_part(self.live, self.layers)
-        bad = attest_round(self._world, self.mesh, part)
-        self.attested = tensor_digests(self.holdings, part) if not bad else {}
+        digest = PieceDigests(checkpoint_part(self.live, self.layers))  # each live byte read once
+        bad = attest_round(self._world, self.mesh, digest)
+        self.attested = tensor_digests(self.holdings, digest) if not bad else {}
+        attest_s = time.perf_counter() - t0 - apply_s
         slice_bytes = sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in self.holdings)
-        self.last_stats = {**stats.to_dict(), "ok": not bad, "apply_s": apply_s, "apply_paths": paths,
+        self.last_stats = {**stats.to_dict(), "ok": not bad, "apply_s": apply_s, "attest_s": attest_s,
+                           "apply_paths": paths,
                            "attested": not bad,
                            "slice_bytes": slice_bytes, "host_bytes": slice_bytes + staged_bytes(self.layers)}
         if bad:
@@ -524,7 +511,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         if not self.attested:
             return {"rank": worker_rank(self.parallel_config), "attested": False,
                     "changed": [], "why": "no attested refit yet"}
-        now = tensor_digests(self.holdings, checkpoint_part(self.live, self.layers))
+        now = tensor_digests(self.holdings, PieceDigests(checkpoint_part(self.live, self.layers)))
         changed = sorted(n for n, c in now.items() if self.attested.get(n) != c)
         return {"rank": worker_rank(self.parallel_config), "attested": not changed, "changed": changed}
 
@@ -565,14 +552,14 @@ def attest(llm) -> list[dict]:
 
 
 def worker_pieces(worker) -> list:
-    """``collective_rpc`` target: ``[name, box start, box stop, CRC-32]`` of every box the worker holds, read
+    """``collective_rpc`` target: ``[name, box start, box stop, digest]`` of every box the worker holds, read
     from its live weights in checkpoint layout (what a check of its bytes against the trainer's needs)."""
-    from ..refit.attest import route_crc
     from .vllm_slices import checkpoint_part
 
     eng = worker.weight_transfer_engine
-    part = checkpoint_part(eng.live, eng.layers)
-    return [[h.tensor.name, list(h.box.start), list(h.box.stop), route_crc([h], part)] for h in eng.holdings]
+    digest = PieceDigests(checkpoint_part(eng.live, eng.layers))
+    return [[h.tensor.name, list(h.box.start), list(h.box.stop), digest(h.tensor.name, h.box)]
+            for h in eng.holdings]
 
 
 # -- trainer side

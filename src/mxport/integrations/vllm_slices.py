@@ -31,7 +31,6 @@ re-derives what its kernel keeps beside them (the engine layout of the ``"mxport
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -294,14 +293,15 @@ def _reencode(layer: LayerApply, view: torch.Tensor) -> torch.Tensor:
     return (w / scale).to(view.dtype)[..., view.storage_offset() % k:][..., :view.shape[-1]]
 
 
-def tensor_digests(holdings: Sequence[Holding], part) -> dict[str, int]:
-    """``{tensor name: CRC-32}`` of the live bytes (:func:`checkpoint_part`) of every box a worker holds."""
-    out: dict[str, int] = {}
+def tensor_digests(holdings: Sequence[Holding], digest) -> dict[str, int]:
+    """``{tensor name: digest}`` of the live bytes of every box a worker holds (``digest``: a
+    :class:`~mxport.refit.attest.PieceDigests` over :func:`checkpoint_part`)."""
+    from ..refit.attest import fold
+
+    out: dict[str, list[int]] = {}
     for h in holdings:
-        t = part(h.tensor.name, h.box).contiguous()
-        out[h.tensor.name] = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy().tobytes(),
-                                        out.get(h.tensor.name, 0))
-    return out
+        out.setdefault(h.tensor.name, []).append(digest(h.tensor.name, h.box))
+    return {n: fold(d) for n, d in out.items()}
 
 
 def staged_bytes(layers: Sequence[LayerApply]) -> int:

@@ -1,0 +1,94 @@
+"""``mxport bench --only refit_vllm``: a refit into a real vLLM engine through the ``"mxport"`` backend
+against a raw gloo broadcast of the same bytes between the same two processes, in the same run; and what
+the backend holds per worker beside the engine's own weights.
+
+Runs where vLLM is installed (``scripts/setup_vllm.sh`` makes ``.venv-vllm``: ``.venv-vllm/bin/mxport bench
+--only refit_vllm``); elsewhere one ``skipped`` row says so. The refit time is the demo's step time (vLLM's
+``start_weight_update`` to the prefix-cache reset after ``finish_weight_update``: transfer, checks, in-place
+writes, re-derivation, attestation), the median of several refits of changing weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import tempfile
+from pathlib import Path
+
+BENCHMARK = "refit_vllm"
+
+
+def _skipped(why: str) -> list[dict]:
+    return [{"benchmark": BENCHMARK, "metric": "skipped", "value": 0.0, "baseline": "", "ratio": 0.0,
+             "unit": "", "goal": "", "note": why}]
+
+
+def _large_source(path: Path) -> str:
+    """A ~1 GB MXFP8 refit: a random Llama of 1B-class widths (hidden 2048, intermediate 5632, 16 layers)."""
+    from ..testing import make_tiny_llama
+
+    return str(make_tiny_llama(path, hidden=2048, intermediate=5632, layers=16, heads=16, kv_heads=4,
+                               vocab=32000))
+
+
+def measure(source: str, *, steps: int, tp: int = 1, bucket_bytes: int = 32 << 20) -> dict:
+    """Refit a vLLM engine (tp workers) on ``source``'s export ``steps`` times; returns the step seconds, the
+    raw broadcast seconds of the same bytes, and each worker's stats of the last refit."""
+    from ..checkpoint.export import export_checkpoint
+    from ..demo.vllm import VllmRefitSession
+
+    with tempfile.TemporaryDirectory(prefix="mxport-bench-vllm-") as tmp:
+        mx = str(Path(tmp) / "mx")
+        export_checkpoint(source, mx)
+        session = VllmRefitSession(source, mx, timeout_s=300, bucket_bytes=bucket_bytes, tp=tp)
+        try:
+            seconds = []
+            for k in range(1, steps + 1):
+                ans = session.refit(k)
+                if not ans.get("ok"):
+                    raise RuntimeError(f"refit {k} failed: {ans.get('error')}")
+                calls = ans["engine_calls_s"]
+                seconds.append(calls["last_call_t"] - calls["first_call_t"])
+            nbytes = int(ans["stats"]["bytes"])
+            raw = session.raw_broadcast_s(nbytes, reps=steps)
+            workers = session.engine_stats()
+        finally:
+            session.close_trainer()
+    return {"seconds": seconds, "raw_s": raw, "bytes": nbytes, "workers": workers, "tp": tp}
+
+
+def rows_from(res: dict, label: str) -> list[dict]:
+    refit = statistics.median(res["seconds"][1:] or res["seconds"])  # the first refit warms up
+    w = res["workers"]
+    slice_bytes = max(x["slice_bytes"] for x in w)
+    host = max(x["host_bytes"] for x in w)
+    paths = w[0].get("apply_paths", {})
+    note = (f"{label}: {res['bytes'] / 1e6:.1f} MB per refit, tp={res['tp']}, {len(res['seconds'])} refits "
+            f"(median of all but the first); apply paths per worker {paths}; apply "
+            f"{max(x['apply_s'] for x in w):.3f} s")
+    return [
+        {"benchmark": BENCHMARK, "metric": f"refit into vLLM ({label})", "value": refit,
+         "baseline": "raw gloo broadcast of the same bytes between the same processes, same run",
+         "ratio": res["raw_s"] / refit, "unit": "s", "goal": "ratio >= 0.5", "note": note},
+        {"benchmark": BENCHMARK, "metric": f"host bytes per worker ({label})", "value": host,
+         "baseline": "the worker's slice of the refit", "ratio": host / slice_bytes, "unit": "B",
+         "goal": "ratio <= 1.0",
+         "note": "the backend's buffers beside the engine's weights: the receive staging (the slice) plus "
+                 "the checkpoint copies of layers re-derived by the dequant / layerwise paths; on CPU the "
+                 "device is the host (with NCCL the staging would sit on the GPU)"},
+    ]
+
+
+def run(quick: bool = False) -> list[dict]:
+    """The embedded model (and with ``quick`` False, a ~1 GB model) refitted into vLLM at tp=1."""
+    if importlib.util.find_spec("vllm") is None:
+        return _skipped("needs vLLM: bash scripts/setup_vllm.sh, then .venv-vllm/bin/mxport bench --only "
+                        "refit_vllm")
+    from ..models import default_model_dir
+
+    rows = rows_from(measure(str(default_model_dir()), steps=4 if quick else 6), "embedded SmolLM2-135M")
+    if not quick:
+        with tempfile.TemporaryDirectory(prefix="mxport-bench-large-") as tmp:
+            src = _large_source(Path(tmp) / "bf16")
+            rows += rows_from(measure(src, steps=4), "~1 GB random Llama")
+    return rows
