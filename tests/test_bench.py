@@ -225,3 +225,12 @@ def test_rows_table_leaves_the_baseline_out_of_a_narrow_terminal():
     assert "skipped" in narrow and "installed" in narrow  # the reason, folded into the metric column
     assert "┃ baseline" in wide and "raw dist.broadcast" in wide and "columns, or with --json" not in wide
     assert max(len(line) for line in narrow.splitlines()) <= 80
+
+
+def test_refit_vllm_row_says_how_to_run_it_where_vllm_is_absent():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the benchmark runs (scripts/setup_vllm.sh's environment)")
+    (row,) = run_benchmark("refit_vllm")
+    assert row["metric"] == "skipped" and "setup_vllm.sh" in row["note"]

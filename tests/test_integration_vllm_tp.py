@@ -112,3 +112,29 @@ def test_cli_refuses_a_tp_the_model_cannot_take(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "3 attention heads do not divide by tp=2" in proc.stdout + proc.stderr
+
+
+def test_one_refit_reaches_two_engine_replicas_multicast_once(tmp_path):
+    """Two vLLM engines on the same checkpoint (data-parallel replicas; the second in a process of its own):
+    one refit, one multicast stream reaching both, each attested and bit-exact."""
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2)
+    export_checkpoint(str(src), tmp_path / "mx")
+    s = harness.VllmRefitSession(str(src), str(tmp_path / "mx"), timeout_s=60, bucket_bytes=64 << 10,
+                                 replicas=2)
+    try:
+        ptr0 = s.pointers()
+        ans = _refit_ok(s, 1)
+        assert [x["engines"] for x in ans["streams"]] == [[1, 2]]  # one stream, multicast to both engines
+        assert ans["streams"][0]["bytes"] == s.plan_summary["bytes"]
+        workers = s.engine_stats()
+        assert [w["attested"] for w in workers] == [True, True]
+        assert [w["bytes"] for w in workers] == [s.plan_summary["bytes"]] * 2
+        assert harness.slice_mismatches(s, 1) == [] and s.pointers() == ptr0
+        ours = [{"tokens": o["tokens"], "logprobs": o["logprobs"]}
+                for o in harness.generate(s.llm, PROMPTS, full=False)]
+        assert s.replicas[0].ask("generate", prompts=PROMPTS) == ours
+    finally:
+        s.close()

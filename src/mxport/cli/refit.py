@@ -70,7 +70,8 @@ def refit(
     bucket_mb: float = typer.Option(None, "--bucket-mb", max=4096, callback=positive,
                                     help="Bucket size in MiB (default: sized for the machine)."),
     receivers: int = typer.Option(1, "--receivers", min=1, max=MAX_RECEIVERS,
-                                  help="Inference processes (engine mxport)."),
+                                  help="Inference processes (engine mxport); with --engine vllm, engine "
+                                       "replicas refitted in one refit, the bytes multicast once."),
     json_out: _RefitJson = None,
     max_new_tokens: MaxNewTokensOpt = 16,
     lr: float = typer.Option(1e-5, "--lr", callback=positive, help="AdamW learning rate of the trainer."),
@@ -120,7 +121,7 @@ def refit(
     t0 = time.perf_counter()
     note = _prompt_note(src)
     if name == "vllm":
-        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp)
+        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers)
     elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
         job = _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
                            lr, timeout)
@@ -150,8 +151,6 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
                          f"--trainer {_ranks(str(t_layout))} / --engine {e_layout} run with --engine mxport")
     if sharded and name != "vllm":
         _check_layouts(t_layout, e_layout, receivers)
-    if name == "vllm" and receivers != 1:
-        raise ValueError("--receivers applies to --engine mxport; a vLLM engine is one engine")
     require("transformers", *(("vllm",) if name == "vllm" else ()))
     mb = default_bucket_mb() if bucket_mb is None else bucket_mb
     bucket_bytes = max(ALIGN, int(mb * (1 << 20)) // ALIGN * ALIGN)
@@ -375,7 +374,7 @@ def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_to
                  "bucket_bytes": bucket_bytes})
 
 
-def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1) -> _Job:
+def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, replicas: int = 1) -> _Job:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.demo.vllm)."""
     from ..demo.vllm import run_vllm_refit_demo
 
@@ -387,11 +386,11 @@ def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1) ->
     def start(log_dir: str, on_event) -> dict:
         return run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
                                    max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event,
-                                   tp=tp)
+                                   tp=tp, replicas=replicas)
 
     return _Job("vLLM: export, start (~1 min)", "vLLM refit failed: ", start,
                 {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes,
-                 "engine_layout": f"tp={tp}"},
+                 "engine_layout": f"tp={tp}", "replicas": replicas},
                 engine_in_process=True)
 
 

@@ -168,7 +168,9 @@ class TrainerConfig:
     port: int
     timeout_s: float = 30.0
     bucket_bytes: int = 1 << 20
-    engines: int = 1  # the engine's workers (tensor-parallel ranks)
+    engines: int = 1  # the engines' workers (tensor-parallel ranks x replicas)
+    replica_addresses: tuple = ()  # the engine_server replicas' listeners
+    authkey: str = ""  # their key (hex)
 
 
 def _load_step(model, src: str, step: int) -> None:
@@ -201,12 +203,12 @@ def _set_fault(engine, fault: str | None) -> None:
 
     stream = engine.sender.streams[0]
     inner = getattr(stream.transport, "inner", stream.transport)
-    engine.client = getattr(engine.client, "inner", engine.client)
+    engine.clients = [getattr(c, "inner", c) for c in engine.clients]
     if fault is None:
         stream.transport = inner
         return
     if fault == "digest":
-        engine.client = _ForgedDigest(engine.client)
+        engine.clients = [_ForgedDigest(c) for c in engine.clients]
         return
     if fault == "corrupt":
         def fn(refit, bucket, wire):
@@ -229,7 +231,9 @@ def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         return {"error": f"{type(exc).__name__}: {exc}"}
     stats = engine.last_stats.to_dict() if hasattr(engine.last_stats, "to_dict") else dict(engine.last_stats)
-    return {"ok": True, "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
+    streams = [{"engines": list(x["engines"]), "bytes": x["bytes"]} for x in stats.get("streams", [])]
+    return {"ok": True, "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+            "streams": streams}
 
 
 def _score(model, req: dict) -> dict:
@@ -241,7 +245,8 @@ def _score(model, req: dict) -> dict:
 
 
 def trainer_main(conn, cfg_dict: dict) -> None:
-    """Entry point of the trainer child process."""
+    """Entry point of the trainer child process: the parent's engine on ``conn``, each
+    :func:`engine_server` replica at its address."""
     from transformers import AutoModelForCausalLM
 
     from ..integrations.vllm import MxportTrainerInitInfo, MxportWeightSource, register
@@ -257,7 +262,12 @@ def trainer_main(conn, cfg_dict: dict) -> None:
                                  world_size=1 + cfg.engines, rank=0,
                                  timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
     try:
-        engine = WeightTransferTrainerFactory.trainer_init(info, client=PipeClient(conn), source=source)
+        from multiprocessing.connection import Client
+
+        replicas = [Client(tuple(a), authkey=bytes.fromhex(cfg.authkey)) for a in cfg.replica_addresses]
+        clients = [PipeClient(c) for c in (conn, *replicas)]
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=clients if replicas else clients[0],
+                                                           source=source)
     except Exception as exc:  # noqa: BLE001 - reported to the parent (the engine refused the plan, say)
         _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
         conn.close()
@@ -424,14 +434,108 @@ def engine_pointers(llm) -> list[dict[str, int]]:
     return llm.apply_model(_pointers)
 
 
+_CHECKS = ("stats", "pieces", "attest", "pointers", "generate")
+
+
+def _check(llm, req: dict):
+    """A parent's question to a replica engine (see :class:`ReplicaEngine`)."""
+    from ..integrations import vllm as mxv
+
+    cmd = req["cmd"]
+    if cmd == "stats":
+        return llm.collective_rpc(mxv.worker_stats)
+    if cmd == "pieces":
+        return llm.collective_rpc(mxv.worker_pieces)
+    if cmd == "attest":
+        return mxv.attest(llm)
+    if cmd == "pointers":
+        return engine_pointers(llm)
+    return [{"tokens": o["tokens"], "logprobs": o["logprobs"]}
+            for o in generate(llm, req["prompts"], max_tokens=int(req.get("max_tokens", 8)), full=False)]
+
+
+def engine_server(ctl, mx_dir: str, tp: int, max_model_len: int | None, authkey: str) -> None:
+    """A replica engine's process: a ``vllm.LLM`` on ``mx_dir`` serving trainers' weight-sync calls on a
+    ``multiprocessing`` listener (JSON messages after its HMAC handshake) and the parent's checks on
+    ``ctl``."""
+    import threading
+    from multiprocessing.connection import Listener, wait
+
+    llm, emulated = start_engine(mx_dir, max_model_len=max_model_len, tp=tp)
+    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(authkey))
+    _send(ctl, {"ok": True, "address": list(listener.address), "emulated": emulated})
+    conns, new = [ctl], []
+
+    def accept() -> None:  # trainers connect at any time (a new one before the old one leaves)
+        while True:
+            new.append(listener.accept())
+
+    threading.Thread(target=accept, daemon=True).start()
+    while True:
+        conns += [new.pop() for _ in range(len(new))]
+        for c in wait(conns, timeout=0.2):
+            try:
+                msg = _recv(c)
+            except (EOFError, OSError):
+                conns.remove(c)
+                if c is ctl:
+                    return
+                continue
+            if c is ctl and msg.get("cmd") == "stop":
+                return
+            try:
+                if c is ctl:
+                    reply = {"ok": True, "result": _check(llm, msg)}
+                elif msg.get("call") in _RPC:
+                    result = _engine_call(llm, msg["call"], msg.get("arg"))
+                    plain = isinstance(result, (bool, int, float, str))
+                    reply = {"ok": True, "result": result if plain else None}
+                else:
+                    reply = {"error": f"unknown engine call {msg.get('call')!r}"}
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            _send(c, reply)
+
+
+class ReplicaEngine:
+    """A second (third, ...) vLLM engine on the same checkpoint, in a process of its own
+    (:func:`engine_server`): a data-parallel replica the trainer refits in the same refit."""
+
+    def __init__(self, mx_dir: str, tp: int, max_model_len: int | None, authkey: str, timeout_s: float = 300):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=engine_server, args=(child, mx_dir, tp, max_model_len, authkey),
+                                daemon=True, name="mxport-replica")
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"replica engine did not start within {timeout_s} s")
+        hello = _recv(self.conn)
+        self.address = tuple(hello["address"])
+
+    def ask(self, cmd: str, **kw):
+        _send(self.conn, {"cmd": cmd, **kw})
+        reply = _recv(self.conn)
+        if reply.get("error"):
+            raise RuntimeError(f"replica engine {cmd}: {reply['error']}")
+        return reply["result"]
+
+    def close(self) -> None:
+        _stop(self.proc, self.conn)
+
+
 class VllmRefitSession:
     """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
 
     def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
-                 max_model_len: int | None = None, tp: int = 1):
+                 max_model_len: int | None = None, tp: int = 1, replicas: int = 1):
+        import secrets
+
         from .procs import free_port
 
         self.src_dir, self.timeout_s, self.bucket_bytes, self.tp = src_dir, timeout_s, bucket_bytes, tp
+        self.authkey = secrets.token_hex(16)
+        self.replicas = [ReplicaEngine(mx_dir, tp, max_model_len, self.authkey) for _ in range(replicas - 1)]
         self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len, tp=tp)
         self.proc = self.conn = None
         self._free_port = free_port
@@ -442,7 +546,9 @@ class VllmRefitSession:
         handshake through vLLM. Once the engine accepts it, it replaces the session's trainer; if the engine
         refuses it (RuntimeError with the engine's message), the session's trainer stays connected."""
         src = self.src_dir if src_dir is None else str(src_dir)
-        cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes, self.tp)
+        cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes,
+                            self.tp * (1 + len(self.replicas)), tuple(r.address for r in self.replicas),
+                            self.authkey)
         proc, conn = start_trainer(cfg)
         ans = serve_step(self.llm, conn, None, self.timeout_s + 120)
         if ans.get("error"):
@@ -471,12 +577,22 @@ class VllmRefitSession:
         _stop(self.proc, self.conn)
         self.proc = self.conn = None
 
+    def pointers(self) -> list[dict]:
+        """Every worker's parameter pointers, the replicas' after this process's engine's."""
+        return [*engine_pointers(self.llm), *(x for r in self.replicas for x in r.ask("pointers"))]
+
+    def close(self) -> None:
+        """The trainer, then the replica engines' processes."""
+        self.close_trainer()
+        for r in self.replicas:
+            r.close()
+
     def engine_stats(self) -> list[dict]:
         """Every worker's stats of its last refit (``apply_s``, ``apply_paths``, ``attested``, ``bytes``,
         ``host_bytes``, ...)."""
         from ..integrations.vllm import worker_stats
 
-        return self.llm.collective_rpc(worker_stats)
+        return [*self.llm.collective_rpc(worker_stats), *(x for r in self.replicas for x in r.ask("stats"))]
 
     def raw_broadcast_s(self, nbytes: int, reps: int = 3) -> float:
         """Seconds of a plain gloo broadcast of ``nbytes`` between the trainer and this process.
@@ -565,7 +681,9 @@ def slice_mismatches(session: VllmRefitSession, step: int) -> list[str]:
             cache[name] = w[name] if c is None else (c.scale_inv if name != base else c.data)
         return cache[name]
 
-    for rank, pieces in enumerate(session.llm.collective_rpc(worker_pieces)):
+    every = [*session.llm.collective_rpc(worker_pieces),
+             *(x for r in session.replicas for x in r.ask("pieces"))]
+    for rank, pieces in enumerate(every):
         names = {p[0] for p in pieces}
         for name, start, stop, digest in pieces:
             box = Box(tuple(start), tuple(stop))
@@ -605,7 +723,8 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     v = min(gen["logp"].shape[-1], logp_train.shape[-1])
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
     st, calls = ans["stats"], ans["engine_calls_s"]
-    bad = engine_mismatches(session, step) if session.tp == 1 else slice_mismatches(session, step)
+    sliced = session.tp > 1 or session.replicas
+    bad = slice_mismatches(session, step) if sliced else engine_mismatches(session, step)
     seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. prefix cache reset
     workers = session.engine_stats()
     ranks = [{"rank": r, "bytes": int(x.get("bytes", 0)), "attested": bool(x.get("attested")),
@@ -614,7 +733,7 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     return StepReport(
         step=step, bytes=int(st["bytes"]), seconds=seconds,
         gbps=st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0, gen_kl_error=kl["mean"], bit_exact=not bad,
-        pointers_stable=engine_pointers(session.llm) == ptr0,
+        pointers_stable=session.pointers() == ptr0,
         details={"transfer_s": st["seconds"], "apply_s": max(r["apply_s"] for r in ranks),
                  "attested": bool(st.get("attested")) and all(r["attested"] for r in ranks), "ranks": ranks,
                  "gen_kl_error_max": kl["max"], "mismatches": bad[:8], "kv_fresh": _same(seen, fresh),
@@ -624,7 +743,7 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
                         max_new_tokens: int = 16, timeout_s: float = 120.0, workdir: str | None = None,
-                        on_event=None, tp: int = 1) -> dict:
+                        on_event=None, tp: int = 1, replicas: int = 1) -> dict:
     """``mxport refit SOURCE --engine vllm[,tp=N]``: export ``source`` (an HF model directory) as MXFP8, start
     a real vLLM engine on it (``tp`` > 1: tensor-parallel workers, each refitted with its own slice;
     ``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added), start a
@@ -651,11 +770,12 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
     with tempfile.TemporaryDirectory(prefix="mxport-vllm-", dir=workdir) as tmp:
         mx = str(Path(tmp) / "mxfp8")
         export_checkpoint(source, mx)
-        session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes, tp=tp)
+        session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes, tp=tp,
+                                   replicas=replicas)
         say = on_event or (lambda kind, rank, payload: None)
         try:
             say("plan", 0, session.plan_summary)
-            ptr0, prompts, rows = engine_pointers(session.llm), _prompts(session, max_new_tokens), []
+            ptr0, prompts, rows = session.pointers(), _prompts(session, max_new_tokens), []
             generate(session.llm, [prompts[1]], max_tokens=max_new_tokens, full=False)  # cached at step 0
             for k in range(1, steps + 1):
                 ans = session.refit(k)
@@ -666,7 +786,7 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
             plan = session.plan_summary
             raw = session.raw_broadcast_s(plan["bytes"])
         finally:
-            session.close_trainer()
+            session.close()
     by_role = plan["bytes_by_role"]
     return {"engine": "vllm", "engine_layout": f"tp={tp}", "steps": rows, "plan": plan,
             "raw_broadcast_s": raw,

@@ -346,7 +346,10 @@ class MxportInitInfo(WeightTransferInitInfo):
     world_size: int
     plan: dict
     plan_digest: str
+    #: this engine's first worker's group rank (trainer ranks first, then each engine's workers)
     rank_offset: int = 1
+    #: the trainer ranks of the group (ranks ``0 .. trainers - 1``)
+    trainers: int = 1
     transport: str = "gloo"
     timeout_s: float = 60.0
     use_checksum: bool = True
@@ -436,7 +439,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                         backend=init_info.transport, timeout_s=init_info.timeout_s)
         world = TorchDistTransport.from_group(pg)
         try:
-            mesh = agree(world, init_info.rank_offset, holdings)
+            mesh = agree(world, init_info.trainers, holdings)
             receiver = RefitReceiver.from_mesh(world, mesh, live, use_checksum=init_info.use_checksum,
                                                bucket_bytes=init_info.bucket_bytes)
             receiver.handshake()
@@ -852,8 +855,9 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                  rank: int = 0, pause_mode: str | None = "wait", timeout_s: float = 60.0):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.rank, self.plan, self.timeout_s = rank, plan, timeout_s
+        self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
         self.sender: RefitSender | None = None
-        self.cache = EngineCache(client, pause_mode) if is_sender else None
+        self.caches = [EngineCache(c, pause_mode) for c in self.clients] if is_sender else []
         self._job: _SendJob | None = None  # the last refit's send (see _check_in_step)
         self.last_stats: dict = {}
 
@@ -872,6 +876,9 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                        "plan_digest": plan.digest, "transport": init_info.transport,
                        "timeout_s": init_info.timeout_s, "use_checksum": init_info.use_checksum,
                        "bucket_bytes": init_info.bucket_bytes, **init_info.worker_init_extra}
+        infos = [{**worker_info, "rank_offset": offset} for offset in _rank_offsets(init_info.world_size,
+                                                                                      len(engine.clients))]
+        pairs = list(zip(engine.clients, infos, strict=True))
 
         def connect() -> RefitSender:
             pg = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
@@ -889,14 +896,17 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             sender.mesh = mesh
             return sender
 
-        # the engine checks the plan first, before this side listens: a refused trainer holds no port
-        _rpc("init_weight_transfer_engine", client.init_weight_transfer_engine,
-             {**worker_info, "check_only": True})
-        engine.sender = _together(connect, lambda: _rpc("init_weight_transfer_engine",
-                                                         client.init_weight_transfer_engine, worker_info))[0]
-        # a trainer that died mid-refit may have left the server paused, or KV of weights it applied cached
-        engine.cache.resume()
-        engine.cache.reset_quietly()
+        def init(pair, check_only=False):
+            c, info = pair
+            _rpc("init_weight_transfer_engine", c.init_weight_transfer_engine,
+                 {**info, "check_only": check_only})
+
+        # each engine checks the plan first, before this side listens: a refused trainer holds no port
+        _each(lambda pair: init(pair, True), pairs)
+        engine.sender = _together(connect, lambda: _each(init, pairs))[0]
+        # a trainer that died mid-refit may have left a server paused, or KV of weights it applied cached
+        _each(EngineCache.resume, engine.caches)
+        _each(EngineCache.reset_quietly, engine.caches)
         return engine
 
     def send_weights(self) -> None:
@@ -914,27 +924,27 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                 pass
             return
         self._check_in_step()
-        plan, client = self.plan, self.client
+        plan, clients = self.plan, self.clients
         started = False
         try:
-            self.cache.pause()
-            _start(client)
+            _each(EngineCache.pause, self.caches)
+            _each(_start, clients)
             started = True
             local = InOrder(plan, iter_full(self.source))
             self._job = _SendJob(lambda: _send_and_attest(self.sender, local), local)
-            _rpc("update_weights", client.update_weights, {"plan_digest": plan.digest})
+            _each(lambda c: _rpc("update_weights", c.update_weights, {"plan_digest": plan.digest}), clients)
             try:
                 stats, bad = self._job.result()
             finally:  # workers of a multi-worker engine answer a refused refit without raising (see
                 # MxportWeightTransferEngine.receive_weights): their update session is ended here either way
-                _rpc("finish_weight_update", client.finish_weight_update)
-            reset = self.cache.reset()
+                _each(lambda c: _rpc("finish_weight_update", c.finish_weight_update), clients)
+            reset = all(_each(EngineCache.reset, self.caches))
         except BaseException:
-            if started:  # a refit may have reached the engine's weights before the failure reached us
-                self.cache.reset_quietly()
+            if started:  # a refit may have reached the engines' weights before the failure reached us
+                _each(EngineCache.reset_quietly, self.caches)
             raise
         finally:
-            self.cache.resume()
+            _each(EngineCache.resume, self.caches)
         self.last_stats = {**(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)),
                            "prefix_cache_reset": reset, "attested": not bad}
 
@@ -956,6 +966,44 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             self.sender.close()
             self.sender.world.close()
             self.sender = None
+
+
+def _rank_offsets(world_size: int, engines: int) -> list[int]:
+    """Each engine's first worker's group rank: the trainer at 0, then ``engines`` engines (data-parallel
+    replicas) of the same number of workers each."""
+    workers, rest = divmod(world_size - 1, engines)
+    if rest or workers < 1:
+        raise ValueError(f"world_size {world_size}: 1 trainer rank + the same number of workers for each of "
+                         f"the {engines} engine(s)")
+    return [1 + k * workers for k in range(engines)]
+
+
+def _each(fn: Callable, items: Iterable) -> list:
+    """``fn(item)`` for every item, concurrently (one engine per client: an ``update_weights`` blocks until
+    the whole refit, which needs every engine, is done); every call is waited for, then the first error
+    raised."""
+    items = list(items)
+    if len(items) == 1:
+        return [fn(items[0])]
+    results: list = [None] * len(items)
+    errors: list = [None] * len(items)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(items[i])
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name="mxport-engine-call")
+               for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
 
 
 def _start(client) -> None:
