@@ -138,3 +138,26 @@ def test_one_refit_reaches_two_engine_replicas_multicast_once(tmp_path):
         assert s.replicas[0].ask("generate", prompts=PROMPTS) == ours
     finally:
         s.close()
+
+
+def test_two_fsdp2_trainer_ranks_each_send_their_own_pieces(tmp_path):
+    """An FSDP2 trainer of 2 ranks (each holding half of every tensor) refits a tp=2 vLLM engine: every
+    trainer rank sends the pieces it holds straight to the workers that need them (no gather), each worker
+    receives from both, and the engine holds exactly the trainer's weights, attested."""
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2)
+    export_checkpoint(str(src), tmp_path / "mx")
+    s = harness.VllmRefitSession(str(src), str(tmp_path / "mx"), timeout_s=60, bucket_bytes=64 << 10,
+                                 tp=2, trainers=2)
+    try:
+        assert s.plan_summary["trainer_ranks"] == 2
+        for step in (1, 2):
+            ans = _refit_ok(s, step)
+            assert sorted(x["engines"] for x in ans["streams"]) == [[2], [3]]  # rank 0's streams
+            workers = s.engine_stats()
+            assert [w["attested"] for w in workers] == [True, True]
+            assert harness.slice_mismatches(s, step) == []
+    finally:
+        s.close()

@@ -171,14 +171,23 @@ class TrainerConfig:
     engines: int = 1  # the engines' workers (tensor-parallel ranks x replicas)
     replica_addresses: tuple = ()  # the engine_server replicas' listeners
     authkey: str = ""  # their key (hex)
+    trainers: int = 1  # trainer ranks (several: an FSDP2-sharded model, each rank sending its pieces)
+    trainer_port: int = 0  # their own group's port
 
 
 def _load_step(model, src: str, step: int) -> None:
+    from ..sources.dtensor import is_dtensor
+
     w = trainer_weights(src, step)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in w:
-                p.copy_(w[name])
+                if is_dtensor(p):  # this rank's shard of the full tensor
+                    from torch.distributed.tensor import distribute_tensor
+
+                    p.copy_(distribute_tensor(w[name].to(p.dtype), p.device_mesh, p.placements))
+                else:
+                    p.copy_(w[name])
 
 
 class _ForgedDigest:
@@ -244,11 +253,43 @@ def _score(model, req: dict) -> dict:
     return {"ok": True, "logp": torch.log_softmax(logits, -1).tolist()}
 
 
-def trainer_main(conn, cfg_dict: dict) -> None:
-    """Entry point of the trainer child process: the parent's engine on ``conn``, each
-    :func:`engine_server` replica at its address."""
+def _trainer_model(cfg: TrainerConfig, rank: int):
+    """The trainer's model: BF16 from ``cfg.source``; with several trainer ranks, sharded with FSDP2
+    ``fully_shard`` over them (their own gloo group, the default one of this process)."""
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(cfg.source, dtype=torch.bfloat16)
+    if cfg.trainers > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.trainer_port}",
+                                             rank=rank, world_size=cfg.trainers)
+        mesh = init_device_mesh("cpu", (cfg.trainers,))
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _share(req: dict | None, cfg: TrainerConfig) -> dict:
+    """Trainer rank 0's request (from the parent) on every trainer rank (JSON bytes over their group)."""
+    if cfg.trainers == 1:
+        return req
+    data = json.dumps(req).encode() if req is not None else b""
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    torch.distributed.broadcast(n, 0)
+    buf = torch.zeros(int(n), dtype=torch.uint8)
+    if data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    torch.distributed.broadcast(buf, 0)
+    return json.loads(buf.numpy().tobytes())
+
+
+def trainer_main(conn, cfg_dict: dict, rank: int = 0) -> None:
+    """Entry point of a trainer child process (``rank`` of ``cfg.trainers``): rank 0 talks to the parent's
+    engine on ``conn`` and to each :func:`engine_server` replica at its address; the other ranks send the
+    pieces they hold of the FSDP2-sharded model."""
     from ..integrations.vllm import MxportTrainerInitInfo, MxportWeightSource, register
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # isort: skip
@@ -256,42 +297,53 @@ def trainer_main(conn, cfg_dict: dict) -> None:
     torch.set_num_threads(1)
     cfg = TrainerConfig(**cfg_dict)
     register()
-    model = AutoModelForCausalLM.from_pretrained(cfg.source, dtype=torch.bfloat16)
+    model = _trainer_model(cfg, rank)
     source = MxportWeightSource(model)
     info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port,
-                                 world_size=1 + cfg.engines, rank=0,
+                                 world_size=cfg.trainers + cfg.engines, trainers=cfg.trainers, rank=rank,
                                  timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
     try:
         from multiprocessing.connection import Client
 
         replicas = [Client(tuple(a), authkey=bytes.fromhex(cfg.authkey)) for a in cfg.replica_addresses]
-        clients = [PipeClient(c) for c in (conn, *replicas)]
+        clients = [PipeClient(c) for c in (conn, *replicas)] if rank == 0 else [None]
         engine = WeightTransferTrainerFactory.trainer_init(info, client=clients if replicas else clients[0],
                                                            source=source)
     except Exception as exc:  # noqa: BLE001 - reported to the parent (the engine refused the plan, say)
-        _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
-        conn.close()
+        if conn is not None:
+            _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
+            conn.close()
         os._exit(2)  # at once, whatever the refused init left behind
-    sender = engine.sender
-    layouts = [s.layout for s in sender.streams]
-    buckets = {"buckets": sum(x.num_buckets for x in layouts), "bucket_bytes": layouts[0].bucket_bytes,
-               "engine_bytes": sender.mesh.engine_bytes()}
-    _send(conn, {"ok": True, "plan": {**source.plan.summary(), **buckets}})
+    if rank == 0:
+        sender = engine.sender
+        layouts = [s.layout for s in sender.streams]
+        buckets = {"buckets": sum(x.num_buckets for x in layouts), "bucket_bytes": layouts[0].bucket_bytes,
+                   "engine_bytes": sender.mesh.engine_bytes(), "trainer_ranks": cfg.trainers}
+        _send(conn, {"ok": True, "plan": {**source.plan.summary(), **buckets}})
     while True:
         try:
-            req = _recv(conn)
+            req = _share(_recv(conn) if rank == 0 else None, cfg)
         except (EOFError, OSError):
-            return
-        if req.get("cmd") == "step":
-            _send(conn, _trainer_step(engine, model, cfg, req))
-        elif req.get("cmd") == "score":
-            _send(conn, _score(model, req))
-        elif req.get("cmd") == "raw":
-            _send(conn, {"ok": True, "seconds": raw_broadcast(0, int(req["port"]), int(req["nbytes"]),
-                                                               int(req.get("reps", 3)), cfg.timeout_s)})
-        else:
+            req = _share({"cmd": "stop"}, cfg) if rank == 0 else {"cmd": "stop"}
+        answer = _serve_trainer(engine, model, cfg, req, rank)
+        if rank == 0 and answer is not None:
+            _send(conn, answer)
+        if req.get("cmd") not in ("step", "score", "raw"):
             engine.shutdown()
             return
+
+
+def _serve_trainer(engine, model, cfg: TrainerConfig, req: dict, rank: int) -> dict | None:
+    """One request on one trainer rank; rank 0's answer for the parent."""
+    cmd = req.get("cmd")
+    if cmd == "step":
+        return _trainer_step(engine, model, cfg, req)
+    if cmd == "score":
+        return _score(model, req)  # every rank runs the model: FSDP2 gathers each layer among them
+    if cmd == "raw" and rank == 0:
+        return {"ok": True, "seconds": raw_broadcast(0, int(req["port"]), int(req["nbytes"]),
+                                                     int(req.get("reps", 3)), cfg.timeout_s)}
+    return None
 
 
 def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float) -> float:
@@ -313,15 +365,15 @@ def raw_broadcast(rank: int, port: int, nbytes: int, reps: int, timeout_s: float
     return best
 
 
-def _stop(proc, conn) -> None:
-    """Ask a trainer process to stop, then make sure it has."""
+def _stop(procs, conn) -> None:
+    """Ask a trainer (or replica engine) to stop, then make sure its processes have."""
     if conn is not None:
         try:
             _send(conn, {"cmd": "stop"})
         except OSError:
             pass
         conn.close()
-    if proc is not None:
+    for proc in procs if isinstance(procs, list) else [procs] if procs is not None else []:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
@@ -329,13 +381,15 @@ def _stop(proc, conn) -> None:
 
 
 def start_trainer(cfg: TrainerConfig):
-    """Spawn the trainer; returns ``(process, parent_end_of_pipe)``."""
+    """Spawn the trainer ranks; returns ``(processes, parent's end of rank 0's pipe)``."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=trainer_main, args=(child, cfg.__dict__), daemon=True, name="mxport-trainer")
-    proc.start()
+    procs = [ctx.Process(target=trainer_main, args=(child if r == 0 else None, cfg.__dict__, r), daemon=True,
+                         name=f"mxport-trainer-{r}") for r in range(cfg.trainers)]
+    for p in procs:
+        p.start()
     child.close()
-    return proc, parent
+    return procs, parent
 
 
 # -- the engine side
@@ -528,12 +582,13 @@ class VllmRefitSession:
     """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
 
     def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
-                 max_model_len: int | None = None, tp: int = 1, replicas: int = 1):
+                 max_model_len: int | None = None, tp: int = 1, replicas: int = 1, trainers: int = 1):
         import secrets
 
         from .procs import free_port
 
         self.src_dir, self.timeout_s, self.bucket_bytes, self.tp = src_dir, timeout_s, bucket_bytes, tp
+        self.trainers = trainers
         self.authkey = secrets.token_hex(16)
         self.replicas = [ReplicaEngine(mx_dir, tp, max_model_len, self.authkey) for _ in range(replicas - 1)]
         self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len, tp=tp)
@@ -548,7 +603,7 @@ class VllmRefitSession:
         src = self.src_dir if src_dir is None else str(src_dir)
         cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes,
                             self.tp * (1 + len(self.replicas)), tuple(r.address for r in self.replicas),
-                            self.authkey)
+                            self.authkey, self.trainers, self._free_port())
         proc, conn = start_trainer(cfg)
         ans = serve_step(self.llm, conn, None, self.timeout_s + 120)
         if ans.get("error"):

@@ -78,7 +78,7 @@ from ..refit import (
 )
 from ..refit.attest import PieceDigests, attest_round
 from ..refit.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from ..refit.mesh import TensorInfo
+from ..refit.mesh import TensorInfo, local_part
 from ..refit.plan import dtype_from_name
 from ..refit.results import RefitError
 from ..refit.transport import open_group
@@ -639,6 +639,7 @@ class MxportWeightSource(WeightSource):
     def __init__(self, model: torch.nn.Module, policy=None, *,
                  kept_dtype: torch.dtype | None = torch.bfloat16, nonzero_scales: bool = False):
         self.trainer = TrainerSource(model, policy, kept_dtype=kept_dtype)
+        self.model, self.policy, self.kept_dtype = model, policy, kept_dtype
         self.plan = self.trainer.plan
         self.nonzero_scales = bool(nonzero_scales)
         # per plan entry: its model tensor and whether it is quantized (values / scales come in pairs)
@@ -720,16 +721,19 @@ class MxportTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of the ``"mxport"`` backend.
 
     ``WeightTransferTrainerFactory`` dispatches on ``backend``; ``rank`` (keyword, required by vLLM) is this
-    trainer process's rank, 0 for the sender. ``world_size``: 1 trainer + every engine worker; rank 0 (the
-    sender) serves the TCP store. ``pause_mode``: how an engine behind vLLM's HTTP server is paused around
-    each refit (its ``/pause?mode=...``: ``"wait"`` lets running requests finish, ``"abort"`` aborts them;
-    None: not paused); see :meth:`MxportTrainerWeightTransferEngine.send_weights`."""
+    trainer process's rank, 0 for the sender. ``trainers``: the trainer ranks that send (1: rank 0 sends the
+    whole model; several: every trainer rank calls ``trainer_init`` and sends the pieces it holds of a
+    ``DTensor`` model, :class:`~mxport.refit.ShardedTrainerSource`). ``world_size``: the trainer ranks + every
+    engine worker; rank 0 (the sender) serves the TCP store. ``pause_mode``: how an engine behind vLLM's HTTP
+    server is paused around each refit (its ``/pause?mode=...``: ``"wait"`` lets running requests finish,
+    ``"abort"`` aborts them; None: not paused); see :meth:`MxportTrainerWeightTransferEngine.send_weights`."""
 
     backend: ClassVar[str] = BACKEND
 
     master_address: str
     master_port: int
     world_size: int = 2
+    trainers: int = 1
     transport: str = "gloo"
     timeout_s: float = 60.0
     use_checksum: bool = True
@@ -857,6 +861,7 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         self.rank, self.plan, self.timeout_s = rank, plan, timeout_s
         self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
         self.sender: RefitSender | None = None
+        self.sharded = None  # several trainer ranks: this rank's ShardedTrainerSource
         self.caches = [EngineCache(c, pause_mode) for c in self.clients] if is_sender else []
         self._job: _SendJob | None = None  # the last refit's send (see _check_in_step)
         self.last_stats: dict = {}
@@ -869,23 +874,24 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         plan = getattr(source, "plan", None) or plan_from_metadata(source_metadata(source))
         engine = cls(client=client, source=source, plan=plan, is_sender=init_info.is_sender,
                      rank=init_info.rank, pause_mode=init_info.pause_mode, timeout_s=init_info.timeout_s)
-        if not engine.is_sender:
-            return engine
+        trainers = int(init_info.trainers)
+        engine.sharded = _sharded_source(source, plan) if trainers > 1 else None
+        holdings = engine.sharded.holdings if engine.sharded is not None else whole_holdings(plan)
         worker_info = {"master_address": init_info.master_address, "master_port": init_info.master_port,
                        "world_size": init_info.world_size, "plan": plan.canonical(),
                        "plan_digest": plan.digest, "transport": init_info.transport,
                        "timeout_s": init_info.timeout_s, "use_checksum": init_info.use_checksum,
                        "bucket_bytes": init_info.bucket_bytes, **init_info.worker_init_extra}
-        infos = [{**worker_info, "rank_offset": offset} for offset in _rank_offsets(init_info.world_size,
-                                                                                      len(engine.clients))]
+        infos = [{**worker_info, "rank_offset": offset, "trainers": trainers}
+                 for offset in _rank_offsets(init_info.world_size, len(engine.clients), trainers)]
         pairs = list(zip(engine.clients, infos, strict=True))
 
         def connect() -> RefitSender:
-            pg = open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                            backend=init_info.transport, timeout_s=init_info.timeout_s)
+            pg = open_group(init_info.master_address, init_info.master_port, init_info.rank,
+                            init_info.world_size, backend=init_info.transport, timeout_s=init_info.timeout_s)
             world = TorchDistTransport.from_group(pg)
             try:
-                mesh = agree(world, 1, whole_holdings(plan))
+                mesh = agree(world, trainers, holdings)
                 dev = "cuda" if init_info.transport == "nccl" else "cpu"
                 sender = RefitSender.from_mesh(world, mesh, use_checksum=init_info.use_checksum,
                                                bucket_bytes=init_info.bucket_bytes, device=dev)
@@ -896,6 +902,10 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             sender.mesh = mesh
             return sender
 
+        if not engine.is_sender:  # one of several trainer ranks sends its pieces; rank 0 drives the engines
+            if trainers > 1:
+                engine.sender = connect()
+            return engine
         def init(pair, check_only=False):
             c, info = pair
             _rpc("init_weight_transfer_engine", c.init_weight_transfer_engine,
@@ -919,9 +929,14 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
         while buckets were still going out, and the send did not end in a vote) makes every later call raise:
         run ``trainer_init`` again (a new group). Sending on such a group would have the engine read the old
         refit's buckets as the new one's."""
-        if self.sender is None:  # non-sender ranks only take part in the source's own collectives
-            for _ in iter_full(self.source):
-                pass
+        if not self.is_sender:
+            if self.sender is None:  # one trainer rank sends; the others join the source's collectives
+                for _ in iter_full(self.source):
+                    pass
+                return
+            local = self.sharded.local()  # one of several trainer ranks: its own pieces, then the attestation
+            stats, bad = _send_and_attest(self.sender, local)
+            self.last_stats = {**stats.to_dict(), "attested": not bad}
             return
         self._check_in_step()
         plan, clients = self.plan, self.clients
@@ -930,7 +945,8 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             _each(EngineCache.pause, self.caches)
             _each(_start, clients)
             started = True
-            local = InOrder(plan, iter_full(self.source))
+            sharded = self.sharded
+            local = sharded.local() if sharded is not None else InOrder(plan, iter_full(self.source))
             self._job = _SendJob(lambda: _send_and_attest(self.sender, local), local)
             _each(lambda c: _rpc("update_weights", c.update_weights, {"plan_digest": plan.digest}), clients)
             try:
@@ -968,14 +984,14 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
             self.sender = None
 
 
-def _rank_offsets(world_size: int, engines: int) -> list[int]:
-    """Each engine's first worker's group rank: the trainer at 0, then ``engines`` engines (data-parallel
-    replicas) of the same number of workers each."""
-    workers, rest = divmod(world_size - 1, engines)
+def _rank_offsets(world_size: int, engines: int, trainers: int = 1) -> list[int]:
+    """Each engine's first worker's group rank: the trainer ranks first, then ``engines`` engines
+    (data-parallel replicas) of the same number of workers each."""
+    workers, rest = divmod(world_size - trainers, engines)
     if rest or workers < 1:
-        raise ValueError(f"world_size {world_size}: 1 trainer rank + the same number of workers for each of "
-                         f"the {engines} engine(s)")
-    return [1 + k * workers for k in range(engines)]
+        raise ValueError(f"world_size {world_size}: {trainers} trainer rank(s) + the same number of workers "
+                         f"for each of the {engines} engine(s)")
+    return [trainers + k * workers for k in range(engines)]
 
 
 def _each(fn: Callable, items: Iterable) -> list:
@@ -1022,11 +1038,26 @@ def _start(client) -> None:
         _rpc("start_weight_update", client.start_weight_update)
 
 
-def _send_and_attest(sender: RefitSender, local: InOrder):
-    """One refit from this trainer rank, then the attestation round the engine ranks join once they have
-    applied it: ``(send stats, routes whose ends disagree)``."""
+def _send_and_attest(sender: RefitSender, local: Mapping):
+    """One refit from this trainer rank (``local``: its ``{name: (box, tensor)}``), then the attestation round
+    the engine ranks join once they have applied it: ``(send stats, routes whose ends disagree)``."""
     stats = sender.send_local(local)
-    return stats, attest_round(sender.world, sender.mesh, local.part)
+    return stats, attest_round(sender.world, sender.mesh, lambda name, box: local_part(local, name, box))
+
+
+def _sharded_source(source, plan: RefitPlan):
+    """The :class:`~mxport.refit.ShardedTrainerSource` of an :class:`MxportWeightSource`'s model (one of
+    several trainer ranks), checked to give the same plan."""
+    from ..refit import ShardedTrainerSource
+
+    model = getattr(source, "model", None)
+    if model is None:
+        raise ValueError("several trainer ranks (trainers > 1) need an MxportWeightSource over the rank's "
+                         "DTensor model")
+    sharded = ShardedTrainerSource(model, source.policy, kept_dtype=source.kept_dtype)
+    if sharded.plan.digest != plan.digest:
+        raise ValueError("the sharded model's plan is not the source's (another policy or dtype?)")
+    return sharded
 
 
 def whole_holdings(plan: RefitPlan) -> list[Holding]:
@@ -1069,17 +1100,12 @@ class InOrder(Mapping):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def part(self, name: str, box: Box) -> torch.Tensor:
-        from ..refit.mesh import local_part
-
-        return local_part(self, name, box)
-
 
 class _SendJob:
     """The sender's side of one refit, on a daemon thread: ``in_step`` once it has ended in step with the
     engine (sent and voted on, accepted or not; a sender that failed before the vote leaves it False)."""
 
-    def __init__(self, send: Callable[[], Any], source: InOrder | None = None):
+    def __init__(self, send: Callable[[], Any], source: Mapping | None = None):
         self.done, self.source = threading.Event(), source
         self.in_step, self.error, self._stats = False, None, None
         threading.Thread(target=self._run, args=(send,), daemon=True, name="mxport-send").start()
@@ -1093,7 +1119,7 @@ class _SendJob:
         except BaseException as exc:  # noqa: BLE001 - raised again by result()
             # the source's own error: the sender aborted the refit with its trailer and the ranks voted
             self.error = exc
-            self.in_step = self.source is not None and exc is self.source.error
+            self.in_step = exc is getattr(self.source, "error", None)
         finally:
             self.done.set()
 
