@@ -154,6 +154,8 @@ def test_two_fsdp2_trainer_ranks_each_send_their_own_pieces(tmp_path):
     try:
         assert s.plan_summary["trainer_ranks"] == 2
         for step in (1, 2):
+            if step == 2:  # a forward pass on the FSDP2 trainer (scoring) between refits
+                s.score([5, 6, 7], [8, 9])
             ans = _refit_ok(s, step)
             assert sorted(x["engines"] for x in ans["streams"]) == [[2], [3]]  # rank 0's streams
             workers = s.engine_stats()

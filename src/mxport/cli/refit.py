@@ -121,7 +121,8 @@ def refit(
     t0 = time.perf_counter()
     note = _prompt_note(src)
     if name == "vllm":
-        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers)
+        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers,
+                        trainer_layout.fsdp)
     elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
         job = _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
                            lr, timeout)
@@ -146,9 +147,10 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     name, e_layout = parse_engine(engine)
     t_layout = Layout.parse(trainer)
     sharded = t_layout.ranks > 1 or e_layout.ranks > 1
-    if name == "vllm" and (t_layout.ranks > 1 or e_layout.ep > 1):
-        raise ValueError(f"--engine vllm runs one trainer rank and a tensor-parallel engine (vllm,tp=N); "
-                         f"--trainer {_ranks(str(t_layout))} / --engine {e_layout} run with --engine mxport")
+    if name == "vllm" and (t_layout.ranks != t_layout.fsdp or e_layout.ep > 1):
+        raise ValueError(f"--engine vllm runs FSDP2 trainer ranks (--trainer fsdp=N) and a tensor-parallel "
+                         f"engine (vllm,tp=N); --trainer {_ranks(str(t_layout))} / --engine {e_layout} run "
+                         "with --engine mxport")
     if sharded and name != "vllm":
         _check_layouts(t_layout, e_layout, receivers)
     require("transformers", *(("vllm",) if name == "vllm" else ()))
@@ -374,7 +376,8 @@ def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_to
                  "bucket_bytes": bucket_bytes})
 
 
-def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, replicas: int = 1) -> _Job:
+def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, replicas: int = 1,
+              trainers: int = 1) -> _Job:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.demo.vllm)."""
     from ..demo.vllm import run_vllm_refit_demo
 
@@ -386,11 +389,11 @@ def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, re
     def start(log_dir: str, on_event) -> dict:
         return run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
                                    max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event,
-                                   tp=tp, replicas=replicas)
+                                   tp=tp, replicas=replicas, trainers=trainers)
 
     return _Job("vLLM: export, start (~1 min)", "vLLM refit failed: ", start,
                 {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes,
-                 "engine_layout": f"tp={tp}", "replicas": replicas},
+                 "engine_layout": f"tp={tp}", "replicas": replicas, "trainer": f"fsdp={trainers}"},
                 engine_in_process=True)
 
 
@@ -402,7 +405,7 @@ def _step_line(row: dict) -> str:
 def _print_result(out: dict) -> None:
     rows, bucket_bytes = out["steps"], out["bucket_bytes"]
     vllm = out["engine"] == "vllm"
-    who = ("a vLLM engine" if vllm else f"trainer {_ranks(out['trainer'])}, engine "
+    who = (_vllm_who(out) if vllm else f"trainer {_ranks(out['trainer'])}, engine "
            f"{_ranks(out['engine_layout'])}" if "trainer" in out else f"{out['receivers']} receiver(s)")
     # no vertical rules: the vLLM table's ten columns fit an 80-column terminal
     table = Table(title=f"mxport refit {out['model']} ({who}, {bucket_bytes / (1 << 20):g} MiB buckets)",
@@ -449,7 +452,22 @@ def _print_ranks(row: dict) -> None:
                   highlight=False)
 
 
+def _vllm_who(out: dict) -> str:
+    engines = out.get("replicas", 1)
+    who = "a vLLM engine" if engines == 1 else f"{engines} vLLM engines"
+    if out.get("engine_layout", "tp=1") != "tp=1":
+        who += f" ({out['engine_layout']} each)" if engines > 1 else f" ({out['engine_layout']})"
+    trainer = out.get("trainer", "fsdp=1")
+    return who if trainer == "fsdp=1" else f"trainer {trainer}, {who}"
+
+
 def _print_vllm_notes(out: dict) -> None:
+    last = out["steps"][-1] if out["steps"] else {}
+    if last.get("ranks"):
+        ranks = last["ranks"]
+        console.print(f"last step: {sum(r['attested'] for r in ranks)} of {len(ranks)} vLLM workers attested "
+                      "(their live weights read back equal what was sent); MB per worker "
+                      + ", ".join(f"{r['bytes'] / 1e6:.1f}" for r in ranks), highlight=False)
     plan_bytes = out["plan"]["bytes"]
     console.print(f"raw gloo broadcast of the same {plan_bytes / 1e6:.1f} MB: "
                   f"{out['raw_broadcast_s']:.3f} s; "

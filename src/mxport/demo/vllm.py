@@ -250,6 +250,8 @@ def _score(model, req: dict) -> dict:
     ids = torch.tensor([list(req["prompt"]) + list(req["tokens"])])
     with torch.no_grad():
         logits = model(ids).logits[0, len(req["prompt"]) - 1:-1].float()
+    if callable(getattr(model, "reshard", None)):  # FSDP2 keeps the root's parameters unsharded after a
+        model.reshard()  # forward: the next step's weights must land in the shards the refit reads
     return {"ok": True, "logp": torch.log_softmax(logits, -1).tolist()}
 
 
@@ -785,9 +787,10 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     ranks = [{"rank": r, "bytes": int(x.get("bytes", 0)), "attested": bool(x.get("attested")),
               "apply_s": float(x.get("apply_s", 0.0)), "apply_paths": x.get("apply_paths", {}),
               "host_bytes": int(x.get("host_bytes", 0))} for r, x in enumerate(workers)]
+    received = sum(r["bytes"] for r in ranks)  # into every worker (several trainer ranks sent parts of it)
     return StepReport(
-        step=step, bytes=int(st["bytes"]), seconds=seconds,
-        gbps=st["bytes"] / seconds / 1e9 if seconds > 0 else 0.0, gen_kl_error=kl["mean"], bit_exact=not bad,
+        step=step, bytes=received, seconds=seconds,
+        gbps=received / seconds / 1e9 if seconds > 0 else 0.0, gen_kl_error=kl["mean"], bit_exact=not bad,
         pointers_stable=session.pointers() == ptr0,
         details={"transfer_s": st["seconds"], "apply_s": max(r["apply_s"] for r in ranks),
                  "attested": bool(st.get("attested")) and all(r["attested"] for r in ranks), "ranks": ranks,
@@ -798,7 +801,7 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
                         max_new_tokens: int = 16, timeout_s: float = 120.0, workdir: str | None = None,
-                        on_event=None, tp: int = 1, replicas: int = 1) -> dict:
+                        on_event=None, tp: int = 1, replicas: int = 1, trainers: int = 1) -> dict:
     """``mxport refit SOURCE --engine vllm[,tp=N]``: export ``source`` (an HF model directory) as MXFP8, start
     a real vLLM engine on it (``tp`` > 1: tensor-parallel workers, each refitted with its own slice;
     ``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added), start a
@@ -826,7 +829,7 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
         mx = str(Path(tmp) / "mxfp8")
         export_checkpoint(source, mx)
         session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes, tp=tp,
-                                   replicas=replicas)
+                                   replicas=replicas, trainers=trainers)
         say = on_event or (lambda kind, rank, payload: None)
         try:
             say("plan", 0, session.plan_summary)
