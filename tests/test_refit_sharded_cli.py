@@ -85,7 +85,8 @@ def test_cli_sharded_json_and_exit_code(tmp_path, llama):
 def test_cli_refuses_layouts_it_cannot_run(llama):
     env = dict(os.environ, MXPORT_DISABLE_COMPILE="1")
     for args, msg in ((["--trainer", "fsdp=2,tp=2"], "one dimension"), (["--engine", "pp=2"], "tp and ep"),
-                      (["--engine", "vllm,tp=2"], "--engine mxport"),
+                      (["--engine", "vllm,ep=2"], "--engine mxport"),
+                      (["--trainer", "tp=2", "--engine", "vllm"], "--engine mxport"),
                       (["--trainer", "fsdp=4", "--engine", "tp=8"], "at most"),
                       (["--trainer", "fsdp=2", "--engine", "tp=3"], "4 attention heads do not divide by tp")):
         r = subprocess.run(MXPORT + ["refit", str(llama), *args], capture_output=True, text=True, timeout=60,
