@@ -210,12 +210,11 @@ _GROUP_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def subgroup(pg, ranks) -> tuple[object, int]:
-    """A process group of the ranks ``ranks`` of the group ``pg`` (group-local ranks; this process among
-    them), and the rank ``ranks[0]`` has in it: a multicast stream's group (one broadcast to several
-    receivers). Collective over those ranks only: each of them calls it with the same ranks, in the same
-    order as its other subgroups of ``pg``. For a group :func:`open_group` made and for torch.distributed's
-    default group (the subgroup meets on that group's store).
+def subgroup(pg, ranks):
+    """A process group of the ranks ``ranks`` of the group ``pg`` (group-local ranks, this process among
+    them; ``ranks[0]`` becomes its rank 0): a multicast stream's group. Collective over those ranks only, each
+    calling it with the same ranks, in the same order as its other subgroups of ``pg``. For a group
+    :func:`open_group` made and for torch.distributed's default group (it meets on that group's store).
 
     Raises:
         ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: a group of neither
@@ -232,7 +231,7 @@ def subgroup(pg, ranks) -> tuple[object, int]:
     key = tuple(ranks)
     made[key] = n = made.get(key, 0) + 1
     prefix = f"mxport-sub{n}-" + "-".join(map(str, ranks))
-    return _new_group(dist.PrefixStore(prefix, store), ranks.index(me), len(ranks), backend, timeout), 0
+    return _new_group(dist.PrefixStore(prefix, store), ranks.index(me), len(ranks), backend, timeout)
 
 
 def _store_of(pg) -> tuple:

@@ -273,8 +273,7 @@ def stream_transport(world: Transport, trainer: int, engines: Sequence[int], tag
                         f"{type(world).__name__}")
     if len(engines) == 1:
         return PairTransport(pg, trainer, engines[0], tag=tag)
-    group, src = subgroup(pg, [trainer, *engines])
-    transport = TorchDistTransport.from_group(group, src=src)
+    transport = TorchDistTransport.from_group(subgroup(pg, [trainer, *engines]))  # the trainer is its rank 0
     transport.ranks = (trainer, *engines)  # its handshake names its receivers by their world ranks
     return transport
 
