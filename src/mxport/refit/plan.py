@@ -1,16 +1,10 @@
-"""RefitPlan: the manifest of one refit — the ordered list of what it moves, where each tensor lies in the
-byte stream, and a digest.
+"""RefitPlan: the manifest of one refit, the ordered list of what it moves and a digest.
 
-Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in
-one virtual byte stream. A plan entry records the tensor's checkpoint name (modelopt names: ``<m>.weight``
-values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` / ``kept``), dtype, shape, byte
-count and its place in the stream (``offset``, a multiple of :data:`ALIGN`). How the stream is cut into
-buckets on the wire is the stream's own setting (:class:`~mxport.refit.buckets.BucketLayout`), not the plan's.
-
-Sender and receiver build their plans independently (from the trainer's policy and from the inference model)
-and compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the
-first differences.
-"""
+Every tensor travels as raw bytes in one virtual byte stream. An entry records the checkpoint name (modelopt:
+``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), role (``values`` / ``scales`` / ``kept``), dtype,
+shape, byte count and ``offset`` in the stream (a multiple of :data:`ALIGN`). The bucket size is the stream's,
+not the plan's. Sender and receiver build their plans independently and compare digests before any payload
+moves."""
 
 from __future__ import annotations
 
@@ -94,12 +88,8 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One tensor of the refit stream.
-
-    name: checkpoint (HF) name; role: "values" | "scales" | "kept"; dtype: torch dtype name ("float8_e4m3fn",
-    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the
-    stream (a multiple of :data:`ALIGN`).
-    """
+    """One tensor of the refit stream: name (checkpoint name), role, dtype name, logical shape, nbytes
+    (``numel * itemsize``), offset (its first byte in the stream)."""
 
     name: str
     role: Role
@@ -149,14 +139,12 @@ class RefitPlan:
 
     @classmethod
     def from_canonical(cls, obj) -> RefitPlan:
-        """Rebuild a plan from its :meth:`canonical` form (e.g. parsed from a peer's JSON); same digest.
-
-        Every field is checked strictly: exactly the canonical keys, this plan format and alignment, ints that
-        are non-negative ints (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and each entry's
-        ``nbytes`` and ``offset`` equal to what its shapes imply.
+        """Rebuild a plan from its :meth:`canonical` form (e.g. a peer's JSON); same digest.
 
         Raises:
-            ValueError: anything else, naming the first bad field.
+            ValueError: anything but exactly the canonical keys, this format and alignment, non-negative ints
+                (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and ``nbytes`` / ``offset``
+                that follow from the shapes; naming the first bad field.
         """
         if type(obj) is dict and obj.get("format", PLAN_FORMAT) != PLAN_FORMAT:  # another version's plan
             raise ValueError(f"plan format must be {PLAN_FORMAT!r}, got {obj['format']!r}")
@@ -205,16 +193,16 @@ class RefitPlan:
 
     @cached_property
     def _expected(self) -> list[tuple[torch.dtype, torch.Size]]:
-        """Each entry's torch dtype and shape, for :meth:`check_tensor` (run on every tensor of every refit:
-        comparing dtype objects instead of their names halves its cost)."""
+        """Each entry's torch dtype and shape, for :meth:`check_tensor` (comparing dtype objects, not names,
+        halves its cost)."""
         return [(dtype_from_name(e.dtype), torch.Size(e.shape)) for e in self.entries]
 
     def check_tensor(self, i: int, t: torch.Tensor) -> None:
-        """Per-refit check of tensor ``i`` against the plan: a ``torch.Tensor`` with data (not on the meta
-        device), contiguous, with exactly the planned dtype and shape.
+        """Per-refit check of tensor ``i``: a ``torch.Tensor`` with data (not meta), contiguous, of exactly
+        the planned dtype and shape.
 
         Raises:
-            TypeError: not a torch.Tensor (None, a numpy array, ...), naming the tensor.
+            TypeError: not a torch.Tensor, naming the tensor.
             ValueError: a meta tensor, a non-contiguous one, or another dtype / shape, naming the tensor.
         """
         e = self.entries[i]
@@ -231,11 +219,8 @@ class RefitPlan:
 
 
 def diff_canonical(local: dict, remote: dict, *, limit: int = 10) -> list[str]:
-    """The first differences between two canonical plans (``local`` vs ``remote``), as readable strings.
-
-    Kinds: ``missing`` (in remote only: the local side lacks it), ``extra`` (local only),
-    ``reordered`` (same tensors, different position), ``shape``, ``dtype``, ``role``.
-    """
+    """The first differences between two canonical plans (``local`` vs ``remote``), as readable strings:
+    ``missing`` (remote only), ``extra`` (local only), ``reordered``, ``shape``, ``dtype``, ``role``."""
     out: list[str] = []
     if local.get("format") != remote.get("format"):
         out.append(f"plan format: local {local.get('format')!r} vs remote {remote.get('format')!r}")

@@ -1,5 +1,4 @@
-"""What a refit reports: the receivers' status codes, each receiver's result as the sender sees it, and
-:class:`RefitError`."""
+"""What a refit reports: status codes, votes, results, stats and :class:`RefitError`."""
 
 from __future__ import annotations
 
@@ -40,11 +39,8 @@ REPORT_WORDS = 4
 
 @dataclass(frozen=True)
 class ReceiverResult:
-    """One receiver's outcome of a refit, as reported back to the sender.
-
-    rank: the receiver's rank; status: :class:`Status`; bucket / entry: where it failed (-1: nowhere in
-    particular); version: the version live on that receiver afterwards.
-    """
+    """One receiver's outcome of a refit: rank, :class:`Status`, bucket / entry where it failed (-1: nowhere
+    in particular), and the version live on it afterwards."""
 
     rank: int
     status: Status
@@ -57,8 +53,8 @@ class ReceiverResult:
         return self.status is Status.OK
 
     def describe(self, num_buckets: int, src: int | Collection[int] = 0) -> str:
-        """One line: who, the status, where (``receiver 2: checksum at bucket 0 (live version 1)``); ``src``:
-        the sender's rank, or the sender ranks of a vote with several."""
+        """``receiver 2: checksum at bucket 0 (live version 1)``; ``src``: the sender's rank, or the sender
+        ranks of a vote with several."""
         if self.rank in ((src,) if isinstance(src, int) else src):
             return f"the sender: {self.status.name.lower()}"
         where = f" at bucket {self.bucket}" if 0 <= self.bucket < num_buckets else ""
@@ -72,7 +68,7 @@ class ReceiverResult:
 
     @classmethod
     def from_tensor(cls, rank: int, t: torch.Tensor) -> ReceiverResult:
-        """Parse a peer's report; an unknown status code reads as ``COMMIT_FAILED`` (never trusted as ok)."""
+        """Parse a peer's report; an unknown status code reads as ``COMMIT_FAILED`` (never ok)."""
         status, bucket, entry, version = (int(x) for x in t.tolist())
         try:
             st = Status(status)
@@ -83,16 +79,9 @@ class ReceiverResult:
 
 @dataclass(frozen=True)
 class Vote:
-    """The outcome of one refit's vote, the same on every rank (the two-phase commit).
-
-    After receiving and validating everything, and before committing anything, every rank gives one
-    fixed-size row (an all_gather): a receiver its verdict (``OK`` or why it rejects) and the version live on
-    it; a sender ``OK`` (or ``ABORTED``) and the refit's version. ``commit`` is true only when every row is
-    ``OK``: then every receiver commits, otherwise none does.
-
-    ``src`` is the sender's rank; a vote with several senders (sharded refit: every trainer rank sends)
-    lists them all in ``senders`` (empty: just ``src``).
-    """
+    """One refit's vote, the same on every rank (the two-phase commit): every rank's fixed-size row (a
+    receiver's verdict and live version; a sender's ``OK`` or ``ABORTED`` and the refit's version). ``commit``
+    only when every row is ``OK``. ``src``: the sender; ``senders``: all of them when there are several."""
 
     src: int
     rows: tuple[ReceiverResult, ...]
@@ -100,8 +89,7 @@ class Vote:
 
     @classmethod
     def tally(cls, rows: Sequence[torch.Tensor], src: int, senders: Collection[int] = ()) -> Vote:
-        """The vote of ``rows`` (row ``r`` from rank ``r``); ``src``: the sender, ``senders``: all senders
-        when there are several (``src`` among them)."""
+        """The vote of ``rows`` (row ``r`` from rank ``r``)."""
         senders = frozenset(senders)
         if senders and src not in senders:
             raise ValueError(f"src {src} must be one of the senders {sorted(senders)}")
@@ -114,7 +102,7 @@ class Vote:
 
     @property
     def version(self) -> int:
-        """The refit's version: the highest version among the senders' rows."""
+        """The refit's version: the highest among the senders' rows."""
         return max(self.rows[s].version for s in self.sender_ranks)
 
     @property
@@ -143,12 +131,9 @@ class Vote:
 
 
 class RefitError(RuntimeError):
-    """A refit failed; the live weights stayed on ``kept_version``.
-
-    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed on a receiver;
-    ``receivers`` holds every receiver's :class:`ReceiverResult` once the ranks voted (on the sender, and on
-    every receiver of a refit that some rank rejected); empty when the vote itself failed (a dead peer).
-    """
+    """A refit failed; the live weights stayed on ``kept_version``. ``bucket`` and ``tensors`` (that bucket's
+    names) say where; ``receivers``: every receiver's :class:`ReceiverResult` once the ranks voted (empty when
+    the vote itself failed)."""
 
     def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
                  kept_version: int = 0, status: Status | None = None,
@@ -159,7 +144,7 @@ class RefitError(RuntimeError):
 
 
 class ResultRow:
-    """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row["key"]`` reads one key of it."""
+    """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row[key]`` reads one key of it."""
 
     def to_dict(self) -> dict:
         return asdict(self)  # type: ignore[call-overload]
@@ -170,9 +155,8 @@ class ResultRow:
 
 @dataclass(frozen=True)
 class StreamStats(ResultRow):
-    """One byte stream of a refit as this rank saw it: its sending rank (``trainer``), its receiving ranks
-    (``engines``: several for a multicast stream), its bytes and buckets, and the seconds this rank spent on
-    it (the trainer transmitting, an engine receiving and validating)."""
+    """One byte stream of a refit as this rank saw it: its sender (``trainer``), its receivers (``engines``),
+    bytes, buckets, and the seconds this rank spent on it."""
 
     trainer: int
     engines: tuple[int, ...]
@@ -185,7 +169,7 @@ class StreamStats(ResultRow):
 
 
 def _rows_dict(row, *lists: str) -> dict:
-    """``row``'s fields, the ones named in ``lists`` as lists of their rows' dicts."""
+    """``row``'s fields, those named in ``lists`` as lists of their rows' dicts."""
     out = {f: getattr(row, f) for f in row.__dataclass_fields__}
     for key in lists:
         out[key] = [r.to_dict() for r in out[key]]
@@ -198,12 +182,11 @@ def _rate(nbytes: int, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class SendStats(ResultRow):
-    """One refit as a trainer rank saw it (see :meth:`~mxport.refit.RefitSender.send`), whatever the layout:
-    ``rank`` (its rank in the world), ``version``, ``bytes`` / ``buckets`` / ``zero_copy_buckets`` (all its
-    streams), ``seconds`` (up to the vote's outcome), the time split (``produce_s``: inside the producer,
-    e.g. quantize; ``pack_s``, ``checksum_s``, ``wait_s``), ``stream_crc32`` (one stream, when asked),
-    ``gbps``, ``receivers`` (every engine rank's :class:`ReceiverResult`) and ``streams`` (one
-    :class:`StreamStats` per stream, in the order they ran)."""
+    """One refit as a trainer rank saw it: ``rank``, ``version``, ``bytes`` / ``buckets`` /
+    ``zero_copy_buckets`` (all its streams), ``seconds`` (up to the vote), ``produce_s`` (inside the producer,
+    e.g. quantize), ``pack_s``, ``checksum_s``, ``wait_s``, ``stream_crc32`` (one stream, when asked),
+    ``gbps``, ``receivers`` (every engine rank's :class:`ReceiverResult`), ``streams``
+    (:class:`StreamStats`)."""
 
     rank: int
     version: int
@@ -238,11 +221,10 @@ class SendStats(ResultRow):
 
 @dataclass(frozen=True)
 class ReceiveStats(ResultRow):
-    """One refit as an engine rank saw it (see :meth:`~mxport.refit.RefitReceiver.receive`), whatever the
-    layout: ``rank``, ``version`` (now live), ``bytes`` / ``buckets`` (all its streams), ``direct`` (every
-    stream landed straight in the live tensors), ``seconds`` (first bucket in to commit done; a sharded
-    refit: the whole call), ``idle_s`` (waiting for the first bucket), ``recv_s``, ``commit_s``, ``gbps``,
-    ``backup_s`` / ``backup_wait_s`` (direct mode's rollback copy) and ``streams`` (:class:`StreamStats`)."""
+    """One refit as an engine rank saw it: ``rank``, ``version`` (now live), ``bytes`` / ``buckets``,
+    ``direct``, ``seconds`` (first bucket in to commit done; sharded: the whole call), ``idle_s`` (waiting for
+    the first bucket), ``recv_s``, ``commit_s``, ``gbps``, ``backup_s`` / ``backup_wait_s`` (direct mode's
+    rollback copy), ``streams`` (:class:`StreamStats`)."""
 
     rank: int
     version: int

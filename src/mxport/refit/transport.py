@@ -1,13 +1,7 @@
-"""Transports behind one small interface: ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU) and an
-in-process channel for a colocated trainer and engine (threads in one process).
-
-A transport has one sender (rank ``src``) and one or more receivers. It offers exactly two things: an
-``all_gather`` of one small tensor per rank (every rank gives the same dtype and shape: the plan handshake and
-the receivers' status reports) and a ``broadcast`` of a 1-D uint8 tensor from the sender to every receiver,
-optionally asynchronous (the returned handle has ``wait()``). Nothing else crosses the wire: no Python
-objects, no pickle (``torch.distributed.all_gather_object`` unpickles what a peer sends, which runs any code
-the peer chose).
-"""
+"""Transports behind one small interface: a sender (rank ``src``) and its receivers share an ``all_gather`` of
+one small tensor per rank (same dtype and shape on every rank) and a ``broadcast`` of a 1-D uint8 tensor from
+the sender, optionally asynchronous (a handle with ``wait()``). Nothing else crosses the wire: no Python
+objects, no pickle (``all_gather_object`` unpickles what a peer sends)."""
 
 from __future__ import annotations
 
@@ -26,9 +20,8 @@ class _Done:
 
 
 class Transport(ABC):
-    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``. ``ranks``: a stream of a larger
-    world (a pair or a multicast stream of a sharded refit), the world rank of each of its ranks; None when
-    its ranks are the world's."""
+    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``. ``ranks``: for a stream of a
+    larger world, the world rank of each of its ranks (None: its ranks are the world's)."""
 
     rank: int
     world_size: int
@@ -46,14 +39,12 @@ class Transport(ABC):
 
     @abstractmethod
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (a small tensor; every rank passes the same dtype and shape), indexed by rank,
-        as new CPU tensors."""
+        """Every rank's ``t``, indexed by rank, as new CPU tensors."""
 
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
-        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With
-        ``async_op`` return a handle whose ``wait()`` completes it; otherwise complete before returning
-        (returns None)."""
+        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver; with
+        ``async_op`` return a handle whose ``wait()`` completes it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (no-op by default)."""
@@ -62,15 +53,11 @@ class Transport(ABC):
 class TorchDistTransport(Transport):
     """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
 
-    Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does
-    not know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are
-    called on the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors
-    (call ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have
-    no GPU). A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
-    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then
-    :meth:`init`).
-    """
+    :meth:`init` starts a group (``tcp://host:port``, ``file://path``, ``env://``); :meth:`from_group` takes
+    an existing ``ProcessGroup``, also one ``torch.distributed`` does not know (vLLM's stateless groups):
+    collectives are called on the group object, with group-local ranks. gloo for CPU tensors, NCCL for CUDA
+    tensors (call ``torch.cuda.set_device`` first). A dead peer or a collective past the group's ``timeout``
+    raises ``RuntimeError``; the group must then be re-created."""
 
     def __init__(self, group=None, src: int = 0):
         import torch.distributed as dist
@@ -91,8 +78,7 @@ class TorchDistTransport(Transport):
 
     @property
     def process_group(self):
-        """The ``ProcessGroup`` this transport's collectives run on (the default group's when none was
-        given): a sharded refit's pair streams (:class:`PairTransport`) share it."""
+        """The ``ProcessGroup`` the collectives run on (pair streams share it)."""
         return self._pg
 
     @classmethod
@@ -141,10 +127,9 @@ class TorchDistTransport(Transport):
         return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given; a group
-        ``torch.distributed`` does not know is shut down) and drop this transport's references to it, so the
-        group's threads end now rather than at interpreter exit (where a group still alive can abort the
-        process); using the transport afterwards raises RuntimeError."""
+        """Destroy this transport's group (the default group when none was given; shut down a group
+        ``torch.distributed`` does not know), so its threads end now rather than at interpreter exit; using
+        the transport afterwards raises RuntimeError."""
         group, self.group, self._pg = self.group, None, _ClosedGroup()
         if group is None:
             if self._dist.is_initialized():
@@ -159,7 +144,7 @@ class TorchDistTransport(Transport):
 
 
 class _ClosedGroup:
-    """Stands for the process group of a closed transport: every use raises RuntimeError."""
+    """The process group of a closed transport: every use raises RuntimeError."""
 
     def __getattr__(self, name: str):
         raise RuntimeError(f"this refit transport is closed (its process group was destroyed): cannot "
@@ -169,13 +154,11 @@ class _ClosedGroup:
 def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
                timeout_s: float = 60.0, prefix: str = "mxport-refit"):
     """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP
-    store), apart from torch.distributed's default group — which inference engines already own (vLLM's
-    workers, SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
+    store), apart from the default group that engines already own, for :meth:`TorchDistTransport.from_group`.
 
     Args:
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors, on the current CUDA device).
-        timeout_s: the store rendezvous and every collective fail after this many seconds without a peer.
-    Raises:
+        timeout_s: the rendezvous and every collective fail after this many seconds without a peer. Raises:
         ValueError: a bad rank / world size / backend. RuntimeError (from torch): no rendezvous in time.
     """
     if world_size < 2 or not 0 <= rank < world_size:
@@ -235,8 +218,8 @@ def subgroup(pg, ranks):
 
 
 def _store_of(pg) -> tuple:
-    """``(store, backend, timeout)`` of a group :func:`open_group` made, or of torch.distributed's default
-    group; TypeError for any other (its store is out of reach)."""
+    """``(store, backend, timeout)`` of a group :func:`open_group` made or of the default group; TypeError for
+    any other."""
     import torch.distributed as dist
 
     if pg in _GROUP_STORES:
@@ -256,20 +239,17 @@ PAIR_TAG = 0x4D58
 
 
 class PairTransport(Transport):
-    """A transport between exactly two ranks of an existing process group (one pair stream of a sharded
-    refit): point-to-point ``send`` / ``recv`` on the group object, with group-local ranks. Local rank 0 is
-    ``sender`` (the trainer rank), 1 is ``receiver`` (the engine rank); this process must be one of them.
+    """A transport between two ranks of an existing process group (a pair stream of a sharded refit): ``send``
+    / ``recv`` on the group object, group-local ranks. Local rank 0 is ``sender`` (the trainer rank), 1 is
+    ``receiver``; this process must be one of them.
 
-    ``broadcast``: the sender sends, the receiver receives into its ``buf`` (the same size: gloo kills a
-    process that receives more than it posted; a refit plan fixes every size). ``all_gather`` of the two
-    ranks: both post a send and a recv, then wait for both. Every message carries ``tag``: messages of one
-    (peer, tag) arrive in the order they were posted, so pair streams with different tags, or between
-    different ranks, never mix. A dead peer or a timeout raises ``RuntimeError`` from ``wait`` (after the
-    group's timeout); the group is then unusable. ``close`` leaves the group to its owner.
+    ``broadcast``: the sender sends, the receiver receives into its same-sized ``buf`` (gloo kills a process
+    that receives more than it posted). ``all_gather``: both post a send and a recv. Messages of one (peer,
+    tag) arrive in posting order, so streams with different tags or ranks never mix. A dead peer or a timeout
+    raises ``RuntimeError``; ``close`` leaves the group to its owner.
 
     Args:
-        pg: a ``ProcessGroup`` (e.g. a ``ProcessGroupGloo`` from :func:`open_group`), or None for the default
-            group.
+        pg: a ``ProcessGroup`` (e.g. from :func:`open_group`), or None for the default group.
         sender, receiver: the two ranks in ``pg``.
         tag: the message tag (a non-negative int below 2**31).
     """
@@ -329,12 +309,9 @@ def _backend(dist, group) -> str:
 
 
 class InProcessChannel:
-    """A colocated sender and ``receivers`` receivers in one process (each endpoint used from its own thread).
-
-    ``channel.endpoint(rank)``: rank 0 is the sender. A broadcast hands each receiver a copy of the bytes (the
-    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises
-    ``TimeoutError``.
-    """
+    """A colocated sender and ``receivers`` receivers in one process, each endpoint on its own thread.
+    ``endpoint(0)`` is the sender. A broadcast hands each receiver a copy of the bytes; a receiver waiting
+    longer than ``timeout_s`` raises ``TimeoutError``."""
 
     def __init__(self, receivers: int = 1, timeout_s: float = 60.0):
         if receivers < 1:

@@ -1,10 +1,6 @@
-"""StreamReceiver: one byte stream's receiving end. It receives every bucket and the trailer and
-validates them (:meth:`~StreamReceiver.stage`); once the coordinator (:class:`~mxport.refit.RefitReceiver`)
-has the vote it leaves the live tensors on exactly one complete version (:meth:`~StreamReceiver.settle`),
-pointers unmoved. Staging (any targets: a staging copy, committed with ``copy_``) or direct (targets laid out
-as one arena in the plan's byte order: buckets land in the live arena, a rollback copy restores it on a
-failure); see the class doc.
-"""
+"""StreamReceiver: one byte stream's receiving end. It receives and validates every bucket and the trailer
+(:meth:`~StreamReceiver.stage`); given the coordinator's vote it leaves the live tensors on exactly one
+complete version (:meth:`~StreamReceiver.settle`), pointers unmoved."""
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ from ..transport import Transport
 
 @dataclass(frozen=True)
 class _Problem:
-    """Why a received refit is rejected: the status reported, a readable reason, where (bucket, entry)."""
+    """Why a received refit is rejected: the status, a readable reason, where (bucket, entry)."""
 
     status: Status
     why: str
@@ -48,8 +44,8 @@ class _Problem:
 
 @dataclass(frozen=True)
 class Staged:
-    """One refit received and judged by :meth:`StreamReceiver.stage`, not committed: ``problem`` (None when
-    this rank accepts it), the trailer, the stopwatch and the rollback copy's seconds (``backup_s``)."""
+    """One refit received and judged by :meth:`StreamReceiver.stage`, not committed: ``problem`` (None: this
+    rank accepts it), the trailer, the stopwatch and the rollback copy's seconds."""
 
     problem: _Problem | None
     trailer: Trailer
@@ -89,28 +85,21 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 
 class StreamReceiver:
-    """The receiving end of one byte stream (a refit's buckets and trailer from its transport's sender).
+    """The receiving end of one byte stream.
 
     Args:
-        transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s (the live tensors are only ever
-            written in place; every refit bumps each target's ``_version``).
+        transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s.
         bucket_bytes: the stream's bucket size, the sender's (checked in the handshake).
         use_checksum: verify each bucket's checksum (the sender must write them).
-        refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales,
-            caches that do not follow ``_version``).
+        refresh_hooks: callables run after every successful commit (derived copies that do not follow
+            ``_version``).
         inflight: broadcasts posted ahead of the one being validated.
-        direct: receive straight into the live tensors (see the module doc). None (default): whenever the
-            targets form one arena laid out as the plan's byte stream; False: always stage then ``copy_``;
-            True: require an arena (ValueError otherwise).
+        direct: receive straight into the live tensors: None (default) whenever the targets form one arena
+            laid out as the plan's byte stream; False: always stage, then ``copy_``; True: require an arena.
 
-    Direct mode, honestly: *during* ``receive`` the live tensors are being written (engines pause
-    generation during a refit anyway); once it returns or raises they hold exactly one complete version — the
-    new one, or the previous one restored from the rollback copy. The rollback copy costs one background
-    ``copy_`` of the stream per refit (and ``plan.total_bytes`` of memory, as staging does), reported as
-    ``backup_s`` / ``backup_wait_s`` in ``receive``'s stats and by :meth:`wait_backup`. The whole arena,
-    alignment padding included, belongs to the stream and is overwritten.
-
-    Staging (the whole byte stream) and the trailer are allocated once, on the targets' device.
+    Direct mode keeps the previous version in a rollback copy (the staging buffer: one background ``copy_``
+    per refit, ``backup_s`` / ``backup_wait_s``), restored on any failure; the whole arena, padding included,
+    belongs to the stream. Staging and the trailer are allocated once, on the targets' device.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
@@ -169,8 +158,7 @@ class StreamReceiver:
         return self.pointers() == self._pointers
 
     def handshake(self) -> None:
-        """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any
-        payload)."""
+        """Exchange plan digests with the sender (RefitPlanMismatch on a mismatch, before any payload)."""
         exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
 
     # -- direct mode: the rollback copy ----------------------------------------------------------------------
@@ -180,11 +168,9 @@ class StreamReceiver:
         return self._rollback_copy.last_s if self._rollback_copy is not None else 0.0
 
     def wait_backup(self) -> float:
-        """Direct mode: block until the rollback copy of the live version is complete (the background copy
-        started by the last successful ``receive``); returns that copy's seconds (0.0 in staging mode). If
-        the background copy failed, or the live tensors were written in place since it was taken (their
-        ``_version`` counters moved: a checkpoint load into ``allocate_targets`` views, say), it is taken
-        again here, so a failed refit always restores what was live when it started."""
+        """Direct mode: block until the rollback copy of the live version is complete and return its seconds
+        (0.0 in staging mode). A copy that failed, or live tensors written in place since (their ``_version``
+        moved), are copied again here, so a failed refit always restores what was live when it started."""
         return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
 
     def _landed_bytes(self, posted: int) -> int:
@@ -194,13 +180,12 @@ class StreamReceiver:
 
     # -- one refit -------------------------------------------------------------------------------------------
     def stage(self) -> Staged:
-        """Phase one of ``receive``: receive every bucket and the trailer and judge them (trailer, sender
-        abort, version, checksums, the live tensors); nothing is committed. Follow with :meth:`verdict` (this
-        rank's row of the vote), then :meth:`settle` with the vote (or :meth:`discard`).
+        """Phase one: receive every bucket and the trailer and judge them (trailer, abort, version, checksums,
+        the live tensors); nothing is committed. Follow with :meth:`verdict`, then :meth:`settle` (or
+        :meth:`discard`).
 
         Raises:
-            RefitError: the transport failed (a dead peer, a timeout): rolled back already (direct mode), as
-                in ``receive``.
+            RefitError: the transport failed (direct mode: rolled back already).
         """
         sw = Stopwatch()
         with sw.phase("backup_wait"):
@@ -215,7 +200,7 @@ class StreamReceiver:
         return Staged(problem, trailer, sw, backup_s)
 
     def verdict(self, staged: Staged) -> ReceiverResult:
-        """This rank's row of the vote on ``staged``: ``OK``, or why it rejects (status, bucket, entry), and
+        """This rank's row of the vote on ``staged``: ``OK`` or why it rejects (status, bucket, entry), and
         the version live here."""
         p = staged.problem
         if p is None:
@@ -224,12 +209,9 @@ class StreamReceiver:
                               self.version)
 
     def settle(self, staged: Staged, vote: Vote) -> ReceiveStats:
-        """Phase three of ``receive``: commit ``staged`` if ``vote`` is unanimous, else roll back and
-        raise :class:`RefitError` (this rank's own reason, or ``PEER_REJECTED`` naming who voted no).
-
-        Raises:
-            RefitError: as ``receive`` (a rejection, or a refresh hook failing after a unanimous yes).
-        """
+        """Phase three: commit ``staged`` if ``vote`` is unanimous, else roll back and raise
+        :class:`RefitError` (this rank's reason, or ``PEER_REJECTED`` naming who voted no; ``COMMIT_FAILED``
+        when a refresh hook fails after a unanimous yes)."""
         if not vote.commit:
             self._roll_back(self.plan.total_bytes)
             raise self._rejection(staged.problem, vote)
@@ -255,8 +237,8 @@ class StreamReceiver:
                             backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"])
 
     def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
-        """Drop ``staged`` without a vote (another part of the same refit failed): the live tensors keep the
-        previous version (direct mode: restored from the rollback copy; staging: never written)."""
+        """Drop ``staged`` without a vote (another part of the refit failed): the live tensors keep the
+        previous version."""
         self._roll_back(self.plan.total_bytes)
 
     def _live_problem(self) -> _Problem | None:
@@ -272,10 +254,10 @@ class StreamReceiver:
         return None
 
     def _receive_stream(self) -> tuple[list[int], float]:
-        """Receive every bucket and the trailer (``inflight`` broadcasts posted ahead), summing each bucket
-        while later ones are on the wire. Returns the checksums and when the first bucket arrived. A transport
-        failure (dead peer, timeout) raises :class:`RefitError` after waiting for every posted broadcast and,
-        in direct mode, restoring what they touched."""
+        """Receive every bucket and the trailer (``inflight`` posted ahead), summing each bucket while later
+        ones are on the wire; returns the checksums and when the first bucket arrived. A transport failure
+        raises :class:`RefitError` once every posted broadcast is done and (direct mode) what they touched is
+        restored."""
         n = self.layout.num_buckets
         bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
@@ -302,8 +284,7 @@ class StreamReceiver:
         return got, t_first
 
     def _judge(self, trailer: Trailer, got: list[int]) -> _Problem | None:
-        """Why the received refit must be rejected (bad trailer, sender abort, stale version, checksum), or
-        None."""
+        """Why the received refit must be rejected (trailer, abort, stale version, checksum), or None."""
         plan, n = self.plan, self.layout.num_buckets
         if trailer.magic != MAGIC or trailer.num_buckets != n or trailer.status not in (STATUS_OK,
                                                                                          STATUS_ABORT):
@@ -327,14 +308,10 @@ class StreamReceiver:
         return None
 
     def _commit(self, trailer: Trailer) -> None:
-        """Make the validated refit live (unpack from staging, or in direct mode just bump the version
-        counters), then run the refresh hooks.
-
-        This runs only after every rank voted yes, so it must not fail: staging's ``copy_`` between
-        preallocated, checked tensors on one device and direct mode's counter bumps cannot (short of a
-        hardware fault); a refresh hook can. A failure here is raised on this rank only (the others have
-        committed; the sender has already returned): a third round that could undo the others' commit would
-        need a rollback copy on every rank in staging mode too. The next refit rewrites every byte."""
+        """Make the validated refit live (unpack from staging, or in direct mode bump the version counters),
+        then run the refresh hooks. It runs after a unanimous yes: the ``copy_`` between checked, preallocated
+        tensors cannot fail short of a hardware fault, a hook can (that rank alone raises; the next refit
+        rewrites every byte)."""
         if self.direct:
             bump_versions(self.targets)
         else:
@@ -346,14 +323,12 @@ class StreamReceiver:
             hook()
 
     def _roll_back(self, nbytes: int) -> None:
-        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy (staging mode: the
-        live tensors were never written, nothing to do)."""
+        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy."""
         if self._rollback_copy is not None:
             self._rollback_copy.restore(nbytes)
 
     def vote_failed(self, staged: Staged, exc: BaseException) -> RefitError:
-        """The vote on ``staged`` failed (a peer died or timed out): roll back (nothing was committed) and
-        return the error to raise."""
+        """The vote on ``staged`` failed (a peer died or timed out): roll back, return the error to raise."""
         problem = staged.problem
         self._roll_back(self.plan.total_bytes)
         why = problem.why if problem is not None else "received and validated"
@@ -383,7 +358,7 @@ class StreamReceiver:
 
     def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
                trailer: bool = False, receivers: Sequence[ReceiverResult] = ()) -> RefitError:
-        """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
+        """The one RefitError of a failed refit: where (bucket and its tensors), why, what stayed live."""
         n = self.layout.num_buckets
         names = self.layout.tensor_names(bucket) if bucket is not None else []
         if bucket is not None:
@@ -398,24 +373,23 @@ class StreamReceiver:
                           receivers=receivers)
 
     def verify_live(self) -> bool:
-        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender
-        wrote for the last refit (an independent check of the committed bytes; needs sender checksums)."""
+        """True when the live tensors' bytes, re-packed into buckets, have the checksums the sender wrote for
+        the last refit (needs sender checksums)."""
         if not self.last_checksums:
             return False
         return all(checksum(payload) == self.last_checksums[b] for b, payload in self._live_buckets())
 
     def live_crc32(self) -> int:
-        """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding
-        zero): equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were
-        sent."""
+        """``zlib.crc32`` of the live tensors' bytes laid out as the plan's byte stream (padding zero): the
+        sender's ``stream_crc32`` exactly when they hold the bytes that were sent."""
         crc = 0
         for _, payload in self._live_buckets():
             crc = zlib.crc32(payload.cpu().numpy(), crc)
         return crc
 
     def _live_buckets(self):
-        """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer
-        (each payload is valid until the next one is yielded)."""
+        """``(bucket, payload)`` for each bucket re-packed from the live tensors into one scratch buffer (each
+        payload valid until the next is yielded)."""
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return
