@@ -84,7 +84,7 @@ def checksums(payloads: Iterable[torch.Tensor]) -> list[int]:
         parts = [words[:m].view(-1, _CHUNK_WORDS).sum(dim=1)] if m else []
         parts += [words[m:].sum().view(1)] if n > m else []
         sums += parts
-        counts.append((n, len(parts)))
+        counts.append((n, sum(p.numel() for p in parts)))  # chunk sums, not tensors
     flat = torch.cat([x.to(sums[0].device) for x in sums]).tolist() if sums else []  # one device sync
     out, i = [], 0
     for n, k in counts:
