@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..native import StreamSums
 from .arena import storage_bytes
 from .plan import ALIGN, RefitPlan
 
@@ -62,16 +63,7 @@ def checksum(payload: torch.Tensor) -> int:
     :data:`CHUNK_BYTES` chunk, the chunk sums mixed with odd weights ``2i + 1`` and the word count, as a
     signed 64-bit int. Computed where the bytes are; a corruption check (any changed word, any reordered
     chunk), not a cryptographic digest."""
-    words = payload.view(torch.int64)
-    n = words.numel()
-    m = n // _CHUNK_WORDS * _CHUNK_WORDS
-    parts = []
-    if m:
-        parts.append(words[:m].view(-1, _CHUNK_WORDS).sum(dim=1))
-    if n > m:
-        parts.append(words[m:].sum().view(1))
-    sums = torch.cat(parts).tolist() if parts else []
-    return _mix(n, sums)
+    return checksums([payload])[0]
 
 
 def checksums(payloads: Iterable[torch.Tensor]) -> list[int]:
@@ -144,8 +136,6 @@ class ChunkSums:
         """The :class:`mxport.native.StreamSums` of a native batch whose outputs lie at ``spans`` (per job
         ``((values offset, bytes), (scales offset, bytes))``): the kernel adds to the cells they span through
         a view of :attr:`sums`."""
-        from ..native import StreamSums
-
         flat = [s for pair in spans for s in pair]
         for o, n in flat:
             if o < 0 or o + n > self.total:
@@ -350,21 +340,10 @@ def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, en
     return Trailer(MAGIC, version, len(checksums), status, entry, reason, list(checksums)).to_tensor()
 
 
-def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload: torch.Tensor) -> None:
-    """Copy each segment's bytes from ``sources[entry]`` (flat uint8 views) into ``payload``."""
-    for s in segments:
-        payload[s.dst:s.dst + s.length].copy_(sources[s.entry][s.src:s.src + s.length])
-
-
 def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], payload: torch.Tensor, *,
                 with_checksum: bool = False) -> int | None:
     """Fill ``payload`` (``layout.sizes[b]`` bytes) with bucket ``b``, zeros in the gaps. ``with_checksum``:
     pack one chunk at a time and sum it while it is in cache, returning ``checksum(payload)``."""
-    if not with_checksum:
-        pack_segments(layout.segments[b], sources, payload)
-        for start, n in layout.gaps[b]:
-            payload[start:start + n].zero_()
-        return None
     size = layout.sizes[b]
     sums = []
     for c, pieces in enumerate(layout.chunk_pieces(b)):
@@ -373,8 +352,9 @@ def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], paylo
                 payload[dst:dst + length].zero_()
             else:
                 payload[dst:dst + length].copy_(sources[entry][src:src + length])
-        sums.append(payload[c * CHUNK_BYTES:min(size, (c + 1) * CHUNK_BYTES)].view(torch.int64).sum())
-    return _mix(size // 8, torch.stack(sums).tolist())
+        if with_checksum:
+            sums.append(payload[c * CHUNK_BYTES:min(size, (c + 1) * CHUNK_BYTES)].view(torch.int64).sum())
+    return _mix(size // 8, torch.stack(sums).tolist()) if with_checksum else None
 
 
 def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: list[torch.Tensor]) -> None:

@@ -37,11 +37,6 @@ def _hello(transport: Transport) -> None:
                          f"group?); nothing more was read from it; re-create the transport")
 
 
-def _digest_row(plan: RefitPlan, version: int, bucket_bytes: int) -> torch.Tensor:
-    digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
-    return torch.cat([digest, torch.tensor([version, bucket_bytes], dtype=torch.int64)])
-
-
 def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_bytes: int) -> int:
     """Compare ``plan`` and ``bucket_bytes`` with every other endpoint's; return the highest version.
 
@@ -52,7 +47,9 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_b
             or names the receivers that disagree).
     """
     _hello(transport)
-    rows = transport.all_gather(_digest_row(plan, int(version), int(bucket_bytes)))
+    digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
+    mine = torch.cat([digest, torch.tensor([int(version), int(bucket_bytes)], dtype=torch.int64)])
+    rows = transport.all_gather(mine)
     digests = [row[:4].numpy().tobytes().hex() for row in rows]
     versions = [int(row[4]) for row in rows]
     if min(versions) < 0:

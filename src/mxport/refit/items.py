@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.naming import scale_name
+from ..sources.discover import native_attributes
 from .plan import Item
 
 #: plan tensor names follow the modelopt checkpoint (also MXFP8Linear state_dict names)
@@ -23,8 +24,6 @@ def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every parameter and persistent buffer of ``model`` in canonical order, shared
     tensors once (non-persistent buffers are not refit). Native MXFP8 storage held as a plain module attribute
     (Megatron-LM's ``MXFP8Tensor``) is included under its name (:func:`mxport.sources.native_attributes`)."""
-    from ..sources.discover import native_attributes
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     seen: set[int] = set()

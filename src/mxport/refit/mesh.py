@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, compress, groupby, islice, repeat
 from operator import add, attrgetter, itemgetter, le, lt, ne
-from typing import TYPE_CHECKING
+
+import torch
 
 from ..formats import BLOCK_SIZE, ceil_div
 from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
 from .results import RefitError
-
-if TYPE_CHECKING:
-    import torch
 
 MESH_FORMAT = "mxport-mesh-plan/1"
 
@@ -610,13 +608,9 @@ def route(mesh: MeshPlan) -> list[Route]:
     return _routes(mesh, range(mesh.num_engines))
 
 
+@_gc_paused()
 def _routes(mesh: MeshPlan, engines: Iterable[int], trainer: int | None = None) -> list[Route]:
     """The routes to the engine indices ``engines`` (only those from ``trainer`` when given)."""
-    with _gc_paused():
-        return _routes_of_engines(mesh, engines, trainer)
-
-
-def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | None) -> list[Route]:
     T = mesh.num_trainers
     index = {t.name: i for i, t in enumerate(mesh.tensors)}
     routes = []
@@ -810,8 +804,6 @@ def _describe(held) -> tuple[bytes, BaseException | None]:
 def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
     """Every rank's holdings JSON (a status row each, then the bytes zero-padded to the longest).
     :class:`RefitAgreementError` on every rank when any rank failed, naming each one and its reason."""
-    import torch
-
     text, mine = _describe(held)
     reason = b"" if mine is None else f"{type(mine).__name__}: {mine}".encode()[:MAX_REASON]
     row = torch.tensor([MESH_HELLO, int(mine is not None), len(text or reason)], dtype=torch.int64)
@@ -849,8 +841,6 @@ def agree(transport, trainers: int, held) -> MeshPlan:
             :class:`RefitAgreementError` when a rank could not describe its holdings, naming it.
         RefitError: the group failed (a rank died or never called ``agree``).
     """
-    import torch
-
     try:
         mesh, problem = mesh_from_json(_exchange_holdings(transport, held), trainers), ""
     except RefitError:  # a rank failed before the plan (every rank knows it), or the group failed
@@ -909,8 +899,6 @@ def route_targets(rt: Route, live: dict) -> tuple[list, list]:
     """The engine side of route ``rt``: ``(targets, scatters)``. A piece that is a contiguous part of its live
     tensor in ``live`` (:func:`local_items`) is received in place; any other lands in a buffer of its own,
     copied into the live tensor by its scatter at commit."""
-    import torch
-
     targets, scatters = [], []
     for p in rt.pieces:
         view = local_part(live, p.tensor.name, p.box)
@@ -943,10 +931,8 @@ def scales_box(values: Box, shape: Sequence[int], *, name: str = "", whole_block
 
 def tensor_infos(items) -> list[TensorInfo]:
     """Plan items ``(name, role, dtype, shape)`` as :class:`TensorInfo` s."""
-    out = []
-    for name, role, dtype, shape in items:
-        out.append(TensorInfo(name, role, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape)))
-    return out
+    return [TensorInfo(name, role, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape))
+            for name, role, dtype, shape in items]
 
 
 def checked_local(t: torch.Tensor, h: Holding) -> torch.Tensor:

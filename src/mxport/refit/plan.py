@@ -82,10 +82,6 @@ def _entry_item(i: int, e) -> tuple[str, str, str, tuple[int, ...]]:
     return name, role, dt, tuple(shape)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 @dataclass(frozen=True)
 class PlanEntry:
     """One tensor of the refit stream: name (checkpoint name), role, dtype name, logical shape, nbytes
@@ -130,7 +126,7 @@ class RefitPlan:
             shape = tuple(int(s) for s in shape)
             nbytes = math.prod(shape) * dtype.itemsize
             entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset))
-            offset = _align(offset + nbytes)
+            offset = (offset + nbytes + ALIGN - 1) // ALIGN * ALIGN  # the next entry starts aligned
         if not entries:
             raise ValueError("a refit plan needs at least one tensor")
         self.entries: tuple[PlanEntry, ...] = tuple(entries)

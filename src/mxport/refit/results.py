@@ -147,7 +147,11 @@ class ResultRow:
     """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row[key]`` reads one key of it."""
 
     def to_dict(self) -> dict:
-        return asdict(self)  # type: ignore[call-overload]
+        out = {}
+        for f in self.__dataclass_fields__:  # type: ignore[attr-defined]
+            v = getattr(self, f)
+            out[f] = [x.to_dict() if hasattr(x, "to_dict") else x for x in v] if isinstance(v, tuple) else v
+        return out
 
     def __getitem__(self, key: str):
         return self.to_dict()[key]
@@ -164,20 +168,13 @@ class StreamStats(ResultRow):
     buckets: int
     seconds: float
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "engines": list(self.engines)}
-
-
-def _rows_dict(row, *lists: str) -> dict:
-    """``row``'s fields, those named in ``lists`` as lists of their rows' dicts."""
-    out = {f: getattr(row, f) for f in row.__dataclass_fields__}
-    for key in lists:
-        out[key] = [r.to_dict() for r in out[key]]
-    return out
-
 
 def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _summed(parts: Sequence, *fields: str) -> dict:
+    return {f: sum(getattr(p, f) for p in parts) for f in fields}
 
 
 @dataclass(frozen=True)
@@ -203,20 +200,15 @@ class SendStats(ResultRow):
     receivers: tuple[ReceiverResult, ...]
     streams: tuple[StreamStats, ...] = ()
 
-    def to_dict(self) -> dict:
-        return _rows_dict(self, "receivers", "streams")
-
     @classmethod
     def total(cls, rank: int, version: int, parts: Sequence[SendStats], streams: Sequence[StreamStats],
               seconds: float, receivers: Sequence[ReceiverResult]) -> SendStats:
         """One rank's stats of a refit from its streams' (``parts``)."""
-        nbytes = sum(p.bytes for p in parts)
-        return cls(rank=rank, version=version, bytes=nbytes, buckets=sum(p.buckets for p in parts),
-                   zero_copy_buckets=sum(p.zero_copy_buckets for p in parts), seconds=seconds,
-                   produce_s=sum(p.produce_s for p in parts), pack_s=sum(p.pack_s for p in parts),
-                   checksum_s=sum(p.checksum_s for p in parts), wait_s=sum(p.wait_s for p in parts),
+        s = _summed(parts, "bytes", "buckets", "zero_copy_buckets", "produce_s", "pack_s", "checksum_s",
+                    "wait_s")
+        return cls(rank=rank, version=version, seconds=seconds, gbps=_rate(s["bytes"], seconds),
                    stream_crc32=parts[0].stream_crc32 if len(parts) == 1 else None,
-                   gbps=_rate(nbytes, seconds), receivers=tuple(receivers), streams=tuple(streams))
+                   receivers=tuple(receivers), streams=tuple(streams), **s)
 
 
 @dataclass(frozen=True)
@@ -240,17 +232,10 @@ class ReceiveStats(ResultRow):
     backup_wait_s: float
     streams: tuple[StreamStats, ...] = ()
 
-    def to_dict(self) -> dict:
-        return _rows_dict(self, "streams")
-
     @classmethod
     def total(cls, rank: int, version: int, parts: Sequence[ReceiveStats], streams: Sequence[StreamStats],
               seconds: float) -> ReceiveStats:
         """One rank's stats of a refit from its streams' (``parts``)."""
-        nbytes = sum(p.bytes for p in parts)
-        return cls(rank=rank, version=version, bytes=nbytes, buckets=sum(p.buckets for p in parts),
-                   direct=bool(parts) and all(p.direct for p in parts), seconds=seconds,
-                   idle_s=sum(p.idle_s for p in parts), recv_s=sum(p.recv_s for p in parts),
-                   commit_s=sum(p.commit_s for p in parts), gbps=_rate(nbytes, seconds),
-                   backup_s=sum(p.backup_s for p in parts), backup_wait_s=sum(p.backup_wait_s for p in parts),
-                   streams=tuple(streams))
+        s = _summed(parts, "bytes", "buckets", "idle_s", "recv_s", "commit_s", "backup_s", "backup_wait_s")
+        return cls(rank=rank, version=version, direct=bool(parts) and all(p.direct for p in parts),
+                   seconds=seconds, gbps=_rate(s["bytes"], seconds), streams=tuple(streams), **s)

@@ -12,6 +12,8 @@ import weakref
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 
 class _Done:
@@ -27,6 +29,7 @@ class Transport(ABC):
     world_size: int
     src: int
     ranks: tuple[int, ...] | None = None
+    _device = torch.device("cpu")
 
     @property
     def is_sender(self) -> bool:
@@ -35,7 +38,7 @@ class Transport(ABC):
     @property
     def device(self) -> torch.device:
         """Where this transport's collectives take tensors (CPU unless the backend is NCCL)."""
-        return torch.device("cpu")
+        return self._device
 
     @abstractmethod
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -60,8 +63,6 @@ class TorchDistTransport(Transport):
     raises ``RuntimeError``; the group must then be re-created."""
 
     def __init__(self, group=None, src: int = 0):
-        import torch.distributed as dist
-
         if group is None and not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized: call TorchDistTransport.init(...) first")
         self._dist = dist
@@ -71,7 +72,6 @@ class TorchDistTransport(Transport):
         if not 0 <= src < self.world_size:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
-        self._device = torch.device("cpu")
         if (str(self._pg.name()).lower() == "nccl"
                 or (dist.is_initialized() and _backend(dist, group) == "nccl")):
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -86,10 +86,6 @@ class TorchDistTransport(Transport):
         """A transport over an existing process group ``pg`` (``src``: the sender's rank in ``pg``)."""
         return cls(group=pg, src=src)
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
     @classmethod
     def init(cls, *, rank: int, world_size: int, init_method: str, backend: str = "gloo",
              timeout_s: float = 60.0, src: int = 0) -> TorchDistTransport:
@@ -101,8 +97,6 @@ class TorchDistTransport(Transport):
             backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
             timeout_s: seconds after which a collective waiting on a peer fails.
         """
-        import torch.distributed as dist
-
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (one sender, at least one receiver), got {world_size}")
         if backend not in ("gloo", "nccl"):
@@ -165,8 +159,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
         raise ValueError(f"need world_size >= 2 and 0 <= rank < world_size, got rank {rank} of {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    import torch.distributed as dist
-
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout,
                           wait_for_workers=True)
@@ -177,8 +169,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
 
 
 def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
-    import torch.distributed as dist
-
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
@@ -203,8 +193,6 @@ def subgroup(pg, ranks):
         ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: a group of neither
         kind (its store is out of reach).
     """
-    import torch.distributed as dist
-
     ranks = [int(r) for r in ranks]
     me = pg.rank()
     if me not in ranks or len(set(ranks)) != len(ranks):
@@ -220,13 +208,9 @@ def subgroup(pg, ranks):
 def _store_of(pg) -> tuple:
     """``(store, backend, timeout)`` of a group :func:`open_group` made or of the default group; TypeError for
     any other."""
-    import torch.distributed as dist
-
     if pg in _GROUP_STORES:
         return _GROUP_STORES[pg]
     if dist.is_initialized() and pg is dist.group.WORLD:
-        from torch.distributed import distributed_c10d as c10d
-
         backend = dist.get_backend()
         device = torch.device("cuda" if backend == "nccl" else "cpu")
         return c10d._get_default_store(), backend, pg._get_backend(device).options._timeout
@@ -255,8 +239,6 @@ class PairTransport(Transport):
     """
 
     def __init__(self, pg, sender: int, receiver: int, *, tag: int = PAIR_TAG):
-        import torch.distributed as dist
-
         if pg is None:
             if not dist.is_initialized():
                 raise ValueError("pg is None and torch.distributed is not initialized")
@@ -273,13 +255,8 @@ class PairTransport(Transport):
         self.rank, self.world_size, self.src = (0 if me == sender else 1), 2, 0
         self.ranks = (sender, receiver)
         self._peer = receiver if me == sender else sender
-        self._device = torch.device("cpu")
         if str(pg.name()).lower() == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         mine = t.to(self._device).contiguous()

@@ -17,8 +17,7 @@ from ..plan import RefitPlan
 __all__ = ["checkpoint_tensors", "model_tensors", "receiver_plan"]
 
 
-def receiver_plan(model: nn.Module, *, arena: bool = False
-                  ) -> tuple[RefitPlan, list[torch.Tensor]]:
+def receiver_plan(model: nn.Module, *, arena: bool = False) -> tuple[RefitPlan, list[torch.Tensor]]:
     """The inference side: the plan derived from the live model, and its live tensors (the targets).
 
     FP8 tensors are "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales",

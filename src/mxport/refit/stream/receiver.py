@@ -56,12 +56,6 @@ class Staged:
     def ok(self) -> bool:
         return self.problem is None
 
-    def to_dict(self) -> dict:
-        p = self.problem
-        return {"version": int(self.trailer.version), "status": "ok" if p is None else p.status.name.lower(),
-                "why": None if p is None else p.why, "bucket": None if p is None else p.bucket,
-                "entry": -1 if p is None else p.entry, "backup_s": self.backup_s}
-
 
 _ABORT_WHY = {AbortReason.BAD_TENSOR: "a tensor that does not match the plan",
               AbortReason.COUNT: "too few or too many tensors",
@@ -103,9 +97,8 @@ class StreamReceiver:
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True,
-                 refresh_hooks: Sequence[Callable[[], None]] = (),
-                 inflight: int = 4, direct: bool | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True, inflight: int = 4,
+                 refresh_hooks: Sequence[Callable[[], None]] = (), direct: bool | None = None):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if transport.is_sender:
@@ -172,11 +165,6 @@ class StreamReceiver:
         (0.0 in staging mode). A copy that failed, or live tensors written in place since (their ``_version``
         moved), are copied again here, so a failed refit always restores what was live when it started."""
         return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
-
-    def _landed_bytes(self, posted: int) -> int:
-        """Stream bytes that broadcasts ``0..posted-1`` may have written."""
-        n = min(posted, self.layout.num_buckets)
-        return min(n * self.layout.bucket_bytes, self.plan.total_bytes)
 
     # -- one refit -------------------------------------------------------------------------------------------
     def stage(self) -> Staged:
@@ -278,7 +266,7 @@ class StreamReceiver:
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 if self._rollback_copy is not None:
                     _wait_quietly(handles)  # nothing may still write into the live arena after the restore
-                self._roll_back(self._landed_bytes(posted))
+                self._roll_back(min(posted * self.layout.bucket_bytes, self.plan.total_bytes))  # what landed
                 raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
                                   None, trailer=b == n) from exc
         return got, t_first

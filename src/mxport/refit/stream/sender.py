@@ -28,7 +28,7 @@ from ..buckets import (
 )
 from ..handshake import exchange_plans
 from ..plan import RefitPlan
-from ..results import AbortReason, ReceiverResult, RefitError, SendStats, Status, Vote
+from ..results import AbortReason, RefitError, SendStats, Vote
 from ..timing import Stopwatch
 from ..transport import Transport
 
@@ -81,23 +81,10 @@ class PendingSend:
     run: _Run
     stopwatch: Stopwatch
     error: BaseException | None
-    rank: int  # the sender's rank on its transport
-
-    @property
-    def version(self) -> int:
-        return self.run.version
 
     @property
     def aborted(self) -> bool:
         return self.error is not None
-
-    def row(self) -> ReceiverResult:
-        """The sender's row of the vote: ``OK``, or ``ABORTED``, at the refit's version."""
-        return ReceiverResult(self.rank, Status.ABORTED if self.aborted else Status.OK, -1, -1, self.version)
-
-    def to_dict(self) -> dict:
-        return {"version": self.version, "aborted": self.aborted,
-                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
 
 class StreamSender:
@@ -116,8 +103,8 @@ class StreamSender:
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 use_checksum: bool = True,
-                 device: str | torch.device = "cpu", inflight: int = 2, stream_crc32: bool = False):
+                 use_checksum: bool = True, device: str | torch.device = "cpu", inflight: int = 2,
+                 stream_crc32: bool = False):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if not transport.is_sender:
@@ -167,13 +154,13 @@ class StreamSender:
         except BaseException as exc:
             if not self._abort(run, exc):
                 raise
-            return PendingSend(run, sw, exc, self.transport.rank)
+            return PendingSend(run, sw, exc)
         with sw.phase("wait"):
             try:
                 _wait(self._post(make_trailer(run.version, run.crcs), self.layout.num_buckets))
             except _TransportFailed as exc:
                 raise self._transport_error(run, exc.error) from exc.error
-        return PendingSend(run, sw, None, self.transport.rank)
+        return PendingSend(run, sw, None)
 
     def conclude(self, pending: PendingSend, vote: Vote) -> SendStats:
         """Phase three of a refit: the outcome of ``pending`` under ``vote``: its stats, or the producer's
@@ -281,10 +268,7 @@ class StreamSender:
     def _retire_oldest(self, run: _Run) -> None:
         """Wait for the oldest in-flight broadcast and free its pack buffer slot."""
         handle, slot, _ = run.pending.popleft()
-        try:
-            handle.wait()
-        except Exception as exc:  # noqa: BLE001
-            raise _TransportFailed(exc) from exc
+        _wait(handle)
         if slot is not None:
             run.slot_busy[slot] = False
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...export import export_components
+from ...nn import plain_float
+from ...quantize import quantize
+from ...sources.dtensor import gather_dims, is_dtensor, local_and_offset, normalized_placement, quantize_local
 from ..mesh import Box, Holding, Local, checked_local, scales_box, tensor_infos
 from .whole import TrainerSource, kept_wire_dtype
 
 
 def _dtensor_box(t) -> Box:
     """This rank's box of a ``DTensor``, checked to be a range of the full tensor per dimension."""
-    from ...sources.dtensor import gather_dims, local_and_offset, normalized_placement
-
     placements = tuple(normalized_placement(p, t.dim()) for p in t.placements)
     gather_dims(tuple(t.shape), tuple(t.device_mesh.shape), placements)  # refuses shards that are not ranges
     local, offset = local_and_offset(t, placements)
@@ -38,10 +40,7 @@ class ShardedTrainerSource:
 
     def __init__(self, model: nn.Module, policy=None, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                  kept_dtype: torch.dtype | None = None, kernel: str | None = None):
-        from ...sources.dtensor import is_dtensor
-
-        base = TrainerSource(model, policy, fp8_dtype=fp8_dtype,
-                             kept_dtype=kept_dtype, kernel=kernel)
+        base = TrainerSource(model, policy, fp8_dtype=fp8_dtype, kept_dtype=kept_dtype, kernel=kernel)
         self.fp8_dtype, self.kept_dtype, self.kernel = fp8_dtype, kept_dtype, kernel
         self.plan = base.plan  # the global plan: full shapes
         self._tensors = list(zip(base.tensors_by_name, base.quantized, strict=True))
@@ -59,11 +58,6 @@ class ShardedTrainerSource:
     def local(self) -> Local:
         """``{name: (box, tensor)}`` of this rank's bytes of the current weights, once per refit: a collective
         where a ``DTensor`` needs a gather (every rank of its mesh calls it together)."""
-        from ...export import export_components
-        from ...nn import plain_float
-        from ...quantize import quantize
-        from ...sources.dtensor import is_dtensor, quantize_local
-
         out: Local = {}
         held = iter(self.holdings)
         for (_, t), q in self._tensors:

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from ...components import compact_scale_shape
+from ...policy import PrecisionPolicy
+from ...quantize import quantize
 from ..items import model_tensors, tensor_items
 from ..mesh import Box, Holding, Local, checked_local, scales_box, tensor_infos
 from .whole import kept_wire_dtype
@@ -97,8 +99,6 @@ class HeldTensorsSource:
     def __init__(self, items: Callable[[], Iterable], *, names_and_shapes=None, policy=None,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
                  kernel: str | None = None):
-        from ...policy import PrecisionPolicy
-
         policy = PrecisionPolicy() if policy is None else policy
         self.items, self.fp8_dtype, self.kept_dtype, self.kernel = items, fp8_dtype, kept_dtype, kernel
         held = _held_items(items)
@@ -138,8 +138,6 @@ class HeldTensorsSource:
         Raises:
             ValueError: ``items()`` now yields other names, shapes, ranges or dtypes than at construction.
         """
-        from ...quantize import quantize
-
         out: Local = {}
         for i, obj in enumerate(self.items()):
             h, t = _held_item(obj, i)

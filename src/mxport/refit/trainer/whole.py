@@ -4,12 +4,19 @@ straight into a send buffer laid out as the byte stream)."""
 from __future__ import annotations
 
 import bisect
+import zlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ...components import compact_scale_shape
+from ...export import export_components
+from ...nn import plain_float
+from ...policy import PrecisionPolicy
+from ...quantize import quantize
+from ...sources.discover import is_mxfp8_producer
+from ...sources.dtensor import is_dtensor
 from ..arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
 from ..buckets import ChunkSums, checksum
 from ..items import model_tensors, tensor_items
@@ -25,28 +32,9 @@ def kept_wire_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dt
     return kept_dtype if kept_dtype is not None and t.is_floating_point() else t.dtype
 
 
-def _native_components(tensors: list[tuple[str, object]]) -> dict:
-    """Components of the entries that are native MXFP8 producers (TE, torchao, Megatron storage), by name:
-    their plan items come from the components."""
-    from ...export import export_components
-    from ...sources.discover import is_mxfp8_producer
-
-    return {n: export_components(t) for n, t in tensors if is_mxfp8_producer(t)}
-
-
-def _device_of(tensors: list[tuple[str, object]], native: dict) -> torch.device:
-    """The device of the model's first tensor (a native producer's: its values' device)."""
-    if not tensors:
-        return torch.device("cpu")
-    name, t = tensors[0]
-    return native[name].data.device if name in native else t.device
-
-
 def _whole(t):
     """``t`` whole: a DTensor gathered with ``full_tensor()`` (a collective over its mesh), anything else as
     it is."""
-    from ...sources.dtensor import is_dtensor
-
     return t.full_tensor() if is_dtensor(t) else t
 
 
@@ -79,13 +67,12 @@ class TrainerSource:
     def __init__(self, model: nn.Module, policy=None, *,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
                  arena: bool = False, kernel: str | None = None):
-        from ...policy import PrecisionPolicy
-
         policy = PrecisionPolicy() if policy is None else policy
         self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
         self.tensors_by_name = model_tensors(model)
         self.kernel = kernel
-        native = _native_components(self.tensors_by_name)
+        # native MXFP8 storage (TE, torchao, Megatron): its plan items come from its components
+        native = {n: export_components(t) for n, t in self.tensors_by_name if is_mxfp8_producer(t)}
         decisions = policy.decide_all([(n, tuple(native[n].shape), native[n].data.dtype) if n in native else
                                        (n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
         self.quantized = [d.name in native or d.quantize for d in decisions]
@@ -100,17 +87,15 @@ class TrainerSource:
             else:
                 items += tensor_items(name, kept_wire_dtype(t, kept_dtype), t.shape)
         self.plan = RefitPlan(items)
-        self._device = _device_of(self.tensors_by_name, native)
+        first, t = self.tensors_by_name[0]  # the plan has a tensor: the device of the first (its values')
+        self._device = native[first].data.device if first in native else t.device
         self.arena = bool(arena)
         self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
         self._complete = False  # the last tensors() call ran to its end (stream_crc32 covers a whole refit)
-        # the stream's word sums per checksum chunk, of the quantized bytes (added by the quantize kernel as
-        # it writes them); entries summed there, and entries yielded, by the current tensors() call
-        self._sums = ChunkSums(self.plan, self._device) if self.arena else None
+        self._sums = ChunkSums(self.plan, self._device) if self.arena else None  # summed as written
         self._starts = [e.offset for e in self.plan.entries]
         self._stream = stream_arena(self.plan, self._slots) if self.arena else None  # the buffer, flat
-        self._summed = [False] * len(self.plan)
-        self._yielded = 0
+        self._summed, self._yielded = [False] * len(self.plan), 0  # by the current tensors() call
 
     @torch.no_grad()
     def _arena_slots(self) -> list[torch.Tensor]:
@@ -132,8 +117,6 @@ class TrainerSource:
         Raises:
             ValueError: without ``arena=True``, or when no :meth:`tensors` call has run to its end.
         """
-        import zlib
-
         if not self.arena or not self._complete:
             raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran "
                              "to its end (a complete refit) before it")
@@ -145,10 +128,6 @@ class TrainerSource:
         """Yield the current weights in plan order, quantized lazily. With ``arena`` they are views of the
         send buffer: quantized ones hold this call's bytes until the next call; adopted kept ones *are* the
         parameters."""
-        from ...export import export_components
-        from ...nn import plain_float
-        from ...quantize import quantize
-
         slots = self._slots
         self._complete = False
         self._summed, self._yielded = [False] * len(self.plan), 0
@@ -179,15 +158,11 @@ class TrainerSource:
                 x = _whole(t).detach()
                 want = kept_wire_dtype(x, self.kept_dtype)
                 if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
-                    slot = slots[i]
-                    # not adopted: copy (and cast) in
-                    if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:
-                        self._copy_in(i, x)
+                    if x.data_ptr() != slots[i].data_ptr() or x.dtype != slots[i].dtype:  # not adopted
+                        self._copy_in(i, x)  # copy (and cast) in
                     self._yielded = i + 1
-                    yield slot
-                else:
-                    # (a tensor whose dtype or shape drifted from the plan goes out as is:
-                    # the sender refuses it)
+                    yield slots[i]
+                else:  # a tensor that drifted from the plan goes out as is: the sender refuses it
                     self._yielded = i + 1
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
@@ -204,7 +179,6 @@ class TrainerSource:
         """Quantize entry ``idx`` (slots ``i``, ``i + 1``) and the plain-float weights after it, up to
         :data:`BATCH_NUMEL` elements, in one :func:`mxport.quantize.quantize_many` call; return the first
         entry not done."""
-        from ...nn import plain_float
         from ...quantize import quantize_many
 
         xs, outs, entries, numel, end = [], [], [], 0, idx
