@@ -1,6 +1,5 @@
-"""The refit arena: one flat buffer laid out as the plan's byte stream, whose views are the refit's tensors
-(:func:`allocate_targets`, :func:`stream_arena`); adopting a model's own tensors into it (``t.data = view``);
-and :class:`RollbackCopy`, direct mode's copy of the previous version."""
+"""The refit arena (one flat buffer laid out as the plan's byte stream, whose views are the tensors), adopting
+a model's own tensors into it, and direct mode's :class:`RollbackCopy`."""
 
 from __future__ import annotations
 
@@ -20,14 +19,10 @@ def storage_bytes(storage: torch.UntypedStorage, start: int, nbytes: int,
 
 
 def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """Receive buffers for ``plan``, allocated once: views of one zero-filled ``uint8`` arena of
-    ``plan.total_bytes`` on ``device``, each with the planned dtype and shape at its entry's offset (the arena
-    *is* the byte stream). A :class:`~mxport.refit.RefitReceiver` given them receives in direct mode. Keep
-    them alive as long as the engine uses them.
-
-    Raises:
-        ValueError: an entry whose offset is not a multiple of its item size (never for a :class:`RefitPlan`).
-    """
+    """Receive buffers for ``plan``: views of one zero-filled ``uint8`` arena of ``plan.total_bytes`` on
+    ``device``, each of the planned dtype and shape at its entry's offset (the arena *is* the byte stream), so
+    a :class:`~mxport.refit.RefitReceiver` receives into them in direct mode. ValueError for an entry whose
+    offset is not a multiple of its item size (never for a :class:`RefitPlan`)."""
     arena = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
     out = []
     for e in plan.entries:
@@ -40,9 +35,8 @@ def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> lis
 
 
 def stream_arena(plan: RefitPlan, targets: list[torch.Tensor]) -> torch.Tensor | None:
-    """The flat ``uint8`` tensor over the targets' storage when they are laid out exactly as the plan's byte
-    stream (one storage, each target at ``base + entry.offset``, the storage covering ``plan.total_bytes``
-    from ``base``; zero-byte entries not checked), else None."""
+    """The flat ``uint8`` tensor over the targets' storage when they lie exactly as the plan's byte stream in
+    one storage (zero-byte entries not checked), else None."""
     storage, base, device = None, None, None
     for e, t in zip(plan.entries, targets, strict=True):
         if e.nbytes == 0:
@@ -68,8 +62,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_users(model: nn.Module) -> dict[int, int]:
-    """Storage address -> how many of ``model``'s parameters and buffers (non-persistent too) use it; plain
-    tensors only."""
+    """Storage address -> how many of ``model``'s plain parameters and buffers use it."""
     users: dict[int, int] = {}
     seen: set[int] = set()
     for t in (*model.parameters(), *model.buffers()):
@@ -121,8 +114,8 @@ def bump_versions(targets: list[torch.Tensor]) -> None:
 
 class RollbackCopy:
     """Direct mode: a copy of the live ``arena`` (the previous version), refreshed in the background by
-    :meth:`start` after every successful refit, retaken by :meth:`wait` when it failed or the live tensors
-    were written in place meanwhile; :meth:`restore` puts it back."""
+    :meth:`start` after every successful refit, retaken by :meth:`wait` when needed, put back by
+    :meth:`restore`."""
 
     def __init__(self, arena: torch.Tensor, targets: list[torch.Tensor]):
         self.arena, self.targets = arena, targets

@@ -26,8 +26,7 @@ STATUS_OK, STATUS_ABORT = 0, 1
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
-    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to a tensor's
-    device."""
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), comparable to a tensor's."""
     device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
         module = getattr(torch, device.type, None)
@@ -59,10 +58,9 @@ def _mix(n_words: int, sums: list[int]) -> int:
 
 
 def checksum(payload: torch.Tensor) -> int:
-    """Checksum of a 1-D uint8 tensor whose length is a multiple of 8: its int64 words summed (wrapping) per
-    :data:`CHUNK_BYTES` chunk, the chunk sums mixed with odd weights ``2i + 1`` and the word count, as a
-    signed 64-bit int. Computed where the bytes are; a corruption check (any changed word, any reordered
-    chunk), not a cryptographic digest."""
+    """Checksum of a 1-D uint8 tensor of whole int64 words: the words summed (wrapping) per
+    :data:`CHUNK_BYTES` chunk, the chunk sums mixed with odd weights and the word count (a signed 64-bit int).
+    A corruption check computed where the bytes are, not a cryptographic digest."""
     return checksums([payload])[0]
 
 
@@ -120,10 +118,9 @@ SUM_CELL = 4096
 
 
 class ChunkSums:
-    """The word sums of a plan's byte stream per :data:`SUM_CELL` bytes (:attr:`sums`, int64 on ``device``),
-    added as the stream is produced: by a quantize kernel as it writes (:func:`mxport.quantize.quantize_many`
-    with ``sums``), or by :meth:`add` / :meth:`copy_in`. :meth:`checksum` then gives a bucket's checksum
-    without reading it, whatever the bucket size, when its chunks are whole cells (:meth:`covers`)."""
+    """The word sums of a plan's byte stream per :data:`SUM_CELL` bytes (:attr:`sums`), added as the stream is
+    produced (by the quantize kernel as it writes, :meth:`add`, :meth:`copy_in`), so :meth:`checksum` gives a
+    bucket's checksum without reading it when its chunks are whole cells (:meth:`covers`)."""
 
     def __init__(self, plan: RefitPlan, device: str | torch.device = "cpu"):
         self.plan, self.total = plan, plan.total_bytes
@@ -134,8 +131,7 @@ class ChunkSums:
 
     def native(self, spans: list[tuple[tuple[int, int], tuple[int, int]]]):
         """The :class:`mxport.native.StreamSums` of a native batch whose outputs lie at ``spans`` (per job
-        ``((values offset, bytes), (scales offset, bytes))``): the kernel adds to the cells they span through
-        a view of :attr:`sums`."""
+        ``((values offset, bytes), (scales offset, bytes))``), adding through a view of :attr:`sums`."""
         flat = [s for pair in spans for s in pair]
         for o, n in flat:
             if o < 0 or o + n > self.total:
@@ -171,8 +167,7 @@ class ChunkSums:
             sums.index_add_(0, torch.tensor(index, device=sums.device), torch.cat(parts))
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
-        """``dst.copy_(src)`` (``dst``: contiguous, its bytes at stream ``offset``) a few cells at a time,
-        each piece summed right after it is written, while still in cache."""
+        """``dst.copy_(src)`` (``dst`` at stream ``offset``), a few cells at a time, each summed in cache."""
         d, s = dst.view(-1), src.reshape(-1)
         size = d.element_size()
         n, pos = d.numel() * size, 0
@@ -198,9 +193,8 @@ class ChunkSums:
         return start % SUM_CELL == 0 and (size % SUM_CELL == 0 or start + size == self.total)
 
     def checksum(self, start: int, size: int, extra: list[tuple[torch.Tensor, int]] = ()) -> int:
-        """:func:`checksum` of the stream range ``[start, start + size)`` (:meth:`covers` it) from the sums,
-        plus the bytes of ``extra`` (``(tensor, stream offset)`` pieces inside it, summed now and not
-        kept)."""
+        """:func:`checksum` of the stream range ``[start, start + size)`` from the sums, plus the bytes of
+        ``extra`` (``(tensor, stream offset)`` pieces inside it, summed now)."""
         if not self.covers(start, size):
             raise ValueError(f"stream range {start}+{size} does not start and end on cells of {SUM_CELL} "
                              "bytes")
@@ -232,8 +226,7 @@ class Segment:
 
 
 def check_bucket_bytes(bucket_bytes) -> int:
-    """``bucket_bytes`` if it is a positive multiple of :data:`~mxport.refit.plan.ALIGN` below 2**63 (an int64
-    word in the handshake), else ValueError."""
+    """``bucket_bytes`` if it is a positive multiple of :data:`ALIGN` below 2**63, else ValueError."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or not 0 < bucket_bytes < 1 << 63 \
             or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN} below 2**63, got "
@@ -242,8 +235,8 @@ def check_bucket_bytes(bucket_bytes) -> int:
 
 
 class BucketLayout:
-    """A plan's byte stream cut into buckets of ``bucket_bytes`` (the last may be shorter): per bucket its
-    sizes, the segments of the tensors in it and the gaps (alignment padding, zeroed on packing)."""
+    """A plan's byte stream cut into buckets of ``bucket_bytes``: per bucket its size, the segments of the
+    tensors in it and the gaps (alignment padding, zeroed on packing)."""
 
     def __init__(self, plan: RefitPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.plan, self.bucket_bytes = plan, check_bucket_bytes(bucket_bytes)
@@ -282,8 +275,8 @@ class BucketLayout:
         return self._gap_index[key]
 
     def chunk_pieces(self, b: int) -> list[list[tuple[int, int, int, int]]]:
-        """Bucket ``b``'s segments and gaps cut at :data:`CHUNK_BYTES` boundaries: per chunk, pieces ``(entry,
-        src, dst, length)`` in payload order (``entry`` -1 for a gap), cached."""
+        """Bucket ``b``'s pieces ``(entry, src, dst, length)`` per :data:`CHUNK_BYTES` chunk (``entry`` -1: a
+        gap), cached."""
         cached = self._chunks.get(b)
         if cached is not None:
             return cached
@@ -343,7 +336,7 @@ def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, en
 def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], payload: torch.Tensor, *,
                 with_checksum: bool = False) -> int | None:
     """Fill ``payload`` (``layout.sizes[b]`` bytes) with bucket ``b``, zeros in the gaps. ``with_checksum``:
-    pack one chunk at a time and sum it while it is in cache, returning ``checksum(payload)``."""
+    sum each chunk right after packing it, while it is in cache, returning ``checksum(payload)``."""
     size = layout.sizes[b]
     sums = []
     for c, pieces in enumerate(layout.chunk_pieces(b)):
@@ -365,10 +358,9 @@ def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: lis
 
 def in_place_payload(segments: list[Segment], gap_index: torch.Tensor | None, sources: list[torch.Tensor],
                      size: int, device: torch.device) -> torch.Tensor | None:
-    """A bucket's payload as a view of its sources' own memory when every segment (``sources``: flat uint8
-    views per plan entry) sits in one storage on ``device`` exactly where the layout puts it and the gaps
-    there (``gap_index``) hold zeros; else None (the bucket must be packed). Tensors laid out as the plan's
-    byte stream (:func:`~mxport.refit.allocate_targets`, ``TrainerSource(arena=True)``) qualify."""
+    """A bucket's payload as a view of its sources' own memory (a bucket inside one tensor, or an arena laid
+    out as the stream) when every segment sits in one storage on ``device`` where the layout puts it and the
+    gaps there hold zeros; else None (pack it)."""
     if not segments:
         return None
     first = sources[segments[0].entry]

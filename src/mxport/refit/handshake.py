@@ -42,9 +42,8 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_b
 
     Raises:
         RefitError: a peer that does not speak this handshake, or reports a negative version.
-        RefitPlanMismatch: on every endpoint when a receiver's digest or bucket size differs from the sender's
-            (the sender lists its differences with each such receiver; a receiver its own with the sender's,
-            or names the receivers that disagree).
+        RefitPlanMismatch: on every endpoint when a receiver's digest or bucket size differs from the
+            sender's, listing the differences each side sees.
     """
     _hello(transport)
     digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
@@ -128,10 +127,9 @@ def _exchange_canonical(transport: Transport, plan: RefitPlan) -> list[RefitPlan
 
 
 def share_plan(transport: Transport, plan: RefitPlan | None = None) -> RefitPlan:
-    """The sender's plan on every endpoint, for a receiver with no model to derive one from (a benchmark, an
-    engine that loads checkpoint-format tensors): the sender broadcasts its canonical JSON (an int64 length,
-    then the bytes), a receiver rebuilds it (ValueError beyond :data:`MAX_PLAN_JSON` bytes or for an invalid
-    plan)."""
+    """The sender's plan on every endpoint, for a receiver with no model to derive one from: the sender
+    broadcasts its canonical JSON (an int64 length, then the bytes); ValueError beyond :data:`MAX_PLAN_JSON`
+    bytes or for an invalid plan."""
     if transport.is_sender:
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"the sender must pass its RefitPlan, got {type(plan).__name__}")

@@ -22,8 +22,7 @@ PLAN_NAMING = "modelopt"
 
 def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every parameter and persistent buffer of ``model`` in canonical order, shared
-    tensors once (non-persistent buffers are not refit). Native MXFP8 storage held as a plain module attribute
-    (Megatron-LM's ``MXFP8Tensor``) is included under its name (:func:`mxport.sources.native_attributes`)."""
+    tensors once; native MXFP8 storage held as a module attribute (Megatron's ``MXFP8Tensor``) too."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     seen: set[int] = set()

@@ -1,14 +1,8 @@
-"""The global plan of a sharded refit: which box of which tensor every trainer rank holds, which box every
-engine rank needs, and the routes that move exactly those bytes, shard to shard.
-
-``T`` trainer ranks (group ranks ``0 .. T-1``) and ``E`` engine ranks (``T .. T+E-1``) share one group. Every
-plan tensor is described once, whole (:class:`TensorInfo`); a rank's part of it is a :class:`Box` (per
-dimension ``[start, stop)``), one :class:`Holding` per box (a rank may hold several boxes of one tensor, e.g.
-a fused expert gate_up's gate rows and up rows). :class:`MeshPlan` merges and checks every rank's holdings and
-cuts every engine box into pieces, each from one trainer rank that holds it, one :class:`Route` (an ordinary
-:class:`~mxport.refit.RefitPlan` of pieces named ``name[r0:r1,c0:c1]``) per (trainer, engine) pair. Its digest
-covers the tensors and every rank's boxes. Tensors go in natural name order (numbers compared as numbers), so
-layers and experts travel in global order whichever rank holds them.
+"""The global plan of a sharded refit: the box of each tensor every trainer rank holds (group ranks ``0 ..
+T-1``) and every engine rank needs (``T .. T+E-1``), one :class:`Holding` per box, and the routes that move
+exactly those bytes: one :class:`Route` per (trainer, engine) pair, an ordinary
+:class:`~mxport.refit.RefitPlan` of pieces named ``name[r0:r1,c0:c1]``. Tensors go in natural name order
+(numbers compared as numbers), so layers and experts travel in global order whichever rank holds them.
 """
 
 from __future__ import annotations
@@ -193,8 +187,7 @@ def _dumps(obj) -> str:
 
 
 def _box_texts(boxes: Sequence[Box]) -> list[str]:
-    """Each box of one tensor as its canonical row writes it after the tensor index: ``[start],[stop]]``
-    (loops in C)."""
+    """Each box's canonical row text after the tensor index, ``[start],[stop]]`` (loops in C)."""
     ints = ",".join(["%d"] * len(boxes[0].start)) if boxes else ""
     return list(map(f"[{ints}],[{ints}]]".__mod__, map(add, map(_START, boxes), map(_STOP, boxes))))
 
@@ -208,16 +201,12 @@ def natural_key(name: str) -> tuple:
 
 
 class MeshPlan:
-    """The agreed global plan of a sharded refit.
-
-    Args:
-        trainers: per trainer rank, the :class:`Holding` of every tensor it holds.
-        engines: per engine rank, the :class:`Holding` of every tensor it needs.
+    """The agreed global plan of a sharded refit from ``trainers`` (per trainer rank, the :class:`Holding` s
+    it holds) and ``engines`` (per engine rank, those it needs).
 
     Raises:
-        RefitPlanMismatch: two ranks describe a tensor differently; an engine rank needs bytes no trainer rank
-            holds; a trainer rank holds a tensor no engine rank needs; a box outside its tensor; one rank's
-            boxes of one tensor overlap.
+        RefitPlanMismatch: two ranks describe a tensor differently; bytes an engine needs that no trainer
+            holds, or a tensor no engine needs; a box outside its tensor; overlapping boxes on one rank.
     """
 
     def __init__(self, trainers: Sequence[Iterable[Holding]], engines: Sequence[Iterable[Holding]]):
@@ -249,9 +238,7 @@ class MeshPlan:
 
     @cached_property
     def engine_classes(self) -> tuple[int, ...]:
-        """Per engine index, its class, numbered in order of first appearance: replicas (engines that need
-        exactly the same boxes) share one and so get the same pieces from every trainer rank (one multicast
-        stream)."""
+        """Per engine index, its class: replicas (engines that need the same boxes) share one."""
         seen: dict[tuple, int] = {}
         return tuple(seen.setdefault(tuple((h.tensor.name, h.box.start, h.box.stop) for h in held), len(seen))
                      for held in self.engines)
@@ -286,8 +273,7 @@ class MeshPlan:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _layout_rows(self) -> str:
-        """The trainer ranks' canonical rows as JSON text for uniform holdings, each layout's box texts made
-        once."""
+        """The trainer ranks' canonical rows as JSON text for uniform holdings."""
         index = {t.name: i for i, t in enumerate(self.tensors)}
         heads = [f"[{index[h.tensor.name]}," for h in self.trainers[0]]
         texts = {h: _box_texts(h.boxes) for h in dict.fromkeys(self._layouts)}  # per layout, rank by rank
@@ -302,8 +288,7 @@ class MeshPlan:
         return tuple(route(self))
 
     def routes_of(self, rank: int) -> list[Route]:
-        """The routes group rank ``rank`` takes part in, computed for that rank alone unless :attr:`routes`
-        holds them all."""
+        """The routes group rank ``rank`` takes part in (computed for it alone unless all are)."""
         if "routes" in self.__dict__:
             return [r for r in self.routes if rank in (r.trainer, r.engine)]
         if rank not in self._rank_routes:
@@ -328,8 +313,7 @@ class MeshPlan:
 
 
 def _merge_tensors(trainers, engines, uniform: _Uniform | None = None) -> tuple[TensorInfo, ...]:
-    """Every tensor described, in natural name order, after checking every rank's holdings (the trainer ranks'
-    only when ``uniform`` has not checked them)."""
+    """Every tensor, in natural name order, after checking the holdings ``uniform`` has not checked."""
     seen: dict[str, TensorInfo] = {}
     agreed: dict[int, bool] = {}  # per description met (by id): valid, and equal to its name's first one
     problems: list[str] = []
@@ -375,8 +359,7 @@ _TENSOR, _BOX, _NAME = attrgetter("tensor"), attrgetter("box"), attrgetter("name
 @dataclass(frozen=True, slots=True)
 class _Uniform:
     """Trainer ranks that each hold one box of each of the same tensors, in one order (FSDP shards, whole
-    copies, one tp layout): the tensors, per tensor every rank's box, per tensor dimension every rank's box
-    start and stop."""
+    copies, one tp layout), with every rank's boxes per tensor and their starts and stops per dimension."""
 
     tensors: list[TensorInfo]
     boxes: list[tuple[Box, ...]]
@@ -384,8 +367,7 @@ class _Uniform:
     stops: list[tuple[int, ...]]
 
     def holders(self) -> dict[str, _Holders]:
-        """Each tensor's :class:`_Holders`, shared by the tensors of one shape and equal boxes (a model's
-        layers), so routing covers a need of theirs once."""
+        """Each tensor's :class:`_Holders`, one for the tensors of equal boxes (a model's layers)."""
         ranks, out, layouts, d = list(range(len(self.boxes[0]) if self.boxes else 0)), {}, {}, 0
         for t, boxes in zip(self.tensors, self.boxes, strict=True):
             lo, hi = self.starts[d:d + len(t.shape)], self.stops[d:d + len(t.shape)]
@@ -399,9 +381,8 @@ class _Uniform:
 
 
 def _uniform_trainers(trainers) -> _Uniform | None:
-    """The trainer ranks' holdings as a :class:`_Uniform`, checked with loops in C, when every rank holds one
-    box of each of the same tensors in one order; else None (:func:`_merge_tensors` then checks them one by
-    one and words each problem)."""
+    """The trainer holdings as a :class:`_Uniform` (checked with loops in C) when every rank holds one box of
+    each of the same tensors in one order, else None."""
     try:
         tensors = list(map(_TENSOR, trainers[0]))
         names = list(map(_NAME, tensors))
@@ -437,10 +418,8 @@ def _check_info(t: TensorInfo) -> None:
 
 
 class _Holders:
-    """The trainer ranks' boxes of one tensor, indexed to cover an engine box without visiting every holder.
-    When every box is a slab (the whole tensor but a range of dim 0: FSDP shards, whole copies) and the ranges
-    are disjoint, the greedy cover's piece from a holder is its box's intersection with the need, whatever the
-    order: the holders a need meets are found by bisection."""
+    """The trainer ranks' boxes of one tensor, indexed to cover an engine box without visiting every holder:
+    when the boxes are disjoint slabs (ranges of dim 0: FSDP shards, whole copies), by bisection."""
 
     def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box], lo=None, hi=None):
         self.ranks, self.boxes, self.rest = ranks, boxes, shape[1:]
@@ -469,8 +448,8 @@ class _Holders:
         return i >= 0 and self.union_stops[i] >= need.stop[0]
 
     def cover(self, need: Box, first: int, trainer: int | None = None) -> tuple[list[int], list[Box]]:
-        """The greedy cover of ``need`` by the holders from rank ``first`` on (only rank ``trainer``'s pieces
-        when given): their ranks and boxes, cached for disjoint slabs (not to be changed)."""
+        """The greedy cover of ``need`` by the holders from rank ``first`` on (only ``trainer``'s pieces when
+        given): ranks and boxes, cached for disjoint slabs."""
         if not self.disjoint:
             pieces = [p for p in _cover(need, self.rotated(first))[0] if trainer in (None, p[0])]
             return [t for t, _ in pieces], [box for _, box in pieces]
@@ -502,9 +481,7 @@ class _Holders:
 
 def _slab_ranges(shape: tuple[int, ...], boxes: list[Box], lo: list[tuple[int, ...]] | None = None,
                  hi: list[tuple[int, ...]] | None = None) -> tuple[list[int], list[int], list[int]] | None:
-    """None unless every box is the whole tensor but a range of dim 0; else the non-empty ranges' starts,
-    stops and box positions, sorted by start. ``lo`` / ``hi``: the boxes' starts / stops per dimension, if
-    known."""
+    """None unless every box is a range of dim 0; else the ranges' starts, stops and box positions."""
     n = len(boxes)
     if not n:
         return [], [], []
@@ -569,8 +546,7 @@ def _check_coverage(tensors, held: dict[str, _Holders], engines) -> None:
 
 
 def _subtract(outer: Box, inner: Box) -> list[Box]:
-    """``outer`` less ``inner`` (a box inside it) as disjoint boxes: per dimension the slabs below and above
-    ``inner``, the dimensions before it already cut to ``inner``'s range."""
+    """``outer`` less ``inner`` (a box inside it) as disjoint boxes."""
     out = []
     lo, hi = list(outer.start), list(outer.stop)
     for d, (a, b) in enumerate(zip(inner.start, inner.stop, strict=True)):
@@ -583,8 +559,8 @@ def _subtract(outer: Box, inner: Box) -> list[Box]:
 
 
 def _cover(need: Box, holders: Iterable[tuple[int, Box]]) -> tuple[list[tuple[int, Box]], list[Box]]:
-    """Cover ``need`` greedily: each holder ``(rank, box)`` in turn takes all of ``need`` it holds that no
-    earlier holder took. Returns the disjoint pieces ``(rank, box)`` and what no holder holds."""
+    """Cover ``need`` greedily: each ``(rank, box)`` holder in turn takes what it holds that no earlier one
+    took. Returns the pieces and what no holder holds."""
     pieces: list[tuple[int, Box]] = []
     left = [need] if need.numel else []
     for t, b in holders:
@@ -646,9 +622,8 @@ def _routes(mesh: MeshPlan, engines: Iterable[int], trainer: int | None = None) 
 # -- replicated bytes: boxes several trainer ranks hold (their copies must agree) ---------------------------
 @dataclass(frozen=True)
 class Replica:
-    """A box of one tensor that several trainer ranks (``holders``, ascending) each hold whole (a plain
-    parameter of a sharded trainer, a ``Replicate`` placement, a scale block two K shards share). Routing
-    takes each piece from one holder, so the world vote checks that the copies agree."""
+    """A box of one tensor that several trainer ranks (``holders``) each hold whole: its copies must agree, as
+    routing takes each piece from one holder."""
 
     tensor: TensorInfo
     box: Box
@@ -656,8 +631,7 @@ class Replica:
 
 
 def _overlaps(boxes: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
-    """``(i, j, common)`` for every pair of non-empty ``boxes`` that intersect: a sweep along the dimension
-    with the most distinct starts."""
+    """``(i, j, common)`` for every pair of non-empty ``boxes`` that intersect (a sweep)."""
     if len(boxes) < 2:
         return
     dims = len(boxes[0].start)
@@ -673,9 +647,8 @@ def _overlaps(boxes: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
 
 
 def find_replicas(mesh: MeshPlan) -> tuple[Replica, ...]:
-    """Every replicated region of ``mesh``'s trainer holdings, in tensor order: each box several trainer ranks
-    hold, and each common part of two overlapping boxes. Comparing each region's copies compares every copy of
-    every replicated byte."""
+    """Every replicated region of ``mesh``'s trainer holdings, in tensor order: boxes several ranks hold and
+    the common parts of overlapping boxes, so comparing them compares every copy of every byte."""
     by_name: dict[str, dict[Box, list[int]]] = {t.name: {} for t in mesh.tensors}
     for t, held in enumerate(mesh.trainers):
         for h in held:
@@ -711,8 +684,8 @@ def _int64s(v: list) -> bool:
 
 
 def holdings_from_canonical(obj, rank: int, infos: dict | None = None) -> list[Holding]:
-    """A peer's holdings rebuilt from JSON, every field checked (ValueError naming the rank). ``infos``:
-    descriptions met so far, shared by the ranks of one agreement (one :class:`TensorInfo` per tensor)."""
+    """A peer's holdings rebuilt from JSON, every field checked (ValueError naming the rank); ``infos`` shares
+    one :class:`TensorInfo` per tensor across ranks."""
     if type(obj) is not list:
         raise ValueError(f"rank {rank} sent holdings that are not a list")
     infos = {} if infos is None else infos
@@ -742,13 +715,8 @@ def _holding_of(row, infos: dict) -> Holding:
 
 
 def mesh_from_json(texts: Sequence[bytes], trainers: int) -> MeshPlan:
-    """The plan every rank of :func:`agree` builds from every rank's holdings as JSON bytes (ranks ``0 ..
-    trainers-1`` the trainers), with its digest, the garbage collector paused.
-
-    Raises:
-        ValueError: bytes that are not holdings JSON (naming the rank); RefitPlanMismatch (see
-            :class:`MeshPlan`).
-    """
+    """The plan :func:`agree` builds from every rank's holdings JSON (ranks ``0 .. trainers-1`` the trainers),
+    digest included. ValueError for bytes that are not holdings (naming the rank), or RefitPlanMismatch."""
     infos: dict = {}
     with _gc_paused():
         ranks = [holdings_from_canonical(json.loads(text), r, infos) for r, text in enumerate(texts)]
@@ -764,9 +732,8 @@ MAX_REASON = 4000
 
 
 class RefitAgreementError(RefitPlanMismatch, RefitError):
-    """The ranks did not agree on a sharded plan, or a rank failed before they did: raised on every rank,
-    naming each failing rank and why; nothing was sent. Both a :class:`RefitPlanMismatch` and a
-    :class:`RefitError` (``kept_version`` 0)."""
+    """The ranks did not agree on a sharded plan, or a rank failed before they did, raised on every rank
+    naming each failing rank and why; both a :class:`RefitPlanMismatch` and a :class:`RefitError`."""
 
     def __init__(self, problems: Sequence[str], *, what: str = "sharded plan not agreed",
                  local_digest: str = ""):
@@ -778,8 +745,7 @@ class RefitAgreementError(RefitPlanMismatch, RefitError):
 
 
 def gather_checked(transport, row, what: str) -> list:
-    """``transport.all_gather(row)``; a transport failure (a dead, late or absent peer) raised as
-    :class:`RefitError` naming the exchange."""
+    """``transport.all_gather(row)``; a transport failure raised as :class:`RefitError` naming ``what``."""
     try:
         return transport.all_gather(row)
     except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; in-process channels TimeoutError
@@ -788,8 +754,7 @@ def gather_checked(transport, row, what: str) -> list:
 
 
 def _describe(held) -> tuple[bytes, BaseException | None]:
-    """This rank's holdings as JSON bytes, or (``b""``, why not): ``held`` holdings, a callable returning
-    them, or the exception this rank failed with."""
+    """This rank's holdings as JSON bytes, or (``b""``, why it has none)."""
     try:
         if isinstance(held, BaseException):
             raise held
@@ -802,8 +767,7 @@ def _describe(held) -> tuple[bytes, BaseException | None]:
 
 
 def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
-    """Every rank's holdings JSON (a status row each, then the bytes zero-padded to the longest).
-    :class:`RefitAgreementError` on every rank when any rank failed, naming each one and its reason."""
+    """Every rank's holdings JSON; :class:`RefitAgreementError` on every rank when any rank failed."""
     text, mine = _describe(held)
     reason = b"" if mine is None else f"{type(mine).__name__}: {mine}".encode()[:MAX_REASON]
     row = torch.tensor([MESH_HELLO, int(mine is not None), len(text or reason)], dtype=torch.int64)
@@ -830,15 +794,13 @@ def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
 
 def agree(transport, trainers: int, held) -> MeshPlan:
     """The same :class:`MeshPlan` on every rank of ``transport``'s group: ranks ``0 .. trainers-1`` give what
-    they hold, the others what they need (length-capped JSON, never pickle); every rank builds the plan and
-    the digests are compared.
-
-    ``held``: this rank's holdings, a callable returning them (what it raises is reported to every rank), or
-    the exception this rank failed with (it must still call ``agree``, so that no rank waits for it).
+    they hold, the others what they need (length-capped JSON, never pickle), and the digests are compared.
+    ``held``: this rank's holdings, a callable returning them, or the exception this rank failed with (it must
+    still call ``agree``, so no rank waits for it).
 
     Raises:
-        RefitPlanMismatch: on every rank, when the contributions make no plan or the digests differ;
-            :class:`RefitAgreementError` when a rank could not describe its holdings, naming it.
+        RefitPlanMismatch: on every rank, when the holdings make no plan or the digests differ
+            (:class:`RefitAgreementError` when a rank could not describe its holdings).
         RefitError: the group failed (a rank died or never called ``agree``).
     """
     try:
@@ -861,21 +823,15 @@ def agree(transport, trainers: int, held) -> MeshPlan:
 
 # -- the bytes of a route, on each side -------------------------------------------------------------------
 def local_items(mapping: dict) -> Iterator:
-    """``(name, box, tensor)`` of every entry of a rank's ``{name: (box, tensor)}`` mapping (a value may be a
-    list of ``(box, tensor)``: several boxes of one tensor)."""
+    """``(name, box, tensor)`` of a rank's ``{name: (box, tensor) or [(box, tensor), ...]}`` mapping."""
     for name, value in mapping.items():
         for box, t in ([value] if isinstance(value, tuple) else value):
             yield name, box, t
 
 
 def local_part(mapping: dict, name: str, box: Box):
-    """The bytes of ``box`` of tensor ``name`` in a rank's mapping (:func:`local_items`): a view of the entry
-    whose box contains it.
-
-    Raises:
-        KeyError: no entry of ``name``. ValueError: no entry contains ``box``, or an entry's tensor does not
-            have its box's shape.
-    """
+    """The bytes of ``box`` of tensor ``name`` in a rank's mapping: a view of the entry whose box contains it.
+    KeyError: no entry of ``name``; ValueError: none contains ``box``, or a tensor not of its box's shape."""
     value = mapping[name]
     held = [value] if isinstance(value, tuple) else value
     for outer, t in held:
@@ -889,16 +845,14 @@ def local_part(mapping: dict, name: str, box: Box):
 
 
 def route_tensors(rt: Route, local: dict) -> Iterator:
-    """The trainer side of route ``rt``: each piece cut out of the rank's bytes ``local``
-    (:func:`local_items`), contiguous, lazily."""
+    """The trainer side of route ``rt``: each piece of the rank's ``local`` bytes, contiguous, lazily."""
     for p in rt.pieces:
         yield local_part(local, p.tensor.name, p.box).contiguous()
 
 
 def route_targets(rt: Route, live: dict) -> tuple[list, list]:
-    """The engine side of route ``rt``: ``(targets, scatters)``. A piece that is a contiguous part of its live
-    tensor in ``live`` (:func:`local_items`) is received in place; any other lands in a buffer of its own,
-    copied into the live tensor by its scatter at commit."""
+    """The engine side of route ``rt``: ``(targets, scatters)``: each piece in place when it is a contiguous
+    part of its live tensor, else in a buffer of its own that its scatter copies in at commit."""
     targets, scatters = [], []
     for p in rt.pieces:
         view = local_part(live, p.tensor.name, p.box)
@@ -917,9 +871,9 @@ Local = dict[str, "tuple[Box, torch.Tensor] | list[tuple[Box, torch.Tensor]]"]
 
 
 def scales_box(values: Box, shape: Sequence[int], *, name: str = "", whole_blocks: bool = False) -> Box:
-    """The box of the compact rowwise scales that goes with the box ``values`` of a tensor of full ``shape``:
-    the same rows, and every K block that overlaps ``values``. With ``whole_blocks``, a K range that would
-    split a block between holders raises ValueError naming ``name``."""
+    """The box of the rowwise scales that goes with the box ``values`` of a tensor of full ``shape``: the same
+    rows and every K block it overlaps; with ``whole_blocks``, ValueError for a K range that splits a
+    block."""
     k0, k1, k = values.start[-1], values.stop[-1], int(shape[-1])
     if whole_blocks and k1 > k0 and (k0 % BLOCK_SIZE or (k1 % BLOCK_SIZE and k1 != k)):
         raise ValueError(f"{name}: the K range [{k0}, {k1}) of K = {k} cuts MXFP8 blocks of {BLOCK_SIZE} "
@@ -936,8 +890,7 @@ def tensor_infos(items) -> list[TensorInfo]:
 
 
 def checked_local(t: torch.Tensor, h: Holding) -> torch.Tensor:
-    """``t`` when it has the holding's box shape and dtype, else RuntimeError (the weight changed shape, dtype
-    or placement since the plan was built)."""
+    """``t`` when it has the holding's box shape and dtype, else RuntimeError."""
     if tuple(t.shape) != h.box.shape or str(t.dtype).removeprefix("torch.") != h.tensor.dtype:
         raise RuntimeError(f"{h.tensor.name}: {tuple(t.shape)} {t.dtype} where the plan holds {h.box.shape} "
                            f"{h.tensor.dtype} (did the weight change shape, dtype or placement?)")

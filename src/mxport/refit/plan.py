@@ -1,10 +1,6 @@
-"""RefitPlan: the manifest of one refit, the ordered list of what it moves and a digest.
-
-Every tensor travels as raw bytes in one virtual byte stream. An entry records the checkpoint name (modelopt:
-``<m>.weight`` values, ``<m>.weight_scale`` E8M0 scales), role (``values`` / ``scales`` / ``kept``), dtype,
-shape, byte count and ``offset`` in the stream (a multiple of :data:`ALIGN`). The bucket size is the stream's,
-not the plan's. Sender and receiver build their plans independently and compare digests before any payload
-moves."""
+"""RefitPlan: the manifest of one refit, the ordered tensors it moves as one virtual byte stream (checkpoint
+name, role, dtype, shape, bytes, ``offset``: a multiple of :data:`ALIGN`) and a digest, built by sender and
+receiver independently and compared before any payload moves. The bucket size is the stream's."""
 
 from __future__ import annotations
 
@@ -84,8 +80,7 @@ def _entry_item(i: int, e) -> tuple[str, str, str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One tensor of the refit stream: name (checkpoint name), role, dtype name, logical shape, nbytes
-    (``numel * itemsize``), offset (its first byte in the stream)."""
+    """One tensor of the refit stream; ``offset``: its first byte in the stream."""
 
     name: str
     role: Role
@@ -99,15 +94,9 @@ class PlanEntry:
 
 
 class RefitPlan:
-    """The ordered refit plan, the manifest (built once, reused for every refit).
-
-    Args:
-        items: ``(name, role, dtype, shape)`` in stream order; ``dtype`` a torch dtype or its name.
-
-    Raises:
-        ValueError: an unknown role, a duplicate ``(name)``, an empty plan.
-        TypeError: a dtype that is not a torch dtype / dtype name.
-    """
+    """The ordered refit plan, the manifest, from ``items`` ``(name, role, dtype or dtype name, shape)`` in
+    stream order. ValueError for an unknown role, a duplicate name or an empty plan; TypeError for a dtype
+    that is not a torch dtype (name)."""
 
     def __init__(self, items: Iterable[Item]):
         entries: list[PlanEntry] = []
@@ -135,13 +124,9 @@ class RefitPlan:
 
     @classmethod
     def from_canonical(cls, obj) -> RefitPlan:
-        """Rebuild a plan from its :meth:`canonical` form (e.g. a peer's JSON); same digest.
-
-        Raises:
-            ValueError: anything but exactly the canonical keys, this format and alignment, non-negative ints
-                (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and ``nbytes`` / ``offset``
-                that follow from the shapes; naming the first bad field.
-        """
+        """Rebuild a plan from its :meth:`canonical` form (e.g. a peer's JSON); same digest. ValueError naming
+        the first field that is not strictly canonical (keys, format, alignment, non-negative non-bool ints,
+        :data:`WIRE_DTYPES`, roles, ``nbytes`` / ``offset`` that follow from the shapes)."""
         if type(obj) is dict and obj.get("format", PLAN_FORMAT) != PLAN_FORMAT:  # another version's plan
             raise ValueError(f"plan format must be {PLAN_FORMAT!r}, got {obj['format']!r}")
         if type(obj) is not dict or set(obj) != _CANONICAL_KEYS:
@@ -189,18 +174,13 @@ class RefitPlan:
 
     @cached_property
     def _expected(self) -> list[tuple[torch.dtype, torch.Size]]:
-        """Each entry's torch dtype and shape, for :meth:`check_tensor` (comparing dtype objects, not names,
-        halves its cost)."""
+        """Each entry's torch dtype and shape (comparing dtype objects halves :meth:`check_tensor`'s cost)."""
         return [(dtype_from_name(e.dtype), torch.Size(e.shape)) for e in self.entries]
 
     def check_tensor(self, i: int, t: torch.Tensor) -> None:
-        """Per-refit check of tensor ``i``: a ``torch.Tensor`` with data (not meta), contiguous, of exactly
-        the planned dtype and shape.
-
-        Raises:
-            TypeError: not a torch.Tensor, naming the tensor.
-            ValueError: a meta tensor, a non-contiguous one, or another dtype / shape, naming the tensor.
-        """
+        """Per-refit check of tensor ``i``: a ``torch.Tensor`` with data, contiguous, of exactly the planned
+        dtype and shape; TypeError (not a tensor) or ValueError (meta, non-contiguous, another dtype / shape)
+        naming it."""
         e = self.entries[i]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor {e.name!r} must be a torch.Tensor, got {type(t).__name__}")

@@ -1,11 +1,7 @@
-"""RefitReceiver: the engine side of a refit, one coordinator for every layout. It agrees the plan and the
-version, stages this rank's streams (:class:`~mxport.refit.stream.StreamReceiver`), votes once with the whole
-world and settles every stream by that vote: all commit, or none.
-
-- ``RefitReceiver(transport, plan, targets)``: an engine rank of a world of ONE multicast stream, landing in
-  staging or (direct mode) straight in the live arena.
-- ``RefitReceiver.from_mesh(world, mesh, live)`` (or :meth:`RefitReceiver.for_pairs`): one of E engine ranks
-  of a sharded refit, one stream from each trainer rank that holds what it needs (staged)."""
+"""RefitReceiver: the engine side of a refit, one coordinator for every layout: ``RefitReceiver(transport,
+plan, targets)`` (a world of ONE multicast stream; staging or direct mode) or ``RefitReceiver.from_mesh(world,
+mesh, live)`` (one of E engine ranks, staged). It stages this rank's streams, votes once with the whole world
+and settles every stream by that vote: all commit, or none."""
 
 from __future__ import annotations
 
@@ -42,16 +38,10 @@ class RefitReceiver(WorldSide):
     Args:
         transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
         plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
-        targets: the live tensors, one per plan entry in plan order, contiguous, of the planned dtype and
-            shape (an MXFP8Linear's ``weight`` and ``weight_scale`` buffers,
-            :func:`~mxport.refit.allocate_targets` views). Only ever written in place: pointers stay put
-            (CUDA-graph safe) and every refit bumps their ``_version`` (so MXFP8Linear's decoded cache
-            follows).
+        targets: the live tensors, one per plan entry, contiguous, of the planned dtype and shape; only ever
+            written in place (pointers stay put, CUDA-graph safe), each refit bumping their ``_version``.
         stream_kwargs: :class:`~mxport.refit.stream.StreamReceiver`'s (``bucket_bytes``, ``use_checksum``,
             ``refresh_hooks``, ``inflight``, ``direct``).
-
-    Direct mode: *during* :meth:`receive` the live tensors are being written; once it returns or raises they
-    hold exactly one complete version, the new one or the previous one restored from the rollback copy.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor],
@@ -67,14 +57,12 @@ class RefitReceiver(WorldSide):
         """An engine rank of a sharded refit.
 
         Args:
-            world: this rank's transport over the whole world group (see :meth:`RefitSender.for_pairs`).
-            pairs: ``(trainer world rank, that pair's RefitPlan, its live targets)`` for every pair of this
-                engine with bytes to move, in pair order (may be empty: the rank still votes); an optional
-                fourth element: that pair's own refresh hooks, run after the shared ones (e.g. route_targets'
-                scatters).
+            world: this rank's transport over the whole world group.
+            pairs: ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` for
+                every pair of this engine with bytes to move, in pair order (may be empty: the rank still
+                votes).
             global_digest, trainers, tag, replicas: as :meth:`RefitSender.for_pairs`.
-            version: the version the live weights hold (the next refit is newer, and newer than any this
-                process reached for the same plan).
+            version: the version the live weights hold.
             stream_kwargs: passed to each pair's stream, always staged (nothing is written before the vote).
         """
         ends = [(int(p[0]), (world.rank,)) for p in pairs]
@@ -83,10 +71,9 @@ class RefitReceiver(WorldSide):
 
     @classmethod
     def from_mesh(cls, world: Transport, mesh: MeshPlan, live: Mapping, **kwargs) -> RefitReceiver:
-        """This engine rank's receiver of an agreed :class:`~mxport.refit.mesh.MeshPlan` into its live tensors
-        ``live`` (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`): one stream per route
-        in pair order, each landing in place or through its scatters
-        (:func:`~mxport.refit.mesh.route_targets`). ``kwargs``: :meth:`for_pairs`'."""
+        """This engine rank's receiver of an agreed :class:`~mxport.refit.mesh.MeshPlan` into its ``live``
+        tensors (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`), one stream per route.
+        ``kwargs``: :meth:`for_pairs`'."""
         streams = []
         for r, engines in ordered_streams(mesh, world.rank):
             targets, scatters = route_targets(r, live)
@@ -162,8 +149,7 @@ class RefitReceiver(WorldSide):
         return sum(s.wait_backup() for s in self.streams)
 
     def verify_live(self) -> bool:
-        """True when the live tensors' bytes have the checksums the sender wrote for the last refit (needs
-        sender checksums)."""
+        """True when the live bytes have the checksums the sender wrote for the last refit."""
         return bool(self.streams) and all(s.verify_live() for s in self.streams)
 
     def live_crc32(self) -> int:
@@ -182,23 +168,21 @@ class RefitReceiver(WorldSide):
         self._handshaken = True
 
     def receive(self) -> ReceiveStats:
-        """Receive one refit and leave the live tensors on the new version only if every rank voted yes.
+        """Receive one refit; the live tensors take the new version only if every rank voted yes.
 
-        A two-phase commit: (1) stage every stream: receive and validate (trailer, checksums, the live
-        tensors), nothing committed; (2) every rank, the senders included, gives a fixed-size verdict
-        (:class:`~mxport.refit.results.Status`) in one all_gather over the world; (3) every stream commits
-        only if every vote is ok, else rolls back and raises. A rank that dies makes the others' vote fail:
-        they roll back.
+        A two-phase commit: every stream is received and validated (trailer, checksums, live tensors) without
+        committing; every rank, the senders included, votes in one all_gather over the world; every stream
+        commits only on a unanimous yes, else rolls back. A rank that dies makes the others' vote fail: they
+        roll back.
 
         Returns:
             :class:`~mxport.refit.results.ReceiveStats`.
 
         Raises:
-            RefitError: a dead or timed-out peer, a bad trailer, a checksum mismatch, a sender's abort, a
-                stale version, a changed live tensor, replicas that differ, on this rank or another
-                (``PEER_REJECTED``, naming the ranks that voted no; ``receivers`` holds every result). The
-                live weights hold exactly the previous version, unless a refresh hook fails after a unanimous
-                yes (``COMMIT_FAILED``). After a dead peer or a timeout the group must be re-created.
+            RefitError: a dead peer or timeout (re-create the group), a bad trailer, a checksum, an abort, a
+                stale version, a changed live tensor, drifted replicas, here or on another rank
+                (``PEER_REJECTED``). The live weights keep the previous version, unless a refresh hook fails
+                after a unanimous yes (``COMMIT_FAILED``).
         """
         if not self._handshaken:
             self.handshake()
@@ -212,8 +196,7 @@ class RefitReceiver(WorldSide):
         return self._settle_all(staged, pair_stats, wv, first, t0)
 
     def _vote(self, staged: list[Staged], first: int | None) -> WorldVote:
-        """This rank's row (its first stream's rejection, or ok) in the world vote; a failing vote rolls every
-        stream back and raises."""
+        """This rank's row in the world vote; a failing vote rolls every stream back and raises."""
         row = ReceiverResult(self.world.rank, Status.OK, -1, -1, self.version)
         if first is not None:
             own = self.streams[first].verdict(staged[first])
@@ -271,8 +254,7 @@ class RefitReceiver(WorldSide):
         return ReceiveStats.total(self.world.rank, self.version, parts, stream_stats, seconds)
 
     def _rejection(self, staged: list[Staged], wv: WorldVote, first: int | None) -> RefitError:
-        """The RefitError of a sharded refit some rank voted no on: this rank's own reason (its first stream
-        that rejected, with the bucket's tensors), then every other rank that voted no."""
+        """The RefitError of a sharded refit some rank rejected: this rank's reason, then the others'."""
         me = self.world.rank
         others = wv.rejections(skip=me)
         bucket, names, status, why = None, list(wv.drifted), Status.PEER_REJECTED, f"rejected by {others}"

@@ -79,9 +79,9 @@ class ReceiverResult:
 
 @dataclass(frozen=True)
 class Vote:
-    """One refit's vote, the same on every rank (the two-phase commit): every rank's fixed-size row (a
-    receiver's verdict and live version; a sender's ``OK`` or ``ABORTED`` and the refit's version). ``commit``
-    only when every row is ``OK``. ``src``: the sender; ``senders``: all of them when there are several."""
+    """One refit's vote, the same on every rank: every rank's fixed-size row (a receiver's verdict and live
+    version, a sender's ``OK`` or ``ABORTED`` and the refit's version); ``commit`` when every row is
+    ``OK``."""
 
     src: int
     rows: tuple[ReceiverResult, ...]
@@ -131,9 +131,8 @@ class Vote:
 
 
 class RefitError(RuntimeError):
-    """A refit failed; the live weights stayed on ``kept_version``. ``bucket`` and ``tensors`` (that bucket's
-    names) say where; ``receivers``: every receiver's :class:`ReceiverResult` once the ranks voted (empty when
-    the vote itself failed)."""
+    """A refit failed; the live weights stayed on ``kept_version``. ``bucket`` / ``tensors``: where;
+    ``receivers``: every receiver's :class:`ReceiverResult` once the ranks voted."""
 
     def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
                  kept_version: int = 0, status: Status | None = None,
@@ -179,11 +178,9 @@ def _summed(parts: Sequence, *fields: str) -> dict:
 
 @dataclass(frozen=True)
 class SendStats(ResultRow):
-    """One refit as a trainer rank saw it: ``rank``, ``version``, ``bytes`` / ``buckets`` /
-    ``zero_copy_buckets`` (all its streams), ``seconds`` (up to the vote), ``produce_s`` (inside the producer,
-    e.g. quantize), ``pack_s``, ``checksum_s``, ``wait_s``, ``stream_crc32`` (one stream, when asked),
-    ``gbps``, ``receivers`` (every engine rank's :class:`ReceiverResult`), ``streams``
-    (:class:`StreamStats`)."""
+    """One refit as a trainer rank saw it (all its streams): ``seconds`` up to the vote, ``produce_s`` inside
+    the producer (e.g. quantize), ``stream_crc32`` (one stream, when asked), ``receivers`` every engine rank's
+    result, ``streams`` one :class:`StreamStats` each."""
 
     rank: int
     version: int
@@ -213,10 +210,9 @@ class SendStats(ResultRow):
 
 @dataclass(frozen=True)
 class ReceiveStats(ResultRow):
-    """One refit as an engine rank saw it: ``rank``, ``version`` (now live), ``bytes`` / ``buckets``,
-    ``direct``, ``seconds`` (first bucket in to commit done; sharded: the whole call), ``idle_s`` (waiting for
-    the first bucket), ``recv_s``, ``commit_s``, ``gbps``, ``backup_s`` / ``backup_wait_s`` (direct mode's
-    rollback copy), ``streams`` (:class:`StreamStats`)."""
+    """One refit as an engine rank saw it (all its streams): ``seconds`` from the first bucket to the commit
+    (sharded: the whole call), ``idle_s`` waiting for the first bucket, ``backup_s`` / ``backup_wait_s``
+    direct mode's rollback copy, ``streams`` one :class:`StreamStats` each."""
 
     rank: int
     version: int

@@ -1,11 +1,7 @@
-"""RefitSender: the trainer side of a refit, one coordinator for every layout. It agrees the plan and the
-version, runs this rank's streams (:class:`~mxport.refit.stream.StreamSender`), holds one vote for the whole
-world and concludes.
-
-- ``RefitSender(transport, plan)``: one trainer rank and the R engine ranks of ``transport``'s group, a world
-  of ONE multicast stream; its plan handshake is the world agreement.
-- ``RefitSender.from_mesh(world, mesh)`` (or :meth:`RefitSender.for_pairs`): one of T trainer ranks, one
-  stream per route of the agreed :class:`~mxport.refit.mesh.MeshPlan` (:mod:`mxport.refit.world`)."""
+"""RefitSender: the trainer side of a refit, one coordinator for every layout: ``RefitSender(transport,
+plan)`` (a world of ONE multicast stream to R engine ranks) or ``RefitSender.from_mesh(world, mesh)`` (one of
+T trainer ranks, one stream per route). It agrees the plan and the version, runs this rank's streams, holds
+one vote for the whole world and concludes."""
 
 from __future__ import annotations
 
@@ -59,18 +55,16 @@ class RefitSender(WorldSide):
         """A trainer rank of a sharded refit.
 
         Args:
-            world: this rank's transport over the whole world group (a :class:`TorchDistTransport`; its
-                process group also carries the pair streams).
-            pairs: ``(engine world rank, that pair's RefitPlan)`` for every pair of this trainer with bytes to
-                move, in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
+            world: this rank's :class:`TorchDistTransport` over the whole world group (its group carries the
+                pair streams too).
+            pairs: ``(engine world rank, its RefitPlan)`` for every pair of this trainer with bytes to move,
+                in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
             global_digest: the hex sha256 of the whole refit's plan, the same on every world rank (checked).
             trainers: the world ranks of all trainers (the vote's senders), this rank among them.
             tag: the pair streams' message tag.
-            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`, the same
-                on every rank, checked): each holder's digest of its copy joins the vote, copies that differ
-                refuse the refit (:meth:`send` needs ``local``).
-            version: the last refit version this rank knows of (the next refit is newer than every rank's and
-                than :func:`~mxport.refit.world.last_version`).
+            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`,
+                checked): copies that differ refuse the refit (:meth:`send` needs ``local``).
+            version: the last version this rank knows of (the next refit is newer than every rank's).
             stream_kwargs: passed to each pair's stream.
         """
         return cls._of_streams(world, [((int(e),), plan) for e, plan in pairs], global_digest, trainers, tag,
@@ -78,10 +72,9 @@ class RefitSender(WorldSide):
 
     @classmethod
     def from_mesh(cls, world: Transport, mesh: MeshPlan, **kwargs) -> RefitSender:
-        """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan` (group ranks = world
-        ranks): one stream per route in pair order, the routes to replicas of one engine merged into one
-        multicast stream, the replicated boxes checked; send with :meth:`send_local`. ``kwargs``:
-        :meth:`for_pairs`'."""
+        """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan`: one stream per route,
+        the routes to replicas of one engine merged into one multicast stream; send with :meth:`send_local`.
+        ``kwargs``: :meth:`for_pairs`'."""
         streams = ordered_streams(mesh, world.rank)
         kw = {k: kwargs.pop(k) for k in ("tag", "version") if k in kwargs}
         self = cls._of_streams(world, [(engines, r.plan()) for r, engines in streams], mesh.digest,
@@ -118,9 +111,8 @@ class RefitSender(WorldSide):
 
     # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:
-        """Agree the plan and the version with every rank: a world of one stream exchanges its plan digest; a
-        sharded refit agrees the global digest and versions, then each stream's plan, then their outcomes.
-        RefitPlanMismatch (or :class:`~mxport.refit.mesh.RefitAgreementError`) on every rank on a failure."""
+        """Agree the plan and the version with every rank (a world of one stream: its plan handshake; sharded:
+        global digest and versions, each stream's plan, their outcomes), or raise on every rank."""
         if self.multicast:
             s = self.streams[0]
             s.version = self.version
@@ -134,9 +126,7 @@ class RefitSender(WorldSide):
         self._handshaken = True
 
     def send_local(self, local: Mapping) -> SendStats:
-        """:meth:`send` of this rank's bytes ``local`` (``{name: (box, tensor)}``, e.g.
-        :meth:`~mxport.refit.ShardedTrainerSource.local`) along its routes (built by :meth:`from_mesh`), its
-        replicas' digests taken from the same bytes."""
+        """:meth:`send` of this rank's ``local`` bytes along its routes, its replicas digested from them."""
         return self.send({r.engine: route_tensors(r, local) for r in self.routes}, local=local)
 
     def send(self, tensors: Iterable[torch.Tensor] | Mapping[int, Iterable[torch.Tensor]], *,
@@ -144,26 +134,20 @@ class RefitSender(WorldSide):
              ) -> SendStats:
         """Send one refit, vote once over the world, conclude.
 
-        ``tensors``: a world of one stream: one contiguous tensor per plan entry, in plan order (a list, or a
-        generator such as a lazy quantizer: consumed bucket by bucket, overlapping the broadcasts). A sharded
-        refit: ``{engine rank: its stream's tensors}`` (a multicast stream's under its first engine rank), and
-        ``local`` (the rank's ``{name: (box, tensor)}``) to digest its replicas. ``checksums(start, size)``:
-        each bucket's checksum when the producer knows it without reading it
-        (``TrainerSource(arena=True).stream_checksum``; a world of one stream); receivers verify every bucket
-        as always.
-
-        Each item is checked against its plan entry before it is packed. On any failure before the trailer the
-        remaining buckets still go out, then an abort trailer (a sharded rank sends its other streams as
-        aborts), so receivers fail at once and stay in step; the error is raised here after the vote.
-        Receivers commit only if every rank voted ok, the sender included.
+        ``tensors``: one contiguous tensor per plan entry in plan order (a list or a generator, consumed
+        bucket by bucket); sharded: ``{engine rank: its stream's tensors}``, with ``local`` (``{name: (box,
+        tensor)}``) to digest the replicas. ``checksums(start, size)``: each bucket's checksum when the
+        producer knows it (``TrainerSource(arena=True).stream_checksum``; one stream only). Each item is
+        checked against its plan entry; on any failure the remaining buckets and an abort trailer still go
+        out, so receivers fail at once and stay in step, and the error is raised here after the vote.
+        Receivers commit only if every rank voted ok.
 
         Returns:
             :class:`~mxport.refit.results.SendStats`.
 
         Raises:
-            RefitError: some rank voted no and none committed (``receivers``: every receiver's result; the
-                message names each rank that voted no, why and where, and replicas that differ); or the
-                transport failed (re-create the group).
+            RefitError: some rank voted no, naming each, why and where (``receivers``: every receiver's
+                result); or the transport failed (re-create the group).
         """
         if not self._handshaken:
             self.handshake()
@@ -199,9 +183,8 @@ class RefitSender(WorldSide):
                              "re-create the group and refit again", kept_version=self.version - 1) from exc
 
     def _streams_of(self, tensors, checksums) -> tuple[Mapping, BaseException | None]:
-        """``{peer: tensors}`` of a refit, or (nothing, why not): a sharded refit takes a mapping by engine
-        rank and no ``checksums``; anything else is refused through the vote, so that no rank waits for this
-        one."""
+        """``{peer: tensors}``, or (nothing, why not): what a sharded refit cannot take is refused through the
+        vote, so that no rank waits for this one."""
         if self.multicast:
             return {-1: tensors}, None
         if checksums is not None:
@@ -213,8 +196,7 @@ class RefitSender(WorldSide):
                              f"{type(tensors).__name__}")
 
     def _digests(self, local: Mapping | None) -> tuple[list[int], BaseException | None]:
-        """The digest of this rank's copy of every replica it holds (in its row's order), or the error that
-        kept it from digesting them."""
+        """This rank's digest of every replica it holds, or the error that kept it from them."""
         slots = self.checks.held_by(self.world.rank)
         if not slots:
             return [], None
@@ -229,8 +211,7 @@ class RefitSender(WorldSide):
 
     def _transmit_all(self, streams: Mapping[int, Iterable[torch.Tensor]], failed: BaseException | None,
                       checksums: Callable[[int, int], int] | None):
-        """Transmit every stream in order; after the first abort (or ``failed``) the rest go out as aborts.
-        Returns the pending sends, their stats and the refit's failure (or None)."""
+        """Transmit every stream in order, aborts after a failure; the pending sends, stats and failure."""
         unknown = sorted(set(streams) - set(self.engines))
         if unknown and failed is None:
             failed = ValueError(f"streams for engine ranks {unknown}, which have no pair with trainer rank "

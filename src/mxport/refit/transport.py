@@ -1,7 +1,6 @@
-"""Transports behind one small interface: a sender (rank ``src``) and its receivers share an ``all_gather`` of
-one small tensor per rank (same dtype and shape on every rank) and a ``broadcast`` of a 1-D uint8 tensor from
-the sender, optionally asynchronous (a handle with ``wait()``). Nothing else crosses the wire: no Python
-objects, no pickle (``all_gather_object`` unpickles what a peer sends)."""
+"""Transports: a sender (rank ``src``) and its receivers share an ``all_gather`` of one small tensor per rank
+and a (possibly asynchronous) ``broadcast`` of 1-D uint8 from the sender; no Python object, no pickle crosses
+the wire."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ class _Done:
 
 
 class Transport(ABC):
-    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``. ``ranks``: for a stream of a
-    larger world, the world rank of each of its ranks (None: its ranks are the world's)."""
+    """One endpoint: ``rank`` in ``world_size``, the sender rank ``src``; ``ranks``: for a stream of a larger
+    world, the world rank of each of its ranks."""
 
     rank: int
     world_size: int
@@ -54,12 +53,9 @@ class Transport(ABC):
 
 
 class TorchDistTransport(Transport):
-    """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
-
-    :meth:`init` starts a group (``tcp://host:port``, ``file://path``, ``env://``); :meth:`from_group` takes
-    an existing ``ProcessGroup``, also one ``torch.distributed`` does not know (vLLM's stateless groups):
-    collectives are called on the group object, with group-local ranks. gloo for CPU tensors, NCCL for CUDA
-    tensors (call ``torch.cuda.set_device`` first). A dead peer or a collective past the group's ``timeout``
+    """``torch.distributed`` collectives on a process group (the default group unless ``group`` is given;
+    :meth:`from_group` takes any ``ProcessGroup``, also vLLM's stateless ones, with group-local ranks). gloo
+    for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first). A dead peer or a timeout
     raises ``RuntimeError``; the group must then be re-created."""
 
     def __init__(self, group=None, src: int = 0):
@@ -121,9 +117,8 @@ class TorchDistTransport(Transport):
         return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given; shut down a group
-        ``torch.distributed`` does not know), so its threads end now rather than at interpreter exit; using
-        the transport afterwards raises RuntimeError."""
+        """Destroy this transport's group (shut down one ``torch.distributed`` does not know), so its threads
+        end now; using the transport afterwards raises RuntimeError."""
         group, self.group, self._pg = self.group, None, _ClosedGroup()
         if group is None:
             if self._dist.is_initialized():
@@ -149,10 +144,10 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
                timeout_s: float = 60.0, prefix: str = "mxport-refit"):
     """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP
     store), apart from the default group that engines already own, for :meth:`TorchDistTransport.from_group`.
+    ``backend``: "gloo" (CPU tensors) or "nccl" (the current CUDA device); ``timeout_s``: the rendezvous and
+    every collective fail after this many seconds without a peer.
 
-    Args:
-        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors, on the current CUDA device).
-        timeout_s: the rendezvous and every collective fail after this many seconds without a peer. Raises:
+    Raises:
         ValueError: a bad rank / world size / backend. RuntimeError (from torch): no rendezvous in time.
     """
     if world_size < 2 or not 0 <= rank < world_size:
@@ -184,14 +179,13 @@ _SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def subgroup(pg, ranks):
-    """A process group of the ranks ``ranks`` of the group ``pg`` (group-local ranks, this process among
-    them; ``ranks[0]`` becomes its rank 0): a multicast stream's group. Collective over those ranks only, each
-    calling it with the same ranks, in the same order as its other subgroups of ``pg``. For a group
-    :func:`open_group` made and for torch.distributed's default group (it meets on that group's store).
+    """A process group of the ranks ``ranks`` of ``pg`` (group-local, this process among them, ``ranks[0]``
+    its rank 0): a multicast stream's group, met on the store of a group :func:`open_group` made or of the
+    default group. Collective over ``ranks``, each calling it in the same order as its other subgroups of
+    ``pg``.
 
     Raises:
-        ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: a group of neither
-        kind (its store is out of reach).
+        ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: another kind of group.
     """
     ranks = [int(r) for r in ranks]
     me = pg.rank()
@@ -206,8 +200,8 @@ def subgroup(pg, ranks):
 
 
 def _store_of(pg) -> tuple:
-    """``(store, backend, timeout)`` of a group :func:`open_group` made or of the default group; TypeError for
-    any other."""
+    """``(store, backend, timeout)`` of an :func:`open_group` group or of the default group, else
+    TypeError."""
     if pg in _GROUP_STORES:
         return _GROUP_STORES[pg]
     if dist.is_initialized() and pg is dist.group.WORLD:
@@ -224,19 +218,11 @@ PAIR_TAG = 0x4D58
 
 class PairTransport(Transport):
     """A transport between two ranks of an existing process group (a pair stream of a sharded refit): ``send``
-    / ``recv`` on the group object, group-local ranks. Local rank 0 is ``sender`` (the trainer rank), 1 is
-    ``receiver``; this process must be one of them.
-
-    ``broadcast``: the sender sends, the receiver receives into its same-sized ``buf`` (gloo kills a process
-    that receives more than it posted). ``all_gather``: both post a send and a recv. Messages of one (peer,
-    tag) arrive in posting order, so streams with different tags or ranks never mix. A dead peer or a timeout
-    raises ``RuntimeError``; ``close`` leaves the group to its owner.
-
-    Args:
-        pg: a ``ProcessGroup`` (e.g. from :func:`open_group`), or None for the default group.
-        sender, receiver: the two ranks in ``pg``.
-        tag: the message tag (a non-negative int below 2**31).
-    """
+    / ``recv`` with group-local ranks, local rank 0 the ``sender``, 1 the ``receiver`` (this process is one of
+    them). ``broadcast`` sends into the peer's same-sized ``buf``; ``all_gather`` posts a send and a recv.
+    Messages of one (peer, ``tag`` below 2**31) arrive in order, so streams with different tags never mix. A
+    dead peer or a timeout raises ``RuntimeError``. ``pg`` None: the default group; ``close`` leaves it to its
+    owner."""
 
     def __init__(self, pg, sender: int, receiver: int, *, tag: int = PAIR_TAG):
         if pg is None:

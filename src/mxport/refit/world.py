@@ -1,10 +1,6 @@
-"""The world of a refit: what every rank of the group agrees on together, whatever the layout.
-
-T trainer and E engine ranks in one group run one stream per route of the agreed
-:class:`~mxport.refit.mesh.MeshPlan` in one global order (:func:`ordered_streams`), after one handshake
-(:func:`agree_global`: digest, version, replica checks; then :func:`pair_handshakes`), and hold ONE vote
-(:func:`world_vote`): every engine rank commits all its streams or none. A one-rank refit is the world of one
-multicast stream."""
+"""What every rank of a refit's group agrees on together: the streams' global order (:func:`ordered_streams`),
+the handshake (:func:`agree_global`, :func:`pair_handshakes`: digest, version, replica checks, each stream's
+plan) and ONE vote (:func:`world_vote`). A one-rank refit is the world of one multicast stream."""
 
 from __future__ import annotations
 
@@ -41,9 +37,9 @@ def last_version(global_digest: str) -> int:
 
 
 def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[int, int]]:
-    """Every (trainer rank, engine rank) pair once, sorted by ``(round, t_index, e_index)`` with ``round =
-    (e_index - t_index) mod max(T, E)``: each round pairs every rank with at most one other, and the lowest
-    unfinished pair always has both its ends on it, so ranks that follow this order never wait in a cycle."""
+    """Every (trainer rank, engine rank) pair once, by ``(round, t_index, e_index)``, ``round = (e_index -
+    t_index) mod max(T, E)``: the lowest unfinished pair always has both ends on it, so no ranks wait in a
+    cycle."""
     trainers, engines = [int(t) for t in trainers], [int(e) for e in engines]
     ranks = trainers + engines
     if not trainers or not engines:
@@ -59,8 +55,7 @@ def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[in
 @dataclass(frozen=True)
 class WorldVote:
     """The world's vote on one sharded refit: the :class:`Vote`, per rank the other end of the pair its row
-    concerns (-1: none), and the replicated boxes whose copies differ (``drift``: one line each; ``drifted``:
-    their tensors' names), whose holders vote :attr:`Status.REPLICA_DRIFT`."""
+    concerns (-1: none), and the replicated boxes whose copies differ (``drift`` lines, ``drifted`` names)."""
 
     vote: Vote
     peers: tuple[int, ...]
@@ -88,8 +83,7 @@ class WorldVote:
 
 
 def replica_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """The digest of each copy of a replicated box: :func:`~mxport.refit.buckets.checksum` of its bytes,
-    zero-padded to whole int64 words, brought to the host at once."""
+    """The :func:`~mxport.refit.buckets.checksum` of each copy of a replicated box, zero-padded to words."""
     out = []
     for t in tensors:
         b = byte_view(t.contiguous())
@@ -101,9 +95,8 @@ def replica_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 @dataclass(frozen=True)
 class ReplicaChecks:
-    """The replicas a sharded refit's vote compares: ``slots[rank][replica index]``, each trainer rank's
-    replicas in its row's order; ``width``: the widest row's digest count; ``word``: 56 bits of their
-    description (every rank must vote with the same checks)."""
+    """The replicas a sharded refit's vote compares: ``slots[rank][replica index]`` (the digest's place in
+    that rank's row), ``width`` (the widest row's count) and ``word`` (56 bits of their description)."""
 
     replicas: tuple[Replica, ...]
     slots: dict[int, dict[int, int]]
@@ -127,8 +120,7 @@ class ReplicaChecks:
         return [self.replicas[i] for i in self.slots.get(rank, {})]
 
     def drift(self, rows: Sequence[torch.Tensor], vote: Vote):
-        """``(lines, names, ranks)``: each replica whose holders that voted ok gave different digests (from
-        word ``REPORT_WORDS + 1`` of their rows)."""
+        """``(lines, names, ranks)`` of each replica whose holders that voted ok gave different digests."""
         lines, names, ranks = [], [], set()
         for i, rep in enumerate(self.replicas):
             got = {t: int(rows[t][REPORT_WORDS + 1 + self.slots[t][i]]) for t in rep.holders
@@ -152,9 +144,8 @@ NO_REPLICAS = ReplicaChecks.of(())
 
 def world_vote(world: Transport, row: ReceiverResult, peer: int, trainers: Sequence[int],
                checks: ReplicaChecks = NO_REPLICAS, digests: Sequence[int] = ()) -> WorldVote:
-    """Every world rank's row (``row``, ``peer``, then the digests of its replicas, zero-padded to the widest)
-    in one ``all_gather``; ``trainers``: the senders. Holders of a replica whose digests differ vote
-    :attr:`Status.REPLICA_DRIFT`."""
+    """Every world rank's row (``row``, ``peer``, its replicas' digests, zero-padded) in one ``all_gather``;
+    holders of a replica whose digests differ vote :attr:`Status.REPLICA_DRIFT`."""
     pad = [int(d) for d in digests] + [0] * (checks.width - len(digests))
     mine = torch.cat([row.to_tensor(), torch.tensor([peer, *pad], dtype=torch.int64)])
     rows = world.all_gather(mine)
@@ -179,9 +170,9 @@ def check_digest(global_digest: str) -> bytes:
 
 def agree_global(world: Transport, global_digest: str, version: int, checks: ReplicaChecks = NO_REPLICAS
                  ) -> int:
-    """The world handshake: every rank gives ``[SHARD_HELLO, digest words, version, replicas word]``; returns
-    the highest version. :class:`RefitError` for a rank that does not speak it (or a failed group),
-    :class:`RefitPlanMismatch` on every rank when a global digest or the replica checks differ."""
+    """The world handshake, ``[SHARD_HELLO, digest words, version, replicas word]`` from every rank; returns
+    the highest version. RefitError for a stranger or a failed group, RefitPlanMismatch when digests or
+    replica checks differ."""
     raw = check_digest(global_digest)
     head = torch.tensor([SHARD_HELLO], dtype=torch.int64)
     digest = torch.frombuffer(bytearray(raw), dtype=torch.int64)
@@ -209,10 +200,9 @@ def agree_global(world: Transport, global_digest: str, version: int, checks: Rep
 
 
 def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: int, peer_role: str) -> int:
-    """Each stream's plan handshake in pair order (a failing one does not stop the others), then one world
-    agreement on the outcomes: any failure raises :class:`RefitAgreementError` on every rank, naming each
-    failing rank, its stream and why. ``peers``: each stream's other end; ``peer_role``: "engine" on a trainer
-    rank (its streams start at ``version``). Returns the highest version seen."""
+    """Each stream's plan handshake in pair order, then one world agreement on the outcomes: any failure
+    raises :class:`RefitAgreementError` on every rank, naming the rank, its stream and why. ``peer_role``
+    "engine" on a trainer rank (its streams start at ``version``); returns the highest version seen."""
     failures: list[tuple[int, BaseException]] = []
     for peer, ep in zip(peers, endpoints, strict=True):
         if peer_role == "engine":
@@ -249,8 +239,8 @@ def _stream_name(peer_role: str, peer) -> str:
 
 
 def stream_transport(world: Transport, trainer: int, engines: Sequence[int], tag: int) -> Transport:
-    """The transport of one stream from world rank ``trainer`` to ``engines``: a :class:`PairTransport` tagged
-    ``tag`` for one engine, a :func:`~mxport.refit.transport.subgroup` of their own for several."""
+    """One stream's transport from world rank ``trainer``: a :class:`PairTransport` tagged ``tag`` to one
+    engine, a :func:`~mxport.refit.transport.subgroup` to several."""
     pg = getattr(world, "process_group", None)
     if pg is None:
         raise TypeError(f"world must be a transport over a process group (TorchDistTransport), got "
@@ -274,9 +264,8 @@ def check_trainers(world: Transport, trainers: Sequence[int], is_trainer: bool) 
 
 
 def ordered_streams(mesh: MeshPlan, rank: int) -> list[tuple]:
-    """The streams group rank ``rank`` takes part in, as ``(route, engine ranks)``: the routes to the replicas
-    of one engine form one multicast stream (the lowest one's route), ordered by the :func:`pair_order` of
-    their first pair."""
+    """The streams group rank ``rank`` takes part in, ``(route, engine ranks)``, the routes to an engine's
+    replicas as one multicast stream, in :func:`pair_order` of their first pair."""
     T = mesh.num_trainers
     order = {pair: i for i, pair in enumerate(pair_order(range(T), range(T, T + mesh.num_engines)))}
     streams: dict[tuple, tuple] = {}
@@ -287,8 +276,8 @@ def ordered_streams(mesh: MeshPlan, rank: int) -> list[tuple]:
 
 
 class WorldSide:
-    """What the two coordinators share: the world transport, this rank's streams, and for a world of one
-    multicast stream (no global digest) that stream's transport, plan and layout as their own."""
+    """What the two coordinators share: the world transport and this rank's streams (a world of one multicast
+    stream lends that stream's transport, plan and layout)."""
 
     world: Transport
     streams: list
@@ -306,8 +295,7 @@ class WorldSide:
 
     @property
     def senders(self) -> tuple[int, ...]:
-        """The world ranks that send: for one stream, its transport's sender now (a new group may have it
-        elsewhere)."""
+        """The world ranks that send (one stream: its transport's sender now)."""
         return (self.streams[0].transport.src,) if self.multicast else self.trainers
 
     @transport.setter
@@ -316,8 +304,7 @@ class WorldSide:
         self._one().transport = self.world = transport
 
     def close(self) -> None:
-        """Shut down the groups this end made for its multicast streams, so their threads end now; the world
-        group and the pair streams on it stay their owner's. Using the end afterwards raises RuntimeError."""
+        """Shut down the groups made for this end's multicast streams; the end is unusable afterwards."""
         if not self.multicast:
             for s in self.streams:
                 s.transport.close()  # a pair stream's close leaves the world's group alone

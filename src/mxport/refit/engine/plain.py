@@ -21,15 +21,14 @@ def receiver_plan(model: nn.Module, *, arena: bool = False) -> tuple[RefitPlan, 
     """The inference side: the plan derived from the live model, and its live tensors (the targets).
 
     FP8 tensors are "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales",
-    everything else "kept". The targets are ``detach()`` aliases of the module's tensors, sharing storage and
-    version counter, so a refit bumps their ``_version`` and derived caches follow (``.data`` would not).
-
-    ``arena=True`` first moves the tensors into one buffer laid out as the byte stream (same objects and
-    values, new stable addresses; do it before CUDA graph capture), so the receiver runs in direct mode.
+    the rest "kept". The targets are ``detach()`` aliases sharing storage and version counter, so a refit
+    bumps the module tensors' ``_version`` and derived caches follow. ``arena=True`` first moves them into one
+    buffer laid out as the byte stream (same objects, new stable addresses: before CUDA graph capture), for
+    direct mode.
 
     Raises:
-        ValueError: with ``arena=True``, a tensor that cannot move (a view of a larger or shared storage, a
-            subclass, another device); nothing is moved then.
+        ValueError: with ``arena=True``, a tensor that cannot move (a view, shared, a subclass, another
+            device); nothing is moved then.
     """
     tensors = model_tensors(model)
     names = {n for n, _ in tensors}

@@ -38,22 +38,17 @@ def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, k
 
 def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: int | None = None
                     ) -> list[Holding]:
-    """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of an inference model
-    after :func:`mxport.nn.quantize_model`: the :func:`~mxport.refit.receiver_plan` tensors, each with the box
-    :func:`mxport.parallel.engine_shard` gives that rank.
-
-    Column-parallel: rows of part ``rank % tp`` (KV projections with fewer heads than ``tp``: ``kv_heads``
-    parts, each held by ``tp // kv_heads`` ranks); row-parallel: the K range of part ``rank % tp``; fused
-    experts with ``ep > 1``: experts ``[rank * n, (rank + 1) * n)``; the rest whole. Scales follow their
-    values' box. A fused ``experts.gate_up_proj`` ``[E, 2I, K]`` at tp > 1 gives TWO holdings, gate rows then
-    up rows, as vLLM's ``w13_weight`` holds them on tp rank ``p``.
-
-    Args:
-        kv_heads: the model's KV heads; None = ``model.config.num_key_value_heads``.
+    """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of a
+    :func:`mxport.nn.quantize_model` 'd model: the :func:`~mxport.refit.receiver_plan` tensors, each with the
+    box :func:`mxport.parallel.engine_shard` gives it (column-parallel rows or row-parallel K of part ``rank %
+    tp``, KV heads fewer than ``tp`` shared by ``tp // kv_heads`` ranks, experts ``[rank * n, (rank + 1) *
+    n)`` at ``ep > 1``, the rest whole; scales follow their values). A fused ``experts.gate_up_proj`` at tp >
+    1 gives two holdings, gate rows then up rows, as vLLM's ``w13_weight``. ``kv_heads``: None =
+    ``model.config.num_key_value_heads``.
 
     Raises:
         ValueError: ``rank`` outside ``[0, tp * ep)``; a layout with ``fsdp`` or ``pp``; a row-parallel K
-            split that is not a multiple of 32 for an MXFP8 tensor; head counts vLLM refuses for ``tp``.
+            split not a multiple of 32 for an MXFP8 tensor; head counts vLLM refuses for ``tp``.
     """
 
     if layout.fsdp != 1 or layout.pp != 1:
@@ -118,9 +113,9 @@ def _merge_groups(holdings: Sequence[Holding]) -> list[list[Holding]]:
 def engine_buffers(holdings: Sequence[Holding], device: str | torch.device = "cpu",
                    dtype_of: Callable[[TensorInfo], torch.dtype] | None = None) -> Local:
     """An engine rank's own zero-filled tensors for ``holdings``: ``{name: (box, tensor)}`` (a list of them
-    for a tensor held in several boxes), ready for :func:`~mxport.refit.mesh.route_targets`. q/k/v of one
-    attention, gate/up of one MLP and the gate / up boxes of a fused gate_up at tp > 1 are row views of ONE
-    merged buffer, as vLLM holds them. ``dtype_of(info)``: a buffer's dtype (default: the plan dtype)."""
+    for several boxes of one tensor). q/k/v of one attention, gate/up of one MLP and a fused gate_up's two
+    boxes are row views of ONE merged buffer, as vLLM holds them. ``dtype_of(info)``: a buffer's dtype
+    (default: the plan's)."""
     dtype_of = dtype_of or (lambda info: dtype_from_name(info.dtype))
     views: dict[Holding, torch.Tensor] = {}
     for group in _merge_groups(holdings):

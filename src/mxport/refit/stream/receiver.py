@@ -1,6 +1,5 @@
-"""StreamReceiver: one byte stream's receiving end. It receives and validates every bucket and the trailer
-(:meth:`~StreamReceiver.stage`); given the coordinator's vote it leaves the live tensors on exactly one
-complete version (:meth:`~StreamReceiver.settle`), pointers unmoved."""
+"""StreamReceiver: one byte stream's receiving end: it stages (receive and validate), gives its verdict, and
+settles by the coordinator's vote, leaving the live tensors on one complete version, pointers unmoved."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class _Problem:
 
 @dataclass(frozen=True)
 class Staged:
-    """One refit received and judged by :meth:`StreamReceiver.stage`, not committed: ``problem`` (None: this
-    rank accepts it), the trailer, the stopwatch and the rollback copy's seconds."""
+    """One refit received and judged, not committed (``problem`` None: this rank accepts it)."""
 
     problem: _Problem | None
     trailer: Trailer
@@ -88,12 +86,12 @@ class StreamReceiver:
         refresh_hooks: callables run after every successful commit (derived copies that do not follow
             ``_version``).
         inflight: broadcasts posted ahead of the one being validated.
-        direct: receive straight into the live tensors: None (default) whenever the targets form one arena
-            laid out as the plan's byte stream; False: always stage, then ``copy_``; True: require an arena.
+        direct: receive straight into the live tensors: None whenever they form one arena laid out as the
+            plan's byte stream, False never (stage, then ``copy_``), True always (else ValueError).
 
-    Direct mode keeps the previous version in a rollback copy (the staging buffer: one background ``copy_``
-    per refit, ``backup_s`` / ``backup_wait_s``), restored on any failure; the whole arena, padding included,
-    belongs to the stream. Staging and the trailer are allocated once, on the targets' device.
+    In direct mode the live tensors are written *during* a receive and the staging buffer holds the previous
+    version (refreshed by one background ``copy_`` per refit: ``backup_s`` / ``backup_wait_s``), restored on
+    any failure: once a receive returns or raises, they hold exactly one complete version.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
@@ -161,20 +159,15 @@ class StreamReceiver:
         return self._rollback_copy.last_s if self._rollback_copy is not None else 0.0
 
     def wait_backup(self) -> float:
-        """Direct mode: block until the rollback copy of the live version is complete and return its seconds
-        (0.0 in staging mode). A copy that failed, or live tensors written in place since (their ``_version``
-        moved), are copied again here, so a failed refit always restores what was live when it started."""
+        """Direct mode: wait for the rollback copy of the live version (retaken if it failed or the live
+        tensors were written in place since) and return its seconds (0.0 in staging mode)."""
         return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
 
     # -- one refit -------------------------------------------------------------------------------------------
     def stage(self) -> Staged:
-        """Phase one: receive every bucket and the trailer and judge them (trailer, abort, version, checksums,
-        the live tensors); nothing is committed. Follow with :meth:`verdict`, then :meth:`settle` (or
-        :meth:`discard`).
-
-        Raises:
-            RefitError: the transport failed (direct mode: rolled back already).
-        """
+        """Phase one: receive every bucket and the trailer and judge them, nothing committed; then
+        :meth:`verdict` and :meth:`settle` (or :meth:`discard`). RefitError when the transport failed (rolled
+        back)."""
         sw = Stopwatch()
         with sw.phase("backup_wait"):
             backup_s = self.wait_backup()
@@ -188,8 +181,7 @@ class StreamReceiver:
         return Staged(problem, trailer, sw, backup_s)
 
     def verdict(self, staged: Staged) -> ReceiverResult:
-        """This rank's row of the vote on ``staged``: ``OK`` or why it rejects (status, bucket, entry), and
-        the version live here."""
+        """This rank's row of the vote on ``staged``: ``OK`` or why it rejects, and its live version."""
         p = staged.problem
         if p is None:
             return ReceiverResult(self.transport.rank, Status.OK, -1, -1, self.version)
@@ -197,9 +189,9 @@ class StreamReceiver:
                               self.version)
 
     def settle(self, staged: Staged, vote: Vote) -> ReceiveStats:
-        """Phase three: commit ``staged`` if ``vote`` is unanimous, else roll back and raise
-        :class:`RefitError` (this rank's reason, or ``PEER_REJECTED`` naming who voted no; ``COMMIT_FAILED``
-        when a refresh hook fails after a unanimous yes)."""
+        """Phase three: commit ``staged`` on a unanimous ``vote``, else roll back and raise
+        :class:`RefitError` (its own reason or ``PEER_REJECTED``; ``COMMIT_FAILED`` when a refresh hook fails
+        after a unanimous yes)."""
         if not vote.commit:
             self._roll_back(self.plan.total_bytes)
             raise self._rejection(staged.problem, vote)
@@ -225,8 +217,7 @@ class StreamReceiver:
                             backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"])
 
     def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
-        """Drop ``staged`` without a vote (another part of the refit failed): the live tensors keep the
-        previous version."""
+        """Drop ``staged`` without a vote: the live tensors keep the previous version."""
         self._roll_back(self.plan.total_bytes)
 
     def _live_problem(self) -> _Problem | None:
@@ -243,9 +234,8 @@ class StreamReceiver:
 
     def _receive_stream(self) -> tuple[list[int], float]:
         """Receive every bucket and the trailer (``inflight`` posted ahead), summing each bucket while later
-        ones are on the wire; returns the checksums and when the first bucket arrived. A transport failure
-        raises :class:`RefitError` once every posted broadcast is done and (direct mode) what they touched is
-        restored."""
+        ones arrive; the checksums and when the first bucket came. A transport failure rolls back what landed
+        and raises :class:`RefitError`."""
         n = self.layout.num_buckets
         bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
@@ -296,10 +286,8 @@ class StreamReceiver:
         return None
 
     def _commit(self, trailer: Trailer) -> None:
-        """Make the validated refit live (unpack from staging, or in direct mode bump the version counters),
-        then run the refresh hooks. It runs after a unanimous yes: the ``copy_`` between checked, preallocated
-        tensors cannot fail short of a hardware fault, a hook can (that rank alone raises; the next refit
-        rewrites every byte)."""
+        """Make the validated refit live (unpack from staging, or bump the versions in direct mode), then run
+        the refresh hooks: after a unanimous yes only a hook can fail (that rank alone raises)."""
         if self.direct:
             bump_versions(self.targets)
         else:
@@ -326,8 +314,8 @@ class StreamReceiver:
                            problem.status if problem else None)
 
     def _rejection(self, problem: _Problem | None, vote: Vote) -> RefitError:
-        """The RefitError of a refit some rank voted no on: this rank's own reason (if it rejected), and the
-        other ranks that rejected, with their buckets' tensors."""
+        """The RefitError of a refit some rank voted no on: this rank's own reason, and the other ranks that
+        rejected, with their buckets' tensors."""
         n, me = self.layout.num_buckets, self.transport.rank
         others = []
         for r in vote.no:
@@ -361,23 +349,20 @@ class StreamReceiver:
                           receivers=receivers)
 
     def verify_live(self) -> bool:
-        """True when the live tensors' bytes, re-packed into buckets, have the checksums the sender wrote for
-        the last refit (needs sender checksums)."""
+        """True when the live bytes, re-packed, have the checksums the sender wrote for the last refit."""
         if not self.last_checksums:
             return False
         return all(checksum(payload) == self.last_checksums[b] for b, payload in self._live_buckets())
 
     def live_crc32(self) -> int:
-        """``zlib.crc32`` of the live tensors' bytes laid out as the plan's byte stream (padding zero): the
-        sender's ``stream_crc32`` exactly when they hold the bytes that were sent."""
+        """``zlib.crc32`` of the live bytes as the stream: the sender's ``stream_crc32`` if intact."""
         crc = 0
         for _, payload in self._live_buckets():
             crc = zlib.crc32(payload.cpu().numpy(), crc)
         return crc
 
     def _live_buckets(self):
-        """``(bucket, payload)`` for each bucket re-packed from the live tensors into one scratch buffer (each
-        payload valid until the next is yielded)."""
+        """``(bucket, payload)`` of each bucket re-packed from the live tensors (one scratch buffer)."""
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return

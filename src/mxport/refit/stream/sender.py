@@ -1,9 +1,7 @@
-"""StreamSender: one byte stream's sending end. Buckets inside one tensor (or one arena laid out as the
-stream) go out straight from its storage, the others are packed into reused buffers while earlier buckets are
-on the wire; then a trailer with the version and per-bucket checksums. Every broadcast has exactly the size
-the plan and bucket size give it (checked before it is posted: gloo kills a receiver sent more than it
-posted). Any failure before the trailer sends the remaining buckets and an abort trailer, so receivers fail at
-once, keep their weights and stay in step."""
+"""StreamSender: one byte stream's sending end. Buckets lying in one storage go out from it, the others are
+packed while earlier ones are on the wire, then the trailer; every broadcast has exactly its planned size
+(gloo kills a receiver sent more than it posted). A failure sends the rest and an abort trailer, so receivers
+fail at once and stay in step."""
 
 from __future__ import annotations
 
@@ -75,8 +73,7 @@ class _Run:
 
 @dataclass(frozen=True)
 class PendingSend:
-    """One refit transmitted by :meth:`StreamSender.transmit`, waiting for the vote: ``error`` is the
-    producer's (or the sender's) when it went out as an abort."""
+    """One refit transmitted, waiting for the vote: ``error`` when it went out as an abort."""
 
     run: _Run
     stopwatch: Stopwatch
@@ -93,13 +90,11 @@ class StreamSender:
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        bucket_bytes: payload bytes per broadcast, a positive multiple of 16; every receiver must use the same
-            (checked in the handshake).
+        bucket_bytes: payload bytes per broadcast, a positive multiple of 16, the receivers' too (checked).
         use_checksum: a per-bucket checksum (:func:`~mxport.refit.buckets.checksum`), verified by receivers.
         device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL).
-        inflight: broadcasts (and pack buffers, allocated once) in flight at once, >= 1.
-        stream_crc32: also a ``zlib.crc32`` of the whole stream, returned as ``stream_crc32`` (compare with
-            :meth:`RefitReceiver.live_crc32`).
+        inflight: broadcasts (and pack buffers) in flight at once, >= 1.
+        stream_crc32: also a ``zlib.crc32`` of the whole stream (compare with ``live_crc32``).
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -131,12 +126,8 @@ class StreamSender:
 
     def transmit(self, tensors: Iterable[torch.Tensor], *,
                  checksums: Callable[[int, int], int] | None = None) -> PendingSend:
-        """Phase one of a refit: every bucket and the trailer (after a failure: the remaining buckets and an
-        abort trailer, the error kept in the result). Follow with the vote and :meth:`conclude`.
-
-        Raises:
-            RefitError: the transport failed (no vote can follow).
-        """
+        """Phase one of a refit: every bucket and the trailer (after a failure: the rest and an abort trailer,
+        the error kept); then the vote and :meth:`conclude`. RefitError when the transport failed."""
         self.version += 1
         run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
         sw = Stopwatch()
@@ -163,8 +154,8 @@ class StreamSender:
         return PendingSend(run, sw, None)
 
     def conclude(self, pending: PendingSend, vote: Vote) -> SendStats:
-        """Phase three of a refit: the outcome of ``pending`` under ``vote``: its stats, or the producer's
-        error when it aborted, or RefitError when some rank voted no."""
+        """Phase three: the stats of ``pending`` under ``vote``, or the producer's error after an abort, or
+        RefitError when some rank voted no."""
         if pending.error is not None:
             raise pending.error
         run, sw = pending.run, pending.stopwatch
@@ -180,8 +171,7 @@ class StreamSender:
                          receivers=tuple(results))
 
     def vote_failed(self, pending: PendingSend, exc: BaseException) -> BaseException:
-        """The error to raise when the vote on ``pending`` failed: after an abort, the abort's error with a
-        note; otherwise :class:`RefitError` (receivers that had every row may have committed)."""
+        """The error when the vote on ``pending`` failed: an abort's error with a note, or RefitError."""
         if pending.error is not None:
             pending.error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
             return pending.error
@@ -246,8 +236,7 @@ class StreamSender:
 
     # -- the wire --------------------------------------------------------------------------------------------
     def _post(self, payload: torch.Tensor, b: int):
-        """Broadcast bucket ``b`` (``num_buckets``: the trailer) asynchronously, after checking that it has
-        exactly the size the plan gives it."""
+        """Broadcast bucket ``b`` (``num_buckets``: the trailer) asynchronously, of its planned size only."""
         n = self.layout.num_buckets
         want = self._planned_size(b) if b < n else (TRAILER_FIXED + n) * 8
         got = payload.nbytes
@@ -260,8 +249,7 @@ class StreamSender:
             raise _TransportFailed(exc) from exc
 
     def _planned_size(self, b: int) -> int:
-        """Bucket ``b``'s size from the plan and the bucket size (not from the layout the packing uses, so the
-        check stays independent of it)."""
+        """Bucket ``b``'s size from the plan and the bucket size, independent of the layout."""
         B = self.layout.bucket_bytes
         return min(B, self.plan.total_bytes - b * B)
 
@@ -289,8 +277,8 @@ class StreamSender:
                          kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
 
     def _transport_error(self, run: _Run, error: BaseException, in_vote: bool = False) -> RefitError:
-        """A dead receiver or a timeout during refit ``run``: before the vote no receiver commits; inside it,
-        receivers that already hold every row (all yes) may have committed, and the message says so."""
+        """A dead receiver or a timeout during refit ``run``: before the vote no receiver commits; within it,
+        those that had every row may have (the message says so)."""
         outcome = ("receivers that had every vote may have committed it, the others keep their previous "
                    "weights: refit again" if in_vote else
                    "no receiver commits this refit (each keeps its previous weights)")
@@ -300,8 +288,8 @@ class StreamSender:
                           kept_version=run.version - 1)
 
     def _abort(self, run: _Run, error: BaseException) -> bool:
-        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
-        bytes and fail at once. True when it went out; a transport failure meanwhile is noted on ``error``."""
+        """Send the buckets not posted yet and an abort trailer, so receivers fail at once and stay in step;
+        False (with a note on ``error``) when the transport failed meanwhile."""
         try:
             self._drain(run)
             buf = self._packbuf[0]

@@ -26,16 +26,14 @@ class ShardedTrainerSource:
     """The trainer side of a sharded refit for one rank of a ``DTensor`` model.
 
     Args:
-        model: the rank's model; parameters ``DTensor`` s (``fully_shard``, ``parallelize_module``: ``Shard``
-            / ``_StridedShard`` placements whose shards are ranges, ``Replicate``) or plain tensors held
-            whole.
+        model: the rank's model: ``DTensor`` parameters (``Shard`` / ``_StridedShard`` placements whose shards
+            are ranges, ``Replicate``) or plain tensors held whole.
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
 
-    Its plan tensors are :class:`~mxport.refit.TrainerSource`'s on the same model unsharded (the policy
-    decides on full shapes). Boxes (:attr:`holdings`): values and kept tensors, the local shard's; scales, the
-    same rows and every block overlapping the local K range. Where a block straddles K shards,
-    :func:`~mxport.sources.quantize_local` quantizes the gathered K and both ranks hold that block's byte.
-    Every byte is that of quantizing the full tensor, cut with the box.
+    Its plan tensors are :class:`~mxport.refit.TrainerSource`'s on the model unsharded. Boxes
+    (:attr:`holdings`): the local shard's; scales, its rows and every block it overlaps (a block straddling K
+    shards is quantized from the gathered K and held by both). Every byte is that of quantizing the full
+    tensor, cut with the box.
     """
 
     def __init__(self, model: nn.Module, policy=None, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -56,8 +54,8 @@ class ShardedTrainerSource:
 
     @torch.no_grad()
     def local(self) -> Local:
-        """``{name: (box, tensor)}`` of this rank's bytes of the current weights, once per refit: a collective
-        where a ``DTensor`` needs a gather (every rank of its mesh calls it together)."""
+        """``{name: (box, tensor)}`` of this rank's current bytes, once per refit; a collective where a
+        ``DTensor`` needs a gather."""
         out: Local = {}
         held = iter(self.holdings)
         for (_, t), q in self._tensors:

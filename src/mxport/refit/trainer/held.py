@@ -28,8 +28,7 @@ class HeldItem:
 
 
 def _held_item(obj, i: int) -> tuple[HeldItem, torch.Tensor]:
-    """Check one ``(name, tensor)`` / ``(name, tensor, dim, start, full_size)`` item: what it holds, the
-    tensor."""
+    """One checked ``(name, tensor[, dim, start, full_size])`` item: what it holds, and the tensor."""
     if not isinstance(obj, tuple) or len(obj) not in (2, 5):
         raise ValueError(f"items() item {i}: expected (hf_name, tensor) or (hf_name, tensor, dim, start, "
                          f"full_size), got {type(obj).__name__} {obj!r:.80}")
@@ -82,18 +81,16 @@ class HeldTensorsSource:
     """The trainer side of a sharded refit for a rank that holds named tensors, not a ``DTensor`` model.
 
     Args:
-        items: a callable returning ``(hf_name, tensor)`` items (held whole: pipeline stages, Megatron-Bridge
-            ``export_hf_weights``, verl's generators) or ``(hf_name, tensor, dim, start, full_size)``
-            (``[start, start + tensor.shape[dim])`` of dimension ``dim``, e.g. a rank's experts of a fused 3-D
-            weight). Called once here, then once per :meth:`local`, with the same names, shapes and dtypes.
-        names_and_shapes: the WHOLE model's tensors for the policy: ``(name, full shape, dtype)`` in model
-            order, or an ``nn.Module`` (e.g. built on the meta device from the config). None: decide on this
-            rank's items, only for a policy without ``keep_last`` / ``include`` / ``exclude``.
+        items: a callable returning ``(hf_name, tensor)`` items (held whole) or ``(hf_name, tensor, dim,
+            start, full_size)`` (``[start, start + tensor.shape[dim])`` of dimension ``dim``, e.g. a rank's
+            experts); called here and once per :meth:`local`, with the same names, shapes and dtypes.
+        names_and_shapes: the WHOLE model's ``(name, full shape, dtype)`` in model order (or an ``nn.Module``,
+            e.g. on the meta device), for the policy. None: this rank's items, for a policy without
+            ``keep_last`` / ``include`` / ``exclude``.
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
 
-    The policy decides on the whole model, so ranks holding different subsets agree with each other and with
-    an engine that holds everything. A slice along K must be whole blocks of 32 (else ValueError). The bytes
-    are those of quantizing the full tensor, cut with the box.
+    A slice along K must be whole blocks of 32 (else ValueError). The bytes are those of quantizing the full
+    tensor, cut with the box.
     """
 
     def __init__(self, items: Callable[[], Iterable], *, names_and_shapes=None, policy=None,
@@ -133,11 +130,8 @@ class HeldTensorsSource:
 
     @torch.no_grad()
     def local(self) -> Local:
-        """``{name: (box, tensor)}`` of this rank's bytes of the current tensors, one pass over ``items()``.
-
-        Raises:
-            ValueError: ``items()`` now yields other names, shapes, ranges or dtypes than at construction.
-        """
+        """``{name: (box, tensor)}`` of this rank's current bytes, one pass over ``items()``; ValueError when
+        they differ from construction."""
         out: Local = {}
         for i, obj in enumerate(self.items()):
             h, t = _held_item(obj, i)

@@ -33,8 +33,7 @@ def kept_wire_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dt
 
 
 def _whole(t):
-    """``t`` whole: a DTensor gathered with ``full_tensor()`` (a collective over its mesh), anything else as
-    it is."""
+    """``t`` whole: a DTensor gathered with ``full_tensor()`` (a collective over its mesh)."""
     return t.full_tensor() if is_dtensor(t) else t
 
 
@@ -42,26 +41,21 @@ class TrainerSource:
     """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
 
     Args:
-        model: the trainer's model (high-precision master weights, or native MXFP8 storage, exported as is).
-            DTensor parameters are gathered whole at each refit, a collective: every rank of their mesh must
-            iterate :meth:`tensors` together.
-        policy: a :class:`mxport.policy.PrecisionPolicy` (None = default: linear weights MXFP8; embeddings,
-            lm_head, norms, routers kept).
+        model: the trainer's model (master weights, or native MXFP8 storage exported as is); DTensor
+            parameters are gathered whole, a collective: every rank of their mesh iterates :meth:`tensors`
+            together.
+        policy: a :class:`mxport.policy.PrecisionPolicy` (None: linear weights MXFP8, the rest kept).
         fp8_dtype: element format of quantized weights.
-        kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
+        kept_dtype: dtype kept tensors travel in (the receiver's); None = their own dtype.
         kernel: the quantize kernel (None = the fastest that takes each weight; all give the same bytes).
-        arena: keep one send buffer laid out as the whole byte stream (allocated here, ``plan.total_bytes``),
-            so that every bucket is sent from it without packing. Weights are quantized into it; a kept tensor
-            that owns its storage alone, in the planned dtype and device, is *adopted* (its ``.data`` becomes
-            its view of the buffer, like Megatron's contiguous parameter buffer), so the optimizer updates it
-            there and a refit never copies it; other kept tensors and native storage are copied in at each
-            refit. Parameter objects, values and optimizer references are unchanged, their addresses are not:
-            build the source before capturing CUDA graphs; ``torch.save`` of an adopted tensor writes the
-            whole buffer. Enables :meth:`stream_checksum`. Off by default.
+        arena: keep one send buffer laid out as the byte stream, so every bucket is sent without packing:
+            weights are quantized into it; kept tensors that own their storage in the planned dtype and device
+            are *adopted* (``.data`` rebound to their view, so the optimizer updates them there; same objects,
+            new addresses: build it before capturing CUDA graphs), the rest copied in at each refit. Enables
+            :meth:`stream_checksum`.
 
-    Quantized tensors travel as values (``fp8_dtype``) and rowwise E8M0 scales (uint8, ``(*shape[:-1],
-    ceil(K/32))``), rceil as :func:`mxport.quantize`; native MXFP8 storage
-    (:func:`mxport.sources.native_tensors`) as its own values and scales.
+    Quantized weights travel as values and rowwise E8M0 scales (``(*shape[:-1], ceil(K/32))``), rceil as
+    :func:`mxport.quantize`; native MXFP8 storage as its own values and scales.
     """
 
     def __init__(self, model: nn.Module, policy=None, *,
@@ -110,13 +104,8 @@ class TrainerSource:
         return slots
 
     def stream_crc32(self) -> int:
-        """``zlib.crc32`` of the send buffer now (padding zero): right after a refit of a complete
-        :meth:`tensors` call, before the weights change again, the CRC of what was sent, which a receiver's
-        :meth:`~mxport.refit.RefitReceiver.live_crc32` must equal (0 for a plan of empty tensors).
-
-        Raises:
-            ValueError: without ``arena=True``, or when no :meth:`tensors` call has run to its end.
-        """
+        """``zlib.crc32`` of the send buffer now: right after a refit of a complete :meth:`tensors` call, what
+        a receiver's ``live_crc32`` must equal. ValueError without ``arena=True`` or a complete call."""
         if not self.arena or not self._complete:
             raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran "
                              "to its end (a complete refit) before it")
@@ -125,9 +114,8 @@ class TrainerSource:
 
     @torch.no_grad()
     def tensors(self) -> Iterator[torch.Tensor]:
-        """Yield the current weights in plan order, quantized lazily. With ``arena`` they are views of the
-        send buffer: quantized ones hold this call's bytes until the next call; adopted kept ones *are* the
-        parameters."""
+        """Yield the current weights in plan order, quantized lazily; with ``arena``, views of the send buffer
+        (adopted kept ones *are* the parameters)."""
         slots = self._slots
         self._complete = False
         self._summed, self._yielded = [False] * len(self.plan), 0
@@ -169,16 +157,14 @@ class TrainerSource:
         self._complete = True
 
     def _copy_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Copy (and cast) ``x`` into entry ``i``'s slot of the send buffer, summing its bytes as they are
-        written."""
+        """Copy (and cast) ``x`` into entry ``i``'s slot, summing its bytes as they are written."""
         self._sums.copy_in(self._slots[i], x, self.plan.entries[i].offset)
         self._summed[i] = True
         return self._slots[i]
 
     def _quantize_run(self, idx: int, i: int) -> int:
         """Quantize entry ``idx`` (slots ``i``, ``i + 1``) and the plain-float weights after it, up to
-        :data:`BATCH_NUMEL` elements, in one :func:`mxport.quantize.quantize_many` call; return the first
-        entry not done."""
+        :data:`BATCH_NUMEL` elements, in one ``quantize_many`` call; return the first entry not done."""
         from ...quantize import quantize_many
 
         xs, outs, entries, numel, end = [], [], [], 0, idx
@@ -195,11 +181,10 @@ class TrainerSource:
         return end
 
     def stream_checksum(self, start: int, size: int) -> int:
-        """The refit checksum of the stream bytes ``[start, start + size)`` that the current :meth:`tensors`
-        call has yielded, for ``RefitSender.send(source.tensors(), checksums=source.stream_checksum)``. For
-        ranges of whole :data:`~mxport.refit.buckets.SUM_CELL` cells it reads only the adopted kept tensors
-        (the quantize kernel and the copies in summed the rest as they wrote it); any other range is summed
-        from the buffer.
+        """The refit checksum of the stream bytes ``[start, start + size)`` the current :meth:`tensors` call
+        has yielded (for ``send(..., checksums=source.stream_checksum)``): for whole
+        :data:`~mxport.refit.buckets.SUM_CELL` cells only the adopted tensors are read, the rest was summed as
+        it was written.
 
         Raises:
             ValueError: without ``arena=True``, a range outside the stream or not on 8-byte words.
