@@ -308,7 +308,8 @@ def test_batched_checksums_and_replica_digests():
     from mxport.refit.world import replica_digests
 
     g = torch.Generator().manual_seed(0)
-    payloads = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in (8, 64, (1 << 20) + 24)]
+    sizes = (8, 64, (1 << 20) + 24, 3 << 20, (2 << 20) + 8)  # several 1 MiB chunks, with and without a tail
+    payloads = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in sizes]
     assert checksums(payloads) == [checksum(p) for p in payloads] and checksums([]) == []
     x = torch.randn(5, 7, generator=g).to(torch.bfloat16)  # 14 bytes a row: unaligned, odd-sized boxes
     a, b, c = replica_digests([x[1:3, 2:5], x[1:3, 2:5].clone(), x[1]])

@@ -21,6 +21,7 @@ from . import native
 from .components import check_direction
 from .formats import allocating, as_e8m0_bytes, describe, roundup
 from .pages import fresh_bytes
+from .quantize import NATIVE_PATH
 
 TILE_ROWS = 128
 TILE_COLS = 4
@@ -141,8 +142,6 @@ def _native_lib(t: torch.Tensor):
     thread when another process holds a core."""
     if t.device.type != "cpu":
         return None
-    from .quantize import NATIVE_PATH  # quantize imports the modules layouts imports, not layouts
-
     return NATIVE_PATH._lib if NATIVE_PATH.available else None
 
 

@@ -183,21 +183,24 @@ def _probe_inputs() -> list[torch.Tensor]:
 
 
 def _check_native_swizzle(lib) -> None:
-    """The native swizzle / unswizzle give the torch ops' bytes on a probe grid (partial tiles, 16-column
-    chunks, a transposed view); NativeUnavailable otherwise."""
-    from . import layouts
-
+    """The native swizzle / unswizzle put every byte of a probe grid (partial tiles, 16-column chunks, a
+    transposed view) where the cuBLAS ``VEC32_UE8M0`` layout does (the offset formula of
+    :func:`mxport.layouts.swizzle`); NativeUnavailable otherwise."""
     g = torch.Generator().manual_seed(5)
     grid = torch.randint(0, 256, (300, 45), generator=g, dtype=torch.uint8)
     for src in (grid, grid.t()):
         r, c = src.shape
-        pr, pc = layouts.swizzled_shape(r, c)
-        want = layouts._swizzle_torch(src, pr, pc)
+        pr, pc = ceil_div(r, 128) * 128, ceil_div(c, 4) * 4
+        rows, cols = torch.arange(r).view(-1, 1), torch.arange(c).view(1, -1)
+        at = ((rows // 128 * (pc // 4) + cols // 4) * 512 + rows % 32 * 16 + rows % 128 // 32 * 4 + cols % 4)
+        want = torch.zeros(pr * pc, dtype=torch.uint8)
+        want[at.reshape(-1)] = src.reshape(-1)
+        want = want.view(pr, pc)
         got = native.swizzle(lib, src, torch.empty((pr, pc), dtype=torch.uint8))
         back = native.unswizzle(lib, want, r, c, torch.empty((r, c), dtype=torch.uint8))
         if not (torch.equal(want, got) and torch.equal(back, src)):
             raise native.NativeUnavailable(f"self-check failed: the swizzle of a {tuple(src.shape)} grid "
-                                           "differs from torch's")
+                                           "differs from the cuBLAS layout")
 
 
 class _NativePath:

@@ -1,14 +1,5 @@
-"""The refit arena: one flat buffer laid out as the plan's byte stream, whose views are the refit's tensors.
-
-- :func:`allocate_targets` allocates one and returns its per-entry views; :func:`stream_arena` finds one
-  behind a list of tensors (the receiver's direct mode, the sender's zero-copy buckets); :func:`storage_bytes`
-  is the one
-  place a flat uint8 view of a storage's bytes is made.
-- adoption (:func:`storage_users`, :func:`adoptable`, :func:`adopt`): moving a model's own tensors into their
-  views of an arena, the parameter objects unchanged (``t.data = view``).
-- :class:`RollbackCopy`: the receiver's copy of the live arena's previous version (direct mode), refreshed in
-  the background after every successful refit, restored from on a failure.
-"""
+"""The refit arena (one flat buffer laid out as the plan's byte stream, whose views are the tensors), adopting
+a model's own tensors into it, and direct mode's :class:`RollbackCopy`."""
 
 from __future__ import annotations
 
@@ -28,19 +19,10 @@ def storage_bytes(storage: torch.UntypedStorage, start: int, nbytes: int,
 
 
 def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """Receive buffers for ``plan`` (for an engine that loads weights itself, see
-    :func:`~mxport.refit.checkpoint_tensors`), allocated once and reused for every refit.
-
-    One flat zero-filled ``uint8`` arena of ``plan.total_bytes`` bytes is allocated on ``device``; each
-    returned tensor is a view of it with the planned dtype and shape at the entry's byte offset — the arena
-    *is* the plan's byte stream. A :class:`~mxport.refit.RefitReceiver` given these targets receives the
-    buckets straight into them ("direct mode": no staging -> live copy at commit). The views share the arena's
-    storage (and its version counter); keep them alive as long as the engine uses them.
-
-    Raises:
-        ValueError: an entry whose offset is not a multiple of its dtype's item size (cannot happen for plans
-            built by :class:`RefitPlan`, whose offsets are multiples of 16).
-    """
+    """Receive buffers for ``plan``: views of one zero-filled ``uint8`` arena of ``plan.total_bytes`` on
+    ``device``, each of the planned dtype and shape at its entry's offset (the arena *is* the byte stream), so
+    a :class:`~mxport.refit.RefitReceiver` receives into them in direct mode. ValueError for an entry whose
+    offset is not a multiple of its item size (never for a :class:`RefitPlan`)."""
     arena = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
     out = []
     for e in plan.entries:
@@ -53,13 +35,8 @@ def allocate_targets(plan: RefitPlan, device: str | torch.device = "cpu") -> lis
 
 
 def stream_arena(plan: RefitPlan, targets: list[torch.Tensor]) -> torch.Tensor | None:
-    """The flat ``uint8`` tensor over the targets' storage when the targets are laid out exactly as the plan's
-    byte stream (``allocate_targets`` does that): all share one storage, each target's first byte sits at
-    ``base + entry.offset``, and the storage covers ``[base, base + plan.total_bytes)``. None otherwise.
-
-    Writing the returned tensor writes the targets (and the alignment padding between them, which belongs to
-    the stream). Zero-byte entries are not checked (they own no bytes).
-    """
+    """The flat ``uint8`` tensor over the targets' storage when they lie exactly as the plan's byte stream in
+    one storage (zero-byte entries not checked), else None."""
     storage, base, device = None, None, None
     for e, t in zip(plan.entries, targets, strict=True):
         if e.nbytes == 0:
@@ -85,9 +62,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_users(model: nn.Module) -> dict[int, int]:
-    """Storage address -> how many of ``model``'s parameters and buffers (non-persistent ones too) use it;
-    plain tensors only (wrapper subclasses such as torchao's MXTensor or TE's MXFP8 storage have no plain
-    storage)."""
+    """Storage address -> how many of ``model``'s plain parameters and buffers use it."""
     users: dict[int, int] = {}
     seen: set[int] = set()
     for t in (*model.parameters(), *model.buffers()):
@@ -102,8 +77,8 @@ def storage_users(model: nn.Module) -> dict[int, int]:
 
 
 def adoptable(t: torch.Tensor, slot: torch.Tensor, users: dict[int, int]) -> bool:
-    """True when ``t`` can move into ``slot`` (its view of an arena): a plain tensor with ``slot``'s dtype,
-    shape and device that owns its whole storage and shares it with no other tensor of the model."""
+    """True when ``t`` can move into ``slot``: a plain contiguous tensor of ``slot``'s dtype, shape and device
+    that owns its whole storage and shares it with no other tensor of the model."""
     raw = _raw(t)
     return (type(raw) is torch.Tensor and raw.dtype == slot.dtype and raw.shape == slot.shape
             and raw.device == slot.device and raw.nbytes > 0 and raw.is_contiguous()
@@ -114,16 +89,14 @@ def adoptable(t: torch.Tensor, slot: torch.Tensor, users: dict[int, int]) -> boo
 @torch.no_grad()
 def adopt(t: torch.Tensor, slot: torch.Tensor) -> None:
     """Copy ``t``'s bytes into ``slot`` and make ``slot`` its storage (``t.data = slot``): the same tensor
-    object (parameter, buffer), its autograd identity and version counter unchanged, now living in the
-    arena."""
+    object, autograd identity and version counter, now in the arena."""
     slot.copy_(_raw(t))
     t.data = slot
 
 
 # -- the receiver's rollback copy ----------------------------------------------------------------------------
 def target_versions(targets: list[torch.Tensor]) -> tuple[int, ...] | None:
-    """The tensors' ``_version`` counters (bumped by every in-place torch write), or None where they have none
-    (inference tensors): then only writes made through the receiver are known."""
+    """The tensors' ``_version`` counters, or None for inference tensors (which have none)."""
     try:
         return tuple(t._version for t in targets)
     except RuntimeError:
@@ -140,10 +113,9 @@ def bump_versions(targets: list[torch.Tensor]) -> None:
 
 
 class RollbackCopy:
-    """Direct mode: a copy of the live ``arena`` (the previous version), taken now, refreshed by :meth:`start`
-    in a background thread after every successful refit, and retaken by :meth:`wait` when the live tensors
-    were written in place meanwhile (their ``_version`` counters moved: a checkpoint load, say) or the
-    background copy failed; :meth:`restore` puts it back."""
+    """Direct mode: a copy of the live ``arena`` (the previous version), refreshed in the background by
+    :meth:`start` after every successful refit, retaken by :meth:`wait` when needed, put back by
+    :meth:`restore`."""
 
     def __init__(self, arena: torch.Tensor, targets: list[torch.Tensor]):
         self.arena, self.targets = arena, targets

@@ -1,18 +1,11 @@
 """Fixed-size byte buckets: packing tensors' bytes into them, unpacking, the refit trailer and checksums.
 
-One refit on the wire is ``layout.num_buckets`` broadcasts of raw payload — bucket ``b`` is the plan's byte
-stream from ``b * bucket_bytes``, ``layout.sizes[b]`` bytes long (:class:`BucketLayout`: the bucket size is
-the stream's setting, agreed in its handshake, not the plan's) — then one trailer broadcast of int64
-words ``[magic, version, num_buckets, status, entry, reason, checksum_0, ..., checksum_{n-1}]`` (``status`` ok
-or abort; on an abort, ``entry`` the plan index of the tensor at fault or -1, ``reason`` an
-:class:`~mxport.refit.results.AbortReason`). A bucket that lies inside one tensor is broadcast straight from
-that tensor's storage (no packing copy); other buckets are packed into a reused buffer. Every tensor moves as
-its raw bytes (``tensor.view(torch.uint8)``): FP8 values and E8M0 scales are uint8 on the wire (NCCL cannot
-broadcast FP8 dtypes on older GPUs); kept tensors keep their bit patterns.
-
-Checksum (:func:`checksum`): a sum of the payload's int64 words per 1 MiB chunk, the chunk sums mixed with odd
-weights, computed on the payload's device (the sender sums each chunk as it packs it, :func:`pack_bucket`).
-"""
+One refit on the wire is ``layout.num_buckets`` broadcasts of raw payload (bucket ``b``: the plan's byte
+stream from ``b * bucket_bytes``, ``layout.sizes[b]`` bytes; the bucket size is the stream's, agreed in its
+handshake), then one trailer of int64 words ``[magic, version, num_buckets, status, entry, reason, checksum_0,
+..., checksum_{n-1}]`` (``status`` ok or abort; on an abort ``entry`` is the plan index of the tensor at fault
+or -1, ``reason`` an :class:`~mxport.refit.results.AbortReason`). Tensors move as their raw bytes: FP8 values
+and E8M0 scales are uint8 on the wire (NCCL cannot broadcast FP8 dtypes on older GPUs)."""
 
 from __future__ import annotations
 
@@ -21,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..native import StreamSums
 from .arena import storage_bytes
 from .plan import ALIGN, RefitPlan
 
@@ -32,8 +26,7 @@ STATUS_OK, STATUS_ABORT = 0, 1
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
-    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to the device of
-    a tensor on it (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), comparable to a tensor's."""
     device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
         module = getattr(torch, device.type, None)
@@ -65,30 +58,14 @@ def _mix(n_words: int, sums: list[int]) -> int:
 
 
 def checksum(payload: torch.Tensor) -> int:
-    """Checksum of a 1-D uint8 tensor whose length is a multiple of 8 (bucket payloads always are).
-
-    Sum-based, computed where the bytes are (CPU or GPU; one pass over memory, several times faster than
-    CRC-32 here): the payload's int64 words are summed (wrapping) per :data:`CHUNK_BYTES` chunk, plus the
-    shorter last chunk; the chunk sums are mixed with odd weights ``2i + 1`` and the word count. Any change of
-    a single word, and any reordering of chunks, changes it; it is a corruption check, not a cryptographic
-    digest. Returned as a signed 64-bit int (the int64 header). :func:`pack_bucket` computes the same value
-    while packing.
-    """
-    words = payload.view(torch.int64)
-    n = words.numel()
-    m = n // _CHUNK_WORDS * _CHUNK_WORDS
-    parts = []
-    if m:
-        parts.append(words[:m].view(-1, _CHUNK_WORDS).sum(dim=1))
-    if n > m:
-        parts.append(words[m:].sum().view(1))
-    sums = torch.cat(parts).tolist() if parts else []
-    return _mix(n, sums)
+    """Checksum of a 1-D uint8 tensor of whole int64 words: the words summed (wrapping) per
+    :data:`CHUNK_BYTES` chunk, the chunk sums mixed with odd weights and the word count (a signed 64-bit int).
+    A corruption check computed where the bytes are, not a cryptographic digest."""
+    return checksums([payload])[0]
 
 
 def checksums(payloads: Iterable[torch.Tensor]) -> list[int]:
-    """:func:`checksum` of each payload, the word sums of all of them brought to the host in one transfer
-    (one device sync for many small payloads, e.g. the replicas a sharded refit's vote compares)."""
+    """:func:`checksum` of each payload, the sums brought to the host in one transfer (one device sync)."""
     sums, counts = [], []
     for payload in payloads:
         words = payload.view(torch.int64)
@@ -97,7 +74,7 @@ def checksums(payloads: Iterable[torch.Tensor]) -> list[int]:
         parts = [words[:m].view(-1, _CHUNK_WORDS).sum(dim=1)] if m else []
         parts += [words[m:].sum().view(1)] if n > m else []
         sums += parts
-        counts.append((n, len(parts)))
+        counts.append((n, sum(p.numel() for p in parts)))  # chunk sums, not tensors
     flat = torch.cat([x.to(sums[0].device) for x in sums]).tolist() if sums else []  # one device sync
     out, i = [], 0
     for n, k in counts:
@@ -110,10 +87,9 @@ _SHIFTS: dict[str, torch.Tensor] = {}
 
 
 def _span_words(data: torch.Tensor, rho: int) -> torch.Tensor:
-    """The word-sum contribution (int64 0-d tensor on ``data``'s device) of the bytes ``data`` (flat uint8)
-    whose first byte sits at stream offset ``rho`` mod 8: byte ``i`` adds ``byte << 8 * ((rho + i) % 8)``
-    (wrapping), so a range summed on its own adds exactly what its bytes add to :func:`checksum`'s word
-    sums."""
+    """The word-sum contribution (an int64 0-d tensor) of the bytes ``data`` whose first byte sits at stream
+    offset ``rho`` mod 8: byte ``i`` adds ``byte << 8 * ((rho + i) % 8)``, so a range summed on its own adds
+    exactly what its bytes add to :func:`checksum`'s word sums."""
     n = data.numel()
     if rho % 8 == 0 and n % 8 == 0 and data.storage_offset() % 8 == 0:  # whole words (the common case)
         return data.view(torch.int64).sum()
@@ -142,13 +118,9 @@ SUM_CELL = 4096
 
 
 class ChunkSums:
-    """The word sums of a plan's byte stream per :data:`SUM_CELL` bytes (what :func:`checksum` mixes, at a
-    finer grain), added piece by piece as the stream is produced: a quantize kernel adds the bytes it writes
-    (:func:`mxport.quantize.quantize_many` with ``sums``; the native kernel sums in cache, with no pass of its
-    own), :meth:`add` any other bytes. :meth:`checksum` then gives ``checksum`` of a stream range (a bucket,
-    whatever the stream's bucket size) without reading it, when the range's chunks are made of whole cells
-    (:meth:`covers`). Cell ``c`` (stream bytes ``c * SUM_CELL`` on) is entry ``c`` of :attr:`sums` (int64, on
-    ``device``)."""
+    """The word sums of a plan's byte stream per :data:`SUM_CELL` bytes (:attr:`sums`), added as the stream is
+    produced (by the quantize kernel as it writes, :meth:`add`, :meth:`copy_in`), so :meth:`checksum` gives a
+    bucket's checksum without reading it when its chunks are whole cells (:meth:`covers`)."""
 
     def __init__(self, plan: RefitPlan, device: str | torch.device = "cpu"):
         self.plan, self.total = plan, plan.total_bytes
@@ -159,11 +131,7 @@ class ChunkSums:
 
     def native(self, spans: list[tuple[tuple[int, int], tuple[int, int]]]):
         """The :class:`mxport.native.StreamSums` of a native batch whose outputs lie at ``spans`` (per job
-        ``((values offset, bytes), (scales offset, bytes))``) in the stream: the kernel adds to the cells they
-        span (on the CPU) through a view of :attr:`sums`, so its per-thread partial sums are as small as the
-        batch."""
-        from ..native import StreamSums
-
+        ``((values offset, bytes), (scales offset, bytes))``), adding through a view of :attr:`sums`."""
         flat = [s for pair in spans for s in pair]
         for o, n in flat:
             if o < 0 or o + n > self.total:
@@ -175,8 +143,7 @@ class ChunkSums:
                           self.sums[lo:max(hi, lo + 1)])
 
     def _add(self, sums: torch.Tensor, pieces: list[tuple[torch.Tensor, int]], first: int = 0) -> None:
-        """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (cell ``first`` = ``sums[0]``), in one
-        ``index_add_``."""
+        """Add flat uint8 ``(data, stream offset)`` pieces to ``sums`` (cell ``first`` = ``sums[0]``)."""
         index, parts = [], []
         for data, offset in pieces:
             n, pos = data.numel(), 0
@@ -200,10 +167,7 @@ class ChunkSums:
             sums.index_add_(0, torch.tensor(index, device=sums.device), torch.cat(parts))
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
-        """``dst.copy_(src)`` (casting as ``copy_`` does; ``dst``: a contiguous tensor whose bytes sit at
-        stream ``offset``), a few cells at a time, each piece's words added to :attr:`sums` right after it is
-        written, while it is still in cache: a tensor copied or cast into the send buffer is summed without a
-        pass of its own over memory."""
+        """``dst.copy_(src)`` (``dst`` at stream ``offset``), a few cells at a time, each summed in cache."""
         d, s = dst.view(-1), src.reshape(-1)
         size = d.element_size()
         n, pos = d.numel() * size, 0
@@ -221,17 +185,16 @@ class ChunkSums:
             pos += take
 
     def add(self, data: torch.Tensor, offset: int) -> None:
-        """Add the bytes of ``data`` (a contiguous tensor, read as its bytes) at stream ``offset``."""
+        """Add the bytes of ``data`` (a contiguous tensor) at stream ``offset``."""
         self._add(self.sums, [(byte_view(data, argname="data"), offset)])
 
     def covers(self, start: int, size: int) -> bool:
-        """True when the checksum chunks of the range ``[start, start + size)`` are made of whole cells."""
+        """True when the checksum chunks of ``[start, start + size)`` are made of whole cells."""
         return start % SUM_CELL == 0 and (size % SUM_CELL == 0 or start + size == self.total)
 
     def checksum(self, start: int, size: int, extra: list[tuple[torch.Tensor, int]] = ()) -> int:
-        """:func:`checksum` of the stream range ``[start, start + size)`` (:meth:`covers` it) from the sums,
-        plus the bytes of ``extra`` (``(tensor, stream offset)`` pieces inside it, summed now and not kept: a
-        bucket's kept tensors, read as they are when it is sent)."""
+        """:func:`checksum` of the stream range ``[start, start + size)`` from the sums, plus the bytes of
+        ``extra`` (``(tensor, stream offset)`` pieces inside it, summed now)."""
         if not self.covers(start, size):
             raise ValueError(f"stream range {start}+{size} does not start and end on cells of {SUM_CELL} "
                              "bytes")
@@ -254,8 +217,7 @@ class ChunkSums:
 
 @dataclass(frozen=True)
 class Segment:
-    """``length`` bytes of entry ``entry`` starting at byte ``src`` of the tensor land at ``dst`` of the
-    payload."""
+    """``length`` bytes of plan entry ``entry`` from its byte ``src`` land at byte ``dst`` of the payload."""
 
     entry: int
     src: int
@@ -264,8 +226,7 @@ class Segment:
 
 
 def check_bucket_bytes(bucket_bytes) -> int:
-    """``bucket_bytes`` if it is a positive multiple of :data:`~mxport.refit.plan.ALIGN` below 2**63 (it
-    travels as an int64 word in the stream handshake), else ValueError."""
+    """``bucket_bytes`` if it is a positive multiple of :data:`ALIGN` below 2**63, else ValueError."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or not 0 < bucket_bytes < 1 << 63 \
             or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN} below 2**63, got "
@@ -274,8 +235,8 @@ def check_bucket_bytes(bucket_bytes) -> int:
 
 
 class BucketLayout:
-    """A plan's byte stream cut into buckets of ``bucket_bytes`` (the last one may be shorter): per bucket,
-    the ordered segments of the tensors in it, the gaps, the sizes (computed once)."""
+    """A plan's byte stream cut into buckets of ``bucket_bytes``: per bucket its size, the segments of the
+    tensors in it and the gaps (alignment padding, zeroed on packing)."""
 
     def __init__(self, plan: RefitPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.plan, self.bucket_bytes = plan, check_bucket_bytes(bucket_bytes)
@@ -306,9 +267,7 @@ class BucketLayout:
         self._gap_index: dict[tuple[int, str], torch.Tensor | None] = {}
 
     def gap_index(self, b: int, device: torch.device) -> torch.Tensor | None:
-        """Bucket ``b``'s gap byte positions (alignment padding) as one int64 index on ``device``, or None
-        when it has no gaps. Computed once per bucket and device, so checking the gaps costs one gather per
-        bucket."""
+        """Bucket ``b``'s gap byte positions as one int64 index on ``device`` (None: no gaps), cached."""
         key = (b, str(device))
         if key not in self._gap_index:
             ranges = [torch.arange(g0, g0 + n) for g0, n in self.gaps[b]]
@@ -316,9 +275,8 @@ class BucketLayout:
         return self._gap_index[key]
 
     def chunk_pieces(self, b: int) -> list[list[tuple[int, int, int, int]]]:
-        """Bucket ``b``'s segments and gaps cut at :data:`CHUNK_BYTES` boundaries: per checksum chunk, pieces
-        ``(entry, src, dst, length)`` in payload order (``entry`` -1 for a gap to zero). Computed once per
-        bucket."""
+        """Bucket ``b``'s pieces ``(entry, src, dst, length)`` per :data:`CHUNK_BYTES` chunk (``entry`` -1: a
+        gap), cached."""
         cached = self._chunks.get(b)
         if cached is not None:
             return cached
@@ -375,26 +333,10 @@ def make_trailer(version: int, checksums: list[int], status: int = STATUS_OK, en
     return Trailer(MAGIC, version, len(checksums), status, entry, reason, list(checksums)).to_tensor()
 
 
-def pack_segments(segments: list[Segment], sources: list[torch.Tensor], payload: torch.Tensor) -> None:
-    """Copy each segment's bytes from ``sources[entry]`` (flat uint8 views) into ``payload``."""
-    for s in segments:
-        payload[s.dst:s.dst + s.length].copy_(sources[s.entry][s.src:s.src + s.length])
-
-
 def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], payload: torch.Tensor, *,
                 with_checksum: bool = False) -> int | None:
-    """Fill ``payload`` (``layout.sizes[b]`` bytes) with bucket ``b``: its segments, and zeros in the
-    gaps.
-
-    ``with_checksum``: pack one :data:`CHUNK_BYTES` chunk at a time and sum each chunk's words right after
-    packing it (still in cache), returning ``checksum(payload)`` — one pass over memory fewer than packing
-    then summing.
-    """
-    if not with_checksum:
-        pack_segments(layout.segments[b], sources, payload)
-        for start, n in layout.gaps[b]:
-            payload[start:start + n].zero_()
-        return None
+    """Fill ``payload`` (``layout.sizes[b]`` bytes) with bucket ``b``, zeros in the gaps. ``with_checksum``:
+    sum each chunk right after packing it, while it is in cache, returning ``checksum(payload)``."""
     size = layout.sizes[b]
     sums = []
     for c, pieces in enumerate(layout.chunk_pieces(b)):
@@ -403,8 +345,9 @@ def pack_bucket(layout: BucketLayout, b: int, sources: list[torch.Tensor], paylo
                 payload[dst:dst + length].zero_()
             else:
                 payload[dst:dst + length].copy_(sources[entry][src:src + length])
-        sums.append(payload[c * CHUNK_BYTES:min(size, (c + 1) * CHUNK_BYTES)].view(torch.int64).sum())
-    return _mix(size // 8, torch.stack(sums).tolist())
+        if with_checksum:
+            sums.append(payload[c * CHUNK_BYTES:min(size, (c + 1) * CHUNK_BYTES)].view(torch.int64).sum())
+    return _mix(size // 8, torch.stack(sums).tolist()) if with_checksum else None
 
 
 def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: list[torch.Tensor]) -> None:
@@ -415,16 +358,9 @@ def unpack_segments(segments: list[Segment], payload: torch.Tensor, targets: lis
 
 def in_place_payload(segments: list[Segment], gap_index: torch.Tensor | None, sources: list[torch.Tensor],
                      size: int, device: torch.device) -> torch.Tensor | None:
-    """A bucket's payload as a view of the sources' own memory, when there is one: every segment's bytes sit
-    in one storage on ``device`` exactly where the bucket's layout puts them (a bucket inside one tensor, or
-    tensors laid out as the plan's byte stream in one arena, as :func:`~mxport.refit.allocate_targets` and
-    ``TrainerSource(arena=True)`` make them) and the bucket's gaps (alignment padding, the tail of the last
-    bucket) hold zeros there, as packing would write them (so the bytes on the wire never depend on the
-    sender's memory layout). ``None`` when the bucket must be packed.
-
-    ``segments``: the bucket's :class:`Segment` list; ``gap_index``: its gap byte positions
-    (:meth:`BucketLayout.gap_index`); ``sources``: flat uint8 views per plan entry.
-    """
+    """A bucket's payload as a view of its sources' own memory (a bucket inside one tensor, or an arena laid
+    out as the stream) when every segment sits in one storage on ``device`` where the layout puts it and the
+    gaps there hold zeros; else None (pack it)."""
     if not segments:
         return None
     first = sources[segments[0].entry]

@@ -1,21 +1,13 @@
-"""The stream handshake: before any payload moves, every endpoint of a stream shares its plan digest, its
-refit version and its bucket size (the stream's own setting: every endpoint must cut the stream alike); on a
-mismatch every endpoint raises :class:`RefitPlanMismatch` with the first differences (plans that differ are
-shared in their canonical form to name them).
+"""The stream handshake: before any payload, every endpoint of a stream shares its plan digest, version and
+bucket size; on a mismatch every endpoint raises :class:`RefitPlanMismatch` with the first differences. Only
+fixed-size tensors cross the wire, nothing is unpickled:
 
-Only fixed-size tensors cross the wire, and nothing received is unpickled:
-
-1. ``all_gather`` of one int64 word, :data:`HELLO` (the protocol's magic and version). A peer that sends
-   anything else does not speak this protocol (``torch.distributed.all_gather_object`` starts with an int64
-   length, say):
-   every endpoint raises :class:`RefitError` without reading anything more from it.
-2. ``all_gather`` of int64 ``[digest words 0..3, version, bucket_bytes]``: the plan's sha256 as four int64
-   words.
-3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length (int64), then of the JSON
-   bytes (uint8, zero-padded to the longest; every endpoint refuses beyond :data:`MAX_PLAN_JSON` bytes), each
-   parsed
-   with ``json`` and rebuilt with :meth:`RefitPlan.from_canonical` (strictly validated) for the differences.
-"""
+1. ``all_gather`` of one int64 word, :data:`HELLO`; a peer that sends anything else does not speak this
+   protocol: :class:`RefitError`, nothing more read from it.
+2. ``all_gather`` of int64 ``[digest words 0..3, version, bucket_bytes]``.
+3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length, then of the JSON bytes
+   (zero-padded to the longest; at most :data:`MAX_PLAN_JSON`), rebuilt with
+   :meth:`RefitPlan.from_canonical` to name the differences."""
 
 from __future__ import annotations
 
@@ -45,24 +37,18 @@ def _hello(transport: Transport) -> None:
                          f"group?); nothing more was read from it; re-create the transport")
 
 
-def _digest_row(plan: RefitPlan, version: int, bucket_bytes: int) -> torch.Tensor:
-    digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
-    return torch.cat([digest, torch.tensor([version, bucket_bytes], dtype=torch.int64)])
-
-
 def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_bytes: int) -> int:
-    """Compare ``plan`` and ``bucket_bytes`` with every other endpoint's; return the highest refit version
-    among them.
+    """Compare ``plan`` and ``bucket_bytes`` with every other endpoint's; return the highest version.
 
     Raises:
         RefitError: a peer that does not speak this handshake, or reports a negative version.
-        RefitPlanMismatch: on every endpoint when any receiver's digest or bucket size differs from the
-            sender's. The sender lists its differences with each mismatching receiver; a receiver lists its
-            own differences with the sender's (or, if it agrees with the sender, names the receivers that do
-            not).
+        RefitPlanMismatch: on every endpoint when a receiver's digest or bucket size differs from the
+            sender's, listing the differences each side sees.
     """
     _hello(transport)
-    rows = transport.all_gather(_digest_row(plan, int(version), int(bucket_bytes)))
+    digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
+    mine = torch.cat([digest, torch.tensor([int(version), int(bucket_bytes)], dtype=torch.int64)])
+    rows = transport.all_gather(mine)
     digests = [row[:4].numpy().tobytes().hex() for row in rows]
     versions = [int(row[4]) for row in rows]
     if min(versions) < 0:
@@ -104,8 +90,7 @@ def _check_buckets(transport: Transport, sizes: list[int], digest: str) -> None:
 
 
 def _world_ranks(transport: Transport, ranks: list[int]) -> list[int]:
-    """``ranks`` of ``transport`` as the world's ranks (a stream of a sharded refit), or as they are (also
-    for a transport of the caller's own that has no ``ranks``)."""
+    """``ranks`` of ``transport`` as world ranks (a stream of a larger world), else as they are."""
     world = getattr(transport, "ranks", None)
     return ranks if world is None else [world[r] for r in ranks]
 
@@ -142,11 +127,9 @@ def _exchange_canonical(transport: Transport, plan: RefitPlan) -> list[RefitPlan
 
 
 def share_plan(transport: Transport, plan: RefitPlan | None = None) -> RefitPlan:
-    """The sender's plan, on every endpoint: the sender passes ``plan`` and broadcasts its canonical JSON
-    (an int64 length, then the bytes); a receiver rebuilds it with :meth:`RefitPlan.from_canonical` (refusing
-    more than :data:`MAX_PLAN_JSON` bytes, or anything that is not a valid plan: ValueError). For a receiver
-    that has no model of its own to derive a plan from (a benchmark, an engine that loads checkpoint-format
-    tensors)."""
+    """The sender's plan on every endpoint, for a receiver with no model to derive one from: the sender
+    broadcasts its canonical JSON (an int64 length, then the bytes); ValueError beyond :data:`MAX_PLAN_JSON`
+    bytes or for an invalid plan."""
     if transport.is_sender:
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"the sender must pass its RefitPlan, got {type(plan).__name__}")

@@ -1,26 +1,8 @@
-"""The global plan of a sharded refit: which box of which tensor every trainer rank holds, which box every
-engine rank needs, and the routes that move exactly those bytes, shard to shard.
-
-A sharded refit runs in one process group of ``T`` trainer ranks (group ranks ``0 .. T-1``) and ``E`` engine
-ranks (``T .. T+E-1``). Every plan tensor (MXFP8 values, their E8M0 scales, kept tensors) is described once,
-whole (:class:`TensorInfo`: name, role, dtype, full shape); a rank's part of it is a :class:`Box` of the full
-tensor (per dimension ``[start, stop)``): a trainer rank's local shard, or the slice an engine rank holds.
-A rank may hold several boxes of one tensor (one :class:`Holding` each): a vLLM tp rank holds a fused expert
-``gate_up_proj``'s gate rows and up rows, two row ranges of one tensor.
-
-:func:`route` cuts every engine rank's box into pieces, each taken from one trainer rank that holds it
-(replicated bytes are spread over their holders), and groups the pieces by ``(trainer, engine)`` pair: one
-:class:`Route` per pair, an ordinary :class:`~mxport.refit.RefitPlan` of its pieces (named
-``name[r0:r1,c0:c1]``), sent from that trainer rank to that engine rank only. An engine rank so receives
-only its own shard's bytes, from the trainer ranks that hold them.
-
-Every rank contributes its holdings (:class:`Holding`); :meth:`MeshPlan.build` merges them, checks that
-every rank describes each tensor the same way and that every byte an engine rank needs is held by some
-trainer rank, and computes the routes. The digest covers the tensors and every rank's boxes, so ranks that
-agree on it agree on every route.
-
-Tensor order: natural name order (numbers compared as numbers), so layers and experts travel in global
-order whichever rank holds them.
+"""The global plan of a sharded refit: the box of each tensor every trainer rank holds (group ranks ``0 ..
+T-1``) and every engine rank needs (``T .. T+E-1``), one :class:`Holding` per box, and the routes that move
+exactly those bytes: one :class:`Route` per (trainer, engine) pair, an ordinary
+:class:`~mxport.refit.RefitPlan` of pieces named ``name[r0:r1,c0:c1]``. Tensors go in natural name order
+(numbers compared as numbers), so layers and experts travel in global order whichever rank holds them.
 """
 
 from __future__ import annotations
@@ -37,14 +19,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, compress, groupby, islice, repeat
 from operator import add, attrgetter, itemgetter, le, lt, ne
-from typing import TYPE_CHECKING
+
+import torch
 
 from ..formats import BLOCK_SIZE, ceil_div
 from .plan import ROLES, WIRE_DTYPES, Item, RefitPlan, RefitPlanMismatch, Role, dtype_from_name
 from .results import RefitError
-
-if TYPE_CHECKING:
-    import torch
 
 MESH_FORMAT = "mxport-mesh-plan/1"
 
@@ -90,7 +70,7 @@ class Box:
 
     @classmethod
     def _of(cls, start: tuple[int, ...], stop: tuple[int, ...]) -> Box:
-        """A box cut from checked boxes (valid by construction): no checks, as routing makes many."""
+        """A box cut from checked boxes: no checks (routing makes many)."""
         box = object.__new__(cls)
         _BOX_START(box, start)  # the slots' own setters: a frozen dataclass refuses setattr
         _BOX_STOP(box, stop)
@@ -153,7 +133,7 @@ class Piece:
 
     @classmethod
     def _of(cls, tensor: TensorInfo, box: Box) -> Piece:
-        """A piece of a checked plan (routing makes hundreds of thousands): no dataclass init."""
+        """A piece of a checked plan: no dataclass init (routing makes hundreds of thousands)."""
         piece = object.__new__(cls)
         _PIECE_TENSOR(piece, tensor)
         _PIECE_BOX(piece, box)
@@ -190,9 +170,8 @@ class Route:
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused while a plan is built: the build allocates hundreds of thousands
-    of boxes, pieces and tuples (none in a cycle), and every collection they would trigger rescans every
-    rank's holdings for nothing to free (most of the build's time at 256 trainer ranks)."""
+    """The cyclic garbage collector paused while a plan is built: the build allocates hundreds of thousands of
+    acyclic objects, and every collection would rescan every rank's holdings for nothing."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -208,8 +187,7 @@ def _dumps(obj) -> str:
 
 
 def _box_texts(boxes: Sequence[Box]) -> list[str]:
-    """Each box of one tensor as its canonical row writes it after the tensor index: ``[start],[stop]]``
-    (their ints as JSON writes them; the loops in C)."""
+    """Each box's canonical row text after the tensor index, ``[start],[stop]]`` (loops in C)."""
     ints = ",".join(["%d"] * len(boxes[0].start)) if boxes else ""
     return list(map(f"[{ints}],[{ints}]]".__mod__, map(add, map(_START, boxes), map(_STOP, boxes))))
 
@@ -223,17 +201,12 @@ def natural_key(name: str) -> tuple:
 
 
 class MeshPlan:
-    """The agreed global plan of a sharded refit.
-
-    Args:
-        trainers: per trainer rank, the :class:`Holding` of every tensor it holds.
-        engines: per engine rank, the :class:`Holding` of every tensor it needs.
+    """The agreed global plan of a sharded refit from ``trainers`` (per trainer rank, the :class:`Holding` s
+    it holds) and ``engines`` (per engine rank, those it needs).
 
     Raises:
-        RefitPlanMismatch: two ranks describe a tensor differently; an engine rank needs a tensor, or bytes
-            of one, no trainer rank holds; a trainer rank holds a tensor no engine rank needs; a box outside
-            its tensor; a rank gives boxes of one tensor that overlap (several disjoint boxes are fine: a
-            vLLM fused-expert gate_up slice is two row ranges).
+        RefitPlanMismatch: two ranks describe a tensor differently; bytes an engine needs that no trainer
+            holds, or a tensor no engine needs; a box outside its tensor; overlapping boxes on one rank.
     """
 
     def __init__(self, trainers: Sequence[Iterable[Holding]], engines: Sequence[Iterable[Holding]]):
@@ -265,15 +238,13 @@ class MeshPlan:
 
     @cached_property
     def engine_classes(self) -> tuple[int, ...]:
-        """Per engine index, its class: engines that need exactly the same boxes (replicas: data-parallel
-        copies of one engine) share one, numbered in order of first appearance. Routing depends on the class,
-        not the engine, so replicas get the same pieces from every trainer rank (one multicast stream)."""
+        """Per engine index, its class: replicas (engines that need the same boxes) share one."""
         seen: dict[tuple, int] = {}
         return tuple(seen.setdefault(tuple((h.tensor.name, h.box.start, h.box.stop) for h in held), len(seen))
                      for held in self.engines)
 
     def replicas_of(self, engine_rank: int) -> tuple[int, ...]:
-        """The group ranks of the engines of ``engine_rank``'s class (itself included), ascending."""
+        """The group ranks of ``engine_rank``'s class (itself included), ascending."""
         c = self.engine_classes[engine_rank - self.num_trainers]
         return tuple(self.engine_rank(e) for e, k in enumerate(self.engine_classes) if k == c)
 
@@ -302,8 +273,7 @@ class MeshPlan:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _layout_rows(self) -> str:
-        """The trainer ranks' canonical rows as JSON text, for uniform holdings (:class:`_Uniform`): the text
-        of each layout's box on each rank made once, whichever tensors share the layout."""
+        """The trainer ranks' canonical rows as JSON text for uniform holdings."""
         index = {t.name: i for i, t in enumerate(self.tensors)}
         heads = [f"[{index[h.tensor.name]}," for h in self.trainers[0]]
         texts = {h: _box_texts(h.boxes) for h in dict.fromkeys(self._layouts)}  # per layout, rank by rank
@@ -318,8 +288,7 @@ class MeshPlan:
         return tuple(route(self))
 
     def routes_of(self, rank: int) -> list[Route]:
-        """The routes a group rank takes part in (as trainer or engine): computed for that rank alone (a
-        trainer rank's pieces, or an engine rank's needs) unless :attr:`routes` already holds them all."""
+        """The routes group rank ``rank`` takes part in (computed for it alone unless all are)."""
         if "routes" in self.__dict__:
             return [r for r in self.routes if rank in (r.trainer, r.engine)]
         if rank not in self._rank_routes:
@@ -332,7 +301,7 @@ class MeshPlan:
         return list(self._rank_routes[rank])
 
     def engine_bytes(self) -> list[int]:
-        """Bytes each engine rank receives per refit: its boxes' (the routes cover each exactly once)."""
+        """Bytes each engine rank receives per refit."""
         return [sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in needs)
                 for needs in self.engines]
 
@@ -344,8 +313,7 @@ class MeshPlan:
 
 
 def _merge_tensors(trainers, engines, uniform: _Uniform | None = None) -> tuple[TensorInfo, ...]:
-    """Every tensor described, in natural name order, after checking every rank's holdings (one by one but
-    the trainer ranks' when ``uniform`` has checked them: see :func:`_uniform_trainers`)."""
+    """Every tensor, in natural name order, after checking the holdings ``uniform`` has not checked."""
     seen: dict[str, TensorInfo] = {}
     agreed: dict[int, bool] = {}  # per description met (by id): valid, and equal to its name's first one
     problems: list[str] = []
@@ -391,8 +359,7 @@ _TENSOR, _BOX, _NAME = attrgetter("tensor"), attrgetter("box"), attrgetter("name
 @dataclass(frozen=True, slots=True)
 class _Uniform:
     """Trainer ranks that each hold one box of each of the same tensors, in one order (FSDP shards, whole
-    copies, one tp layout): ``tensors`` in that order (rank 0's descriptions); per tensor every rank's box;
-    per tensor dimension (tensor by tensor) every rank's box start and stop."""
+    copies, one tp layout), with every rank's boxes per tensor and their starts and stops per dimension."""
 
     tensors: list[TensorInfo]
     boxes: list[tuple[Box, ...]]
@@ -400,8 +367,7 @@ class _Uniform:
     stops: list[tuple[int, ...]]
 
     def holders(self) -> dict[str, _Holders]:
-        """Each tensor's :class:`_Holders`; one for the tensors of one shape whose boxes are equal (the layers
-        of a model), so that routing covers a need of theirs once."""
+        """Each tensor's :class:`_Holders`, one for the tensors of equal boxes (a model's layers)."""
         ranks, out, layouts, d = list(range(len(self.boxes[0]) if self.boxes else 0)), {}, {}, 0
         for t, boxes in zip(self.tensors, self.boxes, strict=True):
             lo, hi = self.starts[d:d + len(t.shape)], self.stops[d:d + len(t.shape)]
@@ -415,10 +381,8 @@ class _Uniform:
 
 
 def _uniform_trainers(trainers) -> _Uniform | None:
-    """The trainer ranks' holdings as a :class:`_Uniform`, checked with loops in C (every description valid,
-    every box within its tensor), when every rank holds one box of each of the same tensors in one order;
-    else None (and for holdings with any problem: :func:`_merge_tensors` then checks them one by one and
-    words each problem)."""
+    """The trainer holdings as a :class:`_Uniform` (checked with loops in C) when every rank holds one box of
+    each of the same tensors in one order, else None."""
     try:
         tensors = list(map(_TENSOR, trainers[0]))
         names = list(map(_NAME, tensors))
@@ -454,14 +418,8 @@ def _check_info(t: TensorInfo) -> None:
 
 
 class _Holders:
-    """The trainer ranks' boxes of one tensor, indexed to cover an engine rank's box without visiting every
-    holder.
-
-    ``ranks`` / ``boxes``: the holders in rank order (each rank's boxes in its order), the order the greedy
-    cover (:func:`_cover`) visits them in, rotated to start at a given rank. When every box is a slab (the
-    whole tensor but a range of dim 0: FSDP shards, whole copies), what they hold is the union of their
-    dim-0 ranges; when those ranges are also disjoint, the piece a holder gives in the greedy cover is its
-    box's intersection with the need, whatever the order: the holders a need meets are found by bisection."""
+    """The trainer ranks' boxes of one tensor, indexed to cover an engine box without visiting every holder:
+    when the boxes are disjoint slabs (ranges of dim 0: FSDP shards, whole copies), by bisection."""
 
     def __init__(self, shape: tuple[int, ...], ranks: list[int], boxes: list[Box], lo=None, hi=None):
         self.ranks, self.boxes, self.rest = ranks, boxes, shape[1:]
@@ -490,9 +448,8 @@ class _Holders:
         return i >= 0 and self.union_stops[i] >= need.stop[0]
 
     def cover(self, need: Box, first: int, trainer: int | None = None) -> tuple[list[int], list[Box]]:
-        """The pieces of the greedy cover of ``need`` by the holders from rank ``first`` on (:func:`_cover`),
-        only those of rank ``trainer`` when given: their ranks and their boxes (lists not to be changed:
-        disjoint slabs give the same pieces for the same need, whatever ``first``, and keep them)."""
+        """The greedy cover of ``need`` by the holders from rank ``first`` on (only ``trainer``'s pieces when
+        given): ranks and boxes, cached for disjoint slabs."""
         if not self.disjoint:
             pieces = [p for p in _cover(need, self.rotated(first))[0] if trainer in (None, p[0])]
             return [t for t, _ in pieces], [box for _, box in pieces]
@@ -524,9 +481,7 @@ class _Holders:
 
 def _slab_ranges(shape: tuple[int, ...], boxes: list[Box], lo: list[tuple[int, ...]] | None = None,
                  hi: list[tuple[int, ...]] | None = None) -> tuple[list[int], list[int], list[int]] | None:
-    """None unless every box is the whole tensor but a range of dim 0; else the non-empty ranges' starts,
-    stops and box positions, sorted by start (loops in C: this runs over every holding). ``lo`` / ``hi``:
-    the boxes' starts / stops per dimension, when known."""
+    """None unless every box is a range of dim 0; else the ranges' starts, stops and box positions."""
     n = len(boxes)
     if not n:
         return [], [], []
@@ -591,8 +546,7 @@ def _check_coverage(tensors, held: dict[str, _Holders], engines) -> None:
 
 
 def _subtract(outer: Box, inner: Box) -> list[Box]:
-    """``outer`` less ``inner`` (a box inside it) as disjoint boxes: per dimension the slabs below and above
-    ``inner``, the dimensions before it already cut to ``inner``'s range."""
+    """``outer`` less ``inner`` (a box inside it) as disjoint boxes."""
     out = []
     lo, hi = list(outer.start), list(outer.stop)
     for d, (a, b) in enumerate(zip(inner.start, inner.stop, strict=True)):
@@ -605,10 +559,8 @@ def _subtract(outer: Box, inner: Box) -> list[Box]:
 
 
 def _cover(need: Box, holders: Iterable[tuple[int, Box]]) -> tuple[list[tuple[int, Box]], list[Box]]:
-    """Cover ``need`` greedily: each holder ``(rank, box)`` in turn takes all of ``need`` it holds that no
-    earlier holder took. Returns the disjoint pieces ``(rank, box)`` and what is left (no holder holds it).
-    Linear in the holders for the boxes shardings make (ranges of whole dimensions), and never a product of
-    every cut point."""
+    """Cover ``need`` greedily: each ``(rank, box)`` holder in turn takes what it holds that no earlier one
+    took. Returns the pieces and what no holder holds."""
     pieces: list[tuple[int, Box]] = []
     left = [need] if need.numel else []
     for t, b in holders:
@@ -627,19 +579,14 @@ def _cover(need: Box, holders: Iterable[tuple[int, Box]]) -> tuple[list[tuple[in
 
 
 def route(mesh: MeshPlan) -> list[Route]:
-    """Cut every engine rank's boxes into pieces, each sent by one trainer rank that holds it; replicated
-    bytes come from the holder ``(tensor index + engine index) mod T`` onwards, spreading the load."""
+    """Every engine rank's boxes cut into pieces, each sent by one trainer rank that holds it; replicated
+    bytes come from the holder ``(tensor index + engine class) mod T`` onwards, spreading the load."""
     return _routes(mesh, range(mesh.num_engines))
 
 
+@_gc_paused()
 def _routes(mesh: MeshPlan, engines: Iterable[int], trainer: int | None = None) -> list[Route]:
-    """The routes to the engine ranks ``engines`` (engine indices), only those from ``trainer`` when given
-    (see :func:`route`)."""
-    with _gc_paused():
-        return _routes_of_engines(mesh, engines, trainer)
-
-
-def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | None) -> list[Route]:
+    """The routes to the engine indices ``engines`` (only those from ``trainer`` when given)."""
     T = mesh.num_trainers
     index = {t.name: i for i, t in enumerate(mesh.tensors)}
     routes = []
@@ -675,10 +622,8 @@ def _routes_of_engines(mesh: MeshPlan, engines: Iterable[int], trainer: int | No
 # -- replicated bytes: boxes several trainer ranks hold (their copies must agree) ---------------------------
 @dataclass(frozen=True)
 class Replica:
-    """A box of one tensor that several trainer ranks (``holders``, group ranks, ascending) each hold whole:
-    a plain parameter of a sharded trainer, a ``Replicate`` placement, a scale block two K shards share.
-    Routing takes each piece from one holder, so the holders' copies must be equal (checked in the world
-    vote)."""
+    """A box of one tensor that several trainer ranks (``holders``) each hold whole: its copies must agree, as
+    routing takes each piece from one holder."""
 
     tensor: TensorInfo
     box: Box
@@ -686,8 +631,7 @@ class Replica:
 
 
 def _overlaps(boxes: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
-    """``(i, j, common)`` for every pair of ``boxes`` (distinct, non-empty) that intersect: a sweep along the
-    dimension where they have the most distinct starts (linear for disjoint shards of one dimension)."""
+    """``(i, j, common)`` for every pair of non-empty ``boxes`` that intersect (a sweep)."""
     if len(boxes) < 2:
         return
     dims = len(boxes[0].start)
@@ -703,10 +647,8 @@ def _overlaps(boxes: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
 
 
 def find_replicas(mesh: MeshPlan) -> tuple[Replica, ...]:
-    """Every replicated region of ``mesh``'s trainer holdings, in tensor order: each box held by several
-    trainer ranks, and each common part of two different boxes that overlap (with the holders of both).
-    Every byte held by two trainer ranks lies in a region both are holders of, so comparing each region's
-    copies compares every pair of copies of every replicated byte."""
+    """Every replicated region of ``mesh``'s trainer holdings, in tensor order: boxes several ranks hold and
+    the common parts of overlapping boxes, so comparing them compares every copy of every byte."""
     by_name: dict[str, dict[Box, list[int]]] = {t.name: {} for t in mesh.tensors}
     for t, held in enumerate(mesh.trainers):
         for h in held:
@@ -732,21 +674,18 @@ MAX_DIMS = 16
 
 
 def holdings_canonical(held: Iterable[Holding]) -> list:
-    """One rank's holdings as JSON-able lists ``[name, role, dtype, shape, start, stop]``."""
+    """One rank's holdings as JSON-able rows ``[name, role, dtype, shape, start, stop]``."""
     return [[*h.tensor.canonical(), *h.box.canonical()] for h in held]
 
 
 def _int64s(v: list) -> bool:
-    """Whether the list ``v`` holds non-negative int64s only (the loops in C: this runs on every holding)."""
+    """Whether ``v`` holds non-negative int64s only (loops in C)."""
     return not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= MAX_TENSOR_BYTES)
 
 
 def holdings_from_canonical(obj, rank: int, infos: dict | None = None) -> list[Holding]:
-    """Rebuild a peer's holdings from JSON, checking every field (ValueError naming the rank).
-
-    ``infos``: the tensor descriptions met so far, shared by the ranks of one agreement, so that every rank's
-    holdings of a tensor share one :class:`TensorInfo` (the plan then compares descriptions once per
-    tensor)."""
+    """A peer's holdings rebuilt from JSON, every field checked (ValueError naming the rank); ``infos`` shares
+    one :class:`TensorInfo` per tensor across ranks."""
     if type(obj) is not list:
         raise ValueError(f"rank {rank} sent holdings that are not a list")
     infos = {} if infos is None else infos
@@ -776,14 +715,8 @@ def _holding_of(row, infos: dict) -> Holding:
 
 
 def mesh_from_json(texts: Sequence[bytes], trainers: int) -> MeshPlan:
-    """The plan every rank of an agreement builds (:func:`agree`): from every rank's holdings as JSON bytes
-    (:func:`holdings_canonical`; ranks ``0 .. trainers-1`` the trainers), checked, with its digest. The
-    garbage collector is paused meanwhile: the peers' JSON and holdings are millions of objects it would
-    rescan for nothing to free.
-
-    Raises:
-        ValueError: bytes that are not JSON, or JSON that is not holdings (naming the rank);
-            RefitPlanMismatch (see :class:`MeshPlan`)."""
+    """The plan :func:`agree` builds from every rank's holdings JSON (ranks ``0 .. trainers-1`` the trainers),
+    digest included. ValueError for bytes that are not holdings (naming the rank), or RefitPlanMismatch."""
     infos: dict = {}
     with _gc_paused():
         ranks = [holdings_from_canonical(json.loads(text), r, infos) for r, text in enumerate(texts)]
@@ -799,10 +732,8 @@ MAX_REASON = 4000
 
 
 class RefitAgreementError(RefitPlanMismatch, RefitError):
-    """The ranks did not agree on a sharded plan, or a rank failed before they did (its source raised, a
-    malformed holding, a pair handshake that failed): raised on every rank, naming each failing rank and why;
-    nothing was sent. A :class:`RefitPlanMismatch` (as the plan agreement always raised) and a
-    :class:`RefitError` (``kept_version``: every engine rank keeps its weights)."""
+    """The ranks did not agree on a sharded plan, or a rank failed before they did, raised on every rank
+    naming each failing rank and why; both a :class:`RefitPlanMismatch` and a :class:`RefitError`."""
 
     def __init__(self, problems: Sequence[str], *, what: str = "sharded plan not agreed",
                  local_digest: str = ""):
@@ -814,8 +745,7 @@ class RefitAgreementError(RefitPlanMismatch, RefitError):
 
 
 def gather_checked(transport, row, what: str) -> list:
-    """``transport.all_gather(row)``, a transport failure (a dead peer, a rank that never came, a timeout)
-    raised as :class:`RefitError` saying which exchange failed."""
+    """``transport.all_gather(row)``; a transport failure raised as :class:`RefitError` naming ``what``."""
     try:
         return transport.all_gather(row)
     except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; in-process channels TimeoutError
@@ -824,8 +754,7 @@ def gather_checked(transport, row, what: str) -> list:
 
 
 def _describe(held) -> tuple[bytes, BaseException | None]:
-    """This rank's holdings as JSON bytes, or (``b""``, why it cannot give them): ``held`` an iterable of
-    holdings, a callable returning one (its error is reported), or the exception this rank failed with."""
+    """This rank's holdings as JSON bytes, or (``b""``, why it has none)."""
     try:
         if isinstance(held, BaseException):
             raise held
@@ -838,11 +767,7 @@ def _describe(held) -> tuple[bytes, BaseException | None]:
 
 
 def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
-    """Every rank's holdings, or the reason it gave for having none (each rank's status row, then the bytes:
-    holdings JSON or the reason, zero-padded to the longest). Raises :class:`RefitAgreementError` on every
-    rank when any rank failed, naming each one and its reason."""
-    import torch
-
+    """Every rank's holdings JSON; :class:`RefitAgreementError` on every rank when any rank failed."""
     text, mine = _describe(held)
     reason = b"" if mine is None else f"{type(mine).__name__}: {mine}".encode()[:MAX_REASON]
     row = torch.tensor([MESH_HELLO, int(mine is not None), len(text or reason)], dtype=torch.int64)
@@ -868,22 +793,16 @@ def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
 
 
 def agree(transport, trainers: int, held) -> MeshPlan:
-    """Build the same :class:`MeshPlan` on every rank of ``transport``'s group: ranks ``0 .. trainers-1``
-    give what they hold, the others what they need (each as length-capped JSON bytes, never pickle); every
-    rank rebuilds every contribution, builds the plan and checks that all digests agree.
-
-    ``held``: this rank's :class:`Holding` s; or a callable returning them (whatever it raises is this rank's
-    failure, reported to every rank); or the exception this rank failed with before it could describe them
-    (a rank must still call ``agree``, so that no rank waits for it until the group times out).
+    """The same :class:`MeshPlan` on every rank of ``transport``'s group: ranks ``0 .. trainers-1`` give what
+    they hold, the others what they need (length-capped JSON, never pickle), and the digests are compared.
+    ``held``: this rank's holdings, a callable returning them, or the exception this rank failed with (it must
+    still call ``agree``, so no rank waits for it).
 
     Raises:
-        RefitPlanMismatch: on every rank, when the contributions do not make a plan (see :class:`MeshPlan`)
-            or when the digests differ; :class:`RefitAgreementError` (also a :class:`RefitError`) when a rank
-            could not describe its holdings, naming it and its reason.
-        RefitError: the group failed (a rank died or never called ``agree``; about the group's timeout).
+        RefitPlanMismatch: on every rank, when the holdings make no plan or the digests differ
+            (:class:`RefitAgreementError` when a rank could not describe its holdings).
+        RefitError: the group failed (a rank died or never called ``agree``).
     """
-    import torch
-
     try:
         mesh, problem = mesh_from_json(_exchange_holdings(transport, held), trainers), ""
     except RefitError:  # a rank failed before the plan (every rank knows it), or the group failed
@@ -904,21 +823,15 @@ def agree(transport, trainers: int, held) -> MeshPlan:
 
 # -- the bytes of a route, on each side -------------------------------------------------------------------
 def local_items(mapping: dict) -> Iterator:
-    """``(name, box, tensor)`` of every entry of a rank's mapping ``{name: (box, tensor)}``, where a name may
-    also map to a list of ``(box, tensor)`` (a tensor the rank holds several boxes of, e.g. a fused expert
-    gate_up's gate rows and up rows on an engine tp rank)."""
+    """``(name, box, tensor)`` of a rank's ``{name: (box, tensor) or [(box, tensor), ...]}`` mapping."""
     for name, value in mapping.items():
         for box, t in ([value] if isinstance(value, tuple) else value):
             yield name, box, t
 
 
 def local_part(mapping: dict, name: str, box: Box):
-    """The bytes of ``box`` of tensor ``name`` in a rank's mapping (see :func:`local_items`): a view of the
-    entry whose box contains it (``tensor.shape == box.shape`` for each entry).
-
-    Raises:
-        KeyError: no entry of ``name``. ValueError: no entry of ``name`` contains ``box``, or an entry's
-            tensor does not have its box's shape."""
+    """The bytes of ``box`` of tensor ``name`` in a rank's mapping: a view of the entry whose box contains it.
+    KeyError: no entry of ``name``; ValueError: none contains ``box``, or a tensor not of its box's shape."""
     value = mapping[name]
     held = [value] if isinstance(value, tuple) else value
     for outer, t in held:
@@ -932,25 +845,14 @@ def local_part(mapping: dict, name: str, box: Box):
 
 
 def route_tensors(rt: Route, local: dict) -> Iterator:
-    """The trainer side of route ``rt``: each piece cut out of the rank's local shard, contiguous (a copy
-    only where the piece is not a contiguous part of it), lazily: the sender takes them bucket by bucket.
-
-    ``local`` maps each tensor name to ``(box, tensor)`` (or a list of them, see :func:`local_items`): the
-    box this rank holds and its bytes (``tensor.shape == box.shape``)."""
+    """The trainer side of route ``rt``: each piece of the rank's ``local`` bytes, contiguous, lazily."""
     for p in rt.pieces:
         yield local_part(local, p.tensor.name, p.box).contiguous()
 
 
 def route_targets(rt: Route, live: dict) -> tuple[list, list]:
-    """The engine side of route ``rt``: ``(targets, scatters)``. A piece that is a contiguous part of the
-    live tensor is received in place (a view); any other (a column range of a row-major shard, a box of a
-    fused gate_up's gate or up rows) lands in a buffer of its own, copied into the live tensor by its
-    scatter, run at commit.
-
-    ``live`` maps each tensor name to ``(box, tensor)`` (or a list of them, see :func:`local_items`): the
-    box this engine rank holds, its live tensor; each piece lands in the entry whose box contains it."""
-    import torch
-
+    """The engine side of route ``rt``: ``(targets, scatters)``: each piece in place when it is a contiguous
+    part of its live tensor, else in a buffer of its own that its scatter copies in at commit."""
     targets, scatters = [], []
     for p in rt.pieces:
         view = local_part(live, p.tensor.name, p.box)
@@ -969,11 +871,9 @@ Local = dict[str, "tuple[Box, torch.Tensor] | list[tuple[Box, torch.Tensor]]"]
 
 
 def scales_box(values: Box, shape: Sequence[int], *, name: str = "", whole_blocks: bool = False) -> Box:
-    """The box of the compact rowwise scales that goes with the box ``values`` of a tensor of full ``shape``:
-    the same rows; along K every block that overlaps ``values``' K range.
-
-    With ``whole_blocks`` the K range must start on a block boundary and end on one or at K (else a block
-    would be split between two holders): ValueError naming ``name`` otherwise."""
+    """The box of the rowwise scales that goes with the box ``values`` of a tensor of full ``shape``: the same
+    rows and every K block it overlaps; with ``whole_blocks``, ValueError for a K range that splits a
+    block."""
     k0, k1, k = values.start[-1], values.stop[-1], int(shape[-1])
     if whole_blocks and k1 > k0 and (k0 % BLOCK_SIZE or (k1 % BLOCK_SIZE and k1 != k)):
         raise ValueError(f"{name}: the K range [{k0}, {k1}) of K = {k} cuts MXFP8 blocks of {BLOCK_SIZE} "
@@ -984,16 +884,13 @@ def scales_box(values: Box, shape: Sequence[int], *, name: str = "", whole_block
 
 
 def tensor_infos(items) -> list[TensorInfo]:
-    """Plan items ``(name, role, dtype, shape)`` (torch dtypes or names) as :class:`TensorInfo` s."""
-    out = []
-    for name, role, dtype, shape in items:
-        out.append(TensorInfo(name, role, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape)))
-    return out
+    """Plan items ``(name, role, dtype, shape)`` as :class:`TensorInfo` s."""
+    return [TensorInfo(name, role, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape))
+            for name, role, dtype, shape in items]
 
 
 def checked_local(t: torch.Tensor, h: Holding) -> torch.Tensor:
-    """``t`` when it has the holding's box shape and dtype, else RuntimeError (a weight whose shape or dtype
-    changed since the plan was built, or a placement that moved)."""
+    """``t`` when it has the holding's box shape and dtype, else RuntimeError."""
     if tuple(t.shape) != h.box.shape or str(t.dtype).removeprefix("torch.") != h.tensor.dtype:
         raise RuntimeError(f"{h.tensor.name}: {tuple(t.shape)} {t.dtype} where the plan holds {h.box.shape} "
                            f"{h.tensor.dtype} (did the weight change shape, dtype or placement?)")

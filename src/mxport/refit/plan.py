@@ -1,16 +1,6 @@
-"""RefitPlan: the manifest of one refit — the ordered list of what it moves, where each tensor lies in the
-byte stream, and a digest.
-
-Every tensor travels as raw bytes (FP8 values and E8M0 scales as uint8, kept tensors as their own bytes) in
-one virtual byte stream. A plan entry records the tensor's checkpoint name (modelopt names: ``<m>.weight``
-values, ``<m>.weight_scale`` E8M0 scales), its role (``values`` / ``scales`` / ``kept``), dtype, shape, byte
-count and its place in the stream (``offset``, a multiple of :data:`ALIGN`). How the stream is cut into
-buckets on the wire is the stream's own setting (:class:`~mxport.refit.buckets.BucketLayout`), not the plan's.
-
-Sender and receiver build their plans independently (from the trainer's policy and from the inference model)
-and compare digests before any payload moves; on a mismatch both raise :class:`RefitPlanMismatch` listing the
-first differences.
-"""
+"""RefitPlan: the manifest of one refit, the ordered tensors it moves as one virtual byte stream (checkpoint
+name, role, dtype, shape, bytes, ``offset``: a multiple of :data:`ALIGN`) and a digest, built by sender and
+receiver independently and compared before any payload moves. The bucket size is the stream's."""
 
 from __future__ import annotations
 
@@ -88,18 +78,9 @@ def _entry_item(i: int, e) -> tuple[str, str, str, tuple[int, ...]]:
     return name, role, dt, tuple(shape)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 @dataclass(frozen=True)
 class PlanEntry:
-    """One tensor of the refit stream.
-
-    name: checkpoint (HF) name; role: "values" | "scales" | "kept"; dtype: torch dtype name ("float8_e4m3fn",
-    "uint8", "float32", ...); shape: logical shape; nbytes: ``numel * itemsize``; offset: first byte in the
-    stream (a multiple of :data:`ALIGN`).
-    """
+    """One tensor of the refit stream; ``offset``: its first byte in the stream."""
 
     name: str
     role: Role
@@ -113,15 +94,9 @@ class PlanEntry:
 
 
 class RefitPlan:
-    """The ordered refit plan, the manifest (built once, reused for every refit).
-
-    Args:
-        items: ``(name, role, dtype, shape)`` in stream order; ``dtype`` a torch dtype or its name.
-
-    Raises:
-        ValueError: an unknown role, a duplicate ``(name)``, an empty plan.
-        TypeError: a dtype that is not a torch dtype / dtype name.
-    """
+    """The ordered refit plan, the manifest, from ``items`` ``(name, role, dtype or dtype name, shape)`` in
+    stream order. ValueError for an unknown role, a duplicate name or an empty plan; TypeError for a dtype
+    that is not a torch dtype (name)."""
 
     def __init__(self, items: Iterable[Item]):
         entries: list[PlanEntry] = []
@@ -140,7 +115,7 @@ class RefitPlan:
             shape = tuple(int(s) for s in shape)
             nbytes = math.prod(shape) * dtype.itemsize
             entries.append(PlanEntry(name, role, dtype_name(dtype), shape, nbytes, offset))
-            offset = _align(offset + nbytes)
+            offset = (offset + nbytes + ALIGN - 1) // ALIGN * ALIGN  # the next entry starts aligned
         if not entries:
             raise ValueError("a refit plan needs at least one tensor")
         self.entries: tuple[PlanEntry, ...] = tuple(entries)
@@ -149,15 +124,9 @@ class RefitPlan:
 
     @classmethod
     def from_canonical(cls, obj) -> RefitPlan:
-        """Rebuild a plan from its :meth:`canonical` form (e.g. parsed from a peer's JSON); same digest.
-
-        Every field is checked strictly: exactly the canonical keys, this plan format and alignment, ints that
-        are non-negative ints (not bools), dtype names from :data:`WIRE_DTYPES`, known roles, and each entry's
-        ``nbytes`` and ``offset`` equal to what its shapes imply.
-
-        Raises:
-            ValueError: anything else, naming the first bad field.
-        """
+        """Rebuild a plan from its :meth:`canonical` form (e.g. a peer's JSON); same digest. ValueError naming
+        the first field that is not strictly canonical (keys, format, alignment, non-negative non-bool ints,
+        :data:`WIRE_DTYPES`, roles, ``nbytes`` / ``offset`` that follow from the shapes)."""
         if type(obj) is dict and obj.get("format", PLAN_FORMAT) != PLAN_FORMAT:  # another version's plan
             raise ValueError(f"plan format must be {PLAN_FORMAT!r}, got {obj['format']!r}")
         if type(obj) is not dict or set(obj) != _CANONICAL_KEYS:
@@ -205,18 +174,13 @@ class RefitPlan:
 
     @cached_property
     def _expected(self) -> list[tuple[torch.dtype, torch.Size]]:
-        """Each entry's torch dtype and shape, for :meth:`check_tensor` (run on every tensor of every refit:
-        comparing dtype objects instead of their names halves its cost)."""
+        """Each entry's torch dtype and shape (comparing dtype objects halves :meth:`check_tensor`'s cost)."""
         return [(dtype_from_name(e.dtype), torch.Size(e.shape)) for e in self.entries]
 
     def check_tensor(self, i: int, t: torch.Tensor) -> None:
-        """Per-refit check of tensor ``i`` against the plan: a ``torch.Tensor`` with data (not on the meta
-        device), contiguous, with exactly the planned dtype and shape.
-
-        Raises:
-            TypeError: not a torch.Tensor (None, a numpy array, ...), naming the tensor.
-            ValueError: a meta tensor, a non-contiguous one, or another dtype / shape, naming the tensor.
-        """
+        """Per-refit check of tensor ``i``: a ``torch.Tensor`` with data, contiguous, of exactly the planned
+        dtype and shape; TypeError (not a tensor) or ValueError (meta, non-contiguous, another dtype / shape)
+        naming it."""
         e = self.entries[i]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor {e.name!r} must be a torch.Tensor, got {type(t).__name__}")
@@ -231,11 +195,8 @@ class RefitPlan:
 
 
 def diff_canonical(local: dict, remote: dict, *, limit: int = 10) -> list[str]:
-    """The first differences between two canonical plans (``local`` vs ``remote``), as readable strings.
-
-    Kinds: ``missing`` (in remote only: the local side lacks it), ``extra`` (local only),
-    ``reordered`` (same tensors, different position), ``shape``, ``dtype``, ``role``.
-    """
+    """The first differences between two canonical plans (``local`` vs ``remote``), as readable strings:
+    ``missing`` (remote only), ``extra`` (local only), ``reordered``, ``shape``, ``dtype``, ``role``."""
     out: list[str] = []
     if local.get("format") != remote.get("format"):
         out.append(f"plan format: local {local.get('format')!r} vs remote {remote.get('format')!r}")

@@ -1,13 +1,7 @@
-"""RefitReceiver: the engine side of a refit, one class for every layout — the coordinator that agrees the
-plan and the version, stages this rank's streams (:class:`~mxport.refit.stream.StreamReceiver`), votes once
-with the whole world and settles every stream by that vote: all commit, or none.
-
-- ``RefitReceiver(transport, plan, targets)``: one engine rank of a world of ONE multicast stream (its
-  trainer's broadcast); the stream lands in staging, or straight into the live tensors when they are one
-  arena laid out as the stream (direct mode, with a rollback copy).
-- ``RefitReceiver.from_mesh(world, mesh, live)`` (or :meth:`RefitReceiver.for_pairs`): one of E
-  engine ranks of a sharded refit, one pair stream from each trainer rank that holds what it needs (staged).
-"""
+"""RefitReceiver: the engine side of a refit, one coordinator for every layout: ``RefitReceiver(transport,
+plan, targets)`` (a world of ONE multicast stream; staging or direct mode) or ``RefitReceiver.from_mesh(world,
+mesh, live)`` (one of E engine ranks, staged). It stages this rank's streams, votes once with the whole world
+and settles every stream by that vote: all commit, or none."""
 
 from __future__ import annotations
 
@@ -39,25 +33,15 @@ from .world import (
 
 
 class RefitReceiver(WorldSide):
-    """The engine side of a refit (see the module doc for the two ways to build one).
+    """The engine side of a refit (see the module doc for the ways to build one).
 
     Args:
         transport: a receiving :class:`~mxport.refit.transport.Transport` endpoint.
         plan: the receiver's own :class:`RefitPlan` (checked against the sender's in :meth:`handshake`).
-        targets: the live tensors, one per plan entry in plan order, contiguous, with exactly the planned
-            dtype and shape (e.g. an MXFP8Linear's ``weight`` float8 buffer and ``weight_scale`` uint8 buffer,
-            or the views returned by :func:`~mxport.refit.allocate_targets`). They are only ever written in
-            place: pointers stay put (CUDA-graph safe) and every refit bumps each target's ``_version`` (so
-            MXFP8Linear's decoded cache follows).
-        stream_kwargs: :class:`~mxport.refit.stream.StreamReceiver`'s: ``use_checksum``, ``refresh_hooks``
-            (callables run after every successful commit: swizzled scales, caches that do not follow
-            ``_version``), ``inflight``, ``direct`` (None: whenever the targets form one arena laid out as the
-            plan's byte stream; False: always stage then ``copy_``; True: require an arena).
-
-    Direct mode, honestly: *during* :meth:`receive` the live tensors are being written (engines pause
-    generation during a refit anyway); once it returns or raises they hold exactly one complete version — the
-    new one, or the previous one restored from the rollback copy (one background ``copy_`` of the stream per
-    refit, ``backup_s`` / ``backup_wait_s`` in the stats, :meth:`wait_backup`).
+        targets: the live tensors, one per plan entry, contiguous, of the planned dtype and shape; only ever
+            written in place (pointers stay put, CUDA-graph safe), each refit bumping their ``_version``.
+        stream_kwargs: :class:`~mxport.refit.stream.StreamReceiver`'s (``bucket_bytes``, ``use_checksum``,
+            ``refresh_hooks``, ``inflight``, ``direct``).
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor],
@@ -73,17 +57,13 @@ class RefitReceiver(WorldSide):
         """An engine rank of a sharded refit.
 
         Args:
-            world: this rank's transport over the whole world group (see :meth:`RefitSender.for_pairs`).
-            pairs: ``(trainer world rank, that pair's RefitPlan, its live target tensors)`` for every pair of
-                this engine that has bytes to move, in pair order (may be empty: the rank still votes); a
-                fourth element, when given, is that pair's own refresh hooks (run when it commits, after the
-                ones in ``stream_kwargs``): e.g. :func:`~mxport.refit.mesh.route_targets`' scatters.
-            global_digest, trainers, tag, replicas: as :meth:`RefitSender.for_pairs` (an engine rank digests
-                nothing, but votes with rows as wide as the trainers').
-            version: the version the live weights hold (a receiver re-created over them after a failure: the
-                next refit is newer; it also starts from any this process reached for the same plan).
-            stream_kwargs: passed to each pair's stream (``use_checksum``, ``refresh_hooks``, ``inflight``);
-                always in staging mode, so nothing is written before the world vote.
+            world: this rank's transport over the whole world group.
+            pairs: ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` for
+                every pair of this engine with bytes to move, in pair order (may be empty: the rank still
+                votes).
+            global_digest, trainers, tag, replicas: as :meth:`RefitSender.for_pairs`.
+            version: the version the live weights hold.
+            stream_kwargs: passed to each pair's stream, always staged (nothing is written before the vote).
         """
         ends = [(int(p[0]), (world.rank,)) for p in pairs]
         return cls._of_streams(world, [(e, *p[1:]) for e, p in zip(ends, pairs, strict=True)], global_digest,
@@ -91,11 +71,9 @@ class RefitReceiver(WorldSide):
 
     @classmethod
     def from_mesh(cls, world: Transport, mesh: MeshPlan, live: Mapping, **kwargs) -> RefitReceiver:
-        """This engine rank's receiver of an agreed :class:`~mxport.refit.mesh.MeshPlan` into its live
-        tensors ``live`` (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`): one stream
-        per route, in pair order (a multicast stream where replicas of this engine take the same route, see
-        :meth:`RefitSender.from_mesh`), each landing in place or through its scatters
-        (:func:`~mxport.refit.mesh.route_targets`). ``kwargs``: :meth:`for_pairs`'."""
+        """This engine rank's receiver of an agreed :class:`~mxport.refit.mesh.MeshPlan` into its ``live``
+        tensors (``{name: (box, tensor)}``, e.g. :func:`~mxport.refit.engine_buffers`), one stream per route.
+        ``kwargs``: :meth:`for_pairs`'."""
         streams = []
         for r, engines in ordered_streams(mesh, world.rank):
             targets, scatters = route_targets(r, live)
@@ -138,7 +116,7 @@ class RefitReceiver(WorldSide):
 
     @version.setter
     def version(self, value: int) -> None:
-        """The version live here; every stream refuses a refit that is not newer (stale)."""
+        """The version live here; every stream refuses a refit that is not newer."""
         self._version = value
         for s in self.streams:
             s.version = value
@@ -171,19 +149,16 @@ class RefitReceiver(WorldSide):
         return sum(s.wait_backup() for s in self.streams)
 
     def verify_live(self) -> bool:
-        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender
-        wrote for the last refit (an independent check of the committed bytes; needs sender checksums)."""
+        """True when the live bytes have the checksums the sender wrote for the last refit."""
         return bool(self.streams) and all(s.verify_live() for s in self.streams)
 
     def live_crc32(self) -> int:
-        """CRC-32 of the live tensors' bytes laid out as the plan's byte stream (padding zero): equal to the
-        sender's ``stream_crc32`` exactly when the live weights hold the bytes that were sent."""
+        """``zlib.crc32`` of the live stream: the sender's ``stream_crc32`` when the bytes arrived intact."""
         return self._one().live_crc32()
 
     # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:
-        """Agree the plan and the version with every rank (see :meth:`RefitSender.handshake`), before any
-        payload."""
+        """Agree the plan and the version with every rank (see :meth:`RefitSender.handshake`)."""
         if self.multicast:
             self.streams[0].handshake()
         else:
@@ -193,31 +168,21 @@ class RefitReceiver(WorldSide):
         self._handshaken = True
 
     def receive(self) -> ReceiveStats:
-        """Receive one refit, validate every bucket, vote, and leave the live tensors on the new version only
-        if every rank voted yes (otherwise on the previous one).
+        """Receive one refit; the live tensors take the new version only if every rank voted yes.
 
-        A two-phase commit, all or nothing across ranks: (1) stage every stream: receive and validate
-        (trailer, every checksum, the live tensors) without committing; (2) vote: every rank, the senders
-        included, gives a fixed-size verdict (ok, or why it rejects: :class:`~mxport.refit.results.Status`)
-        in one all_gather over the world, so every rank sees the same :class:`~mxport.refit.results.Vote`;
-        (3) commit every stream only if every vote is ok, else roll back and raise. A rank that dies makes
-        the others' vote (or a broadcast) fail: they roll back and raise too.
+        A two-phase commit: every stream is received and validated (trailer, checksums, live tensors) without
+        committing; every rank, the senders included, votes in one all_gather over the world; every stream
+        commits only on a unanimous yes, else rolls back. A rank that dies makes the others' vote fail: they
+        roll back.
 
         Returns:
-            :class:`~mxport.refit.results.ReceiveStats` (``rank``, ``version`` now live, ``bytes``,
-            ``buckets``, ``direct``, ``idle_s`` (waiting for the first bucket), ``seconds`` (first bucket
-            in to commit done; a sharded refit: the whole call), ``recv_s``, ``commit_s``, ``gbps``,
-            ``backup_s``, ``backup_wait_s``, ``streams``: per stream its trainer and engine ranks, bytes,
-            buckets, seconds).
+            :class:`~mxport.refit.results.ReceiveStats`.
 
         Raises:
-            RefitError: a dead or timed-out peer, a bad header, a checksum mismatch, an abort from a sender,
-                a stale version, a live tensor whose dtype/shape/pointer changed, replicas that differ — on
-                this rank or on any other (``status`` ``PEER_REJECTED``: the message names the ranks that
-                voted no, why and where; ``receivers`` holds every receiver's result). The live weights
-                hold exactly the previous version. Only a refresh hook failing after a unanimous yes leaves
-                this rank apart (``COMMIT_FAILED``). After a checksum mismatch or an abort the transport is
-                still in step; after a dead peer or timeout it must be re-created.
+            RefitError: a dead peer or timeout (re-create the group), a bad trailer, a checksum, an abort, a
+                stale version, a changed live tensor, drifted replicas, here or on another rank
+                (``PEER_REJECTED``). The live weights keep the previous version, unless a refresh hook fails
+                after a unanimous yes (``COMMIT_FAILED``).
         """
         if not self._handshaken:
             self.handshake()
@@ -231,8 +196,7 @@ class RefitReceiver(WorldSide):
         return self._settle_all(staged, pair_stats, wv, first, t0)
 
     def _vote(self, staged: list[Staged], first: int | None) -> WorldVote:
-        """This rank's row (its first stream's rejection, or ok) in the world vote; a failing vote rolls every
-        stream back and raises."""
+        """This rank's row in the world vote; a failing vote rolls every stream back and raises."""
         row = ReceiverResult(self.world.rank, Status.OK, -1, -1, self.version)
         if first is not None:
             own = self.streams[first].verdict(staged[first])
@@ -273,7 +237,7 @@ class RefitReceiver(WorldSide):
 
     def _settle_all(self, staged: list[Staged], stream_stats: list[StreamStats], wv: WorldVote,
                     first: int | None, t0: float) -> ReceiveStats:
-        """Settle every stream with the world vote; raise the first failure once every stream is settled."""
+        """Settle every stream by the world vote; raise the first failure once all are settled."""
         errors: list[RefitError] = []
         parts: list[ReceiveStats] = []
         for r, s in zip(self.streams, staged, strict=True):
@@ -290,8 +254,7 @@ class RefitReceiver(WorldSide):
         return ReceiveStats.total(self.world.rank, self.version, parts, stream_stats, seconds)
 
     def _rejection(self, staged: list[Staged], wv: WorldVote, first: int | None) -> RefitError:
-        """The RefitError of a sharded refit some rank voted no on: this rank's own reason (its first pair
-        that rejected, with the bucket's tensors), then every other rank that voted no."""
+        """The RefitError of a sharded refit some rank rejected: this rank's reason, then the others'."""
         me = self.world.rank
         others = wv.rejections(skip=me)
         bucket, names, status, why = None, list(wv.drifted), Status.PEER_REJECTED, f"rejected by {others}"

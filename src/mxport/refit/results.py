@@ -1,5 +1,4 @@
-"""What a refit reports: the receivers' status codes, each receiver's result as the sender sees it, and
-:class:`RefitError`."""
+"""What a refit reports: status codes, votes, results, stats and :class:`RefitError`."""
 
 from __future__ import annotations
 
@@ -40,11 +39,8 @@ REPORT_WORDS = 4
 
 @dataclass(frozen=True)
 class ReceiverResult:
-    """One receiver's outcome of a refit, as reported back to the sender.
-
-    rank: the receiver's rank; status: :class:`Status`; bucket / entry: where it failed (-1: nowhere in
-    particular); version: the version live on that receiver afterwards.
-    """
+    """One receiver's outcome of a refit: rank, :class:`Status`, bucket / entry where it failed (-1: nowhere
+    in particular), and the version live on it afterwards."""
 
     rank: int
     status: Status
@@ -57,8 +53,8 @@ class ReceiverResult:
         return self.status is Status.OK
 
     def describe(self, num_buckets: int, src: int | Collection[int] = 0) -> str:
-        """One line: who, the status, where (``receiver 2: checksum at bucket 0 (live version 1)``); ``src``:
-        the sender's rank, or the sender ranks of a vote with several."""
+        """``receiver 2: checksum at bucket 0 (live version 1)``; ``src``: the sender's rank, or the sender
+        ranks of a vote with several."""
         if self.rank in ((src,) if isinstance(src, int) else src):
             return f"the sender: {self.status.name.lower()}"
         where = f" at bucket {self.bucket}" if 0 <= self.bucket < num_buckets else ""
@@ -72,7 +68,7 @@ class ReceiverResult:
 
     @classmethod
     def from_tensor(cls, rank: int, t: torch.Tensor) -> ReceiverResult:
-        """Parse a peer's report; an unknown status code reads as ``COMMIT_FAILED`` (never trusted as ok)."""
+        """Parse a peer's report; an unknown status code reads as ``COMMIT_FAILED`` (never ok)."""
         status, bucket, entry, version = (int(x) for x in t.tolist())
         try:
             st = Status(status)
@@ -83,16 +79,9 @@ class ReceiverResult:
 
 @dataclass(frozen=True)
 class Vote:
-    """The outcome of one refit's vote, the same on every rank (the two-phase commit).
-
-    After receiving and validating everything, and before committing anything, every rank gives one
-    fixed-size row (an all_gather): a receiver its verdict (``OK`` or why it rejects) and the version live on
-    it; a sender ``OK`` (or ``ABORTED``) and the refit's version. ``commit`` is true only when every row is
-    ``OK``: then every receiver commits, otherwise none does.
-
-    ``src`` is the sender's rank; a vote with several senders (sharded refit: every trainer rank sends)
-    lists them all in ``senders`` (empty: just ``src``).
-    """
+    """One refit's vote, the same on every rank: every rank's fixed-size row (a receiver's verdict and live
+    version, a sender's ``OK`` or ``ABORTED`` and the refit's version); ``commit`` when every row is
+    ``OK``."""
 
     src: int
     rows: tuple[ReceiverResult, ...]
@@ -100,8 +89,7 @@ class Vote:
 
     @classmethod
     def tally(cls, rows: Sequence[torch.Tensor], src: int, senders: Collection[int] = ()) -> Vote:
-        """The vote of ``rows`` (row ``r`` from rank ``r``); ``src``: the sender, ``senders``: all senders
-        when there are several (``src`` among them)."""
+        """The vote of ``rows`` (row ``r`` from rank ``r``)."""
         senders = frozenset(senders)
         if senders and src not in senders:
             raise ValueError(f"src {src} must be one of the senders {sorted(senders)}")
@@ -114,7 +102,7 @@ class Vote:
 
     @property
     def version(self) -> int:
-        """The refit's version: the highest version among the senders' rows."""
+        """The refit's version: the highest among the senders' rows."""
         return max(self.rows[s].version for s in self.sender_ranks)
 
     @property
@@ -143,12 +131,8 @@ class Vote:
 
 
 class RefitError(RuntimeError):
-    """A refit failed; the live weights stayed on ``kept_version``.
-
-    ``bucket`` (int or None) and ``tensors`` (names in that bucket) say where it failed on a receiver;
-    ``receivers`` holds every receiver's :class:`ReceiverResult` once the ranks voted (on the sender, and on
-    every receiver of a refit that some rank rejected); empty when the vote itself failed (a dead peer).
-    """
+    """A refit failed; the live weights stayed on ``kept_version``. ``bucket`` / ``tensors``: where;
+    ``receivers``: every receiver's :class:`ReceiverResult` once the ranks voted."""
 
     def __init__(self, message: str, *, bucket: int | None = None, tensors: Sequence[str] = (),
                  kept_version: int = 0, status: Status | None = None,
@@ -159,10 +143,14 @@ class RefitError(RuntimeError):
 
 
 class ResultRow:
-    """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row["key"]`` reads one key of it."""
+    """Frozen result rows: :meth:`to_dict` gives the JSON form; ``row[key]`` reads one key of it."""
 
     def to_dict(self) -> dict:
-        return asdict(self)  # type: ignore[call-overload]
+        out = {}
+        for f in self.__dataclass_fields__:  # type: ignore[attr-defined]
+            v = getattr(self, f)
+            out[f] = [x.to_dict() if hasattr(x, "to_dict") else x for x in v] if isinstance(v, tuple) else v
+        return out
 
     def __getitem__(self, key: str):
         return self.to_dict()[key]
@@ -170,9 +158,8 @@ class ResultRow:
 
 @dataclass(frozen=True)
 class StreamStats(ResultRow):
-    """One byte stream of a refit as this rank saw it: its sending rank (``trainer``), its receiving ranks
-    (``engines``: several for a multicast stream), its bytes and buckets, and the seconds this rank spent on
-    it (the trainer transmitting, an engine receiving and validating)."""
+    """One byte stream of a refit as this rank saw it: its sender (``trainer``), its receivers (``engines``),
+    bytes, buckets, and the seconds this rank spent on it."""
 
     trainer: int
     engines: tuple[int, ...]
@@ -180,30 +167,20 @@ class StreamStats(ResultRow):
     buckets: int
     seconds: float
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "engines": list(self.engines)}
-
-
-def _rows_dict(row, *lists: str) -> dict:
-    """``row``'s fields, the ones named in ``lists`` as lists of their rows' dicts."""
-    out = {f: getattr(row, f) for f in row.__dataclass_fields__}
-    for key in lists:
-        out[key] = [r.to_dict() for r in out[key]]
-    return out
-
 
 def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
+def _summed(parts: Sequence, *fields: str) -> dict:
+    return {f: sum(getattr(p, f) for p in parts) for f in fields}
+
+
 @dataclass(frozen=True)
 class SendStats(ResultRow):
-    """One refit as a trainer rank saw it (see :meth:`~mxport.refit.RefitSender.send`), whatever the layout:
-    ``rank`` (its rank in the world), ``version``, ``bytes`` / ``buckets`` / ``zero_copy_buckets`` (all its
-    streams), ``seconds`` (up to the vote's outcome), the time split (``produce_s``: inside the producer,
-    e.g. quantize; ``pack_s``, ``checksum_s``, ``wait_s``), ``stream_crc32`` (one stream, when asked),
-    ``gbps``, ``receivers`` (every engine rank's :class:`ReceiverResult`) and ``streams`` (one
-    :class:`StreamStats` per stream, in the order they ran)."""
+    """One refit as a trainer rank saw it (all its streams): ``seconds`` up to the vote, ``produce_s`` inside
+    the producer (e.g. quantize), ``stream_crc32`` (one stream, when asked), ``receivers`` every engine rank's
+    result, ``streams`` one :class:`StreamStats` each."""
 
     rank: int
     version: int
@@ -220,29 +197,22 @@ class SendStats(ResultRow):
     receivers: tuple[ReceiverResult, ...]
     streams: tuple[StreamStats, ...] = ()
 
-    def to_dict(self) -> dict:
-        return _rows_dict(self, "receivers", "streams")
-
     @classmethod
     def total(cls, rank: int, version: int, parts: Sequence[SendStats], streams: Sequence[StreamStats],
               seconds: float, receivers: Sequence[ReceiverResult]) -> SendStats:
         """One rank's stats of a refit from its streams' (``parts``)."""
-        nbytes = sum(p.bytes for p in parts)
-        return cls(rank=rank, version=version, bytes=nbytes, buckets=sum(p.buckets for p in parts),
-                   zero_copy_buckets=sum(p.zero_copy_buckets for p in parts), seconds=seconds,
-                   produce_s=sum(p.produce_s for p in parts), pack_s=sum(p.pack_s for p in parts),
-                   checksum_s=sum(p.checksum_s for p in parts), wait_s=sum(p.wait_s for p in parts),
+        s = _summed(parts, "bytes", "buckets", "zero_copy_buckets", "produce_s", "pack_s", "checksum_s",
+                    "wait_s")
+        return cls(rank=rank, version=version, seconds=seconds, gbps=_rate(s["bytes"], seconds),
                    stream_crc32=parts[0].stream_crc32 if len(parts) == 1 else None,
-                   gbps=_rate(nbytes, seconds), receivers=tuple(receivers), streams=tuple(streams))
+                   receivers=tuple(receivers), streams=tuple(streams), **s)
 
 
 @dataclass(frozen=True)
 class ReceiveStats(ResultRow):
-    """One refit as an engine rank saw it (see :meth:`~mxport.refit.RefitReceiver.receive`), whatever the
-    layout: ``rank``, ``version`` (now live), ``bytes`` / ``buckets`` (all its streams), ``direct`` (every
-    stream landed straight in the live tensors), ``seconds`` (first bucket in to commit done; a sharded
-    refit: the whole call), ``idle_s`` (waiting for the first bucket), ``recv_s``, ``commit_s``, ``gbps``,
-    ``backup_s`` / ``backup_wait_s`` (direct mode's rollback copy) and ``streams`` (:class:`StreamStats`)."""
+    """One refit as an engine rank saw it (all its streams): ``seconds`` from the first bucket to the commit
+    (sharded: the whole call), ``idle_s`` waiting for the first bucket, ``backup_s`` / ``backup_wait_s``
+    direct mode's rollback copy, ``streams`` one :class:`StreamStats` each."""
 
     rank: int
     version: int
@@ -258,17 +228,10 @@ class ReceiveStats(ResultRow):
     backup_wait_s: float
     streams: tuple[StreamStats, ...] = ()
 
-    def to_dict(self) -> dict:
-        return _rows_dict(self, "streams")
-
     @classmethod
     def total(cls, rank: int, version: int, parts: Sequence[ReceiveStats], streams: Sequence[StreamStats],
               seconds: float) -> ReceiveStats:
         """One rank's stats of a refit from its streams' (``parts``)."""
-        nbytes = sum(p.bytes for p in parts)
-        return cls(rank=rank, version=version, bytes=nbytes, buckets=sum(p.buckets for p in parts),
-                   direct=bool(parts) and all(p.direct for p in parts), seconds=seconds,
-                   idle_s=sum(p.idle_s for p in parts), recv_s=sum(p.recv_s for p in parts),
-                   commit_s=sum(p.commit_s for p in parts), gbps=_rate(nbytes, seconds),
-                   backup_s=sum(p.backup_s for p in parts), backup_wait_s=sum(p.backup_wait_s for p in parts),
-                   streams=tuple(streams))
+        s = _summed(parts, "bytes", "buckets", "idle_s", "recv_s", "commit_s", "backup_s", "backup_wait_s")
+        return cls(rank=rank, version=version, direct=bool(parts) and all(p.direct for p in parts),
+                   seconds=seconds, gbps=_rate(s["bytes"], seconds), streams=tuple(streams), **s)

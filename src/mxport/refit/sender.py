@@ -1,14 +1,7 @@
-"""RefitSender: the trainer side of a refit, one class for every layout — the coordinator that agrees the
-plan and the version, runs this rank's streams (:class:`~mxport.refit.stream.StreamSender`), holds one vote
-for the whole world and concludes.
-
-- ``RefitSender(transport, plan)``: one trainer rank and the R engine ranks of ``transport``'s group, a world
-  of ONE multicast stream (one broadcast, however many receivers); the world agreement is that stream's plan
-  handshake, the world vote one ``all_gather`` over its group.
-- ``RefitSender.from_mesh(world, mesh)`` (or :meth:`RefitSender.for_pairs`): one rank of T
-  trainer ranks refitting E engine ranks, one pair stream per route of the agreed
-  :class:`~mxport.refit.mesh.MeshPlan`, the world handshake and vote of :mod:`mxport.refit.world`.
-"""
+"""RefitSender: the trainer side of a refit, one coordinator for every layout: ``RefitSender(transport,
+plan)`` (a world of ONE multicast stream to R engine ranks) or ``RefitSender.from_mesh(world, mesh)`` (one of
+T trainer ranks, one stream per route). It agrees the plan and the version, runs this rank's streams, holds
+one vote for the whole world and concludes."""
 
 from __future__ import annotations
 
@@ -41,20 +34,13 @@ from .world import (
 
 
 class RefitSender(WorldSide):
-    """The trainer side of a refit (see the module doc for the two ways to build one).
+    """The trainer side of a refit (see the module doc for the ways to build one).
 
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        stream_kwargs: :class:`~mxport.refit.stream.StreamSender`'s: ``bucket_bytes`` (payload bytes per
-            broadcast, the stream's bucket size: every receiver must use the same), ``use_checksum`` (a
-            per-bucket checksum, verified by every receiver before committing), ``device`` (where the pack
-            buffers live: "cpu" for gloo, the GPU for NCCL), ``inflight`` (broadcasts in flight at once,
-            >= 1), ``stream_crc32`` (also a CRC-32 of the whole byte stream, returned as ``stream_crc32``;
-            compare
-            with :meth:`RefitReceiver.live_crc32`).
-
-    Pack buffers (``inflight`` x the largest bucket) are allocated once.
+        stream_kwargs: :class:`~mxport.refit.stream.StreamSender`'s (``bucket_bytes``, ``use_checksum``,
+            ``device``, ``inflight``, ``stream_crc32``).
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
@@ -69,32 +55,26 @@ class RefitSender(WorldSide):
         """A trainer rank of a sharded refit.
 
         Args:
-            world: this rank's transport over the whole world group (a :class:`TorchDistTransport`; its
-                process group also carries the pair streams).
-            pairs: ``(engine world rank, that pair's RefitPlan)`` for every pair of this trainer that has
-                bytes to move, in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
+            world: this rank's :class:`TorchDistTransport` over the whole world group (its group carries the
+                pair streams too).
+            pairs: ``(engine world rank, its RefitPlan)`` for every pair of this trainer with bytes to move,
+                in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
             global_digest: the hex sha256 of the whole refit's plan, the same on every world rank (checked).
-            trainers: the world ranks of all trainers (the senders of the vote); this rank among them.
+            trainers: the world ranks of all trainers (the vote's senders), this rank among them.
             tag: the pair streams' message tag.
-            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas` of the
-                agreed plan; the same on every world rank, checked): each holder's digest of its copy joins
-                the vote, and copies that differ refuse the refit (:meth:`send` needs ``local`` to digest
-                them).
-            version: the last refit version this rank knows of (the refit's next one is higher than every
-                rank's, and than any this process reached for the same plan:
-                :func:`~mxport.refit.world.last_version`).
-            stream_kwargs: passed to each pair's stream (``use_checksum``, ``inflight``, ...).
+            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`,
+                checked): copies that differ refuse the refit (:meth:`send` needs ``local``).
+            version: the last version this rank knows of (the next refit is newer than every rank's).
+            stream_kwargs: passed to each pair's stream.
         """
         return cls._of_streams(world, [((int(e),), plan) for e, plan in pairs], global_digest, trainers, tag,
                                replicas, version, stream_kwargs)
 
     @classmethod
     def from_mesh(cls, world: Transport, mesh: MeshPlan, **kwargs) -> RefitSender:
-        """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan` (group ranks =
-        world ranks): one stream per route, in pair order, the routes to replicas of one engine (engine ranks
-        that need the same boxes) merged into one multicast stream (one broadcast reaches them all); the
-        plan's replicated boxes checked; send with :meth:`send_local`. ``kwargs``: :meth:`for_pairs`'
-        (``bucket_bytes`` and the other stream settings included)."""
+        """This trainer rank's sender of an agreed :class:`~mxport.refit.mesh.MeshPlan`: one stream per route,
+        the routes to replicas of one engine merged into one multicast stream; send with :meth:`send_local`.
+        ``kwargs``: :meth:`for_pairs`'."""
         streams = ordered_streams(mesh, world.rank)
         kw = {k: kwargs.pop(k) for k in ("tag", "version") if k in kwargs}
         self = cls._of_streams(world, [(engines, r.plan()) for r, engines in streams], mesh.digest,
@@ -131,10 +111,8 @@ class RefitSender(WorldSide):
 
     # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:
-        """Agree the plan and the version with every rank: a world of one stream exchanges its plan digest
-        (RefitPlanMismatch on every side on a mismatch, naming the first differences); a sharded refit agrees
-        the global digest and versions, then each pair's plan in pair order, then the pairs' outcomes
-        (:class:`~mxport.refit.mesh.RefitAgreementError` on every rank if any pair failed)."""
+        """Agree the plan and the version with every rank (a world of one stream: its plan handshake; sharded:
+        global digest and versions, each stream's plan, their outcomes), or raise on every rank."""
         if self.multicast:
             s = self.streams[0]
             s.version = self.version
@@ -148,9 +126,7 @@ class RefitSender(WorldSide):
         self._handshaken = True
 
     def send_local(self, local: Mapping) -> SendStats:
-        """:meth:`send` of this rank's bytes ``local`` (``{name: (box, tensor)}``, e.g.
-        :meth:`~mxport.refit.ShardedTrainerSource.local`) along its routes (a sender built by
-        :meth:`from_mesh`), its replicas' digests taken from the same bytes."""
+        """:meth:`send` of this rank's ``local`` bytes along its routes, its replicas digested from them."""
         return self.send({r.engine: route_tensors(r, local) for r in self.routes}, local=local)
 
     def send(self, tensors: Iterable[torch.Tensor] | Mapping[int, Iterable[torch.Tensor]], *,
@@ -158,43 +134,20 @@ class RefitSender(WorldSide):
              ) -> SendStats:
         """Send one refit, vote once over the world, conclude.
 
-        ``tensors``: a world of one stream: exactly one contiguous tensor per plan entry, in plan order (a
-        list, or a generator such as a lazy quantizer: it is consumed bucket by bucket, so producing the next
-        tensors overlaps the broadcast of the current bucket). A sharded refit: ``{engine rank: its stream's
-        tensors}`` (a multicast stream's under its first engine rank); ``local`` (the rank's ``{name: (box,
-        tensor)}`` bytes) digests its replicas.
-
-        A bucket whose bytes already sit in one storage in stream order (a bucket inside one tensor; tensors
-        that are views of one arena laid out as the plan's byte stream, such as
-        :func:`~mxport.refit.allocate_targets` views or ``TrainerSource(arena=True)``'s tensors) is sent
-        straight from that memory, without packing (:func:`~mxport.refit.buckets.in_place_payload`). The
-        other buckets are packed; packing sums each checksum chunk while it is in cache.
-
-        Each item is checked against its plan entry before it is packed (:meth:`RefitPlan.check_tensor`). On
-        any failure before the trailer (a bad item, too few or too many items, anything the iterator raises,
-        a replica this rank cannot digest) the remaining buckets are still sent (their content unused)
-        followed by an "abort" trailer, so receivers fail at once, keep their weights and stay in step (a
-        sharded rank sends the rest of its pairs as aborts); then the error is raised here, after the vote.
-        The sender votes too: receivers commit only if every rank voted ok
-        (:class:`~mxport.refit.results.Vote`), so a refit one receiver rejects is committed by none. A failure
-        of the transport itself (a dead receiver, a timeout) raises :class:`RefitError`: re-create the group.
-
-        ``checksums``: when the producer knows each bucket's checksum without reading it
-        (``TrainerSource(arena=True).stream_checksum``: summed by the quantize kernel as it wrote the bytes),
-        ``checksums(start, size)`` gives :func:`~mxport.refit.buckets.checksum` of the stream bytes ``[start,
-        start + size)``, the bucket there (a world of one stream);
-        receivers verify every bucket as always, so a wrong value fails the refit, never passes bad bytes.
+        ``tensors``: one contiguous tensor per plan entry in plan order (a list or a generator, consumed
+        bucket by bucket); sharded: ``{engine rank: its stream's tensors}``, with ``local`` (``{name: (box,
+        tensor)}``) to digest the replicas. ``checksums(start, size)``: each bucket's checksum when the
+        producer knows it (``TrainerSource(arena=True).stream_checksum``; one stream only). Each item is
+        checked against its plan entry; on any failure the remaining buckets and an abort trailer still go
+        out, so receivers fail at once and stay in step, and the error is raised here after the vote.
+        Receivers commit only if every rank voted ok.
 
         Returns:
-            :class:`~mxport.refit.results.SendStats` (``rank``, ``version``, ``bytes``, ``buckets``,
-            ``zero_copy_buckets``, ``seconds`` up to every receiver's vote, ``produce_s`` (time inside
-            ``tensors``, e.g. quantize), ``pack_s``, ``checksum_s``, ``wait_s``, ``stream_crc32``, ``gbps``,
-            ``receivers``, ``streams``: per stream its engine ranks, bytes, buckets and seconds).
+            :class:`~mxport.refit.results.SendStats`.
 
         Raises:
-            RefitError: some rank voted no, and so none committed it (``receivers``: every receiver's result;
-                the message names each rank that voted no, why and where; copies of a replicated box that
-                differ, naming the tensor and the trainer ranks); or the transport failed.
+            RefitError: some rank voted no, naming each, why and where (``receivers``: every receiver's
+                result); or the transport failed (re-create the group).
         """
         if not self._handshaken:
             self.handshake()
@@ -230,10 +183,8 @@ class RefitSender(WorldSide):
                              "re-create the group and refit again", kept_version=self.version - 1) from exc
 
     def _streams_of(self, tensors, checksums) -> tuple[Mapping, BaseException | None]:
-        """``{peer: tensors}`` of a refit, or (nothing, why not): a sharded refit takes a mapping by engine
-        rank, and no ``checksums`` (a producer's sums are of its own plan's stream, not of a route's);
-        anything else is refused through the vote (every pair sent as an abort), not before it, so that no
-        rank waits for this one."""
+        """``{peer: tensors}``, or (nothing, why not): what a sharded refit cannot take is refused through the
+        vote, so that no rank waits for this one."""
         if self.multicast:
             return {-1: tensors}, None
         if checksums is not None:
@@ -245,8 +196,7 @@ class RefitSender(WorldSide):
                              f"{type(tensors).__name__}")
 
     def _digests(self, local: Mapping | None) -> tuple[list[int], BaseException | None]:
-        """The digest of this rank's copy of every replica it holds (in its row's order), or the error that
-        kept it from digesting them (the refit is then aborted)."""
+        """This rank's digest of every replica it holds, or the error that kept it from them."""
         slots = self.checks.held_by(self.world.rank)
         if not slots:
             return [], None
@@ -261,8 +211,7 @@ class RefitSender(WorldSide):
 
     def _transmit_all(self, streams: Mapping[int, Iterable[torch.Tensor]], failed: BaseException | None,
                       checksums: Callable[[int, int], int] | None):
-        """Transmit every stream in order; after the first abort the rest go out as aborts too (all of them
-        when ``failed`` already). Returns the pending sends, their stats and the refit's failure (or None)."""
+        """Transmit every stream in order, aborts after a failure; the pending sends, stats and failure."""
         unknown = sorted(set(streams) - set(self.engines))
         if unknown and failed is None:
             failed = ValueError(f"streams for engine ranks {unknown}, which have no pair with trainer rank "
@@ -305,7 +254,7 @@ class RefitSender(WorldSide):
 
 
 def _refusing(error: BaseException, engine: int) -> Iterator[torch.Tensor]:
-    """A producer that fails at once: a pair stream sent as an abort because this rank's refit failed."""
+    """A producer that fails at once: a stream sent as an abort because this rank's refit failed."""
     raise RuntimeError(f"not sent to engine rank {engine}: this trainer rank's refit failed "
                        f"({type(error).__name__}: {error})")
     yield  # pragma: no cover - makes this a generator

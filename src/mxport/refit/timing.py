@@ -9,8 +9,8 @@ from contextlib import contextmanager
 
 
 class Stopwatch:
-    """Started when built; ``with sw.phase("pack"): ...`` adds that block's seconds to ``sw["pack"]``;
-    ``sw.mark("first")`` records an instant, ``sw.between("first", "done")`` the seconds between two."""
+    """Started when built; ``with sw.phase("pack"):`` adds that block's seconds to ``sw["pack"]``;
+    ``sw.mark(name)`` records an instant, ``sw.between(a, b)`` the seconds between two."""
 
     def __init__(self):
         self.start = time.perf_counter()

@@ -1,13 +1,6 @@
-"""Transports behind one small interface: ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU) and an
-in-process channel for a colocated trainer and engine (threads in one process).
-
-A transport has one sender (rank ``src``) and one or more receivers. It offers exactly two things: an
-``all_gather`` of one small tensor per rank (every rank gives the same dtype and shape: the plan handshake and
-the receivers' status reports) and a ``broadcast`` of a 1-D uint8 tensor from the sender to every receiver,
-optionally asynchronous (the returned handle has ``wait()``). Nothing else crosses the wire: no Python
-objects, no pickle (``torch.distributed.all_gather_object`` unpickles what a peer sends, which runs any code
-the peer chose).
-"""
+"""Transports: a sender (rank ``src``) and its receivers share an ``all_gather`` of one small tensor per rank
+and a (possibly asynchronous) ``broadcast`` of 1-D uint8 from the sender; no Python object, no pickle crosses
+the wire."""
 
 from __future__ import annotations
 
@@ -18,6 +11,8 @@ import weakref
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 
 class _Done:
@@ -26,14 +21,14 @@ class _Done:
 
 
 class Transport(ABC):
-    """One endpoint: ``rank`` in ``world_size``; the sender is rank ``src``. ``ranks``: a stream of a larger
-    world (a pair or a multicast stream of a sharded refit), the world rank of each of its ranks; None when
-    its ranks are the world's."""
+    """One endpoint: ``rank`` in ``world_size``, the sender rank ``src``; ``ranks``: for a stream of a larger
+    world, the world rank of each of its ranks."""
 
     rank: int
     world_size: int
     src: int
     ranks: tuple[int, ...] | None = None
+    _device = torch.device("cpu")
 
     @property
     def is_sender(self) -> bool:
@@ -42,39 +37,28 @@ class Transport(ABC):
     @property
     def device(self) -> torch.device:
         """Where this transport's collectives take tensors (CPU unless the backend is NCCL)."""
-        return torch.device("cpu")
+        return self._device
 
     @abstractmethod
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (a small tensor; every rank passes the same dtype and shape), indexed by rank,
-        as new CPU tensors."""
+        """Every rank's ``t``, indexed by rank, as new CPU tensors."""
 
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, async_op: bool = False):
-        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver. With
-        ``async_op`` return a handle whose ``wait()`` completes it; otherwise complete before returning
-        (returns None)."""
+        """Send ``buf`` (1-D uint8) from ``src`` into the same-sized ``buf`` of every receiver; with
+        ``async_op`` return a handle whose ``wait()`` completes it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (no-op by default)."""
 
 
 class TorchDistTransport(Transport):
-    """``torch.distributed`` broadcast on a process group (the default group unless ``group`` is given).
-
-    Use :meth:`init` to start a group with any standard init method (``tcp://host:port``, ``file://path``,
-    ``env://``), or :meth:`from_group` for an existing ``ProcessGroup`` — also one ``torch.distributed`` does
-    not know about (a ``ProcessGroupGloo`` built on its own store, vLLM's stateless groups): collectives are
-    called on the group object itself, with group-local ranks. gloo for CPU tensors, NCCL for CUDA tensors
-    (call ``torch.cuda.set_device`` first; the NCCL path is untested on the development machines, which have
-    no GPU). A peer that dies or a broadcast that exceeds the group's ``timeout`` raises ``RuntimeError`` from
-    ``broadcast`` / ``wait``; the group is then unusable and must be re-created (``close()`` then
-    :meth:`init`).
-    """
+    """``torch.distributed`` collectives on a process group (the default group unless ``group`` is given;
+    :meth:`from_group` takes any ``ProcessGroup``, also vLLM's stateless ones, with group-local ranks). gloo
+    for CPU tensors, NCCL for CUDA tensors (call ``torch.cuda.set_device`` first). A dead peer or a timeout
+    raises ``RuntimeError``; the group must then be re-created."""
 
     def __init__(self, group=None, src: int = 0):
-        import torch.distributed as dist
-
         if group is None and not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized: call TorchDistTransport.init(...) first")
         self._dist = dist
@@ -84,25 +68,19 @@ class TorchDistTransport(Transport):
         if not 0 <= src < self.world_size:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src}")
         self.src = src
-        self._device = torch.device("cpu")
         if (str(self._pg.name()).lower() == "nccl"
                 or (dist.is_initialized() and _backend(dist, group) == "nccl")):
             self._device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def process_group(self):
-        """The ``ProcessGroup`` this transport's collectives run on (the default group's when none was
-        given): a sharded refit's pair streams (:class:`PairTransport`) share it."""
+        """The ``ProcessGroup`` the collectives run on (pair streams share it)."""
         return self._pg
 
     @classmethod
     def from_group(cls, pg, src: int = 0) -> TorchDistTransport:
         """A transport over an existing process group ``pg`` (``src``: the sender's rank in ``pg``)."""
         return cls(group=pg, src=src)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     @classmethod
     def init(cls, *, rank: int, world_size: int, init_method: str, backend: str = "gloo",
@@ -115,8 +93,6 @@ class TorchDistTransport(Transport):
             backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
             timeout_s: seconds after which a collective waiting on a peer fails.
         """
-        import torch.distributed as dist
-
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (one sender, at least one receiver), got {world_size}")
         if backend not in ("gloo", "nccl"):
@@ -141,10 +117,8 @@ class TorchDistTransport(Transport):
         return None
 
     def close(self) -> None:
-        """Destroy this transport's group (the default group when none was given; a group
-        ``torch.distributed`` does not know is shut down) and drop this transport's references to it, so the
-        group's threads end now rather than at interpreter exit (where a group still alive can abort the
-        process); using the transport afterwards raises RuntimeError."""
+        """Destroy this transport's group (shut down one ``torch.distributed`` does not know), so its threads
+        end now; using the transport afterwards raises RuntimeError."""
         group, self.group, self._pg = self.group, None, _ClosedGroup()
         if group is None:
             if self._dist.is_initialized():
@@ -159,7 +133,7 @@ class TorchDistTransport(Transport):
 
 
 class _ClosedGroup:
-    """Stands for the process group of a closed transport: every use raises RuntimeError."""
+    """The process group of a closed transport: every use raises RuntimeError."""
 
     def __getattr__(self, name: str):
         raise RuntimeError(f"this refit transport is closed (its process group was destroyed): cannot "
@@ -169,12 +143,10 @@ class _ClosedGroup:
 def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
                timeout_s: float = 60.0, prefix: str = "mxport-refit"):
     """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP
-    store), apart from torch.distributed's default group — which inference engines already own (vLLM's
-    workers, SGLang's schedulers) — for :meth:`TorchDistTransport.from_group`.
+    store), apart from the default group that engines already own, for :meth:`TorchDistTransport.from_group`.
+    ``backend``: "gloo" (CPU tensors) or "nccl" (the current CUDA device); ``timeout_s``: the rendezvous and
+    every collective fail after this many seconds without a peer.
 
-    Args:
-        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors, on the current CUDA device).
-        timeout_s: the store rendezvous and every collective fail after this many seconds without a peer.
     Raises:
         ValueError: a bad rank / world size / backend. RuntimeError (from torch): no rendezvous in time.
     """
@@ -182,8 +154,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
         raise ValueError(f"need world_size >= 2 and 0 <= rank < world_size, got rank {rank} of {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    import torch.distributed as dist
-
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout,
                           wait_for_workers=True)
@@ -194,8 +164,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str
 
 
 def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
-    import torch.distributed as dist
-
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
@@ -210,19 +178,15 @@ _GROUP_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def subgroup(pg, ranks) -> tuple[object, int]:
-    """A process group of the ranks ``ranks`` of the group ``pg`` (group-local ranks; this process among
-    them), and the rank ``ranks[0]`` has in it: a multicast stream's group (one broadcast to several
-    receivers). Collective over those ranks only: each of them calls it with the same ranks, in the same
-    order as its other subgroups of ``pg``. For a group :func:`open_group` made and for torch.distributed's
-    default group (the subgroup meets on that group's store).
+def subgroup(pg, ranks):
+    """A process group of the ranks ``ranks`` of ``pg`` (group-local, this process among them, ``ranks[0]``
+    its rank 0): a multicast stream's group, met on the store of a group :func:`open_group` made or of the
+    default group. Collective over ``ranks``, each calling it in the same order as its other subgroups of
+    ``pg``.
 
     Raises:
-        ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: a group of neither
-        kind (its store is out of reach).
+        ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: another kind of group.
     """
-    import torch.distributed as dist
-
     ranks = [int(r) for r in ranks]
     me = pg.rank()
     if me not in ranks or len(set(ranks)) != len(ranks):
@@ -232,19 +196,15 @@ def subgroup(pg, ranks) -> tuple[object, int]:
     key = tuple(ranks)
     made[key] = n = made.get(key, 0) + 1
     prefix = f"mxport-sub{n}-" + "-".join(map(str, ranks))
-    return _new_group(dist.PrefixStore(prefix, store), ranks.index(me), len(ranks), backend, timeout), 0
+    return _new_group(dist.PrefixStore(prefix, store), ranks.index(me), len(ranks), backend, timeout)
 
 
 def _store_of(pg) -> tuple:
-    """``(store, backend, timeout)`` of a group :func:`open_group` made, or of torch.distributed's default
-    group; TypeError for any other (its store is out of reach)."""
-    import torch.distributed as dist
-
+    """``(store, backend, timeout)`` of an :func:`open_group` group or of the default group, else
+    TypeError."""
     if pg in _GROUP_STORES:
         return _GROUP_STORES[pg]
     if dist.is_initialized() and pg is dist.group.WORLD:
-        from torch.distributed import distributed_c10d as c10d
-
         backend = dist.get_backend()
         device = torch.device("cuda" if backend == "nccl" else "cpu")
         return c10d._get_default_store(), backend, pg._get_backend(device).options._timeout
@@ -257,27 +217,14 @@ PAIR_TAG = 0x4D58
 
 
 class PairTransport(Transport):
-    """A transport between exactly two ranks of an existing process group (one pair stream of a sharded
-    refit): point-to-point ``send`` / ``recv`` on the group object, with group-local ranks. Local rank 0 is
-    ``sender`` (the trainer rank), 1 is ``receiver`` (the engine rank); this process must be one of them.
-
-    ``broadcast``: the sender sends, the receiver receives into its ``buf`` (the same size: gloo kills a
-    process that receives more than it posted; a refit plan fixes every size). ``all_gather`` of the two
-    ranks: both post a send and a recv, then wait for both. Every message carries ``tag``: messages of one
-    (peer, tag) arrive in the order they were posted, so pair streams with different tags, or between
-    different ranks, never mix. A dead peer or a timeout raises ``RuntimeError`` from ``wait`` (after the
-    group's timeout); the group is then unusable. ``close`` leaves the group to its owner.
-
-    Args:
-        pg: a ``ProcessGroup`` (e.g. a ``ProcessGroupGloo`` from :func:`open_group`), or None for the default
-            group.
-        sender, receiver: the two ranks in ``pg``.
-        tag: the message tag (a non-negative int below 2**31).
-    """
+    """A transport between two ranks of an existing process group (a pair stream of a sharded refit): ``send``
+    / ``recv`` with group-local ranks, local rank 0 the ``sender``, 1 the ``receiver`` (this process is one of
+    them). ``broadcast`` sends into the peer's same-sized ``buf``; ``all_gather`` posts a send and a recv.
+    Messages of one (peer, ``tag`` below 2**31) arrive in order, so streams with different tags never mix. A
+    dead peer or a timeout raises ``RuntimeError``. ``pg`` None: the default group; ``close`` leaves it to its
+    owner."""
 
     def __init__(self, pg, sender: int, receiver: int, *, tag: int = PAIR_TAG):
-        import torch.distributed as dist
-
         if pg is None:
             if not dist.is_initialized():
                 raise ValueError("pg is None and torch.distributed is not initialized")
@@ -294,13 +241,8 @@ class PairTransport(Transport):
         self.rank, self.world_size, self.src = (0 if me == sender else 1), 2, 0
         self.ranks = (sender, receiver)
         self._peer = receiver if me == sender else sender
-        self._device = torch.device("cpu")
         if str(pg.name()).lower() == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         mine = t.to(self._device).contiguous()
@@ -330,12 +272,9 @@ def _backend(dist, group) -> str:
 
 
 class InProcessChannel:
-    """A colocated sender and ``receivers`` receivers in one process (each endpoint used from its own thread).
-
-    ``channel.endpoint(rank)``: rank 0 is the sender. A broadcast hands each receiver a copy of the bytes (the
-    sender may reuse its buffer at once); a receiver waiting longer than ``timeout_s`` raises
-    ``TimeoutError``.
-    """
+    """A colocated sender and ``receivers`` receivers in one process, each endpoint on its own thread.
+    ``endpoint(0)`` is the sender. A broadcast hands each receiver a copy of the bytes; a receiver waiting
+    longer than ``timeout_s`` raises ``TimeoutError``."""
 
     def __init__(self, receivers: int = 1, timeout_s: float = 60.0):
         if receivers < 1:

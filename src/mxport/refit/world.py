@@ -1,15 +1,6 @@
-"""The world of a refit: what every rank of the group agrees on together, whatever the layout.
-
-T trainer ranks and E engine ranks in one process group (the "world"): one stream per route of the agreed
-:class:`~mxport.refit.mesh.MeshPlan` (a pair stream, or one multicast stream to replicas of one engine), taken
-by every rank in one global order (:func:`ordered_streams`: no rank waits on one that waits on it), and ONE
-vote over the whole world (:func:`world_vote`: a row per rank, with the digests of the replicated boxes it
-holds): every engine rank commits all its streams or none, every trainer rank learns the outcome. The
-handshake (:func:`agree_global`, then :func:`pair_handshakes`) agrees the global digest, the version (it never
-goes back: :func:`last_version`) and the replica checks, then each stream's plan. A one-rank refit is the
-world of one multicast stream. A dead peer or a timeout raises :class:`RefitError` on the ranks still alive;
-staged streams are dropped, the live weights keep their previous version, and the group must be re-created.
-"""
+"""What every rank of a refit's group agrees on together: the streams' global order (:func:`ordered_streams`),
+the handshake (:func:`agree_global`, :func:`pair_handshakes`: digest, version, replica checks, each stream's
+plan) and ONE vote (:func:`world_vote`). A one-rank refit is the world of one multicast stream."""
 
 from __future__ import annotations
 
@@ -46,14 +37,9 @@ def last_version(global_digest: str) -> int:
 
 
 def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[int, int]]:
-    """Every (trainer rank, engine rank) pair once, in the order every rank processes its own pairs: sorted by
-    ``(round, t_index, e_index)`` with ``round = (e_index - t_index) mod max(T, E)``.
-
-    Each round pairs every trainer with at most one engine and every engine with at most one trainer (a
-    perfect matching when T == E), so the pairs of one round run in parallel; and the lowest unfinished pair
-    always has both its ends on it, so ranks that each follow this order (skipping pairs without bytes) never
-    wait on each other in a cycle.
-    """
+    """Every (trainer rank, engine rank) pair once, by ``(round, t_index, e_index)``, ``round = (e_index -
+    t_index) mod max(T, E)``: the lowest unfinished pair always has both ends on it, so no ranks wait in a
+    cycle."""
     trainers, engines = [int(t) for t in trainers], [int(e) for e in engines]
     ranks = trainers + engines
     if not trainers or not engines:
@@ -68,10 +54,8 @@ def pair_order(trainers: Sequence[int], engines: Sequence[int]) -> list[tuple[in
 
 @dataclass(frozen=True)
 class WorldVote:
-    """The world's vote on one sharded refit: the :class:`Vote` (every trainer rank a sender), per rank the
-    other end of the pair its row concerns (-1: none), and every replicated box whose holders' copies differ
-    (``drift``: one line each; ``drifted``: those tensors' names). Holders of a box that drifted vote
-    :attr:`Status.REPLICA_DRIFT`, so nobody commits."""
+    """The world's vote on one sharded refit: the :class:`Vote`, per rank the other end of the pair its row
+    concerns (-1: none), and the replicated boxes whose copies differ (``drift`` lines, ``drifted`` names)."""
 
     vote: Vote
     peers: tuple[int, ...]
@@ -99,9 +83,7 @@ class WorldVote:
 
 
 def replica_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """The digest of each copy of a replicated box: :func:`~mxport.refit.buckets.checksum` of its bytes
-    (zero-padded to whole int64 words), summed where the bytes are (one pass; a copy only for a box that is
-    not contiguous in its rank's tensor), all brought to the host at once."""
+    """The :func:`~mxport.refit.buckets.checksum` of each copy of a replicated box, zero-padded to words."""
     out = []
     for t in tensors:
         b = byte_view(t.contiguous())
@@ -113,9 +95,8 @@ def replica_digests(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 @dataclass(frozen=True)
 class ReplicaChecks:
-    """The replicas a sharded refit's vote compares: per trainer rank, the replicas it holds in the order its
-    row carries their digests (``slots[rank][replica index]``); ``width``: the widest row's digest count;
-    ``word``: 56 bits of their description (every rank must vote with the same checks)."""
+    """The replicas a sharded refit's vote compares: ``slots[rank][replica index]`` (the digest's place in
+    that rank's row), ``width`` (the widest row's count) and ``word`` (56 bits of their description)."""
 
     replicas: tuple[Replica, ...]
     slots: dict[int, dict[int, int]]
@@ -139,8 +120,7 @@ class ReplicaChecks:
         return [self.replicas[i] for i in self.slots.get(rank, {})]
 
     def drift(self, rows: Sequence[torch.Tensor], vote: Vote):
-        """``(lines, names, ranks)``: each replica whose holders (those that voted ok) gave different
-        digests (``rows``: the vote's rows, digests from word ``REPORT_WORDS + 1`` on)."""
+        """``(lines, names, ranks)`` of each replica whose holders that voted ok gave different digests."""
         lines, names, ranks = [], [], set()
         for i, rep in enumerate(self.replicas):
             got = {t: int(rows[t][REPORT_WORDS + 1 + self.slots[t][i]]) for t in rep.holders
@@ -164,9 +144,8 @@ NO_REPLICAS = ReplicaChecks.of(())
 
 def world_vote(world: Transport, row: ReceiverResult, peer: int, trainers: Sequence[int],
                checks: ReplicaChecks = NO_REPLICAS, digests: Sequence[int] = ()) -> WorldVote:
-    """Every world rank's row (``row``, ``peer``, then the digests of the replicas it holds, zero-padded to
-    the widest rank's) in one ``all_gather``; ``trainers``: the senders. A replica whose holders' digests
-    differ turns those holders' rows into :attr:`Status.REPLICA_DRIFT` (nobody commits)."""
+    """Every world rank's row (``row``, ``peer``, its replicas' digests, zero-padded) in one ``all_gather``;
+    holders of a replica whose digests differ vote :attr:`Status.REPLICA_DRIFT`."""
     pad = [int(d) for d in digests] + [0] * (checks.width - len(digests))
     mine = torch.cat([row.to_tensor(), torch.tensor([peer, *pad], dtype=torch.int64)])
     rows = world.all_gather(mine)
@@ -191,10 +170,9 @@ def check_digest(global_digest: str) -> bytes:
 
 def agree_global(world: Transport, global_digest: str, version: int, checks: ReplicaChecks = NO_REPLICAS
                  ) -> int:
-    """The world handshake: every rank gives ``[SHARD_HELLO, digest words, version, replicas word]``; returns
-    the highest version. Raises :class:`RefitError` for a rank that does not speak it (or a group that
-    failed), :class:`RefitPlanMismatch` (on every rank) when any rank's global digest or replica checks
-    differ."""
+    """The world handshake, ``[SHARD_HELLO, digest words, version, replicas word]`` from every rank; returns
+    the highest version. RefitError for a stranger or a failed group, RefitPlanMismatch when digests or
+    replica checks differ."""
     raw = check_digest(global_digest)
     head = torch.tensor([SHARD_HELLO], dtype=torch.int64)
     digest = torch.frombuffer(bytearray(raw), dtype=torch.int64)
@@ -222,11 +200,9 @@ def agree_global(world: Transport, global_digest: str, version: int, checks: Rep
 
 
 def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: int, peer_role: str) -> int:
-    """Each pair's plan handshake in pair order (a failing pair does not stop the others: its peer runs it
-    too), then one world agreement on the outcomes: any failure raises :class:`RefitAgreementError` on every
-    rank, naming each failing rank, its pair and the reason. ``peers``: each stream's other end (a rank, or a
-    multicast stream's engine ranks). ``peer_role``: "engine" on a trainer rank (its pair senders start at
-    ``version``); returns the highest version seen."""
+    """Each stream's plan handshake in pair order, then one world agreement on the outcomes: any failure
+    raises :class:`RefitAgreementError` on every rank, naming the rank, its stream and why. ``peer_role``
+    "engine" on a trainer rank (its streams start at ``version``); returns the highest version seen."""
     failures: list[tuple[int, BaseException]] = []
     for peer, ep in zip(peers, endpoints, strict=True):
         if peer_role == "engine":
@@ -256,25 +232,22 @@ def pair_handshakes(world: Transport, endpoints, peers: Sequence[int], version: 
 
 
 def _stream_name(peer_role: str, peer) -> str:
-    """``the pair with engine rank 4``, or for a multicast stream (``peer``: its engine ranks) ``the
-    multicast stream to engine ranks 2, 3``."""
+    """``the pair with engine rank 4``, or ``the multicast stream to engine ranks 2, 3``."""
     if isinstance(peer, tuple) and len(peer) > 1:
         return f"the multicast stream to {peer_role} ranks {', '.join(map(str, peer))}"
     return f"the pair with {peer_role} rank {peer[0] if isinstance(peer, tuple) else peer}"
 
 
 def stream_transport(world: Transport, trainer: int, engines: Sequence[int], tag: int) -> Transport:
-    """The transport of one stream from world rank ``trainer`` to ``engines``: point-to-point on the world's
-    group for one engine (:class:`PairTransport`, messages tagged ``tag``), a group of their own for several
-    (one broadcast reaches them all: :func:`~mxport.refit.transport.subgroup`)."""
+    """One stream's transport from world rank ``trainer``: a :class:`PairTransport` tagged ``tag`` to one
+    engine, a :func:`~mxport.refit.transport.subgroup` to several."""
     pg = getattr(world, "process_group", None)
     if pg is None:
         raise TypeError(f"world must be a transport over a process group (TorchDistTransport), got "
                         f"{type(world).__name__}")
     if len(engines) == 1:
         return PairTransport(pg, trainer, engines[0], tag=tag)
-    group, src = subgroup(pg, [trainer, *engines])
-    transport = TorchDistTransport.from_group(group, src=src)
+    transport = TorchDistTransport.from_group(subgroup(pg, [trainer, *engines]))  # the trainer is its rank 0
     transport.ranks = (trainer, *engines)  # its handshake names its receivers by their world ranks
     return transport
 
@@ -291,10 +264,8 @@ def check_trainers(world: Transport, trainers: Sequence[int], is_trainer: bool) 
 
 
 def ordered_streams(mesh: MeshPlan, rank: int) -> list[tuple]:
-    """The streams group rank ``rank`` takes part in, as ``(route, engine ranks)``: a route and every replica
-    of its engine (engines holding the same boxes get the same pieces from a trainer: one multicast stream
-    serves them all; the route is the lowest one's), each stream once, in the order every rank follows (the
-    :func:`pair_order` of its first pair: a total order, so no rank waits on one that waits on it)."""
+    """The streams group rank ``rank`` takes part in, ``(route, engine ranks)``, the routes to an engine's
+    replicas as one multicast stream, in :func:`pair_order` of their first pair."""
     T = mesh.num_trainers
     order = {pair: i for i, pair in enumerate(pair_order(range(T), range(T, T + mesh.num_engines)))}
     streams: dict[tuple, tuple] = {}
@@ -305,9 +276,8 @@ def ordered_streams(mesh: MeshPlan, rank: int) -> list[tuple]:
 
 
 class WorldSide:
-    """What the two coordinators (:class:`~mxport.refit.RefitSender`, :class:`~mxport.refit.RefitReceiver`)
-    share: the world transport, this rank's streams, and for a world of one multicast stream (no global
-    digest) that stream's transport, plan and layout as their own."""
+    """What the two coordinators share: the world transport and this rank's streams (a world of one multicast
+    stream lends that stream's transport, plan and layout)."""
 
     world: Transport
     streams: list
@@ -325,8 +295,7 @@ class WorldSide:
 
     @property
     def senders(self) -> tuple[int, ...]:
-        """The world ranks that send (the vote's senders): a world of one stream, its transport's sender now
-        (a transport reassigned to a new group may have it at another rank)."""
+        """The world ranks that send (one stream: its transport's sender now)."""
         return (self.streams[0].transport.src,) if self.multicast else self.trainers
 
     @transport.setter
@@ -335,11 +304,7 @@ class WorldSide:
         self._one().transport = self.world = transport
 
     def close(self) -> None:
-        """Shut down the groups this end made for its multicast streams (:func:`stream_transport`: a group of
-        their own per stream), so their connections and threads end now, not at interpreter exit; the world
-        group, the pair streams on it and a world of one stream's transport stay their owner's. Call it on an
-        end that is done (before re-creating it on the same world, or after a failure); using it afterwards
-        raises RuntimeError."""
+        """Shut down the groups made for this end's multicast streams; the end is unusable afterwards."""
         if not self.multicast:
             for s in self.streams:
                 s.transport.close()  # a pair stream's close leaves the world's group alone

@@ -1,7 +1,5 @@
-"""The inference side of a refit: :func:`receiver_plan` (the plan and live targets of an inference model, e.g.
-one made of :class:`~mxport.nn.MXFP8Linear`), :func:`checkpoint_tensors` (``(hf_name, tensor)`` pairs in
-checkpoint format for engines' own loaders) and :func:`~mxport.refit.items.model_tensors` (the canonical order
-both sides share)."""
+""":func:`receiver_plan` (an inference model's plan and live targets) and :func:`checkpoint_tensors`
+(checkpoint-format pairs for engines' own loaders)."""
 
 from __future__ import annotations
 
@@ -19,27 +17,18 @@ from ..plan import RefitPlan
 __all__ = ["checkpoint_tensors", "model_tensors", "receiver_plan"]
 
 
-def receiver_plan(model: nn.Module, *, arena: bool = False
-                  ) -> tuple[RefitPlan, list[torch.Tensor]]:
-    """The inference side: the plan derived from the live model and its live tensors (the refit targets).
+def receiver_plan(model: nn.Module, *, arena: bool = False) -> tuple[RefitPlan, list[torch.Tensor]]:
+    """The inference side: the plan derived from the live model, and its live tensors (the targets).
 
-    FP8 tensors are "values"; the uint8 tensor named ``scale_name(values)`` in the same module is their
-    "scales"; everything else is "kept". The returned tensors are ``detach()`` aliases of the module's own
-    buffers / parameters (not copies): they share storage *and* version counter, so a refit's in-place writes
-    bump the module tensors' ``_version`` and derived caches (an MXFP8Linear's decoded weight) follow.
-    (``.data`` aliases would not: they get a version counter of their own.)
-
-    ``arena=True`` first moves the model's refit tensors into one buffer laid out as the plan's byte stream
-    (:func:`allocate_targets` on the model's device): each tensor's bytes are copied in and its ``.data``
-    becomes its view of the buffer — the same parameter / buffer objects, same values, new (from then on
-    stable) addresses. A :class:`~mxport.refit.RefitReceiver` given these targets then receives in direct
-    mode: buckets land straight in the live weights, with no staging -> live copy per refit. Do it before
-    anything records the weights' addresses (CUDA graph capture); references to the old storages taken before
-    no longer follow the model.
+    FP8 tensors are "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales",
+    the rest "kept". The targets are ``detach()`` aliases sharing storage and version counter, so a refit
+    bumps the module tensors' ``_version`` and derived caches follow. ``arena=True`` first moves them into one
+    buffer laid out as the byte stream (same objects, new stable addresses: before CUDA graph capture), for
+    direct mode.
 
     Raises:
-        ValueError: with ``arena=True``, a tensor that cannot move (a view of a larger or shared storage, a
-            tensor subclass, another device); nothing is moved then.
+        ValueError: with ``arena=True``, a tensor that cannot move (a view, shared, a subclass, another
+            device); nothing is moved then.
     """
     tensors = model_tensors(model)
     names = {n for n, _ in tensors}
@@ -74,11 +63,9 @@ def receiver_plan(model: nn.Module, *, arena: bool = False
 
 def checkpoint_tensors(plan: RefitPlan, targets: Sequence[torch.Tensor], fmt: str = "modelopt"
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` pairs in checkpoint format ``fmt`` (one of ``mxport.checkpoint.FORMATS``), in
-    plan order, for an engine's own loader: vLLM ``model.load_weights(iter)`` / ``reload_weights``, SGLang
-    ``update_weights_from_tensor(named_tensors)``. Values are FP8 tensors, scales compact uint8 E8M0 named per
-    format (``weight_scale`` for modelopt / compressed-tensors, ``weight_scale_inv`` for sglang), kept tensors
-    as they are. Tensors are the targets themselves (no copy)."""
+    """``(hf_name, tensor)`` pairs in checkpoint format ``fmt`` (``mxport.checkpoint.FORMATS``), in plan
+    order, for an engine's own loader (vLLM ``load_weights``, SGLang ``update_weights_from_tensor``): FP8
+    values, compact uint8 E8M0 scales named per format, kept tensors; the targets themselves, no copy."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
     if len(targets) != len(plan):

@@ -1,12 +1,5 @@
-"""What an engine rank of a sharded refit needs, and where it lands.
-
-* :func:`engine_holdings`: the box of every tensor of a :func:`mxport.nn.quantize_model` 'd inference model
-  that one rank of a vLLM-style TP / EP engine holds (:func:`mxport.parallel.engine_shard`);
-* :func:`engine_buffers`: that rank's own zero-filled tensors, q/k/v (gate/up) of one layer as row views of
-  one merged ``qkv_proj`` (``gate_up_proj``) buffer, as vLLM's merged column-parallel layers hold them.
-
-Scales follow their values (:func:`~mxport.refit.mesh.scales_box`).
-"""
+"""What one rank of a vLLM-style TP / EP engine needs (:func:`engine_holdings`) and its own buffers
+(:func:`engine_buffers`, vLLM's merged qkv / gate_up / w13)."""
 
 from __future__ import annotations
 
@@ -24,8 +17,8 @@ from .plain import receiver_plan
 
 def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, kv_heads: int | None,
                   quantized: bool) -> list[Box]:
-    """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds (see engine_holdings):
-    one, or one per block of :attr:`~mxport.parallel.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
+    """The boxes of tensor ``name`` (full ``shape``) that engine rank ``rank`` holds: one, or one per block of
+    :attr:`~mxport.parallel.Shard.blocks` (a fused gate_up's gate rows, up rows)."""
     shard = engine_shard(name, shape, layout, kv_heads=kv_heads, quantized=quantized)
     if shard.problem:
         raise ValueError(shard.problem)
@@ -45,29 +38,17 @@ def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, k
 
 def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: int | None = None
                     ) -> list[Holding]:
-    """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of an inference model
-    after :func:`mxport.nn.quantize_model`: the :func:`~mxport.refit.receiver_plan` tensors (names, roles,
-    dtypes, full shapes), each with the box :func:`mxport.parallel.engine_shard` gives that rank.
-
-    Column-parallel tensors: rows ``[p * n, (p + 1) * n)`` of part ``p = rank % tp``; KV projections with
-    fewer heads than ``tp`` are cut in ``kv_heads`` parts, each held by ``tp // kv_heads`` consecutive ranks
-    (the same box); row-parallel: the K range of part ``rank % tp``; fused experts with ``ep > 1``: experts
-    ``[rank * n, (rank + 1) * n)``; everything else whole. Scales follow their values' box: the same rows, or
-    the K blocks of a row-parallel K range.
-
-    A fused ``experts.gate_up_proj`` ``[E, 2I, K]`` at tp > 1 (ep 1) gives TWO holdings (and two of its
-    scales): gate rows ``[p * I/tp, (p + 1) * I/tp)`` then up rows ``[I + p * I/tp, I + (p + 1) * I/tp)``, the
-    rows vLLM's ``FusedMoE`` ``w13_weight`` holds on tp rank ``p`` (:func:`engine_buffers` gives them one
-    buffer, gate part first).
-
-    Args:
-        kv_heads: the model's KV heads; None = ``model.config.num_key_value_heads`` when the model has one.
+    """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of a
+    :func:`mxport.nn.quantize_model` 'd model: the :func:`~mxport.refit.receiver_plan` tensors, each with the
+    box :func:`mxport.parallel.engine_shard` gives it (column-parallel rows or row-parallel K of part ``rank %
+    tp``, KV heads fewer than ``tp`` shared by ``tp // kv_heads`` ranks, experts ``[rank * n, (rank + 1) *
+    n)`` at ``ep > 1``, the rest whole; scales follow their values). A fused ``experts.gate_up_proj`` at tp >
+    1 gives two holdings, gate rows then up rows, as vLLM's ``w13_weight``. ``kv_heads``: None =
+    ``model.config.num_key_value_heads``.
 
     Raises:
-        ValueError: ``rank`` outside ``[0, tp * ep)``; a layout with ``fsdp`` or ``pp`` (not an engine's);
-            a row-parallel K split that is not a multiple of 32 for an MXFP8 tensor (naming it); a tp that is
-            not a multiple of the KV heads it exceeds; attention heads that do not divide by tp, or KV heads
-            that neither divide by tp nor divide it (vLLM refuses these layouts).
+        ValueError: ``rank`` outside ``[0, tp * ep)``; a layout with ``fsdp`` or ``pp``; a row-parallel K
+            split not a multiple of 32 for an MXFP8 tensor; head counts vLLM refuses for ``tp``.
     """
 
     if layout.fsdp != 1 or layout.pp != 1:
@@ -101,8 +82,8 @@ _MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 
 
 def _stackable(members: Sequence[Holding | None]) -> bool:
-    """Whether the holdings can be row blocks of one buffer: all there, of one dtype and rank (at least 2-D),
-    the same extent in every dimension but the rows (dim ``-2``)."""
+    """Whether the holdings can be row blocks of one buffer: all there, of one dtype and rank >= 2, equal in
+    every dimension but the rows (dim ``-2``)."""
     if any(x is None for x in members):
         return False
     first = members[0].box.shape
@@ -111,9 +92,8 @@ def _stackable(members: Sequence[Holding | None]) -> bool:
 
 
 def _merge_groups(holdings: Sequence[Holding]) -> list[list[Holding]]:
-    """Holdings cut from one vLLM merged buffer, each group in merged (row) order: q/k/v, gate/up of one layer
-    (values or scales; one holding each), and the several holdings of one tensor (a fused expert gate_up at
-    tp > 1: gate rows, then up rows, as ``w13_weight``)."""
+    """Holdings cut from one vLLM merged buffer, each group in row order: q/k/v, gate/up of one layer, and the
+    several holdings of one tensor (a fused gate_up at tp > 1)."""
     by_name: dict[str, list[Holding]] = {}
     for h in holdings:
         by_name.setdefault(h.tensor.name, []).append(h)
@@ -132,17 +112,10 @@ def _merge_groups(holdings: Sequence[Holding]) -> list[list[Holding]]:
 
 def engine_buffers(holdings: Sequence[Holding], device: str | torch.device = "cpu",
                    dtype_of: Callable[[TensorInfo], torch.dtype] | None = None) -> Local:
-    """An engine rank's own tensors for ``holdings`` (:func:`engine_holdings`): ``{name: (box, tensor)}``,
-    zero-filled, each of its box's shape (only the rank's shard), ready for
-    :func:`~mxport.refit.mesh.route_targets`; a tensor the rank holds several boxes of maps to a list of
-    ``(box, tensor)``, in holding order (:func:`~mxport.refit.mesh.local_part` reads either form).
-
-    q/k/v projections of one attention and gate/up of one MLP are row views of ONE merged buffer (rows
-    q | k | v, gate | up, each part its own box's rows), values and scales alike, as vLLM's
-    ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` hold them; so are the gate and up boxes of a fused
-    ``experts.gate_up_proj`` at tp > 1 (one ``[E, 2I/tp, K]`` buffer, scales ``[E, 2I/tp, K/32]``, gate rows
-    first, as ``FusedMoE``'s ``w13_weight``): received pieces land in the merged buffers in place.
-    ``dtype_of(info)`` gives a buffer's dtype (default: the plan dtype)."""
+    """An engine rank's own zero-filled tensors for ``holdings``: ``{name: (box, tensor)}`` (a list of them
+    for several boxes of one tensor). q/k/v of one attention, gate/up of one MLP and a fused gate_up's two
+    boxes are row views of ONE merged buffer, as vLLM holds them. ``dtype_of(info)``: a buffer's dtype
+    (default: the plan's)."""
     dtype_of = dtype_of or (lambda info: dtype_from_name(info.dtype))
     views: dict[Holding, torch.Tensor] = {}
     for group in _merge_groups(holdings):

@@ -1,10 +1,5 @@
-"""StreamReceiver: one byte stream's receiving end. It receives every bucket and the trailer and
-validates them (:meth:`~StreamReceiver.stage`); once the coordinator (:class:`~mxport.refit.RefitReceiver`)
-has the vote it leaves the live tensors on exactly one complete version (:meth:`~StreamReceiver.settle`),
-pointers unmoved. Staging (any targets: a staging copy, committed with ``copy_``) or direct (targets laid out
-as one arena in the plan's byte order: buckets land in the live arena, a rollback copy restores it on a
-failure); see the class doc.
-"""
+"""StreamReceiver: one byte stream's receiving end: it stages (receive and validate), gives its verdict, and
+settles by the coordinator's vote, leaving the live tensors on one complete version, pointers unmoved."""
 
 from __future__ import annotations
 
@@ -38,7 +33,7 @@ from ..transport import Transport
 
 @dataclass(frozen=True)
 class _Problem:
-    """Why a received refit is rejected: the status reported, a readable reason, where (bucket, entry)."""
+    """Why a received refit is rejected: the status, a readable reason, where (bucket, entry)."""
 
     status: Status
     why: str
@@ -48,8 +43,7 @@ class _Problem:
 
 @dataclass(frozen=True)
 class Staged:
-    """One refit received and judged by :meth:`StreamReceiver.stage`, not committed: ``problem`` (None when
-    this rank accepts it), the trailer, the stopwatch and the rollback copy's seconds (``backup_s``)."""
+    """One refit received and judged, not committed (``problem`` None: this rank accepts it)."""
 
     problem: _Problem | None
     trailer: Trailer
@@ -59,12 +53,6 @@ class Staged:
     @property
     def ok(self) -> bool:
         return self.problem is None
-
-    def to_dict(self) -> dict:
-        p = self.problem
-        return {"version": int(self.trailer.version), "status": "ok" if p is None else p.status.name.lower(),
-                "why": None if p is None else p.why, "bucket": None if p is None else p.bucket,
-                "entry": -1 if p is None else p.entry, "backup_s": self.backup_s}
 
 
 _ABORT_WHY = {AbortReason.BAD_TENSOR: "a tensor that does not match the plan",
@@ -89,34 +77,26 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 
 class StreamReceiver:
-    """The receiving end of one byte stream (a refit's buckets and trailer from its transport's sender).
+    """The receiving end of one byte stream.
 
     Args:
-        transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s (the live tensors are only ever
-            written in place; every refit bumps each target's ``_version``).
+        transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s.
         bucket_bytes: the stream's bucket size, the sender's (checked in the handshake).
         use_checksum: verify each bucket's checksum (the sender must write them).
-        refresh_hooks: callables run after every successful commit (refresh derived copies: swizzled scales,
-            caches that do not follow ``_version``).
+        refresh_hooks: callables run after every successful commit (derived copies that do not follow
+            ``_version``).
         inflight: broadcasts posted ahead of the one being validated.
-        direct: receive straight into the live tensors (see the module doc). None (default): whenever the
-            targets form one arena laid out as the plan's byte stream; False: always stage then ``copy_``;
-            True: require an arena (ValueError otherwise).
+        direct: receive straight into the live tensors: None whenever they form one arena laid out as the
+            plan's byte stream, False never (stage, then ``copy_``), True always (else ValueError).
 
-    Direct mode, honestly: *during* ``receive`` the live tensors are being written (engines pause
-    generation during a refit anyway); once it returns or raises they hold exactly one complete version — the
-    new one, or the previous one restored from the rollback copy. The rollback copy costs one background
-    ``copy_`` of the stream per refit (and ``plan.total_bytes`` of memory, as staging does), reported as
-    ``backup_s`` / ``backup_wait_s`` in ``receive``'s stats and by :meth:`wait_backup`. The whole arena,
-    alignment padding included, belongs to the stream and is overwritten.
-
-    Staging (the whole byte stream) and the trailer are allocated once, on the targets' device.
+    In direct mode the live tensors are written *during* a receive and the staging buffer holds the previous
+    version (refreshed by one background ``copy_`` per refit: ``backup_s`` / ``backup_wait_s``), restored on
+    any failure: once a receive returns or raises, they hold exactly one complete version.
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True,
-                 refresh_hooks: Sequence[Callable[[], None]] = (),
-                 inflight: int = 4, direct: bool | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True, inflight: int = 4,
+                 refresh_hooks: Sequence[Callable[[], None]] = (), direct: bool | None = None):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if transport.is_sender:
@@ -169,8 +149,7 @@ class StreamReceiver:
         return self.pointers() == self._pointers
 
     def handshake(self) -> None:
-        """Exchange plan digests with the sender (raises RefitPlanMismatch on a mismatch, before any
-        payload)."""
+        """Exchange plan digests with the sender (RefitPlanMismatch on a mismatch, before any payload)."""
         exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
 
     # -- direct mode: the rollback copy ----------------------------------------------------------------------
@@ -180,28 +159,15 @@ class StreamReceiver:
         return self._rollback_copy.last_s if self._rollback_copy is not None else 0.0
 
     def wait_backup(self) -> float:
-        """Direct mode: block until the rollback copy of the live version is complete (the background copy
-        started by the last successful ``receive``); returns that copy's seconds (0.0 in staging mode). If
-        the background copy failed, or the live tensors were written in place since it was taken (their
-        ``_version`` counters moved: a checkpoint load into ``allocate_targets`` views, say), it is taken
-        again here, so a failed refit always restores what was live when it started."""
+        """Direct mode: wait for the rollback copy of the live version (retaken if it failed or the live
+        tensors were written in place since) and return its seconds (0.0 in staging mode)."""
         return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
-
-    def _landed_bytes(self, posted: int) -> int:
-        """Stream bytes that broadcasts ``0..posted-1`` may have written."""
-        n = min(posted, self.layout.num_buckets)
-        return min(n * self.layout.bucket_bytes, self.plan.total_bytes)
 
     # -- one refit -------------------------------------------------------------------------------------------
     def stage(self) -> Staged:
-        """Phase one of ``receive``: receive every bucket and the trailer and judge them (trailer, sender
-        abort, version, checksums, the live tensors); nothing is committed. Follow with :meth:`verdict` (this
-        rank's row of the vote), then :meth:`settle` with the vote (or :meth:`discard`).
-
-        Raises:
-            RefitError: the transport failed (a dead peer, a timeout): rolled back already (direct mode), as
-                in ``receive``.
-        """
+        """Phase one: receive every bucket and the trailer and judge them, nothing committed; then
+        :meth:`verdict` and :meth:`settle` (or :meth:`discard`). RefitError when the transport failed (rolled
+        back)."""
         sw = Stopwatch()
         with sw.phase("backup_wait"):
             backup_s = self.wait_backup()
@@ -215,8 +181,7 @@ class StreamReceiver:
         return Staged(problem, trailer, sw, backup_s)
 
     def verdict(self, staged: Staged) -> ReceiverResult:
-        """This rank's row of the vote on ``staged``: ``OK``, or why it rejects (status, bucket, entry), and
-        the version live here."""
+        """This rank's row of the vote on ``staged``: ``OK`` or why it rejects, and its live version."""
         p = staged.problem
         if p is None:
             return ReceiverResult(self.transport.rank, Status.OK, -1, -1, self.version)
@@ -224,12 +189,9 @@ class StreamReceiver:
                               self.version)
 
     def settle(self, staged: Staged, vote: Vote) -> ReceiveStats:
-        """Phase three of ``receive``: commit ``staged`` if ``vote`` is unanimous, else roll back and
-        raise :class:`RefitError` (this rank's own reason, or ``PEER_REJECTED`` naming who voted no).
-
-        Raises:
-            RefitError: as ``receive`` (a rejection, or a refresh hook failing after a unanimous yes).
-        """
+        """Phase three: commit ``staged`` on a unanimous ``vote``, else roll back and raise
+        :class:`RefitError` (its own reason or ``PEER_REJECTED``; ``COMMIT_FAILED`` when a refresh hook fails
+        after a unanimous yes)."""
         if not vote.commit:
             self._roll_back(self.plan.total_bytes)
             raise self._rejection(staged.problem, vote)
@@ -255,8 +217,7 @@ class StreamReceiver:
                             backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"])
 
     def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
-        """Drop ``staged`` without a vote (another part of the same refit failed): the live tensors keep the
-        previous version (direct mode: restored from the rollback copy; staging: never written)."""
+        """Drop ``staged`` without a vote: the live tensors keep the previous version."""
         self._roll_back(self.plan.total_bytes)
 
     def _live_problem(self) -> _Problem | None:
@@ -272,10 +233,9 @@ class StreamReceiver:
         return None
 
     def _receive_stream(self) -> tuple[list[int], float]:
-        """Receive every bucket and the trailer (``inflight`` broadcasts posted ahead), summing each bucket
-        while later ones are on the wire. Returns the checksums and when the first bucket arrived. A transport
-        failure (dead peer, timeout) raises :class:`RefitError` after waiting for every posted broadcast and,
-        in direct mode, restoring what they touched."""
+        """Receive every bucket and the trailer (``inflight`` posted ahead), summing each bucket while later
+        ones arrive; the checksums and when the first bucket came. A transport failure rolls back what landed
+        and raises :class:`RefitError`."""
         n = self.layout.num_buckets
         bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
         handles: list = [None] * (n + 1)
@@ -296,14 +256,13 @@ class StreamReceiver:
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 if self._rollback_copy is not None:
                     _wait_quietly(handles)  # nothing may still write into the live arena after the restore
-                self._roll_back(self._landed_bytes(posted))
+                self._roll_back(min(posted * self.layout.bucket_bytes, self.plan.total_bytes))  # what landed
                 raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
                                   None, trailer=b == n) from exc
         return got, t_first
 
     def _judge(self, trailer: Trailer, got: list[int]) -> _Problem | None:
-        """Why the received refit must be rejected (bad trailer, sender abort, stale version, checksum), or
-        None."""
+        """Why the received refit must be rejected (trailer, abort, stale version, checksum), or None."""
         plan, n = self.plan, self.layout.num_buckets
         if trailer.magic != MAGIC or trailer.num_buckets != n or trailer.status not in (STATUS_OK,
                                                                                          STATUS_ABORT):
@@ -327,14 +286,8 @@ class StreamReceiver:
         return None
 
     def _commit(self, trailer: Trailer) -> None:
-        """Make the validated refit live (unpack from staging, or in direct mode just bump the version
-        counters), then run the refresh hooks.
-
-        This runs only after every rank voted yes, so it must not fail: staging's ``copy_`` between
-        preallocated, checked tensors on one device and direct mode's counter bumps cannot (short of a
-        hardware fault); a refresh hook can. A failure here is raised on this rank only (the others have
-        committed; the sender has already returned): a third round that could undo the others' commit would
-        need a rollback copy on every rank in staging mode too. The next refit rewrites every byte."""
+        """Make the validated refit live (unpack from staging, or bump the versions in direct mode), then run
+        the refresh hooks: after a unanimous yes only a hook can fail (that rank alone raises)."""
         if self.direct:
             bump_versions(self.targets)
         else:
@@ -346,14 +299,12 @@ class StreamReceiver:
             hook()
 
     def _roll_back(self, nbytes: int) -> None:
-        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy (staging mode: the
-        live tensors were never written, nothing to do)."""
+        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy."""
         if self._rollback_copy is not None:
             self._rollback_copy.restore(nbytes)
 
     def vote_failed(self, staged: Staged, exc: BaseException) -> RefitError:
-        """The vote on ``staged`` failed (a peer died or timed out): roll back (nothing was committed) and
-        return the error to raise."""
+        """The vote on ``staged`` failed (a peer died or timed out): roll back, return the error to raise."""
         problem = staged.problem
         self._roll_back(self.plan.total_bytes)
         why = problem.why if problem is not None else "received and validated"
@@ -363,8 +314,8 @@ class StreamReceiver:
                            problem.status if problem else None)
 
     def _rejection(self, problem: _Problem | None, vote: Vote) -> RefitError:
-        """The RefitError of a refit some rank voted no on: this rank's own reason (if it rejected), and the
-        other ranks that rejected, with their buckets' tensors."""
+        """The RefitError of a refit some rank voted no on: this rank's own reason, and the other ranks that
+        rejected, with their buckets' tensors."""
         n, me = self.layout.num_buckets, self.transport.rank
         others = []
         for r in vote.no:
@@ -383,7 +334,7 @@ class StreamReceiver:
 
     def _error(self, verb: str, bucket: int | None, why: str, status: Status | None, *,
                trailer: bool = False, receivers: Sequence[ReceiverResult] = ()) -> RefitError:
-        """The one RefitError of a failed refit: where (bucket and its tensors), why, and what stayed live."""
+        """The one RefitError of a failed refit: where (bucket and its tensors), why, what stayed live."""
         n = self.layout.num_buckets
         names = self.layout.tensor_names(bucket) if bucket is not None else []
         if bucket is not None:
@@ -398,24 +349,20 @@ class StreamReceiver:
                           receivers=receivers)
 
     def verify_live(self) -> bool:
-        """True when the live tensors' bytes, re-packed into buckets, have exactly the checksums the sender
-        wrote for the last refit (an independent check of the committed bytes; needs sender checksums)."""
+        """True when the live bytes, re-packed, have the checksums the sender wrote for the last refit."""
         if not self.last_checksums:
             return False
         return all(checksum(payload) == self.last_checksums[b] for b, payload in self._live_buckets())
 
     def live_crc32(self) -> int:
-        """CRC-32 (``zlib.crc32``) of the live tensors' bytes laid out as the plan's byte stream (padding
-        zero): equal to the sender's ``stream_crc32`` exactly when the live weights hold the bytes that were
-        sent."""
+        """``zlib.crc32`` of the live bytes as the stream: the sender's ``stream_crc32`` if intact."""
         crc = 0
         for _, payload in self._live_buckets():
             crc = zlib.crc32(payload.cpu().numpy(), crc)
         return crc
 
     def _live_buckets(self):
-        """``(bucket, payload)`` for each bucket, re-packed from the live tensors into one scratch buffer
-        (each payload is valid until the next one is yielded)."""
+        """``(bucket, payload)`` of each bucket re-packed from the live tensors (one scratch buffer)."""
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return

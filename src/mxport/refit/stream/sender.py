@@ -1,13 +1,7 @@
-"""StreamSender: one byte stream's sending end. It broadcasts the plan's tensors in fixed-size byte buckets —
-buckets inside one tensor straight from its storage, mixed buckets packed into reused buffers while earlier
-buckets are on the wire (asynchronous broadcast) — then a trailer with the version and per-bucket checksums;
-the coordinator (:class:`~mxport.refit.RefitSender`) holds the vote, then the stream concludes.
-
-Every broadcast has exactly the size the agreed plan and bucket size give it (checked before it is posted):
-a receiver posts the same size, and gloo kills a process that receives more bytes than it posted. Every item
-is checked against its plan entry before it is packed; any failure before the trailer sends the remaining
-buckets (unused content) and an abort trailer, so receivers fail at once, keep their weights and stay in step.
-"""
+"""StreamSender: one byte stream's sending end. Buckets lying in one storage go out from it, the others are
+packed while earlier ones are on the wire, then the trailer; every broadcast has exactly its planned size
+(gloo kills a receiver sent more than it posted). A failure sends the rest and an abort trailer, so receivers
+fail at once and stay in step."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ from ..buckets import (
 )
 from ..handshake import exchange_plans
 from ..plan import RefitPlan
-from ..results import AbortReason, ReceiverResult, RefitError, SendStats, Status, Vote
+from ..results import AbortReason, RefitError, SendStats, Vote
 from ..timing import Stopwatch
 from ..transport import Transport
 
@@ -48,7 +42,7 @@ class _TransportFailed(Exception):
 
 
 def _wait(handle) -> None:
-    """Complete a posted broadcast; a transport failure (a dead peer, a timeout) raises _TransportFailed."""
+    """Complete a posted broadcast; a transport failure raises _TransportFailed."""
     try:
         handle.wait()
     except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
@@ -79,54 +73,33 @@ class _Run:
 
 @dataclass(frozen=True)
 class PendingSend:
-    """One refit transmitted by :meth:`StreamSender.transmit` (every bucket and the trailer are out), waiting
-    for the vote: ``error`` is the producer's (or the sender's) error if it went out as an abort."""
+    """One refit transmitted, waiting for the vote: ``error`` when it went out as an abort."""
 
     run: _Run
     stopwatch: Stopwatch
     error: BaseException | None
-    rank: int  # the sender's rank on its transport
-
-    @property
-    def version(self) -> int:
-        return self.run.version
 
     @property
     def aborted(self) -> bool:
         return self.error is not None
 
-    def row(self) -> ReceiverResult:
-        """The sender's row of the vote: ``OK``, or ``ABORTED``, at the refit's version."""
-        return ReceiverResult(self.rank, Status.ABORTED if self.aborted else Status.OK, -1, -1, self.version)
-
-    def to_dict(self) -> dict:
-        return {"version": self.version, "aborted": self.aborted,
-                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
-
 
 class StreamSender:
-    """The sending end of one byte stream (a refit's buckets and trailer to every receiver of its transport).
+    """The sending end of one byte stream.
 
     Args:
         transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
         plan: the :class:`RefitPlan` (built once; reused for every refit).
-        bucket_bytes: payload bytes per broadcast (the last bucket may be shorter), a positive multiple of 16;
-            every receiver of the stream must use the same (checked in the handshake).
-        use_checksum: compute a per-bucket checksum (chunked int64 sum,
-            :func:`~mxport.refit.buckets.checksum`); receivers verify it before committing.
-        device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL); tensors already there are sent
-            without packing when a bucket lies inside one of them.
-        inflight: broadcasts in flight at once (and pack buffers), >= 1.
-        stream_crc32: also compute a CRC-32 of the whole byte stream (``zlib.crc32`` chained over the buckets,
-            ~3 GB/s on CPU) and return it as ``stream_crc32``; compare with
-            :meth:`RefitReceiver.live_crc32` for an end-to-end bit-exactness check.
-
-    Pack buffers (``inflight`` x the largest bucket) are allocated once.
+        bucket_bytes: payload bytes per broadcast, a positive multiple of 16, the receivers' too (checked).
+        use_checksum: a per-bucket checksum (:func:`~mxport.refit.buckets.checksum`), verified by receivers.
+        device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL).
+        inflight: broadcasts (and pack buffers) in flight at once, >= 1.
+        stream_crc32: also a ``zlib.crc32`` of the whole stream (compare with ``live_crc32``).
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 use_checksum: bool = True,
-                 device: str | torch.device = "cpu", inflight: int = 2, stream_crc32: bool = False):
+                 use_checksum: bool = True, device: str | torch.device = "cpu", inflight: int = 2,
+                 stream_crc32: bool = False):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if not transport.is_sender:
@@ -148,18 +121,13 @@ class StreamSender:
         self._need[-1] = len(plan)
 
     def handshake(self) -> None:
-        """Exchange plan digests with every receiver (raises RefitPlanMismatch on all sides on a mismatch)."""
+        """Exchange plan digests with every receiver (RefitPlanMismatch on all sides on a mismatch)."""
         self.version = exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
 
     def transmit(self, tensors: Iterable[torch.Tensor], *,
                  checksums: Callable[[int, int], int] | None = None) -> PendingSend:
-        """Phase one of a refit (:meth:`~mxport.refit.RefitSender.send`): every bucket and the trailer (on a
-        failure the remaining buckets and an abort trailer, the error kept in the result; ``checksums`` as in
-        ``send``). Follow with the vote (this rank's row: :meth:`PendingSend.row`) and :meth:`conclude`.
-
-        Raises:
-            RefitError: the transport failed (no vote can follow; the group is unusable).
-        """
+        """Phase one of a refit: every bucket and the trailer (after a failure: the rest and an abort trailer,
+        the error kept); then the vote and :meth:`conclude`. RefitError when the transport failed."""
         self.version += 1
         run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
         sw = Stopwatch()
@@ -177,21 +145,17 @@ class StreamSender:
         except BaseException as exc:
             if not self._abort(run, exc):
                 raise
-            return PendingSend(run, sw, exc, self.transport.rank)
+            return PendingSend(run, sw, exc)
         with sw.phase("wait"):
             try:
                 _wait(self._post(make_trailer(run.version, run.crcs), self.layout.num_buckets))
             except _TransportFailed as exc:
                 raise self._transport_error(run, exc.error) from exc.error
-        return PendingSend(run, sw, None, self.transport.rank)
+        return PendingSend(run, sw, None)
 
     def conclude(self, pending: PendingSend, vote: Vote) -> SendStats:
-        """Phase three of a refit: the outcome of ``pending`` under ``vote``.
-
-        Raises:
-            the producer's error, when ``pending`` aborted; RefitError when some rank voted no (as
-            :meth:`~mxport.refit.RefitSender.send`).
-        """
+        """Phase three: the stats of ``pending`` under ``vote``, or the producer's error after an abort, or
+        RefitError when some rank voted no."""
         if pending.error is not None:
             raise pending.error
         run, sw = pending.run, pending.stopwatch
@@ -207,9 +171,7 @@ class StreamSender:
                          receivers=tuple(results))
 
     def vote_failed(self, pending: PendingSend, exc: BaseException) -> BaseException:
-        """The error to raise when the vote on ``pending`` failed (a dead peer, a timeout): after an abort,
-        the abort's error with the failure noted; otherwise :class:`RefitError` (receivers that had every row
-        may have committed)."""
+        """The error when the vote on ``pending`` failed: an abort's error with a note, or RefitError."""
         if pending.error is not None:
             pending.error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
             return pending.error
@@ -274,9 +236,7 @@ class StreamSender:
 
     # -- the wire --------------------------------------------------------------------------------------------
     def _post(self, payload: torch.Tensor, b: int):
-        """Broadcast bucket ``b`` (``b == num_buckets``: the trailer) asynchronously, after checking that it
-        has exactly the size the plan gives it (the receivers post that size; a larger message kills them in
-        gloo)."""
+        """Broadcast bucket ``b`` (``num_buckets``: the trailer) asynchronously, of its planned size only."""
         n = self.layout.num_buckets
         want = self._planned_size(b) if b < n else (TRAILER_FIXED + n) * 8
         got = payload.nbytes
@@ -289,18 +249,14 @@ class StreamSender:
             raise _TransportFailed(exc) from exc
 
     def _planned_size(self, b: int) -> int:
-        """Bucket ``b``'s size as the plan and the bucket size give it (computed here, not read from the
-        layout the packing uses: the check of what is posted stays independent of it)."""
+        """Bucket ``b``'s size from the plan and the bucket size, independent of the layout."""
         B = self.layout.bucket_bytes
         return min(B, self.plan.total_bytes - b * B)
 
     def _retire_oldest(self, run: _Run) -> None:
-        """Wait for the oldest in-flight broadcast and free its pack buffer slot (if it used one)."""
+        """Wait for the oldest in-flight broadcast and free its pack buffer slot."""
         handle, slot, _ = run.pending.popleft()
-        try:
-            handle.wait()
-        except Exception as exc:  # noqa: BLE001
-            raise _TransportFailed(exc) from exc
+        _wait(handle)
         if slot is not None:
             run.slot_busy[slot] = False
 
@@ -321,10 +277,8 @@ class StreamSender:
                          kept_version=min(r.version for r in bad), status=bad[0].status, receivers=results)
 
     def _transport_error(self, run: _Run, error: BaseException, in_vote: bool = False) -> RefitError:
-        """A dead receiver or a timeout during refit ``run``. Before the vote no receiver can commit it (they
-        commit only after a vote that this failure breaks for every rank). Inside the vote itself, a rank
-        that died after its own row left can leave receivers that already hold every row (all yes)
-        committed: the message says so."""
+        """A dead receiver or a timeout during refit ``run``: before the vote no receiver commits; within it,
+        those that had every row may have (the message says so)."""
         outcome = ("receivers that had every vote may have committed it, the others keep their previous "
                    "weights: refit again" if in_vote else
                    "no receiver commits this refit (each keeps its previous weights)")
@@ -334,9 +288,8 @@ class StreamSender:
                           kept_version=run.version - 1)
 
     def _abort(self, run: _Run, error: BaseException) -> bool:
-        """Send the buckets not posted yet (unused content) and an abort trailer, so receivers drain the same
-        bytes and fail at once (they all reject in the vote that follows). True when it went out; a transport
-        failure meanwhile is noted on ``error`` (which the caller raises) and gives False."""
+        """Send the buckets not posted yet and an abort trailer, so receivers fail at once and stay in step;
+        False (with a note on ``error``) when the transport failed meanwhile."""
         try:
             self._drain(run)
             buf = self._packbuf[0]

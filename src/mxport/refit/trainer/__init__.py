@@ -1,10 +1,5 @@
-"""What a trainer rank holds, and its bytes after every optimizer step.
-
-- :mod:`.whole`: :class:`TrainerSource`, a whole model (one rank: the plan, and per refit its tensors,
-  quantized lazily, optionally straight into a send buffer laid out as the byte stream);
-- :mod:`.dtensor`: :class:`ShardedTrainerSource`, one rank of a ``DTensor`` model (FSDP2, tensor parallel);
-- :mod:`.held`: :class:`HeldTensorsSource`, named tensors (or ranges of them) a rank holds.
-"""
+"""What a trainer rank holds, and its bytes after every optimizer step: :mod:`.whole` (a whole model),
+:mod:`.dtensor` (one rank of a ``DTensor`` model), :mod:`.held` (named tensors, or ranges of them)."""
 
 from .dtensor import ShardedTrainerSource
 from .held import HeldTensorsSource

@@ -1,23 +1,21 @@
-"""The trainer side of a sharded refit for a ``DTensor`` model: :class:`ShardedTrainerSource` (FSDP2
-``fully_shard``, tensor parallel ``parallelize_module``, plain tensors held whole). Its plan tensors are
-exactly those of :class:`~mxport.refit.TrainerSource` on the same model unsharded (it builds one: a
-``DTensor`` reports its full shape), and the bytes of each rank's box are those of quantizing the full tensor,
-cut with the box (:func:`mxport.sources.quantize_local`)."""
+""":class:`ShardedTrainerSource`: the trainer side of a sharded refit for a ``DTensor`` model (FSDP2, tensor
+parallel, plain tensors held whole)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ...export import export_components
+from ...nn import plain_float
+from ...quantize import quantize
+from ...sources.dtensor import gather_dims, is_dtensor, local_and_offset, normalized_placement, quantize_local
 from ..mesh import Box, Holding, Local, checked_local, scales_box, tensor_infos
 from .whole import TrainerSource, kept_wire_dtype
 
 
 def _dtensor_box(t) -> Box:
-    """This rank's box of a ``DTensor`` (torch's own local shape and global offset), checked to be a range of
-    the full tensor per dimension."""
-    from ...sources.dtensor import gather_dims, local_and_offset, normalized_placement
-
+    """This rank's box of a ``DTensor``, checked to be a range of the full tensor per dimension."""
     placements = tuple(normalized_placement(p, t.dim()) for p in t.placements)
     gather_dims(tuple(t.shape), tuple(t.device_mesh.shape), placements)  # refuses shards that are not ranges
     local, offset = local_and_offset(t, placements)
@@ -28,30 +26,19 @@ class ShardedTrainerSource:
     """The trainer side of a sharded refit for one rank of a ``DTensor`` model.
 
     Args:
-        model: the rank's model; parameters ``DTensor`` s (FSDP2 ``fully_shard``, ``parallelize_module`` on a
-            ``DeviceMesh``: ``Shard`` / ``_StridedShard`` placements whose shards are ranges, ``Replicate``)
-            or plain tensors (held whole by this rank, e.g. an embedding left unsharded). Native MXFP8 storage
-            held whole is exported as is, as :class:`~mxport.refit.TrainerSource` does.
+        model: the rank's model: ``DTensor`` parameters (``Shard`` / ``_StridedShard`` placements whose shards
+            are ranges, ``Replicate``) or plain tensors held whole.
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
 
-    The plan tensors (names, roles, dtypes, full shapes, in order) are those of
-    :class:`~mxport.refit.TrainerSource` on the same model unsharded: the policy decides on the full shapes,
-    so every rank, and an engine that needs the whole model, agree.
-
-    Boxes (:attr:`holdings`): values, the local shard's box; kept tensors, the same; scales, the same rows and
-    every block overlapping the local K range. Where blocks would straddle K shards (a local K that is not a
-    multiple of 32, e.g. RowwiseParallel K = 96 over 2 ranks), :func:`~mxport.sources.quantize_local` gathers
-    K and quantizes the gathered tensor: the values are still exactly the local slice, and the block the two
-    ranks share is held by both with the same byte (computed from the whole block). Every byte is that of
-    quantizing the full tensor, cut with the box.
+    Its plan tensors are :class:`~mxport.refit.TrainerSource`'s on the model unsharded. Boxes
+    (:attr:`holdings`): the local shard's; scales, its rows and every block it overlaps (a block straddling K
+    shards is quantized from the gathered K and held by both). Every byte is that of quantizing the full
+    tensor, cut with the box.
     """
 
     def __init__(self, model: nn.Module, policy=None, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                  kept_dtype: torch.dtype | None = None, kernel: str | None = None):
-        from ...sources.dtensor import is_dtensor
-
-        base = TrainerSource(model, policy, fp8_dtype=fp8_dtype,
-                             kept_dtype=kept_dtype, kernel=kernel)
+        base = TrainerSource(model, policy, fp8_dtype=fp8_dtype, kept_dtype=kept_dtype, kernel=kernel)
         self.fp8_dtype, self.kept_dtype, self.kernel = fp8_dtype, kept_dtype, kernel
         self.plan = base.plan  # the global plan: full shapes
         self._tensors = list(zip(base.tensors_by_name, base.quantized, strict=True))
@@ -67,14 +54,8 @@ class ShardedTrainerSource:
 
     @torch.no_grad()
     def local(self) -> Local:
-        """``{name: (box, tensor)}`` of this rank's bytes of the CURRENT weights (call once per refit, after
-        the optimizer step). A collective where a ``DTensor`` needs a gather: every rank of its mesh calls
-        :meth:`local` at the same time (tensors go in the same order on every rank)."""
-        from ...export import export_components
-        from ...nn import plain_float
-        from ...quantize import quantize
-        from ...sources.dtensor import is_dtensor, quantize_local
-
+        """``{name: (box, tensor)}`` of this rank's current bytes, once per refit; a collective where a
+        ``DTensor`` needs a gather."""
         out: Local = {}
         held = iter(self.holdings)
         for (_, t), q in self._tensors:

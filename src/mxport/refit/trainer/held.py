@@ -1,7 +1,5 @@
-"""The trainer side of a sharded refit from named tensors a rank holds: :class:`HeldTensorsSource` —
-``(hf_name, tensor)`` items of the tensors a rank holds whole (pipeline stages, Megatron-Bridge
-``export_hf_weights``, verl's per-tensor generators) or ``(hf_name, tensor, dim, start, full_size)`` items of
-a range of one dimension (expert-parallel slices of fused 3-D experts)."""
+""":class:`HeldTensorsSource`: the trainer side of a sharded refit from the named tensors (or ranges of one
+dimension of them) a rank holds."""
 
 from __future__ import annotations
 
@@ -12,6 +10,8 @@ import torch
 from torch import nn
 
 from ...components import compact_scale_shape
+from ...policy import PrecisionPolicy
+from ...quantize import quantize
 from ..items import model_tensors, tensor_items
 from ..mesh import Box, Holding, Local, checked_local, scales_box, tensor_infos
 from .whole import kept_wire_dtype
@@ -19,8 +19,7 @@ from .whole import kept_wire_dtype
 
 @dataclass(frozen=True)
 class HeldItem:
-    """What one item of a rank holds: its ``box`` of the tensor ``name`` of full shape ``full_shape``, in
-    ``dtype`` (the whole tensor: the full box)."""
+    """What one item holds: its ``box`` of tensor ``name`` of full shape ``full_shape``, in ``dtype``."""
 
     name: str
     dtype: torch.dtype
@@ -29,8 +28,7 @@ class HeldItem:
 
 
 def _held_item(obj, i: int) -> tuple[HeldItem, torch.Tensor]:
-    """Check one ``(name, tensor)`` / ``(name, tensor, dim, start, full_size)`` item: what it holds, and the
-    tensor."""
+    """One checked ``(name, tensor[, dim, start, full_size])`` item: what it holds, and the tensor."""
     if not isinstance(obj, tuple) or len(obj) not in (2, 5):
         raise ValueError(f"items() item {i}: expected (hf_name, tensor) or (hf_name, tensor, dim, start, "
                          f"full_size), got {type(obj).__name__} {obj!r:.80}")
@@ -68,7 +66,7 @@ def _held_items(items: Callable[[], Iterable]) -> list[HeldItem]:
 
 
 def _full_entries(names_and_shapes, held: list[HeldItem], policy) -> list[tuple[str, tuple, torch.dtype]]:
-    """The model's full list of ``(name, shape, dtype)`` the policy decides on (see HeldTensorsSource)."""
+    """The model's full list of ``(name, shape, dtype)`` the policy decides on."""
     if names_and_shapes is None:
         if policy.keep_last or policy.include or policy.exclude:
             raise ValueError("HeldTensorsSource: a policy with keep_last / include / exclude decides on the "
@@ -80,36 +78,24 @@ def _full_entries(names_and_shapes, held: list[HeldItem], policy) -> list[tuple[
 
 
 class HeldTensorsSource:
-    """The trainer side of a sharded refit for a rank that holds named tensors (whole, or a range of one
-    dimension), not a ``DTensor`` model.
+    """The trainer side of a sharded refit for a rank that holds named tensors, not a ``DTensor`` model.
 
     Args:
-        items: a callable returning an iterable of ``(hf_name, tensor)`` (the rank holds the whole tensor:
-            pipeline stages, Megatron-Bridge ``export_hf_weights``, verl's per-tensor generators) or
-            ``(hf_name, tensor, dim, start, full_size)`` (the rank holds ``[start, start +
-            tensor.shape[dim])`` of dimension ``dim`` of a tensor whose full size there is ``full_size``,
-            e.g. its experts of a fused 3-D expert weight, ``dim`` 0). Called once here (to learn what the
-            rank holds), then once per :meth:`local`; it must yield the same names, shapes and dtypes.
-        names_and_shapes: the WHOLE model's tensors, for the policy: ``(name, full shape, dtype)`` entries
-            in model order, or an ``nn.Module`` (typically built on the meta device from the model's config,
-            ``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``) whose
-            :func:`~mxport.refit.items.model_tensors` are taken. Names must be the names ``items`` yields.
-            None: decide on this rank's own items, allowed only for a policy whose decisions do not depend on
-            the rest of the model (no ``keep_last``, ``include``, ``exclude``; the default policy).
+        items: a callable returning ``(hf_name, tensor)`` items (held whole) or ``(hf_name, tensor, dim,
+            start, full_size)`` (``[start, start + tensor.shape[dim])`` of dimension ``dim``, e.g. a rank's
+            experts); called here and once per :meth:`local`, with the same names, shapes and dtypes.
+        names_and_shapes: the WHOLE model's ``(name, full shape, dtype)`` in model order (or an ``nn.Module``,
+            e.g. on the meta device), for the policy. None: this rank's items, for a policy without
+            ``keep_last`` / ``include`` / ``exclude``.
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
 
-    The policy decides once on the whole model's list, so ranks holding different subsets agree with each
-    other and with an engine that holds everything (e.g. ``keep_last=1`` on pipeline stage 0, which sees no
-    last layer). A slice along K must be whole blocks (its start a multiple of 32, its end one or K), else
-    ValueError: its scales would need the rest of the row. The bytes are those of quantizing the full tensor,
-    cut with the box (rowwise blocks never cross rows).
+    A slice along K must be whole blocks of 32 (else ValueError). The bytes are those of quantizing the full
+    tensor, cut with the box.
     """
 
     def __init__(self, items: Callable[[], Iterable], *, names_and_shapes=None, policy=None,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
                  kernel: str | None = None):
-        from ...policy import PrecisionPolicy
-
         policy = PrecisionPolicy() if policy is None else policy
         self.items, self.fp8_dtype, self.kept_dtype, self.kernel = items, fp8_dtype, kept_dtype, kernel
         held = _held_items(items)
@@ -144,13 +130,8 @@ class HeldTensorsSource:
 
     @torch.no_grad()
     def local(self) -> Local:
-        """``{name: (box, tensor)}`` of this rank's bytes of the current tensors: one pass over ``items()``,
-        each tensor quantized as it comes (the items are not all kept alive at once).
-
-        Raises:
-            ValueError: ``items()`` now yields other names, shapes, ranges or dtypes than at construction."""
-        from ...quantize import quantize
-
+        """``{name: (box, tensor)}`` of this rank's current bytes, one pass over ``items()``; ValueError when
+        they differ from construction."""
         out: Local = {}
         for i, obj in enumerate(self.items()):
             h, t = _held_item(obj, i)

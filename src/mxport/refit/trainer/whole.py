@@ -1,16 +1,22 @@
-"""The trainer side of a refit: :class:`TrainerSource` — the plan from the trainer's model and the precision
-policy, and per refit the tensors to send (quantized lazily; optionally written straight into a send buffer
-laid out as the plan's byte stream, :mod:`mxport.refit.arena`)."""
+""":class:`TrainerSource`: a whole model's plan, and per refit its tensors, quantized lazily (optionally
+straight into a send buffer laid out as the byte stream)."""
 
 from __future__ import annotations
 
 import bisect
+import zlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ...components import compact_scale_shape
+from ...export import export_components
+from ...nn import plain_float
+from ...policy import PrecisionPolicy
+from ...quantize import quantize
+from ...sources.discover import is_mxfp8_producer
+from ...sources.dtensor import is_dtensor
 from ..arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
 from ..buckets import ChunkSums, checksum
 from ..items import model_tensors, tensor_items
@@ -22,34 +28,12 @@ BATCH_NUMEL = 1 << 22
 
 
 def kept_wire_dtype(t: torch.Tensor, kept_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a kept tensor travels in: ``kept_dtype`` for floating-point tensors, else its own (integer
-    and bool buffers are never cast)."""
+    """The dtype a kept tensor travels in: ``kept_dtype`` for floating-point tensors, else its own."""
     return kept_dtype if kept_dtype is not None and t.is_floating_point() else t.dtype
 
 
-def _native_components(tensors: list[tuple[str, object]]) -> dict:
-    """Components (views) of the entries that are native MXFP8 producers (TE, torchao, Megatron storage), by
-    name: their plan items come from the components (Megatron's ``MXFP8Tensor`` has no ``shape`` / ``dtype``;
-    a TE tensor reports its nominal bf16)."""
-    from ...export import export_components
-    from ...sources.discover import is_mxfp8_producer
-
-    return {n: export_components(t) for n, t in tensors if is_mxfp8_producer(t)}
-
-
-def _device_of(tensors: list[tuple[str, object]], native: dict) -> torch.device:
-    """The device of the model's first tensor (a native producer's: its values' device)."""
-    if not tensors:
-        return torch.device("cpu")
-    name, t = tensors[0]
-    return native[name].data.device if name in native else t.device
-
-
 def _whole(t):
-    """``t`` whole: a DTensor (an FSDP2 / tensor-parallel shard) gathered with ``full_tensor()`` (a collective
-    over its mesh: every rank of it must iterate in the same order), anything else as it is."""
-    from ...sources.dtensor import is_dtensor
-
+    """``t`` whole: a DTensor gathered with ``full_tensor()`` (a collective over its mesh)."""
     return t.full_tensor() if is_dtensor(t) else t
 
 
@@ -57,52 +41,32 @@ class TrainerSource:
     """The trainer side: the plan (built once) and, per refit, the tensors to send in plan order.
 
     Args:
-        model: the trainer's model with high-precision master weights (or native MXFP8 storage, exported
-            as is). DTensor parameters (FSDP2, tensor parallel) are gathered whole with ``full_tensor()`` at
-            each refit, a collective: every rank of their mesh must iterate :meth:`tensors` together.
-        policy: a :class:`mxport.policy.PrecisionPolicy` (None = default: linear weights MXFP8; embeddings,
-            lm_head, norms, routers kept).
+        model: the trainer's model (master weights, or native MXFP8 storage exported as is); DTensor
+            parameters are gathered whole, a collective: every rank of their mesh iterates :meth:`tensors`
+            together.
+        policy: a :class:`mxport.policy.PrecisionPolicy` (None: linear weights MXFP8, the rest kept).
         fp8_dtype: element format of quantized weights.
-        kept_dtype: dtype kept tensors travel in (must be the receiver's); None = their own dtype.
-        kernel: the quantize kernel (``"native"``, ``"compiled"``, ``"eager"``; None = the fastest that takes
-            each weight, see :func:`mxport.quantize`). Every kernel gives the same bytes.
-        arena: keep one send buffer laid out as the whole plan's byte stream (:func:`allocate_targets` on the
-            weights' device, ``plan.total_bytes``, allocated here) so that :class:`~mxport.refit.RefitSender`
-            sends every bucket straight from it, without packing, and nothing is allocated per refit.
-            Quantized weights are written into it by ``quantize(..., out=...)``. A kept tensor (embedding,
-            norms) that owns its whole storage alone (no other parameter or buffer of the model, persistent or
-            not, shares it) and already has the planned dtype and the buffer's device is *adopted*, here: its
-            bytes are copied in and its ``.data`` becomes its view of the buffer (like Megatron's contiguous
-            parameter buffer), so the optimizer updates it in place there and a refit never copies it; the
-            parameter objects, their values, gradients and the optimizer's references are unchanged, their
-            addresses are not — build the source before capturing CUDA graphs of the training step (a graph
-            captured earlier keeps writing the old, freed storage). Any other kept tensor (another dtype, a
-            view of a larger storage, one whose ``.data`` was replaced since) and any weight exported from
-            native MXFP8 storage are copied in at every refit. References to an adopted tensor's old storage
-            taken before (a ``p.data`` kept elsewhere) no longer follow the parameter, and ``torch.save`` of
-            an adopted tensor (or of a ``state_dict``) writes the whole send buffer it is a view of, once
-            (``save_pretrained`` / safetensors write each tensor's own bytes). Costs about the model's refit
-            size for the trainer's lifetime, less the adopted tensors' old storage; off by default.
-            With it the source also gives each bucket's checksum without reading the bucket
-            (:meth:`stream_checksum`, for ``RefitSender.send(..., checksums=...)``).
+        kept_dtype: dtype kept tensors travel in (the receiver's); None = their own dtype.
+        kernel: the quantize kernel (None = the fastest that takes each weight; all give the same bytes).
+        arena: keep one send buffer laid out as the byte stream, so every bucket is sent without packing:
+            weights are quantized into it; kept tensors that own their storage in the planned dtype and device
+            are *adopted* (``.data`` rebound to their view, so the optimizer updates them there; same objects,
+            new addresses: build it before capturing CUDA graphs), the rest copied in at each refit. Enables
+            :meth:`stream_checksum`.
 
-    Quantized tensors travel as values (``fp8_dtype``, the weight's shape) and rowwise E8M0 scales (uint8,
-    ``(*shape[:-1], ceil(K/32))``); quantization follows :func:`mxport.quantize` (rceil). Native MXFP8 storage
-    (TE ``MXFP8Tensor`` / ``GroupedTensor`` parameters, torchao ``MXTensor``, Megatron ``MXFP8Tensor`` module
-    attributes, found by :func:`mxport.sources.native_tensors`) is always sent as values and scales in its own
-    element format, exported as is.
+    Quantized weights travel as values and rowwise E8M0 scales (``(*shape[:-1], ceil(K/32))``), rceil as
+    :func:`mxport.quantize`; native MXFP8 storage as its own values and scales.
     """
 
     def __init__(self, model: nn.Module, policy=None, *,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
                  arena: bool = False, kernel: str | None = None):
-        from ...policy import PrecisionPolicy
-
         policy = PrecisionPolicy() if policy is None else policy
         self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
         self.tensors_by_name = model_tensors(model)
         self.kernel = kernel
-        native = _native_components(self.tensors_by_name)
+        # native MXFP8 storage (TE, torchao, Megatron): its plan items come from its components
+        native = {n: export_components(t) for n, t in self.tensors_by_name if is_mxfp8_producer(t)}
         decisions = policy.decide_all([(n, tuple(native[n].shape), native[n].data.dtype) if n in native else
                                        (n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
         self.quantized = [d.name in native or d.quantize for d in decisions]
@@ -117,22 +81,19 @@ class TrainerSource:
             else:
                 items += tensor_items(name, kept_wire_dtype(t, kept_dtype), t.shape)
         self.plan = RefitPlan(items)
-        self._device = _device_of(self.tensors_by_name, native)
+        first, t = self.tensors_by_name[0]  # the plan has a tensor: the device of the first (its values')
+        self._device = native[first].data.device if first in native else t.device
         self.arena = bool(arena)
         self._slots: list[torch.Tensor] | None = self._arena_slots() if self.arena else None
         self._complete = False  # the last tensors() call ran to its end (stream_crc32 covers a whole refit)
-        # the stream's word sums per checksum chunk, of the quantized bytes (added by the quantize kernel as
-        # it writes them); entries summed there, and entries yielded, by the current tensors() call
-        self._sums = ChunkSums(self.plan, self._device) if self.arena else None
+        self._sums = ChunkSums(self.plan, self._device) if self.arena else None  # summed as written
         self._starts = [e.offset for e in self.plan.entries]
         self._stream = stream_arena(self.plan, self._slots) if self.arena else None  # the buffer, flat
-        self._summed = [False] * len(self.plan)
-        self._yielded = 0
+        self._summed, self._yielded = [False] * len(self.plan), 0  # by the current tensors() call
 
     @torch.no_grad()
     def _arena_slots(self) -> list[torch.Tensor]:
-        """Per plan entry, its view of the send buffer (the whole stream); adopts the kept tensors it can (see
-        ``arena`` in the class doc)."""
+        """Per plan entry, its view of the send buffer; adopts the kept tensors it can."""
         slots = allocate_targets(self.plan, self._device)
         users = storage_users(self.model)
         i = 0
@@ -143,18 +104,8 @@ class TrainerSource:
         return slots
 
     def stream_crc32(self) -> int:
-        """CRC-32 (``zlib.crc32``) of the send buffer as it is now, laid out as the plan's byte stream
-        (padding zero): right after a refit of a complete :meth:`tensors` call, and before the trainer changes
-        its weights again (the adopted kept tensors live in the buffer), it is the CRC of what was sent — the
-        value a receiver's :meth:`~mxport.refit.RefitReceiver.live_crc32` must equal. Computed outside the
-        refit (about 3 GB/s on CPU), so a bit-exactness check does not slow the send. 0 for a plan of empty
-        tensors.
-
-        Raises:
-            ValueError: without ``arena=True``, or when no :meth:`tensors` call has run to its end.
-        """
-        import zlib
-
+        """``zlib.crc32`` of the send buffer now: right after a refit of a complete :meth:`tensors` call, what
+        a receiver's ``live_crc32`` must equal. ValueError without ``arena=True`` or a complete call."""
         if not self.arena or not self._complete:
             raise ValueError("stream_crc32() needs TrainerSource(arena=True) and a tensors() call that ran "
                              "to its end (a complete refit) before it")
@@ -163,13 +114,8 @@ class TrainerSource:
 
     @torch.no_grad()
     def tensors(self) -> Iterator[torch.Tensor]:
-        """Yield the current weights in plan order, quantizing lazily (one weight at a time). With ``arena``
-        the yielded tensors are views of the send buffer: quantized ones hold this call's bytes until the next
-        call, adopted kept ones *are* the trainer's parameters (they change when the optimizer steps)."""
-        from ...export import export_components
-        from ...nn import plain_float
-        from ...quantize import quantize
-
+        """Yield the current weights in plan order, quantized lazily; with ``arena``, views of the send buffer
+        (adopted kept ones *are* the parameters)."""
         slots = self._slots
         self._complete = False
         self._summed, self._yielded = [False] * len(self.plan), 0
@@ -200,33 +146,25 @@ class TrainerSource:
                 x = _whole(t).detach()
                 want = kept_wire_dtype(x, self.kept_dtype)
                 if slots is not None and x.shape == slots[i].shape and want == slots[i].dtype:
-                    slot = slots[i]
-                    # not adopted: copy (and cast) in
-                    if x.data_ptr() != slot.data_ptr() or x.dtype != slot.dtype:
-                        self._copy_in(i, x)
+                    if x.data_ptr() != slots[i].data_ptr() or x.dtype != slots[i].dtype:  # not adopted
+                        self._copy_in(i, x)  # copy (and cast) in
                     self._yielded = i + 1
-                    yield slot
-                else:
-                    # (a tensor whose dtype or shape drifted from the plan goes out as is:
-                    # the sender refuses it)
+                    yield slots[i]
+                else:  # a tensor that drifted from the plan goes out as is: the sender refuses it
                     self._yielded = i + 1
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
         self._complete = True
 
     def _copy_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Copy (and cast) ``x`` into entry ``i``'s slot of the send buffer, summing its bytes as they are
-        written (:meth:`ChunkSums.copy_in`): :meth:`stream_checksum` then never reads them again."""
+        """Copy (and cast) ``x`` into entry ``i``'s slot, summing its bytes as they are written."""
         self._sums.copy_in(self._slots[i], x, self.plan.entries[i].offset)
         self._summed[i] = True
         return self._slots[i]
 
     def _quantize_run(self, idx: int, i: int) -> int:
-        """Quantize entry ``idx`` (a plain-float weight, send-buffer slots ``i``, ``i + 1``) and the
-        plain-float weights that follow it, up to :data:`BATCH_NUMEL` elements, into their slots with one
-        :func:`mxport.quantize.quantize_many` call (the bytes of per-weight ``quantize``); return the index of
-        the first entry not done."""
-        from ...nn import plain_float
+        """Quantize entry ``idx`` (slots ``i``, ``i + 1``) and the plain-float weights after it, up to
+        :data:`BATCH_NUMEL` elements, in one ``quantize_many`` call; return the first entry not done."""
         from ...quantize import quantize_many
 
         xs, outs, entries, numel, end = [], [], [], 0, idx
@@ -243,22 +181,14 @@ class TrainerSource:
         return end
 
     def stream_checksum(self, start: int, size: int) -> int:
-        """The refit checksum (:func:`~mxport.refit.buckets.checksum`) of the stream bytes ``[start, start +
-        size)`` (a bucket, whatever the stream's bucket size) that the current :meth:`tensors` call yields,
-        once it has yielded every tensor with bytes there. For a bucket of whole
-        :data:`~mxport.refit.buckets.SUM_CELL` cells (any bucket size that is a multiple of 4 KiB) without
-        reading the bucket: the quantized weights' bytes were summed by the quantize kernel as it wrote them
-        (native: in cache, no pass of its own), and the tensors copied or cast into the send buffer (kept
-        tensors, native MXFP8 storage) as they were copied in; only the adopted kept tensors' bytes (the
-        trainer's own parameters, which the optimizer changes in place) are summed now, from the send buffer,
-        as they are. Any other range is summed from the send buffer. For ``RefitSender.send(source.tensors(),
-        checksums=source.stream_checksum)``: the sender asks after posting the bucket, so the adopted tensors
-        are summed while it is on the wire.
+        """The refit checksum of the stream bytes ``[start, start + size)`` the current :meth:`tensors` call
+        has yielded (for ``send(..., checksums=source.stream_checksum)``): for whole
+        :data:`~mxport.refit.buckets.SUM_CELL` cells only the adopted tensors are read, the rest was summed as
+        it was written.
 
         Raises:
-            ValueError: without ``arena=True``, a range outside the stream, or one that does not start and
-            end on 8-byte words (the checksum sums int64 words). RuntimeError: some tensor of the range not
-            yielded yet.
+            ValueError: without ``arena=True``, a range outside the stream or not on 8-byte words.
+            RuntimeError: a tensor of the range not yielded yet.
         """
         if self._sums is None:
             raise ValueError("stream_checksum() needs TrainerSource(arena=True)")
