@@ -6,7 +6,7 @@ import threading
 import torch
 
 from mxport.refit import Box, Holding, InProcessChannel, MeshPlan
-from mxport.refit.attest import attest_round
+from mxport.refit.attest import PieceDigests, attest_round
 from mxport.refit.mesh import TensorInfo, local_part
 
 W = TensorInfo("w", "kept", "float32", (4, 8))
@@ -25,7 +25,7 @@ def _run(tamper_engine: int | None) -> list:
     ch, out = InProcessChannel(2, timeout_s=30), [None] * 3
 
     def rank(r: int) -> None:
-        out[r] = attest_round(ch.endpoint(r), mesh, lambda n, box: local_part(held[r], n, box))
+        out[r] = attest_round(ch.endpoint(r), mesh, PieceDigests(lambda n, box: local_part(held[r], n, box)))
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
     for t in threads:

@@ -1042,7 +1042,8 @@ def _send_and_attest(sender: RefitSender, local: Mapping):
     """One refit from this trainer rank (``local``: its ``{name: (box, tensor)}``), then the attestation round
     the engine ranks join once they have applied it: ``(send stats, routes whose ends disagree)``."""
     stats = sender.send_local(local)
-    return stats, attest_round(sender.world, sender.mesh, lambda name, box: local_part(local, name, box))
+    digest = PieceDigests(lambda name, box: local_part(local, name, box))
+    return stats, attest_round(sender.world, sender.mesh, digest)
 
 
 def _sharded_source(source, plan: RefitPlan):

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel import Layout, attention_problem
-from ..refit.engine.slices import engine_boxes
-from ..refit.mesh import Box, Holding, TensorInfo, scales_box
+from ..parallel import Layout
+from ..refit.engine.slices import engine_holdings
+from ..refit.mesh import Box, Holding, TensorInfo
 from ..refit.plan import RefitPlan
 
 PATHS = ("in_place", "redispatch", "dequant", "layerwise")
@@ -87,32 +87,19 @@ def _vocab_rows(model: torch.nn.Module, module_name: str) -> tuple[int, int] | N
 
 def worker_holdings(plan: RefitPlan, model: torch.nn.Module, *, tp: int, rank: int,
                     kv_heads: int | None = None) -> list[Holding]:
-    """What tensor-parallel rank ``rank`` of ``tp`` of the vLLM ``model`` needs of ``plan`` (see the module
-    doc): one holding per plan entry, or several for a tensor whose rank's part is several boxes.
+    """What tensor-parallel rank ``rank`` of ``tp`` of the vLLM ``model`` needs of ``plan``: vLLM's slicing
+    (:func:`mxport.refit.engine_holdings`), a vocabulary's rows from the layer's own ``shard_indices``.
 
     Raises:
         ValueError: a layout vLLM refuses (attention heads, KV heads), a K split that cuts MXFP8 blocks."""
-    config = getattr(model, "config", None)
-    problem = attention_problem(tp, getattr(config, "num_attention_heads", None), kv_heads)
-    if problem:
-        raise ValueError(f"engine layout tp={tp}: {problem}")
-    layout, fused_of = Layout(tp=tp), _fused_of(model)
-    out: list[Holding] = []
-    values: list[Holding] = []
-    for e in plan.entries:
-        info = TensorInfo(e.name, e.role, e.dtype, tuple(e.shape))
-        module, _, _ = _target(e.name, fused_of)
-        vocab = _vocab_rows(model, module) if module.endswith(_VOCAB_NAMES) else None
-        if e.role == "scales" and values:
-            boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
-        elif vocab is not None:
-            boxes = [Box.along(info.shape, 0, *vocab)]
-        else:
-            boxes = engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
-        held = [Holding(info, box) for box in boxes]
-        out += held
-        values = held if e.role == "values" else []
-    return out
+    fused_of = _fused_of(model)
+
+    def vocab(info: TensorInfo) -> list[Box] | None:
+        module = _target(info.name, fused_of)[0]
+        rows = _vocab_rows(model, module) if module.endswith(_VOCAB_NAMES) else None
+        return [Box.along(info.shape, 0, *rows)] if rows is not None else None
+
+    return engine_holdings(model, Layout(tp=tp), rank, kv_heads=kv_heads, plan=plan, boxes_of=vocab)
 
 
 def _kernel_name(mod: torch.nn.Module) -> str:

@@ -36,7 +36,8 @@ def engine_boxes(name: str, shape: tuple[int, ...], layout: Layout, rank: int, k
     return [Box.along(shape, dim, a, b) for a, b in shard.ranges(shape[dim], part)]
 
 
-def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: int | None = None
+def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: int | None = None,
+                    plan=None, boxes_of: Callable[[TensorInfo], list[Box] | None] | None = None
                     ) -> list[Holding]:
     """What engine rank ``rank`` of a vLLM-style ``layout`` (``tp * ep`` ranks) needs of a
     :func:`mxport.nn.quantize_model` 'd model: the :func:`~mxport.refit.receiver_plan` tensors, each with the
@@ -44,7 +45,8 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
     tp``, KV heads fewer than ``tp`` shared by ``tp // kv_heads`` ranks, experts ``[rank * n, (rank + 1) *
     n)`` at ``ep > 1``, the rest whole; scales follow their values). A fused ``experts.gate_up_proj`` at tp >
     1 gives two holdings, gate rows then up rows, as vLLM's ``w13_weight``. ``kv_heads``: None =
-    ``model.config.num_key_value_heads``.
+    ``model.config.num_key_value_heads``. ``plan``: the tensors instead of the model's (an engine's own model,
+    e.g. vLLM's); ``boxes_of(info)``: an engine's own boxes of a values or kept tensor (None: the rule above).
 
     Raises:
         ValueError: ``rank`` outside ``[0, tp * ep)``; a layout with ``fsdp`` or ``pp``; a row-parallel K
@@ -62,7 +64,7 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
     problem = attention_problem(layout.tp, getattr(config, "num_attention_heads", None), kv_heads)
     if problem:
         raise ValueError(f"engine layout {layout}: {problem}")
-    plan, _ = receiver_plan(model)
+    plan = plan if plan is not None else receiver_plan(model)[0]
     out: list[Holding] = []
     values: list[Holding] = []
     for e in plan.entries:
@@ -70,7 +72,8 @@ def engine_holdings(model: nn.Module, layout: Layout, rank: int, *, kv_heads: in
         if e.role == "scales" and values:
             boxes = [scales_box(v.box, v.tensor.shape, name=v.tensor.name, whole_blocks=True) for v in values]
         else:
-            boxes = engine_boxes(e.name, info.shape, layout, rank, kv_heads, e.role == "values")
+            boxes = (boxes_of(info) if boxes_of is not None else None) or engine_boxes(
+                e.name, info.shape, layout, rank, kv_heads, e.role == "values")
         held = [Holding(info, box) for box in boxes]
         out += held
         values = held if e.role == "values" else []
