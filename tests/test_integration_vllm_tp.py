@@ -163,3 +163,22 @@ def test_two_fsdp2_trainer_ranks_each_send_their_own_pieces(tmp_path):
             assert harness.slice_mismatches(s, step) == []
     finally:
         s.close()
+
+
+def test_a_bf16_decoding_emulation_kernel_is_refitted_in_place_and_attested(tmp_path):
+    """vLLM's default CPU emulation decodes MXFP8 weights to BF16 at load: those layers take the dequant path
+    (FP8 staged, the live BF16 weight decoded in place) and attest by re-encoding it with the live scales."""
+    import json
+    from pathlib import Path
+
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2)
+    mxport = str(Path(sys.executable).with_name("mxport"))
+    proc = subprocess.run([mxport, "refit", str(src), "--engine", "vllm", "--steps", "2", "--json", "-"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in json.loads(proc.stdout)["steps"]:
+        assert row["bit_exact"] and row["attested"] and row["pointers_stable"], row
+        assert row["ranks"][0]["apply_paths"]["dequant"] == 8  # every projection of the 2 layers

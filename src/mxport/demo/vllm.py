@@ -780,7 +780,10 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     v = min(gen["logp"].shape[-1], logp_train.shape[-1])
     kl = gen_kl_error(gen["logp"][:, :v], logp_train[:, :v])
     st, calls = ans["stats"], ans["engine_calls_s"]
-    sliced = session.tp > 1 or session.replicas
+    # the independent check reads vLLM's FP8 parameters: one engine of one worker that kept them (vLLM's
+    # default decodes MXFP8 to BF16 at load: there the workers' checkpoint-layout read-back is compared)
+    decoded = os.environ.get("VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD") != "0"
+    sliced = session.tp > 1 or session.replicas or decoded
     bad = slice_mismatches(session, step) if sliced else engine_mismatches(session, step)
     seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. prefix cache reset
     workers = session.engine_stats()
