@@ -182,3 +182,45 @@ def test_a_bf16_decoding_emulation_kernel_is_refitted_in_place_and_attested(tmp_
     for row in json.loads(proc.stdout)["steps"]:
         assert row["bit_exact"] and row["attested"] and row["pointers_stable"], row
         assert row["ranks"][0]["apply_paths"]["dequant"] == 8  # every projection of the 2 layers
+
+
+def test_a_tied_lm_head_follows_the_refit_as_a_fresh_engine_does(tmp_path):
+    """tie_word_embeddings: vLLM's lm_head shares the embedding's weight, and on CPUs each of the two layers
+    keeps its own packed copy for its GEMM: the refit re-packs both (the logits come from the lm_head's)."""
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2,
+                          tie_word_embeddings=True)
+    export_checkpoint(str(src), tmp_path / "mx")
+    s = harness.VllmRefitSession(str(src), str(tmp_path / "mx"), timeout_s=60, bucket_bytes=64 << 10)
+    try:
+        _refit_ok(s, 1)
+        assert harness.engine_mismatches(s, 1) == []
+        ours = [{"tokens": o["tokens"], "logprobs": o["logprobs"]}
+                for o in harness.generate(s.llm, PROMPTS, full=False)]
+    finally:
+        s.close()
+    mx = harness.export_step(str(src), 1, tmp_path)
+    dump = tmp_path / "fresh.pt"
+    proc = subprocess.run([sys.executable, "-c", _FRESH, mx, "1", str(dump)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ours == torch.load(dump)
+
+
+def test_column_parallel_biases_are_sliced_as_vllm_holds_them(tmp_path):
+    """Qwen2 (q / k / v biases, one KV head replicated over both workers) at tp=2: each worker gets its part
+    of each bias, at its offset in qkv_proj.bias; exact and attested (`mxport refit --engine vllm,tp=2`)."""
+    import json
+    from pathlib import Path
+
+    from mxport.testing import make_tiny_qwen2
+
+    src = make_tiny_qwen2(tmp_path / "qwen2", heads=2, kv_heads=1)
+    mxport = str(Path(sys.executable).with_name("mxport"))
+    proc = subprocess.run([mxport, "refit", str(src), "--engine", "vllm,tp=2", "--steps", "1", "--json", "-"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout)["steps"][0]
+    assert row["bit_exact"] and row["attested"] and row["kv_fresh"], row

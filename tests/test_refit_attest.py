@@ -39,3 +39,18 @@ def test_every_rank_learns_the_route_whose_engine_holds_other_bytes():
     assert _run(None) == [[], [], []]
     assert _run(2) == [[(0, 2)]] * 3
     assert _run(1) == [[(0, 1)]] * 3
+
+
+def test_the_digest_sees_order_every_byte_and_length():
+    from mxport.refit.attest import bytes_digest
+
+    t = torch.arange(4 * 64, dtype=torch.int32).reshape(4, 64).to(torch.uint8)
+    base = bytes_digest(t)
+    assert bytes_digest(t.clone()) == base
+    assert bytes_digest(t[[1, 0, 2, 3]]) != base  # two rows swapped: a word sum alone would not see it
+    flipped = t.clone()
+    flipped.view(-1)[77] ^= 1
+    assert bytes_digest(flipped) != base
+    odd = torch.arange(13, dtype=torch.uint8)
+    assert bytes_digest(odd) != bytes_digest(torch.cat([odd, torch.zeros(3, dtype=torch.uint8)]))
+    assert bytes_digest(t.view(-1)[3:20]) == bytes_digest(t.view(-1)[3:20].clone())  # unaligned view

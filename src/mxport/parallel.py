@@ -45,7 +45,9 @@ _ROW = re.compile(r"\.(o_proj|down_proj|w2|dense)\.weight$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|wte)\.weight$")
 _EXPERTS_COLUMN = re.compile(r"\.experts\.gate_up_proj$")
 _EXPERTS_ROW = re.compile(r"\.experts\.down_proj$")
-_KV = re.compile(r"\.(k_proj|v_proj)\.weight$")
+_KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
+#: a column-parallel layer's bias: split like its rows (a row-parallel bias stays whole on every rank)
+_COLUMN_BIAS = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3)\.bias$")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,9 @@ def engine_shard(name: str, shape: tuple[int, ...], engine: Layout, *, kv_heads:
     tp, ep = engine.tp, engine.ep
     if ep > 1 and len(shape) == 3 and (_EXPERTS_COLUMN.search(name) or _EXPERTS_ROW.search(name)):
         return Shard(0, tp * ep, _split(shape, 0, tp * ep))
+    if tp > 1 and len(shape) == 1 and _COLUMN_BIAS.search(name):
+        parts = min(tp, kv_heads) if kv_heads and _KV.search(name) else tp
+        return Shard(0, parts, _split(shape, 0, parts))
     if tp == 1 or len(shape) < 2:
         return Shard(None, 1, shape)
     if _EXPERTS_COLUMN.search(name) and len(shape) == 3:  # gate | up, each split (vLLM w13)

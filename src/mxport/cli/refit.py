@@ -147,7 +147,7 @@ def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
     name, e_layout = parse_engine(engine)
     t_layout = Layout.parse(trainer)
     sharded = t_layout.ranks > 1 or e_layout.ranks > 1
-    if name == "vllm" and (t_layout.ranks != t_layout.fsdp or e_layout.ep > 1):
+    if name == "vllm" and (t_layout.ranks != t_layout.fsdp or e_layout.ranks != e_layout.tp):
         raise ValueError(f"--engine vllm runs FSDP2 trainer ranks (--trainer fsdp=N) and a tensor-parallel "
                          f"engine (vllm,tp=N); --trainer {_ranks(str(t_layout))} / --engine {e_layout} run "
                          "with --engine mxport")

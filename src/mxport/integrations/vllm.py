@@ -424,7 +424,25 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         holdings = worker_holdings(plan, self.model, tp=tp, rank=rank, kv_heads=self._kv_heads())
         return holdings, *live_slices(self.model, holdings)
 
+    def _last_worker(self) -> bool:
+        """Whether an error raised here reaches the caller without leaving another worker's answer queued:
+        vLLM's multiprocess executor reads the workers' answers in rank order and stops at the first error
+        (``MultiprocExecutor.collective_rpc``), so only the last worker may raise."""
+        pc = self.parallel_config
+        return int(pc.rank) == int(pc.world_size) - 1
+
     def init_transfer_engine(self, init_info: MxportInitInfo) -> None:
+        """Check the plan against this worker, then join the trainer's group (see the class doc). A refusal
+        is the same on every worker (the same plan, the same model layout): with several workers only the
+        last raises it, the others log it (see :meth:`_last_worker`)."""
+        try:
+            self._init(init_info)
+        except Exception as exc:
+            if self._last_worker():
+                raise
+            log.error("mxport: init refused on this worker (the last worker raises it): %s", exc)
+
+    def _init(self, init_info: MxportInitInfo) -> None:
         plan = RefitPlan.from_canonical(init_info.plan)
         if plan.digest != init_info.plan_digest:
             raise ValueError(f"init_info plan digest {init_info.plan_digest[:12]} does not match its plan "
@@ -486,15 +504,19 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                 self._drop()
             raise
         t0 = time.perf_counter()
+        failed = None
         try:
             paths = apply_layers(self.layers)
-        except Exception as exc:
-            raise RuntimeError(
+        except Exception as exc:  # noqa: BLE001 - raised after the attestation round every rank waits in
+            failed = RuntimeError(
                 f"re-deriving the refitted layers failed ({type(exc).__name__}: {exc}); the bytes were "
-                "written, layers after the failure may not be usable: restart the engine") from exc
+                "written, layers after the failure may not be usable: restart the engine")
+            failed.__cause__ = exc
         apply_s = time.perf_counter() - t0
         digest = PieceDigests(checkpoint_part(self.live, self.layers))  # each live byte read once
-        bad = attest_round(self._world, self.mesh, digest)
+        bad = attest_round(self._world, self.mesh, digest, failed=failed is not None)
+        if failed is not None:
+            raise failed
         self.attested = tensor_digests(self.holdings, digest) if not bad else {}
         attest_s = time.perf_counter() - t0 - apply_s
         slice_bytes = sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in self.holdings)
@@ -508,7 +530,8 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
 
     def attest(self) -> dict:
         """This worker's live weights against the checksums attested at the last refit: ``{"rank",
-        "attested", "changed"}`` (the plan tensors whose live bytes differ, a stale derived copy included)."""
+        "attested", "changed"}`` (the plan tensors whose live bytes differ; see :func:`attest` for what is
+        read)."""
         from .vllm_slices import checkpoint_part, tensor_digests
 
         if not self.attested:
@@ -549,7 +572,10 @@ def _attest_worker(worker) -> dict:
 def attest(llm) -> list[dict]:
     """Attest a vLLM engine now: every worker re-reads its live weights in checkpoint layout and compares them
     with the checksums attested at its last refit. One ``{"rank", "attested", "changed"}`` per worker
-    (``changed``: the plan tensors whose live bytes differ -- a weight altered since, a stale derived copy).
+    (``changed``: the plan tensors whose live bytes differ -- a weight altered since). What is read: the live
+    parameters of ``in_place`` and ``redispatch`` layers, a ``dequant`` layer's BF16 decode re-encoded with its
+    live scales; a ``layerwise`` layer's checkpoint copy the kernel's own form was derived from (not the
+    derived form itself), and not the CPU GEMM's packed copy of a ``redispatch`` layer.
     ``llm``: anything with vLLM's ``collective_rpc`` (an ``LLM``, an engine client)."""
     return list(llm.collective_rpc(_attest_worker))
 
@@ -955,6 +981,10 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                 # MxportWeightTransferEngine.receive_weights): their update session is ended here either way
                 _each(lambda c: _rpc("finish_weight_update", c.finish_weight_update), clients)
             reset = all(_each(EngineCache.reset, self.caches))
+            if bad:  # the bytes were written and the vote passed, but an engine rank does not hold them
+                raise RefitError(f"attestation failed: the engine ranks of routes {bad} (trainer, engine "
+                                 "group ranks) hold other bytes than were sent, or could not re-derive "
+                                 "their layers (the workers' logs say which)")
         except BaseException:
             if started:  # a refit may have reached the engines' weights before the failure reached us
                 _each(EngineCache.reset_quietly, self.caches)
@@ -1055,6 +1085,9 @@ def _sharded_source(source, plan: RefitPlan):
     if model is None:
         raise ValueError("several trainer ranks (trainers > 1) need an MxportWeightSource over the rank's "
                          "DTensor model")
+    if source.nonzero_scales:
+        raise ValueError("nonzero_scales with several trainer ranks is not supported yet: send from one "
+                         "trainer rank (trainers=1), which gathers the model")
     sharded = ShardedTrainerSource(model, source.policy, kept_dtype=source.kept_dtype)
     if sharded.plan.digest != plan.digest:
         raise ValueError("the sharded model's plan is not the source's (another policy or dtype?)")

@@ -143,11 +143,11 @@ def _layer_of(model, module: str, names: set[str]) -> LayerApply:
         if missing:
             raise ValueError(f"{module}: its kernel {_kernel_name(mod)} keeps {missing}, which the refit "
                              "does not carry: this layer cannot be re-processed from the refit alone")
+    device = next((t.device for t in mod.parameters(recurse=False)), torch.device("cpu"))
     staged = {}
-    if path == "layerwise":
-        staged = {n: torch.zeros(recorded[n].shape, dtype=recorded[n].dtype) for n in recorded}
-    elif path == "dequant":
-        staged = {"weight": torch.zeros(recorded["weight"].shape, dtype=recorded["weight"].dtype)}
+    if path in ("layerwise", "dequant"):
+        staged = {n: torch.zeros(recorded[n].shape, dtype=recorded[n].dtype, device=device)
+                  for n in (recorded if path == "layerwise" else ["weight"])}
     return LayerApply(module, mod, path, _kernel_name(mod), staged)
 
 

@@ -4,25 +4,31 @@ against each trainer rank's of what it sent, per route, in one all-gather of one
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import torch
 
-from .buckets import checksum
 from .mesh import Box, MeshPlan, gather_checked
 
 _MASK = (1 << 63) - 1
+_CHUNK = 1 << 20  # words per weighted sum (bounds the position tensor)
 
 
 def bytes_digest(t: torch.Tensor) -> int:
-    """Digest of the bytes of ``t``: :func:`~mxport.refit.buckets.checksum` of its whole int64 words (several
-    times faster than CRC-32), CRC-32 of the bytes after them, and their count."""
+    """Order-sensitive digest of the bytes of ``t``, where they are (CPU or GPU): the wrapping sums of its
+    int64 words (zero-padded) plain and weighted by position, and its byte count."""
     b = t.contiguous().view(torch.uint8).reshape(-1)
-    n = b.numel() // 8 * 8
-    words = b[:n] if b.storage_offset() % 8 == 0 else b[:n].clone()
-    tail = zlib.crc32(b[n:].numpy().tobytes()) if n < b.numel() else 0
-    return (((checksum(words) if n else 0) & _MASK) ^ (tail << 31) ^ b.numel()) & _MASK
+    n = b.numel()
+    if n % 8 or b.storage_offset() % 8:
+        b = torch.cat([b, b.new_zeros(-n % 8)])
+    w = b.view(torch.int64)
+    plain = weighted = 0
+    for i in range(0, w.numel(), _CHUNK):
+        part = w[i:i + _CHUNK]
+        pos = torch.arange(i + 1, i + 1 + part.numel(), dtype=torch.int64, device=w.device)
+        plain += int(part.sum())
+        weighted += int((part * pos).sum())
+    return fold((plain & _MASK, weighted & _MASK, n))
 
 
 def fold(digests) -> int:
@@ -47,14 +53,16 @@ class PieceDigests(dict):
         return self[name, box]
 
 
-def attest_round(world, mesh: MeshPlan, digest: PieceDigests) -> list[tuple[int, int]]:
+def attest_round(world, mesh: MeshPlan, digest: PieceDigests, *, failed: bool = False
+                 ) -> list[tuple[int, int]]:
     """Exchange this rank's route digests with every rank; returns the ``(trainer, engine)`` routes whose two
-    ends disagree (empty: every engine rank holds exactly what was sent). Collective; RefitError if the group
+    ends disagree (empty: every engine rank holds exactly what was sent). ``failed``: this rank could not
+    apply the refit (it still takes part; its routes disagree). Collective; RefitError if the group
     failed."""
     row = torch.full((world.world_size,), -1, dtype=torch.int64)
     for r in mesh.routes_of(world.rank):
-        row[r.engine if world.rank == r.trainer else r.trainer] = fold(digest(p.tensor.name, p.box)
-                                                                      for p in r.pieces)
+        row[r.engine if world.rank == r.trainer else r.trainer] = -2 if failed else fold(
+            digest(p.tensor.name, p.box) for p in r.pieces)
     rows = torch.stack(gather_checked(world, row, "attestation"))
     t = mesh.num_trainers
     return [(a, b) for a in range(t) for b in range(t, len(rows)) if int(rows[a, b]) != int(rows[b, a])]
