@@ -572,10 +572,10 @@ def _attest_worker(worker) -> dict:
 def attest(llm) -> list[dict]:
     """Attest a vLLM engine now: every worker re-reads its live weights in checkpoint layout and compares them
     with the checksums attested at its last refit. One ``{"rank", "attested", "changed"}`` per worker
-    (``changed``: the plan tensors whose live bytes differ -- a weight altered since). What is read: the live
-    parameters of ``in_place`` and ``redispatch`` layers, a ``dequant`` layer's BF16 decode re-encoded with its
-    live scales; a ``layerwise`` layer's checkpoint copy the kernel's own form was derived from (not the
-    derived form itself), and not the CPU GEMM's packed copy of a ``redispatch`` layer.
+    (``changed``: the plan tensors whose live bytes differ -- a weight altered since). What is read: the
+    live parameters of ``in_place`` and ``redispatch`` layers, a ``dequant`` layer's BF16 decode re-encoded
+    with its live scales; a ``layerwise`` layer's checkpoint copy the kernel's own form was derived from (not
+    the derived form itself), and not the CPU GEMM's packed copy of a ``redispatch`` layer.
     ``llm``: anything with vLLM's ``collective_rpc`` (an ``LLM``, an engine client)."""
     return list(llm.collective_rpc(_attest_worker))
 
