@@ -414,8 +414,13 @@ def _bind_cpus(tp: int) -> None:
     """vLLM's CPU workers each bind to cores (``VLLM_CPU_OMP_THREADS_BIND``, one list per worker): one core
     each, round robin over this process's cores, unless the variable is set."""
     cores = sorted(os.sched_getaffinity(0))
-    binds = "|".join(str(cores[i % len(cores)]) for i in range(tp))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
+    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if len(given.split("|")) != tp:  # unset, "auto", or a list for another tp
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
+        import vllm.envs
+
+        # an engine started earlier in this process froze vLLM's view of the environment
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
 
 def start_engine(mx_dir: str, *, max_model_len: int | None = None, full_logprobs: bool = True, tp: int = 1):
@@ -594,7 +599,8 @@ class VllmRefitSession:
         self.authkey = secrets.token_hex(16)
         self.replicas = [ReplicaEngine(mx_dir, tp, max_model_len, self.authkey) for _ in range(replicas - 1)]
         self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len, tp=tp)
-        self.proc = self.conn = None
+        self.proc = self.conn = None  # trainer rank 0's process (the one on the pipe) and its pipe
+        self.procs: list = []  # every trainer rank's
         self._free_port = free_port
         self.plan_summary = self.connect()
 
@@ -606,13 +612,13 @@ class VllmRefitSession:
         cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes,
                             self.tp * (1 + len(self.replicas)), tuple(r.address for r in self.replicas),
                             self.authkey, self.trainers, self._free_port())
-        proc, conn = start_trainer(cfg)
+        procs, conn = start_trainer(cfg)
         ans = serve_step(self.llm, conn, None, self.timeout_s + 120)
         if ans.get("error"):
-            _stop(proc, conn)
+            _stop(procs, conn)
             raise RuntimeError(f"trainer init failed: {ans['error']}")
         self.close_trainer()
-        self.proc, self.conn, self.src_dir = proc, conn, src
+        self.procs, self.proc, self.conn, self.src_dir = procs, procs[0], conn, src
         return ans["plan"]
 
     def refit(self, step: int, fault: str | None = None) -> dict:
@@ -631,8 +637,8 @@ class VllmRefitSession:
         return torch.tensor(ans["logp"])
 
     def close_trainer(self) -> None:
-        _stop(self.proc, self.conn)
-        self.proc = self.conn = None
+        _stop(self.procs, self.conn)
+        self.procs, self.proc, self.conn = [], None, None
 
     def pointers(self) -> list[dict]:
         """Every worker's parameter pointers, the replicas' after this process's engine's."""
