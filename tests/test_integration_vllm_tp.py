@@ -55,6 +55,17 @@ torch.save([{"tokens": o["tokens"], "logprobs": o["logprobs"]} for o in out], sy
 """
 
 
+def _fresh_generation(src_dir: str, step: int, tp: int, tmp_path) -> list[dict]:
+    """Greedy tokens and log-probs of a fresh vLLM (``tp`` workers, its own process) on ``mxport export`` of
+    the trainer's step-``step`` weights."""
+    mx = harness.export_step(src_dir, step, tmp_path)
+    dump = tmp_path / "fresh.pt"
+    proc = subprocess.run([sys.executable, "-c", _FRESH, mx, str(tp), str(dump)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(dump)
+
+
 def test_each_worker_gets_its_slice_and_generates_as_a_fresh_tp2_engine_on_the_export(tp2, tmp_path):
     ans = _refit_ok(tp2, 1)
     workers = tp2.engine_stats()
@@ -70,12 +81,7 @@ def test_each_worker_gets_its_slice_and_generates_as_a_fresh_tp2_engine_on_the_e
     assert harness.engine_pointers(tp2.llm) == tp2.ptr0
     ours = [{"tokens": o["tokens"], "logprobs": o["logprobs"]}
             for o in harness.generate(tp2.llm, PROMPTS, full=False)]
-    mx = harness.export_step(tp2.src_dir, 1, tmp_path)
-    dump = tmp_path / "fresh.pt"
-    proc = subprocess.run([sys.executable, "-c", _FRESH, mx, "2", str(dump)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ours == torch.load(dump)
+    assert ours == _fresh_generation(tp2.src_dir, 1, 2, tmp_path)
 
 
 def test_a_refit_one_worker_rejects_is_applied_by_none(tp2):
@@ -201,12 +207,7 @@ def test_a_tied_lm_head_follows_the_refit_as_a_fresh_engine_does(tmp_path):
                 for o in harness.generate(s.llm, PROMPTS, full=False)]
     finally:
         s.close()
-    mx = harness.export_step(str(src), 1, tmp_path)
-    dump = tmp_path / "fresh.pt"
-    proc = subprocess.run([sys.executable, "-c", _FRESH, mx, "1", str(dump)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ours == torch.load(dump)
+    assert ours == _fresh_generation(str(src), 1, 1, tmp_path)
 
 
 def test_column_parallel_biases_are_sliced_as_vllm_holds_them(tmp_path):
