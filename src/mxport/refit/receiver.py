@@ -16,14 +16,11 @@ from .results import ReceiverResult, ReceiveStats, RefitError, Status, StreamSta
 from .stream import Staged, StreamReceiver
 from .transport import PAIR_TAG, Transport
 from .world import (
-    NO_REPLICAS,
-    ReplicaChecks,
     WorldSide,
     WorldVote,
     agree_global,
     check_digest,
     check_trainers,
-    last_version,
     ordered_streams,
     pair_handshakes,
     remember,
@@ -48,7 +45,7 @@ class RefitReceiver(WorldSide):
                  **stream_kwargs):
         stream = StreamReceiver(transport, plan, targets, **stream_kwargs)
         receivers = tuple(r for r in range(transport.world_size) if r != transport.src)
-        self._start(transport, [stream], [(transport.src, receivers)], (transport.src,), None, NO_REPLICAS, 0)
+        self._start(transport, [stream], [(transport.src, receivers)], (transport.src,))
 
     @classmethod
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple], *, global_digest: str,
@@ -95,19 +92,13 @@ class RefitReceiver(WorldSide):
                                     **_with_hooks(stream_kwargs, hooks))
                      for (t, engines), plan, targets, *hooks in streams]
         self = cls.__new__(cls)
-        self._start(world, receivers, [ends for ends, *_ in streams], trainers, global_digest,
-                    ReplicaChecks.of(replicas), max(int(version), last_version(global_digest)))
+        self._start(world, receivers, [e for e, *_ in streams], trainers, global_digest, replicas, version)
         return self
 
-    def _start(self, world: Transport, streams: list[StreamReceiver], ends: list[tuple[int, tuple[int, ...]]],
-               trainers: Sequence[int], global_digest: str | None, checks: ReplicaChecks,
-               version: int) -> None:
-        self.world, self.streams, self.trainers = world, streams, tuple(trainers)
-        self.stream_ends = ends  # per stream, (its trainer rank, the engine ranks it reaches)
-        self.peers = [t for t, _ in ends]
-        self.global_digest, self.checks = global_digest, checks
-        self.version = version
-        self._handshaken = False
+    @property
+    def peers(self) -> list[int]:
+        """Each stream's trainer rank (its ends are ``(trainer rank, the engine ranks it reaches)``)."""
+        return [t for t, _ in self.ends]
 
     @property
     def version(self) -> int:
@@ -216,7 +207,7 @@ class RefitReceiver(WorldSide):
     def _stage_all(self) -> tuple[list[Staged], list[StreamStats]]:
         staged: list[Staged] = []
         stats: list[StreamStats] = []
-        for (t, engines), r in zip(self.stream_ends, self.streams, strict=True):
+        for (t, engines), r in zip(self.ends, self.streams, strict=True):
             t0 = time.perf_counter()
             try:
                 staged.append(r.stage())

@@ -16,14 +16,11 @@ from .results import ReceiverResult, RefitError, SendStats, Status, StreamStats
 from .stream import PendingSend, StreamSender
 from .transport import PAIR_TAG, Transport
 from .world import (
-    NO_REPLICAS,
-    ReplicaChecks,
     WorldSide,
     WorldVote,
     agree_global,
     check_digest,
     check_trainers,
-    last_version,
     ordered_streams,
     pair_handshakes,
     remember,
@@ -46,7 +43,8 @@ class RefitSender(WorldSide):
     def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
         receivers = tuple(r for r in range(transport.world_size) if r != transport.src)
         stream = StreamSender(transport, plan, **stream_kwargs)
-        self._start(transport, [stream], [receivers], (transport.src,), None, NO_REPLICAS, 0)
+        self._start(transport, [stream], [receivers], (transport.src,))
+        self.engines, self.routes = [-1], []  # each stream's key; the mesh routes (from_mesh)
 
     @classmethod
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple[int, RefitPlan]], *, global_digest: str,
@@ -95,19 +93,9 @@ class RefitSender(WorldSide):
         senders = [StreamSender(stream_transport(world, world.rank, ends, tag), plan, **stream_kwargs)
                    for ends, plan in streams]
         self = cls.__new__(cls)
-        self._start(world, senders, [ends for ends, _ in streams], trainers, global_digest,
-                    ReplicaChecks.of(replicas), max(int(version), last_version(global_digest)))
+        self._start(world, senders, [ends for ends, _ in streams], trainers, global_digest, replicas, version)
+        self.engines, self.routes = [ends[0] for ends, _ in streams], []
         return self
-
-    def _start(self, world: Transport, streams: list[StreamSender], ends: list[tuple[int, ...]],
-               trainers: Sequence[int], global_digest: str | None, checks: ReplicaChecks,
-               version: int) -> None:
-        self.world, self.streams, self.trainers = world, streams, tuple(trainers)
-        self.stream_engines = ends  # per stream, the engine ranks it reaches
-        self.engines = [e[0] for e in ends] if global_digest is not None else [-1]  # each stream's key
-        self.global_digest, self.checks, self.version = global_digest, checks, version
-        self.routes: list = []  # the mesh routes of the streams, when built by from_mesh
-        self._handshaken = False
 
     # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:
@@ -120,8 +108,7 @@ class RefitSender(WorldSide):
             self.version = s.version
         else:
             self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
-            self.version = pair_handshakes(self.world, self.streams, self.stream_engines, self.version,
-                                           "engine")
+            self.version = pair_handshakes(self.world, self.streams, self.ends, self.version, "engine")
             remember(self.global_digest, self.version)
         self._handshaken = True
 
@@ -218,7 +205,7 @@ class RefitSender(WorldSide):
                                 f"{self.world.rank} (pairs: {self.engines})")
         pendings: list[PendingSend] = []
         stats: list[StreamStats] = []
-        for e, ends, s in zip(self.engines, self.stream_engines, self.streams, strict=True):
+        for e, ends, s in zip(self.engines, self.ends, self.streams, strict=True):
             if failed is None and e not in streams:
                 failed = ValueError(f"no stream for engine rank {e} (trainer rank {self.world.rank})")
             s.version = self.version - 1  # every stream carries the refit's version
