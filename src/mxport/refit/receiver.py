@@ -51,17 +51,10 @@ class RefitReceiver(WorldSide):
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple], *, global_digest: str,
                   trainers: Sequence[int], tag: int = PAIR_TAG, replicas: Sequence[Replica] = (),
                   version: int = 0, **stream_kwargs) -> RefitReceiver:
-        """An engine rank of a sharded refit.
-
-        Args:
-            world: this rank's transport over the whole world group.
-            pairs: ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` for
-                every pair of this engine with bytes to move, in pair order (may be empty: the rank still
-                votes).
-            global_digest, trainers, tag, replicas: as :meth:`RefitSender.for_pairs`.
-            version: the version the live weights hold.
-            stream_kwargs: passed to each pair's stream, always staged (nothing is written before the vote).
-        """
+        """An engine rank of a sharded refit (arguments as :meth:`RefitSender.for_pairs`): ``pairs``
+        ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` in pair order (may
+        be empty), ``version`` the version the live weights hold; every stream staged (nothing written before
+        the vote)."""
         ends = [(int(p[0]), (world.rank,)) for p in pairs]
         return cls._of_streams(world, [(e, *p[1:]) for e, p in zip(ends, pairs, strict=True)], global_digest,
                                trainers, tag, replicas, version, stream_kwargs)
@@ -161,13 +154,10 @@ class RefitReceiver(WorldSide):
     def receive(self) -> ReceiveStats:
         """Receive one refit; the live tensors take the new version only if every rank voted yes.
 
-        A two-phase commit: every stream is received and validated (trailer, checksums, live tensors) without
-        committing; every rank, the senders included, votes in one all_gather over the world; every stream
-        commits only on a unanimous yes, else rolls back. A rank that dies makes the others' vote fail: they
-        roll back.
-
-        Returns:
-            :class:`~mxport.refit.results.ReceiveStats`.
+        A two-phase commit: every stream is received and validated without committing, every rank (the senders
+        too) votes in one all_gather over the world, and every stream commits on a unanimous yes or rolls
+        back. A rank that dies makes the others' vote fail: they roll back. Returns
+        :class:`~mxport.refit.results.ReceiveStats`.
 
         Raises:
             RefitError: a dead peer or timeout (re-create the group), a bad trailer, a checksum, an abort, a

@@ -53,16 +53,15 @@ class RefitSender(WorldSide):
         """A trainer rank of a sharded refit.
 
         Args:
-            world: this rank's :class:`TorchDistTransport` over the whole world group (its group carries the
-                pair streams too).
+            world: this rank's :class:`TorchDistTransport` over the world group (it carries the pair streams
+                too).
             pairs: ``(engine world rank, its RefitPlan)`` for every pair of this trainer with bytes to move,
                 in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
-            global_digest: the hex sha256 of the whole refit's plan, the same on every world rank (checked).
-            trainers: the world ranks of all trainers (the vote's senders), this rank among them.
-            tag: the pair streams' message tag.
-            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`,
-                checked): copies that differ refuse the refit (:meth:`send` needs ``local``).
-            version: the last version this rank knows of (the next refit is newer than every rank's).
+            global_digest, trainers: the whole plan's hex sha256 and the trainers' world ranks, the same on
+                every rank (checked).
+            tag, version: the pair streams' message tag; the last version this rank knows of.
+            replicas: boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`, checked):
+                copies that differ refuse the refit (:meth:`send` needs ``local``).
             stream_kwargs: passed to each pair's stream.
         """
         return cls._of_streams(world, [((int(e),), plan) for e, plan in pairs], global_digest, trainers, tag,
@@ -124,13 +123,9 @@ class RefitSender(WorldSide):
         ``tensors``: one contiguous tensor per plan entry in plan order (a list or a generator, consumed
         bucket by bucket); sharded: ``{engine rank: its stream's tensors}``, with ``local`` (``{name: (box,
         tensor)}``) to digest the replicas. ``checksums(start, size)``: each bucket's checksum when the
-        producer knows it (``TrainerSource(arena=True).stream_checksum``; one stream only). Each item is
-        checked against its plan entry; on any failure the remaining buckets and an abort trailer still go
-        out, so receivers fail at once and stay in step, and the error is raised here after the vote.
-        Receivers commit only if every rank voted ok.
-
-        Returns:
-            :class:`~mxport.refit.results.SendStats`.
+        producer knows it (one stream only). On any failure the remaining buckets and an abort trailer still
+        go out, so receivers fail at once and stay in step, and the error is raised after the vote. Returns
+        :class:`~mxport.refit.results.SendStats`.
 
         Raises:
             RefitError: some rank voted no, naming each, why and where (``receivers``: every receiver's
