@@ -795,13 +795,12 @@ def _exchange_holdings(transport, held) -> list[list[Holding] | str]:
 def agree(transport, trainers: int, held) -> MeshPlan:
     """The same :class:`MeshPlan` on every rank of ``transport``'s group: ranks ``0 .. trainers-1`` give what
     they hold, the others what they need (length-capped JSON, never pickle), and the digests are compared.
-    ``held``: this rank's holdings, a callable returning them, or the exception this rank failed with (it must
-    still call ``agree``, so no rank waits for it).
+    ``held``: this rank's holdings, a callable returning them, or the exception it failed with (it must still
+    call ``agree``, so no rank waits for it).
 
     Raises:
-        RefitPlanMismatch: on every rank, when the holdings make no plan or the digests differ
-            (:class:`RefitAgreementError` when a rank could not describe its holdings).
-        RefitError: the group failed (a rank died or never called ``agree``).
+        RefitPlanMismatch: on every rank, when the holdings make no plan (:class:`RefitAgreementError`: a rank
+            could not give its own) or the digests differ. RefitError: the group failed.
     """
     try:
         mesh, problem = mesh_from_json(_exchange_holdings(transport, held), trainers), ""

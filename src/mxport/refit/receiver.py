@@ -16,14 +16,11 @@ from .results import ReceiverResult, ReceiveStats, RefitError, Status, StreamSta
 from .stream import Staged, StreamReceiver
 from .transport import PAIR_TAG, Transport
 from .world import (
-    NO_REPLICAS,
-    ReplicaChecks,
     WorldSide,
     WorldVote,
     agree_global,
     check_digest,
     check_trainers,
-    last_version,
     ordered_streams,
     pair_handshakes,
     remember,
@@ -48,23 +45,16 @@ class RefitReceiver(WorldSide):
                  **stream_kwargs):
         stream = StreamReceiver(transport, plan, targets, **stream_kwargs)
         receivers = tuple(r for r in range(transport.world_size) if r != transport.src)
-        self._start(transport, [stream], [(transport.src, receivers)], (transport.src,), None, NO_REPLICAS, 0)
+        self._start(transport, [stream], [(transport.src, receivers)], (transport.src,))
 
     @classmethod
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple], *, global_digest: str,
                   trainers: Sequence[int], tag: int = PAIR_TAG, replicas: Sequence[Replica] = (),
                   version: int = 0, **stream_kwargs) -> RefitReceiver:
-        """An engine rank of a sharded refit.
-
-        Args:
-            world: this rank's transport over the whole world group.
-            pairs: ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` for
-                every pair of this engine with bytes to move, in pair order (may be empty: the rank still
-                votes).
-            global_digest, trainers, tag, replicas: as :meth:`RefitSender.for_pairs`.
-            version: the version the live weights hold.
-            stream_kwargs: passed to each pair's stream, always staged (nothing is written before the vote).
-        """
+        """An engine rank of a sharded refit (arguments as :meth:`RefitSender.for_pairs`): ``pairs``
+        ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` in pair order (may
+        be empty), ``version`` the version the live weights hold; every stream staged (nothing written before
+        the vote)."""
         ends = [(int(p[0]), (world.rank,)) for p in pairs]
         return cls._of_streams(world, [(e, *p[1:]) for e, p in zip(ends, pairs, strict=True)], global_digest,
                                trainers, tag, replicas, version, stream_kwargs)
@@ -95,19 +85,13 @@ class RefitReceiver(WorldSide):
                                     **_with_hooks(stream_kwargs, hooks))
                      for (t, engines), plan, targets, *hooks in streams]
         self = cls.__new__(cls)
-        self._start(world, receivers, [ends for ends, *_ in streams], trainers, global_digest,
-                    ReplicaChecks.of(replicas), max(int(version), last_version(global_digest)))
+        self._start(world, receivers, [e for e, *_ in streams], trainers, global_digest, replicas, version)
         return self
 
-    def _start(self, world: Transport, streams: list[StreamReceiver], ends: list[tuple[int, tuple[int, ...]]],
-               trainers: Sequence[int], global_digest: str | None, checks: ReplicaChecks,
-               version: int) -> None:
-        self.world, self.streams, self.trainers = world, streams, tuple(trainers)
-        self.stream_ends = ends  # per stream, (its trainer rank, the engine ranks it reaches)
-        self.peers = [t for t, _ in ends]
-        self.global_digest, self.checks = global_digest, checks
-        self.version = version
-        self._handshaken = False
+    @property
+    def peers(self) -> list[int]:
+        """Each stream's trainer rank (its ends are ``(trainer rank, the engine ranks it reaches)``)."""
+        return [t for t, _ in self.ends]
 
     @property
     def version(self) -> int:
@@ -170,13 +154,10 @@ class RefitReceiver(WorldSide):
     def receive(self) -> ReceiveStats:
         """Receive one refit; the live tensors take the new version only if every rank voted yes.
 
-        A two-phase commit: every stream is received and validated (trailer, checksums, live tensors) without
-        committing; every rank, the senders included, votes in one all_gather over the world; every stream
-        commits only on a unanimous yes, else rolls back. A rank that dies makes the others' vote fail: they
-        roll back.
-
-        Returns:
-            :class:`~mxport.refit.results.ReceiveStats`.
+        A two-phase commit: every stream is received and validated without committing, every rank (the senders
+        too) votes in one all_gather over the world, and every stream commits on a unanimous yes or rolls
+        back. A rank that dies makes the others' vote fail: they roll back. Returns
+        :class:`~mxport.refit.results.ReceiveStats`.
 
         Raises:
             RefitError: a dead peer or timeout (re-create the group), a bad trailer, a checksum, an abort, a
@@ -216,7 +197,7 @@ class RefitReceiver(WorldSide):
     def _stage_all(self) -> tuple[list[Staged], list[StreamStats]]:
         staged: list[Staged] = []
         stats: list[StreamStats] = []
-        for (t, engines), r in zip(self.stream_ends, self.streams, strict=True):
+        for (t, engines), r in zip(self.ends, self.streams, strict=True):
             t0 = time.perf_counter()
             try:
                 staged.append(r.stage())

@@ -16,14 +16,11 @@ from .results import ReceiverResult, RefitError, SendStats, Status, StreamStats
 from .stream import PendingSend, StreamSender
 from .transport import PAIR_TAG, Transport
 from .world import (
-    NO_REPLICAS,
-    ReplicaChecks,
     WorldSide,
     WorldVote,
     agree_global,
     check_digest,
     check_trainers,
-    last_version,
     ordered_streams,
     pair_handshakes,
     remember,
@@ -46,7 +43,8 @@ class RefitSender(WorldSide):
     def __init__(self, transport: Transport, plan: RefitPlan, **stream_kwargs):
         receivers = tuple(r for r in range(transport.world_size) if r != transport.src)
         stream = StreamSender(transport, plan, **stream_kwargs)
-        self._start(transport, [stream], [receivers], (transport.src,), None, NO_REPLICAS, 0)
+        self._start(transport, [stream], [receivers], (transport.src,))
+        self.engines, self.routes = [-1], []  # each stream's key; the mesh routes (from_mesh)
 
     @classmethod
     def for_pairs(cls, world: Transport, pairs: Sequence[tuple[int, RefitPlan]], *, global_digest: str,
@@ -55,16 +53,15 @@ class RefitSender(WorldSide):
         """A trainer rank of a sharded refit.
 
         Args:
-            world: this rank's :class:`TorchDistTransport` over the whole world group (its group carries the
-                pair streams too).
+            world: this rank's :class:`TorchDistTransport` over the world group (it carries the pair streams
+                too).
             pairs: ``(engine world rank, its RefitPlan)`` for every pair of this trainer with bytes to move,
                 in :func:`~mxport.refit.world.pair_order` (may be empty: the rank still votes).
-            global_digest: the hex sha256 of the whole refit's plan, the same on every world rank (checked).
-            trainers: the world ranks of all trainers (the vote's senders), this rank among them.
-            tag: the pair streams' message tag.
-            replicas: the boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`,
-                checked): copies that differ refuse the refit (:meth:`send` needs ``local``).
-            version: the last version this rank knows of (the next refit is newer than every rank's).
+            global_digest, trainers: the whole plan's hex sha256 and the trainers' world ranks, the same on
+                every rank (checked).
+            tag, version: the pair streams' message tag; the last version this rank knows of.
+            replicas: boxes several trainer ranks hold (:func:`~mxport.refit.mesh.find_replicas`, checked):
+                copies that differ refuse the refit (:meth:`send` needs ``local``).
             stream_kwargs: passed to each pair's stream.
         """
         return cls._of_streams(world, [((int(e),), plan) for e, plan in pairs], global_digest, trainers, tag,
@@ -95,19 +92,9 @@ class RefitSender(WorldSide):
         senders = [StreamSender(stream_transport(world, world.rank, ends, tag), plan, **stream_kwargs)
                    for ends, plan in streams]
         self = cls.__new__(cls)
-        self._start(world, senders, [ends for ends, _ in streams], trainers, global_digest,
-                    ReplicaChecks.of(replicas), max(int(version), last_version(global_digest)))
+        self._start(world, senders, [ends for ends, _ in streams], trainers, global_digest, replicas, version)
+        self.engines, self.routes = [ends[0] for ends, _ in streams], []
         return self
-
-    def _start(self, world: Transport, streams: list[StreamSender], ends: list[tuple[int, ...]],
-               trainers: Sequence[int], global_digest: str | None, checks: ReplicaChecks,
-               version: int) -> None:
-        self.world, self.streams, self.trainers = world, streams, tuple(trainers)
-        self.stream_engines = ends  # per stream, the engine ranks it reaches
-        self.engines = [e[0] for e in ends] if global_digest is not None else [-1]  # each stream's key
-        self.global_digest, self.checks, self.version = global_digest, checks, version
-        self.routes: list = []  # the mesh routes of the streams, when built by from_mesh
-        self._handshaken = False
 
     # -- the refit ------------------------------------------------------------------------------------------
     def handshake(self) -> None:
@@ -120,8 +107,7 @@ class RefitSender(WorldSide):
             self.version = s.version
         else:
             self.version = agree_global(self.world, self.global_digest, self.version, self.checks)
-            self.version = pair_handshakes(self.world, self.streams, self.stream_engines, self.version,
-                                           "engine")
+            self.version = pair_handshakes(self.world, self.streams, self.ends, self.version, "engine")
             remember(self.global_digest, self.version)
         self._handshaken = True
 
@@ -137,13 +123,9 @@ class RefitSender(WorldSide):
         ``tensors``: one contiguous tensor per plan entry in plan order (a list or a generator, consumed
         bucket by bucket); sharded: ``{engine rank: its stream's tensors}``, with ``local`` (``{name: (box,
         tensor)}``) to digest the replicas. ``checksums(start, size)``: each bucket's checksum when the
-        producer knows it (``TrainerSource(arena=True).stream_checksum``; one stream only). Each item is
-        checked against its plan entry; on any failure the remaining buckets and an abort trailer still go
-        out, so receivers fail at once and stay in step, and the error is raised here after the vote.
-        Receivers commit only if every rank voted ok.
-
-        Returns:
-            :class:`~mxport.refit.results.SendStats`.
+        producer knows it (one stream only). On any failure the remaining buckets and an abort trailer still
+        go out, so receivers fail at once and stay in step, and the error is raised after the vote. Returns
+        :class:`~mxport.refit.results.SendStats`.
 
         Raises:
             RefitError: some rank voted no, naming each, why and where (``receivers``: every receiver's
@@ -218,7 +200,7 @@ class RefitSender(WorldSide):
                                 f"{self.world.rank} (pairs: {self.engines})")
         pendings: list[PendingSend] = []
         stats: list[StreamStats] = []
-        for e, ends, s in zip(self.engines, self.stream_engines, self.streams, strict=True):
+        for e, ends, s in zip(self.engines, self.ends, self.streams, strict=True):
             if failed is None and e not in streams:
                 failed = ValueError(f"no stream for engine rank {e} (trainer rank {self.world.rank})")
             s.version = self.version - 1  # every stream carries the refit's version

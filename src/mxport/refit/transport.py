@@ -143,13 +143,9 @@ class _ClosedGroup:
 def open_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
                timeout_s: float = 60.0, prefix: str = "mxport-refit"):
     """A new ``ProcessGroup`` of ``world_size`` processes meeting at ``host:port`` (rank 0 serves the TCP
-    store), apart from the default group that engines already own, for :meth:`TorchDistTransport.from_group`.
-    ``backend``: "gloo" (CPU tensors) or "nccl" (the current CUDA device); ``timeout_s``: the rendezvous and
-    every collective fail after this many seconds without a peer.
-
-    Raises:
-        ValueError: a bad rank / world size / backend. RuntimeError (from torch): no rendezvous in time.
-    """
+    store), apart from the default group that engines own, for :meth:`TorchDistTransport.from_group`;
+    ``backend`` "gloo" or "nccl", ``timeout_s`` for the rendezvous and every collective. ValueError for a bad
+    rank / world size / backend; RuntimeError (torch's) when no rendezvous comes in time."""
     if world_size < 2 or not 0 <= rank < world_size:
         raise ValueError(f"need world_size >= 2 and 0 <= rank < world_size, got rank {rank} of {world_size}")
     if backend not in ("gloo", "nccl"):
@@ -181,12 +177,8 @@ _SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def subgroup(pg, ranks):
     """A process group of the ranks ``ranks`` of ``pg`` (group-local, this process among them, ``ranks[0]``
     its rank 0): a multicast stream's group, met on the store of a group :func:`open_group` made or of the
-    default group. Collective over ``ranks``, each calling it in the same order as its other subgroups of
-    ``pg``.
-
-    Raises:
-        ValueError: this process is not one of ``ranks``, or a rank repeats. TypeError: another kind of group.
-    """
+    default group (TypeError for another). Collective over ``ranks``, each calling it in the same order as its
+    other subgroups of ``pg``; ValueError when this process is not one of them or a rank repeats."""
     ranks = [int(r) for r in ranks]
     me = pg.rank()
     if me not in ranks or len(set(ranks)) != len(ranks):

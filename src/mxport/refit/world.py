@@ -284,6 +284,14 @@ class WorldSide:
     trainers: tuple[int, ...]
     global_digest: str | None
 
+    def _start(self, world: Transport, streams: list, ends: list, trainers: Sequence[int],
+               global_digest: str | None = None, replicas: Sequence[Replica] = (), version: int = 0) -> None:
+        """This end's ``streams`` (``ends``: each one's other end or ends); a sharded end (``global_digest``)
+        starts from the highest version this process reached for its plan."""
+        self.world, self.streams, self.ends, self.trainers = world, streams, list(ends), tuple(trainers)
+        self.global_digest, self.checks, self._handshaken = global_digest, ReplicaChecks.of(replicas), False
+        self.version = version if global_digest is None else max(int(version), last_version(global_digest))
+
     @property
     def multicast(self) -> bool:
         """True for a world of one multicast stream (built from a transport and a plan)."""

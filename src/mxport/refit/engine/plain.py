@@ -18,18 +18,12 @@ __all__ = ["checkpoint_tensors", "model_tensors", "receiver_plan"]
 
 
 def receiver_plan(model: nn.Module, *, arena: bool = False) -> tuple[RefitPlan, list[torch.Tensor]]:
-    """The inference side: the plan derived from the live model, and its live tensors (the targets).
-
-    FP8 tensors are "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales",
-    the rest "kept". The targets are ``detach()`` aliases sharing storage and version counter, so a refit
-    bumps the module tensors' ``_version`` and derived caches follow. ``arena=True`` first moves them into one
-    buffer laid out as the byte stream (same objects, new stable addresses: before CUDA graph capture), for
-    direct mode.
-
-    Raises:
-        ValueError: with ``arena=True``, a tensor that cannot move (a view, shared, a subclass, another
-            device); nothing is moved then.
-    """
+    """The inference side: the plan derived from the live model, and its live tensors (the targets): FP8
+    tensors "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales", the
+    rest "kept". The targets are ``detach()`` aliases (same storage and version counter, so derived caches
+    follow a refit). ``arena=True`` first moves them into one buffer laid out as the byte stream (same
+    objects, new stable addresses: before CUDA graph capture), for direct mode; ValueError, nothing moved, for
+    a tensor that cannot move (a view, shared, a subclass, another device)."""
     tensors = model_tensors(model)
     names = {n for n, _ in tensors}
     by_name = dict(tensors)

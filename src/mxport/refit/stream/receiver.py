@@ -77,22 +77,15 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 
 class StreamReceiver:
-    """The receiving end of one byte stream.
-
-    Args:
-        transport, plan, targets: as :class:`~mxport.refit.RefitReceiver`'s.
-        bucket_bytes: the stream's bucket size, the sender's (checked in the handshake).
-        use_checksum: verify each bucket's checksum (the sender must write them).
-        refresh_hooks: callables run after every successful commit (derived copies that do not follow
-            ``_version``).
-        inflight: broadcasts posted ahead of the one being validated.
-        direct: receive straight into the live tensors: None whenever they form one arena laid out as the
-            plan's byte stream, False never (stage, then ``copy_``), True always (else ValueError).
+    """The receiving end of one byte stream: ``transport``, ``plan``, ``targets`` as
+    :class:`~mxport.refit.RefitReceiver`'s; ``bucket_bytes`` the sender's; ``use_checksum`` verify each
+    bucket; ``refresh_hooks`` run after every commit (derived copies that do not follow ``_version``);
+    ``inflight`` broadcasts posted ahead; ``direct`` receive straight into the live tensors (None: whenever
+    they form one arena laid out as the stream; False: never; True: always, else ValueError).
 
     In direct mode the live tensors are written *during* a receive and the staging buffer holds the previous
     version (refreshed by one background ``copy_`` per refit: ``backup_s`` / ``backup_wait_s``), restored on
-    any failure: once a receive returns or raises, they hold exactly one complete version.
-    """
+    any failure: once a receive returns or raises, they hold exactly one complete version."""
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True, inflight: int = 4,

@@ -85,17 +85,11 @@ class PendingSend:
 
 
 class StreamSender:
-    """The sending end of one byte stream.
-
-    Args:
-        transport: a :class:`~mxport.refit.transport.Transport` endpoint whose rank is the sender (``src``).
-        plan: the :class:`RefitPlan` (built once; reused for every refit).
-        bucket_bytes: payload bytes per broadcast, a positive multiple of 16, the receivers' too (checked).
-        use_checksum: a per-bucket checksum (:func:`~mxport.refit.buckets.checksum`), verified by receivers.
-        device: where the pack buffers live ("cpu" for gloo, the GPU for NCCL).
-        inflight: broadcasts (and pack buffers) in flight at once, >= 1.
-        stream_crc32: also a ``zlib.crc32`` of the whole stream (compare with ``live_crc32``).
-    """
+    """The sending end of one byte stream: ``transport`` an endpoint whose rank is the sender, ``plan`` the
+    :class:`RefitPlan`, ``bucket_bytes`` a positive multiple of 16 (the receivers', checked), ``use_checksum``
+    a per-bucket checksum, ``device`` where the pack buffers live ("cpu" for gloo, the GPU for NCCL),
+    ``inflight`` broadcasts and pack buffers in flight (>= 1), ``stream_crc32`` also a ``zlib.crc32`` of the
+    stream."""
 
     def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  use_checksum: bool = True, device: str | torch.device = "cpu", inflight: int = 2,

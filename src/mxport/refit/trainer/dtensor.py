@@ -23,18 +23,13 @@ def _dtensor_box(t) -> Box:
 
 
 class ShardedTrainerSource:
-    """The trainer side of a sharded refit for one rank of a ``DTensor`` model.
+    """The trainer side of a sharded refit for one rank of a ``DTensor`` model (``Shard`` / ``_StridedShard``
+    placements whose shards are ranges, ``Replicate``, plain tensors held whole); ``policy``, ``fp8_dtype``,
+    ``kept_dtype``, ``kernel`` as for :class:`~mxport.refit.TrainerSource`, whose plan it has.
 
-    Args:
-        model: the rank's model: ``DTensor`` parameters (``Shard`` / ``_StridedShard`` placements whose shards
-            are ranges, ``Replicate``) or plain tensors held whole.
-        policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
-
-    Its plan tensors are :class:`~mxport.refit.TrainerSource`'s on the model unsharded. Boxes
-    (:attr:`holdings`): the local shard's; scales, its rows and every block it overlaps (a block straddling K
-    shards is quantized from the gathered K and held by both). Every byte is that of quantizing the full
-    tensor, cut with the box.
-    """
+    Boxes (:attr:`holdings`): the local shard's; scales, its rows and every block it overlaps (a block that
+    straddles K shards is quantized from the gathered K and held by both). Every byte is that of quantizing
+    the full tensor, cut with the box."""
 
     def __init__(self, model: nn.Module, policy=None, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                  kept_dtype: torch.dtype | None = None, kernel: str | None = None):

@@ -81,16 +81,16 @@ class HeldTensorsSource:
     """The trainer side of a sharded refit for a rank that holds named tensors, not a ``DTensor`` model.
 
     Args:
-        items: a callable returning ``(hf_name, tensor)`` items (held whole) or ``(hf_name, tensor, dim,
-            start, full_size)`` (``[start, start + tensor.shape[dim])`` of dimension ``dim``, e.g. a rank's
-            experts); called here and once per :meth:`local`, with the same names, shapes and dtypes.
-        names_and_shapes: the WHOLE model's ``(name, full shape, dtype)`` in model order (or an ``nn.Module``,
-            e.g. on the meta device), for the policy. None: this rank's items, for a policy without
-            ``keep_last`` / ``include`` / ``exclude``.
+        items: a callable returning ``(hf_name, tensor)`` (held whole) or ``(hf_name, tensor, dim, start,
+            full_size)`` items (``[start, start + tensor.shape[dim])`` of dimension ``dim``); called here and
+            once per :meth:`local`, with the same names, shapes and dtypes.
+        names_and_shapes: the WHOLE model's ``(name, full shape, dtype)`` (or an ``nn.Module``, e.g. on the
+            meta device) for the policy; None: this rank's, for a policy without keep_last / include /
+            exclude.
         policy, fp8_dtype, kept_dtype, kernel: as for :class:`~mxport.refit.TrainerSource`.
 
-    A slice along K must be whole blocks of 32 (else ValueError). The bytes are those of quantizing the full
-    tensor, cut with the box.
+    A slice along K must be whole blocks of 32 (else ValueError). Bytes are the full tensor's, cut with the
+    box.
     """
 
     def __init__(self, items: Callable[[], Iterable], *, names_and_shapes=None, policy=None,

@@ -45,17 +45,15 @@ class TrainerSource:
             parameters are gathered whole, a collective: every rank of their mesh iterates :meth:`tensors`
             together.
         policy: a :class:`mxport.policy.PrecisionPolicy` (None: linear weights MXFP8, the rest kept).
-        fp8_dtype: element format of quantized weights.
-        kept_dtype: dtype kept tensors travel in (the receiver's); None = their own dtype.
+        fp8_dtype, kept_dtype: the quantized weights' element format; the kept tensors' dtype (the receiver's;
+            None: their own).
         kernel: the quantize kernel (None = the fastest that takes each weight; all give the same bytes).
-        arena: keep one send buffer laid out as the byte stream, so every bucket is sent without packing:
-            weights are quantized into it; kept tensors that own their storage in the planned dtype and device
-            are *adopted* (``.data`` rebound to their view, so the optimizer updates them there; same objects,
-            new addresses: build it before capturing CUDA graphs), the rest copied in at each refit. Enables
-            :meth:`stream_checksum`.
+        arena: keep one send buffer laid out as the byte stream, so no bucket is packed: weights are quantized
+            into it, kept tensors that own their storage in the planned dtype are *adopted* (``.data`` rebound
+            to their view: same objects, new addresses, so build it before capturing CUDA graphs), the rest
+            copied in at each refit. Enables :meth:`stream_checksum`.
 
-    Quantized weights travel as values and rowwise E8M0 scales (``(*shape[:-1], ceil(K/32))``), rceil as
-    :func:`mxport.quantize`; native MXFP8 storage as its own values and scales.
+    Weights travel as values and rowwise E8M0 scales, rceil as :func:`mxport.quantize`; native storage as is.
     """
 
     def __init__(self, model: nn.Module, policy=None, *,
@@ -182,9 +180,8 @@ class TrainerSource:
 
     def stream_checksum(self, start: int, size: int) -> int:
         """The refit checksum of the stream bytes ``[start, start + size)`` the current :meth:`tensors` call
-        has yielded (for ``send(..., checksums=source.stream_checksum)``): for whole
-        :data:`~mxport.refit.buckets.SUM_CELL` cells only the adopted tensors are read, the rest was summed as
-        it was written.
+        has yielded (``send(..., checksums=source.stream_checksum)``): for whole ``SUM_CELL`` cells only the
+        adopted tensors are read, the rest was summed as it was written.
 
         Raises:
             ValueError: without ``arena=True``, a range outside the stream or not on 8-byte words.
