@@ -88,15 +88,12 @@ def refit(
     validates their checksums (restoring the previous weights on any failure), and generates. Its
     gen_kl_error is the float32 trainer against that engine (MXFP8 linears, BF16 kept tensors and compute).
 
-    --engine vllm: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it with
-    weight_transfer_config={"backend": "mxport"}; a trainer process refits it through vLLM's own
-    init_weight_transfer_engine (the engine checks the trainer's plan against its model first) /
-    start_weight_update / update_weights (the whole refit is validated, then applied by vLLM's layerwise
-    reload) / finish_weight_update calls, then resets the engine's prefix cache. The trainer's step is a
-    seeded perturbation of its weights. Each step checks that a prompt longer than two KV blocks, served
-    before the refit, is answered as after emptying the cache by hand (kv_fresh). On a CPU-only machine vLLM
-    has no MXFP8 kernel: mxport adds vLLM's own emulation kernel for the CPU platform in the engine's process,
-    and says so.
+    --engine vllm[,tp=N]: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it
+    with weight_transfer_config={"backend": "mxport"}; the trainer refits it through vLLM's own weight-transfer
+    calls. Each vLLM worker receives only its own tensor-parallel slice, written into its live weights after
+    one all-or-nothing vote, then attests (its live bytes digested against what was sent). The engine's prefix
+    cache is reset; each step checks that no KV of the previous weights is served (kv_fresh). On a CPU-only
+    machine mxport adds vLLM's own MXFP8 emulation kernel for the CPU platform, and says so.
 
     --trainer fsdp=N|tp=N|pp=N|ep=N and/or --engine tp=N[,ep=N]: a sharded refit. Trainer ranks (FSDP2 or
     tensor-parallel DTensors taking real AdamW steps; pipeline / expert-parallel ranks handing over their
