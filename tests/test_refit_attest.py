@@ -54,3 +54,22 @@ def test_the_digest_sees_order_every_byte_and_length():
     odd = torch.arange(13, dtype=torch.uint8)
     assert bytes_digest(odd) != bytes_digest(torch.cat([odd, torch.zeros(3, dtype=torch.uint8)]))
     assert bytes_digest(t.view(-1)[3:20]) == bytes_digest(t.view(-1)[3:20].clone())  # unaligned view
+
+
+def test_native_and_torch_word_sums_are_the_same_digest(monkeypatch):
+    """The native one-pass sums (CPU) and the torch ops (any device) give the same digest, for every length
+    class: empty, a partial word, one word, odd tails, more than one torch chunk."""
+    from mxport.quantize import NATIVE_PATH
+    from mxport.refit import attest
+
+    if not NATIVE_PATH.available:
+        import pytest
+
+        pytest.skip(f"native kernel unavailable: {NATIVE_PATH.disabled_reason}")
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 7, 8, 9, 1001, 8 * attest._CHUNK + 24):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        native = attest.bytes_digest(t)
+        with monkeypatch.context() as m:
+            m.setattr(NATIVE_PATH, "lib_for", lambda _t: None)
+            assert attest.bytes_digest(t) == native, n

@@ -140,9 +140,7 @@ def _native_lib(t: torch.Tensor):
     outputs from :func:`mxport.pages.fresh_bytes` (large ones reused without page faults); a torch permute of
     4-byte words took about 3x a copy, and its copy runs on torch's thread pool, which waits for a descheduled
     thread when another process holds a core."""
-    if t.device.type != "cpu":
-        return None
-    return NATIVE_PATH._lib if NATIVE_PATH.available else None
+    return NATIVE_PATH.lib_for(t)
 
 
 def _swizzle_torch(scale: torch.Tensor, pr: int, pc: int) -> torch.Tensor:

@@ -53,8 +53,9 @@ COMPILE_TIMEOUT_S = 300.0
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C); 3 added
 #: ``mxport_quantize_many`` (several tensors per call), 4 its stream word sums (``struct mxport_sums``), 5 the
-#: scale swizzle (``mxport_swizzle`` / ``mxport_unswizzle``)
-ABI = 5
+#: scale swizzle (``mxport_swizzle`` / ``mxport_unswizzle``), 6 the attestation digest's word sums
+#: (``mxport_word_digest``)
+ABI = 6
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -199,6 +200,8 @@ def load(path: Path) -> ctypes.CDLL:
     many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                      ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     declare_swizzle(lib)
+    lib.mxport_word_digest.restype = None
+    lib.mxport_word_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]
     return lib
 
 
@@ -409,6 +412,16 @@ def quantize_rows_many(lib: ctypes.CDLL, jobs: list[tuple[torch.Tensor, torch.Te
         raise RuntimeError(f"mxport native kernel rejected the arguments of a batch of {len(jobs)} tensors")
     if partial is not None:
         sums.out.add_(partial.sum(dim=0) if len(runs) > 1 else partial[0])
+
+
+def word_digest(lib: ctypes.CDLL, words: torch.Tensor, first: int, out: torch.Tensor) -> None:
+    """Add the wrapping sums of ``words`` (a contiguous int64 CPU tensor) plain and weighted by position
+    (``first``, ``first + 1``, ...) to ``out[0]`` and ``out[1]`` (an int64 CPU tensor of 2)."""
+    if words.dtype != torch.int64 or not words.is_contiguous() or words.device.type != "cpu":
+        raise ValueError("word_digest: words must be a contiguous int64 CPU tensor")
+    if out.dtype != torch.int64 or out.numel() != 2 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError("word_digest: out must be a contiguous int64 CPU tensor of 2")
+    lib.mxport_word_digest(words.data_ptr(), words.numel(), first & ((1 << 64) - 1), out.data_ptr())
 
 
 def swizzle(lib: ctypes.CDLL, grid: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -265,6 +265,10 @@ class _NativePath:
         self.failed_reason = reason[:500]
         self.disabled_reason = self.disabled_reason or self.failed_reason
 
+    def lib_for(self, t: torch.Tensor):
+        """The loaded library when the automatic choice may run it on ``t`` (a CPU tensor), else None."""
+        return self._lib if t.device.type == "cpu" and self.available else None
+
     @staticmethod
     def takes(x2: torch.Tensor) -> bool:
         """True for the inputs the kernel handles: a CPU float32 / bfloat16 / float16 tensor."""

@@ -16,19 +16,35 @@ _CHUNK = 1 << 20  # words per weighted sum (bounds the position tensor)
 
 def bytes_digest(t: torch.Tensor) -> int:
     """Order-sensitive digest of the bytes of ``t``, where they are (CPU or GPU): the wrapping sums of its
-    int64 words (zero-padded) plain and weighted by position, and its byte count."""
+    int64 words (zero-padded) plain and weighted by position, and its byte count. On the CPU the native
+    kernel's one pass (:func:`mxport.native.word_digest`) where it is built; torch ops otherwise (the same
+    sums)."""
+    from .. import native
+    from ..quantize import NATIVE_PATH
+
     b = t.contiguous().view(torch.uint8).reshape(-1)
     n = b.numel()
     if n % 8 or b.storage_offset() % 8:
         b = torch.cat([b, b.new_zeros(-n % 8)])
     w = b.view(torch.int64)
+    lib = NATIVE_PATH.lib_for(w)
+    if lib is not None:
+        sums = torch.zeros(2, dtype=torch.int64)
+        native.word_digest(lib, w, 1, sums)
+        plain, weighted = sums.tolist()
+    else:
+        plain, weighted = _word_sums_torch(w)
+    return fold((plain & _MASK, weighted & _MASK, n))
+
+
+def _word_sums_torch(w: torch.Tensor) -> tuple[int, int]:
     plain = weighted = 0
     for i in range(0, w.numel(), _CHUNK):
         part = w[i:i + _CHUNK]
         pos = torch.arange(i + 1, i + 1 + part.numel(), dtype=torch.int64, device=w.device)
         plain += int(part.sum())
         weighted += int((part * pos).sum())
-    return fold((plain & _MASK, weighted & _MASK, n))
+    return plain, weighted
 
 
 def fold(digests) -> int:
