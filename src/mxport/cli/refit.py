@@ -88,12 +88,12 @@ def refit(
     validates their checksums (restoring the previous weights on any failure), and generates. Its
     gen_kl_error is the float32 trainer against that engine (MXFP8 linears, BF16 kept tensors and compute).
 
-    --engine vllm[,tp=N]: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started on it
-    with weight_transfer_config={"backend": "mxport"}; the trainer refits it through vLLM's own weight-transfer
-    calls. Each vLLM worker receives only its own tensor-parallel slice, written into its live weights after
-    one all-or-nothing vote, then attests (its live bytes digested against what was sent). The engine's prefix
-    cache is reset; each step checks that no KV of the previous weights is served (kv_fresh). On a CPU-only
-    machine mxport adds vLLM's own MXFP8 emulation kernel for the CPU platform, and says so.
+    --engine vllm[,tp=N]: the source is exported as an MXFP8 checkpoint and a real vLLM engine is started
+    on it with weight_transfer_config={"backend": "mxport"}; the trainer refits it through vLLM's own
+    weight-transfer calls. Each vLLM worker receives only its own tensor-parallel slice, written into its
+    live weights after one all-or-nothing vote, then attests (its live bytes digested against what was
+    sent). The engine's prefix cache is reset; each step checks that no KV of the previous weights is served
+    (kv_fresh). On a CPU-only machine mxport adds vLLM's own MXFP8 emulation kernel for the CPU platform.
 
     --trainer fsdp=N|tp=N|pp=N|ep=N and/or --engine tp=N[,ep=N]: a sharded refit. Trainer ranks (FSDP2 or
     tensor-parallel DTensors taking real AdamW steps; pipeline / expert-parallel ranks handing over their

@@ -417,12 +417,12 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
     def _check(self, plan: RefitPlan) -> None:
         check_plan_against_model(plan, self.model, tp=self._tp()[0], kv_heads=self._kv_heads())
 
-    def _slices(self, plan: RefitPlan):
+    def _slices(self, plan: RefitPlan, check_only: bool = False):
         from .vllm_slices import live_slices, worker_holdings
 
         tp, rank = self._tp()
         holdings = worker_holdings(plan, self.model, tp=tp, rank=rank, kv_heads=self._kv_heads())
-        return holdings, *live_slices(self.model, holdings)
+        return holdings, *live_slices(self.model, holdings, check_only=check_only)
 
     def _last_worker(self) -> bool:
         """Whether an error raised here reaches the caller without leaving another worker's answer queued:
@@ -449,7 +449,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                              f"({plan.digest[:12]})")
         check_bucket_bytes(init_info.bucket_bytes)
         self._check(plan)  # ValueError: nothing joined, the working trainer's connection untouched
-        holdings, live, layers = self._slices(plan)
+        holdings, live, layers = self._slices(plan, init_info.check_only)  # check_only: nothing allocated
         if init_info.check_only:
             return
         rank = init_info.rank_offset + worker_rank(self.parallel_config)

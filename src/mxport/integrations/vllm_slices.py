@@ -134,7 +134,7 @@ def _path(mod: torch.nn.Module, names: set[str]) -> str:
     return "layerwise"
 
 
-def _layer_of(model, module: str, names: set[str]) -> LayerApply:
+def _layer_of(model, module: str, names: set[str], check_only: bool = False) -> LayerApply:
     mod = model.get_submodule(module)
     path = _path(mod, names)
     recorded = _recorded(mod)
@@ -143,7 +143,8 @@ def _layer_of(model, module: str, names: set[str]) -> LayerApply:
         if missing:
             raise ValueError(f"{module}: its kernel {_kernel_name(mod)} keeps {missing}, which the refit "
                              "does not carry: this layer cannot be re-processed from the refit alone")
-    device = next((t.device for t in mod.parameters(recurse=False)), torch.device("cpu"))
+    device = torch.device("meta") if check_only else next((t.device for t in mod.parameters(recurse=False)),
+                                                           torch.device("cpu"))
     staged = {}
     if path in ("layerwise", "dequant"):
         staged = {n: torch.zeros(recorded[n].shape, dtype=recorded[n].dtype, device=device)
@@ -161,10 +162,12 @@ def _rows(model, module: str, part: int | None) -> int:
     return int(sum(int(s) for s in sizes[:part]))
 
 
-def live_slices(model: torch.nn.Module, holdings: Sequence[Holding]) -> tuple[dict, list[LayerApply]]:
+def live_slices(model: torch.nn.Module, holdings: Sequence[Holding], *, check_only: bool = False
+                ) -> tuple[dict, list[LayerApply]]:
     """``(live, layers)``: ``live`` maps each plan tensor to ``(box, view)`` (a list of them for several
     boxes) into the worker's live parameters (or into a staged layer's buffers); ``layers`` says how each
-    touched layer takes its bytes (see the module doc).
+    touched layer takes its bytes (see the module doc). ``check_only``: the same checks, the staged layers'
+    buffers on the meta device (nothing allocated).
 
     Raises:
         ValueError: a layer that cannot take a refit (naming it and its kernel), a view whose shape is not
@@ -174,7 +177,7 @@ def live_slices(model: torch.nn.Module, holdings: Sequence[Holding]) -> tuple[di
     for h in holdings:
         module, param, _ = _target(h.tensor.name, fused_of)
         by_module.setdefault(module, set()).add(param)
-    layers = {m: _layer_of(model, m, names) for m, names in by_module.items()}
+    layers = {m: _layer_of(model, m, names, check_only) for m, names in by_module.items()}
     live: dict[str, list] = {}
     for h in holdings:
         module, param, part = _target(h.tensor.name, fused_of)
