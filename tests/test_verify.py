@@ -280,3 +280,42 @@ def test_vocabulary_prompts_are_seeded_and_in_range():
     assert not torch.equal(a, vocabulary_prompts(50, 3, length=7, seed=6))
     with pytest.raises(ValueError):
         vocabulary_prompts(0)
+
+
+def test_verify_fp4_twins_beside_mxfp8_on_the_same_prompts(tiny, two_prompts, tmp_path):
+    """--quant mxfp4 / nvfp4: the same tensors as MXFP8's twin, decoded from mxport.fp4 in place (each weight
+    equal to quantize_fp4 -> dequantize of the source's), scored on the same prompts; 4-bit drifts further."""
+    from mxport.fp4 import quantize_fp4
+    from mxport.verify import build_fp4_twin, verify
+
+    reports = {q: verify(str(tiny), prompts=two_prompts, max_new_tokens=4, quant=q)
+               for q in ("mxfp8", "mxfp4", "nvfp4")}
+    for q, r in reports.items():
+        assert r["quant"] == q and r["quantized_tensors"] == 21 and r["tokens"] == 2 * 4
+        assert sorted(r["weight_sqnr_db"]) == sorted(reports["mxfp8"]["weight_sqnr_db"])
+    assert reports["nvfp4"]["fp8_dtype"] == "e2m1" and reports["nvfp4"]["mxfp8_layers"] == 0
+    for q in ("mxfp4", "nvfp4"):  # E2M1 on Gaussian weights: ~20 dB against E4M3's ~31
+        assert reports[q]["weight_sqnr_db_mean"] < reports["mxfp8"]["weight_sqnr_db_mean"] - 5
+        assert reports[q]["gen_kl_error_mean"] > reports["mxfp8"]["gen_kl_error_mean"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+    twin, sqnr = build_fp4_twin(model, "nvfp4")
+    w = model.model.layers[1].mlp.down_proj.weight
+    got = twin.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(got, quantize_fp4(w.detach(), "nvfp4").dequantize(torch.float32))
+    assert torch.equal(twin.model.embed_tokens.weight, model.model.embed_tokens.weight)  # kept (as MXFP8)
+    assert sqnr == reports["nvfp4"]["weight_sqnr_db"]
+
+
+def test_verify_fp4_refusals(tiny, tmp_path):
+    from mxport.verify import verify
+
+    for kwargs, match in (({"quant": "fp4"}, "quant must be one of"),
+                          ({"quant": "nvfp4", "per_layer": True}, "per-layer"),
+                          ({"quant": "mxfp4", "activation": "mxfp8"}, "activation"),
+                          ({"quant": "nvfp4", "checkpoint": str(tmp_path)}, "checkpoint")):
+        with pytest.raises(ValueError, match=match):
+            verify(str(tiny), max_new_tokens=1, **kwargs)
+    res = CliRunner().invoke(app, ["verify", str(tiny), "--quant", "nvfp4", "--per-layer"])
+    assert res.exit_code == 2 and "per-layer sweep" in res.output

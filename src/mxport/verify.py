@@ -30,7 +30,16 @@ from torch import nn
 
 from .formats import element_format
 from .metrics import gen_kl_error, greedy_agreement, sqnr_db, token_logprobs, token_mult_prob_error
-from .nn import MXFP8Experts, load_checkpoint, mxfp8_experts, mxfp8_modules, planned_modules, quantize_model
+from .nn import (
+    MXFP8Experts,
+    load_checkpoint,
+    mxfp8_experts,
+    mxfp8_modules,
+    planned_experts,
+    planned_linears,
+    planned_modules,
+    quantize_model,
+)
 from .policy import layer_index
 from .prompts import load_prompts
 
@@ -82,6 +91,42 @@ def build_twin(model: nn.Module, *, checkpoint: str | os.PathLike | None = None,
     if not quantized_modules(twin):
         raise ValueError("the MXFP8 twin has no MXFP8 layer (the policy kept every linear layer)")
     return twin
+
+
+#: the weight formats ``verify`` measures: MXFP8 (the twin's MXFP8 modules) or a 4-bit format of
+#: :mod:`mxport.fp4` (weight-only: the same tensors quantized and decoded in place)
+QUANTS = ("mxfp8", "mxfp4", "nvfp4")
+
+
+@torch.no_grad()
+def build_fp4_twin(model: nn.Module, quant: str, *, policy=None, progress: Progress = _noop
+                   ) -> tuple[nn.Module, dict[str, float]]:
+    """A deep copy of ``model`` whose weights that MXFP8 would quantize under ``policy`` (the planned linears
+    and fused-expert weights) hold their ``quant`` (``"mxfp4"`` / ``"nvfp4"``) decoded values, in their own
+    dtype: weight-only fake quantization, each tensor quantized along its last dimension (NVFP4 with its own
+    global scale). Returns ``(twin, {name: weight SQNR dB})``, keyed as :func:`weight_sqnr` keys (a linear
+    by module name, an expert weight by tensor name).
+
+    Raises ValueError when nothing is planned, or naming a tensor whose last dimension is not a multiple of
+    the format's block."""
+    from .fp4 import quantize_fp4
+
+    twin = copy.deepcopy(model)
+    tensors = [(n, f"{n}.weight") for n in planned_linears(twin, policy)]
+    tensors += [(f"{m}.{w}", f"{m}.{w}") for m, ws in planned_experts(twin, policy).items() for w in ws]
+    if not tensors:
+        raise ValueError(f"the {quant} twin has no quantized weight (the policy kept every linear layer)")
+    sqnr = {}
+    for i, (key, name) in enumerate(tensors, 1):
+        p = twin.get_parameter(name)
+        try:
+            decoded = quantize_fp4(p.detach(), quant).dequantize(torch.float32)
+        except ValueError as exc:
+            raise ValueError(f"{name} {tuple(p.shape)}: {exc}") from exc
+        sqnr[key] = sqnr_db(p.detach().float(), decoded)
+        p.copy_(decoded.to(p.dtype))
+        progress("quantize", i, len(tensors))
+    return twin, sqnr
 
 
 def weight_sqnr(source: nn.Module, twin: nn.Module) -> dict[str, float]:
@@ -298,7 +343,7 @@ def _fp8(fp8_dtype) -> torch.dtype:
 def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 32, activation: str = "none",
            fp8_dtype: torch.dtype | str = torch.float8_e4m3fn, policy=None, max_kl: float | None = None,
            per_layer: bool = False, target_kl: float | None = None, device: str | torch.device = "cpu",
-           batch_size: int = 8, progress: Progress = _noop, samples: int = 3) -> dict:
+           batch_size: int = 8, progress: Progress = _noop, samples: int = 3, quant: str = "mxfp8") -> dict:
     """Run the verify pipeline (module docstring) and return a JSON-able report.
 
     Args:
@@ -315,6 +360,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
             lists why (:func:`failed_checks`).
         per_layer: run :func:`per_layer_sweep` (with ``target_kl``).
         device: where both models run.
+        quant: ``"mxfp8"`` (default), or ``"mxfp4"`` / ``"nvfp4"``: the twin's weights in that 4-bit format
+            (:func:`build_fp4_twin`; weight-only, no checkpoint, no per-layer sweep).
 
     Returns a dict with ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``,
     ``greedy_agreement``, ``tokens``, ``weight_sqnr_db_min``, ``weight_sqnr_db_mean``, ``weight_sqnr_db`` (per
@@ -328,14 +375,21 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
     """
     _check_verify_args(activation, max_new_tokens, max_kl, target_kl)
+    _check_quant(quant, checkpoint, activation, per_layer)
     device = check_device(device)
     fp8 = _fp8(fp8_dtype)
     conversations = load_prompts(prompts)
     model, tok, label, where = _load_source(source, device)
     progress("load", 1, 1)
     prompt_ids, note = _prompt_ids(model, tok, conversations, where, prompts)
-    twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
-                      progress=progress)
+    if quant == "mxfp8":
+        twin = build_twin(model, checkpoint=checkpoint, policy=policy, fp8_dtype=fp8, activation=activation,
+                          progress=progress)
+        weights = _weight_report(model, twin)
+    else:
+        twin, sqnr = build_fp4_twin(model, quant, policy=policy, progress=progress)
+        weights = {**_sqnr_summary(sqnr), "fp8_dtype": "e2m1", "mxfp8_layers": 0, "mxfp8_experts": 0,
+                   "mxfp8_tensors": 0}
     generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress,
                                 pad_id=_pad_id(model, tok), batch_size=batch_size)
     rollouts = Rollouts(prompt_ids, generated)
@@ -343,7 +397,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     progress("score", 1, 2)
     figures = compare(score(twin, rollouts, batch_size), ref)
     progress("score", 2, 2)
-    report = {**figures, **_weight_report(model, twin), "model": label,
+    report = {**figures, **weights, "quant": quant, "quantized_tensors": len(weights["weight_sqnr_db"]),
+              "model": label,
               "checkpoint": None if checkpoint is None else str(checkpoint), "activation": activation,
               "prompts": len(conversations), "prompt_note": note, "max_new_tokens": max_new_tokens,
               "max_kl": max_kl}
@@ -372,6 +427,17 @@ def check_device(device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: verify runs on cpu or cuda")
     return dev
+
+
+def _check_quant(quant: str, checkpoint, activation: str, per_layer: bool) -> None:
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if quant != "mxfp8":
+        for given, what in ((checkpoint is not None, "a checkpoint"), (activation != "none", "activation "
+                            f"{activation!r}"), (per_layer, "the per-layer sweep")):
+            if given:
+                raise ValueError(f"quant {quant!r} measures weight-only {quant} quantized here: {what} "
+                                 "is for mxfp8")
 
 
 def _check_verify_args(activation: str, max_new_tokens: int, max_kl, target_kl) -> None:
@@ -433,13 +499,17 @@ def _weight_report(model: nn.Module, twin: nn.Module) -> dict:
     """The twin's weight figures: per-tensor SQNR and its summary, the element formats, what is quantized."""
     mx = quantized_modules(twin)
     sqnr = weight_sqnr(model, twin)
-    finite = [v for v in sqnr.values() if math.isfinite(v)]
     elements = sorted({t.dtype for m in mx.values() for t in m.buffers(recurse=False)
                        if t.dtype.itemsize == 1 and t.is_floating_point()}, key=str)
-    return {"weight_sqnr_db_min": min(sqnr.values()) if sqnr else math.nan,
-            "weight_sqnr_db_mean": sum(finite) / len(finite) if finite else (math.inf if sqnr else math.nan),
+    return {**_sqnr_summary(sqnr),
             "fp8_dtype": ",".join(element_format(d).name for d in elements),
             "mxfp8_layers": len(mx),
             "mxfp8_experts": sum(isinstance(m, MXFP8Experts) for m in mx.values()),
-            "mxfp8_tensors": len(sqnr),
+            "mxfp8_tensors": len(sqnr)}
+
+
+def _sqnr_summary(sqnr: dict[str, float]) -> dict:
+    finite = [v for v in sqnr.values() if math.isfinite(v)]
+    return {"weight_sqnr_db_min": min(sqnr.values()) if sqnr else math.nan,
+            "weight_sqnr_db_mean": sum(finite) / len(finite) if finite else (math.inf if sqnr else math.nan),
             "weight_sqnr_db": sqnr}

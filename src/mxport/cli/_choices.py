@@ -23,6 +23,7 @@ Fp8Dtype = _choices("Fp8Dtype", FP8_DTYPES)  #: FP8 element types (e4m3, e5m2)
 Dtype = _choices("Dtype", DTYPES)  #: what kept floating tensors may be cast to
 Benchmark = _choices("Benchmark", BENCHMARKS)  #: ``mxport bench --only``
 Activation = _choices("Activation", ("none", "mxfp8"))  #: ``mxport verify --activation``
+Quant = _choices("Quant", ("mxfp8", "mxfp4", "nvfp4"))  #: ``mxport verify --quant``: the weights' format
 
 
 #: the FP8 element types ``mxport export`` offers: those some format can declare (e4m3)

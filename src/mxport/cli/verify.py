@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._choices import Activation, Fp8Dtype
+from ._choices import Activation, Fp8Dtype, Quant
 from ._common import (
     EXIT_CHECK_FAILED,
     ExcludeOpt,
@@ -49,11 +49,12 @@ def export_command(source: str | None, exclude: list[str], fp8_dtype: str) -> st
 
 
 def _print_report(r: dict, source: str | None, exclude: list[str], fp8_dtype: str) -> None:
-    t = Table(title=f"mxport verify: {r['model']} ({r['fp8_dtype']}, activation {r['activation']})")
+    t = Table(title=f"mxport verify: {r['model']} ({r.get('quant', 'mxfp8')}, {r['fp8_dtype']}, "
+                    f"activation {r['activation']})")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key in ("gen_kl_error_mean", "gen_kl_error_max", "token_mult_prob_error", "greedy_agreement",
-                "tokens", "weight_sqnr_db_min", "weight_sqnr_db_mean", "mxfp8_layers", "prompts"):
+                "tokens", "weight_sqnr_db_min", "weight_sqnr_db_mean", "quantized_tensors", "prompts"):
         t.add_row(key, _fmt(r[key]))
     if r.get("max_kl") is not None:
         t.add_row("max_kl", _fmt(r["max_kl"]))
@@ -91,7 +92,11 @@ def verify(
     max_new_tokens: MaxNewTokensOpt = 32,
     activation: Activation = typer.Option("none", "--activation", help="none (weight-only) or mxfp8 (W8A8 "
                                                                         "emulation)."),
-    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="Element format of the weights."),
+    fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", help="Element format of the MXFP8 weights."),
+    quant: Quant = typer.Option("mxfp8", "--quant",
+                                help="The weights' format: mxfp8, or mxfp4 / nvfp4 (weight-only, quantized "
+                                     "here: E2M1 with E8M0 scales per 32 / E4M3 scales per 16 and a global "
+                                     "scale, ModelOpt's rule)."),
     max_kl: float = typer.Option(None, "--max-kl", min=0, help="Exit 1 when gen_kl_error_mean exceeds this."),
     per_layer: bool = typer.Option(False, "--per-layer",
                                    help="Measure each decoder layer's share of the error."),
@@ -102,7 +107,8 @@ def verify(
     device: str = typer.Option("cpu", "--device", help="Device for both models (cpu, cuda, cuda:1, ...)."),
     json_out: JsonOut = None,
 ):
-    """Generate greedily with the MXFP8 twin of a model and score the tokens with both models.
+    """Generate greedily with the MXFP8 twin of a model and score the tokens with both models (--quant
+    mxfp4 / nvfp4: the twin's weights in that 4-bit format instead).
 
     Reports gen_kl_error (KL of the full next-token distributions, MXFP8 || source), token_mult_prob_error
     (NeMo-RL), greedy agreement and the weight SQNR of each quantized tensor. With --per-layer --target-kl it
@@ -111,7 +117,7 @@ def verify(
     Exit 0 ok; 1 when gen_kl_error_mean exceeds --max-kl; 2 on bad input.
     """
     json_to_stdout(json_out)
-    activation, fp8_dtype = Activation(activation).value, Fp8Dtype(fp8_dtype).value
+    activation, fp8_dtype, quant = Activation(activation).value, Fp8Dtype(fp8_dtype).value, Quant(quant).value
     with user_errors():
         require("transformers")
         from ..policy import PrecisionPolicy
@@ -135,7 +141,7 @@ def verify(
             report = run_verify(source, checkpoint=checkpoint, policy=policy, prompts=prompts,
                                 max_new_tokens=max_new_tokens, activation=activation, fp8_dtype=fp8_dtype,
                                 max_kl=max_kl, per_layer=per_layer, target_kl=target_kl, device=device,
-                                progress=progress)
+                                progress=progress, quant=quant)
     if json_out:
         emit_json(report, json_out)
     if report.get("prompt_note"):
