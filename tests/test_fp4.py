@@ -158,3 +158,18 @@ def test_quantize_fp4_by_name_and_refusals():
         quantize_mxfp4(x, rounding="even")
     with pytest.raises(TypeError, match="floating-point"):
         quantize_mxfp4(torch.zeros(4, 32, dtype=torch.int32))
+
+
+def test_a_given_global_scale_is_checked_and_an_empty_tensor_quantizes():
+    x = _weights(8, shape=(4, 32), dtype=torch.float32)
+    assert torch.equal(quantize_nvfp4(x, 0.01).data, quantize_nvfp4(x, torch.tensor([0.01])).data)
+    for bad in (0.0, -0.01, float("nan"), float("inf"), torch.tensor([0.1, 0.2])):
+        with pytest.raises(ValueError, match="global_scale must be one finite value above 0"):
+            quantize_nvfp4(x, bad)
+    for fmt, k in (("mxfp4", 32), ("nvfp4", 16)):
+        c = quantize_fp4(torch.zeros(0, k), fmt)
+        assert c.data.shape == (0, k // 2) and c.scale.shape == (0, 1) and c.dequantize().shape == (0, k)
+        with pytest.raises(ValueError, match=r"the last dimension \(0\) must be a positive multiple"):
+            quantize_fp4(torch.zeros(4, 0), fmt)
+    with pytest.raises(ValueError, match=r"the last dimension \(48\) must be"):
+        quantize_mxfp4(torch.zeros(4, 48))

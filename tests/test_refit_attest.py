@@ -73,3 +73,16 @@ def test_native_and_torch_word_sums_are_the_same_digest(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(NATIVE_PATH, "lib_for", lambda _t: None)
             assert attest.bytes_digest(t) == native, n
+
+
+def test_the_digest_of_data_at_any_address_and_of_a_scalar():
+    """Bytes that start off an 8-byte boundary (``frombuffer`` at an odd offset: storage offset 0, the address
+    odd) are copied to an aligned buffer first (the native kernel reads whole words), and digest as the same
+    bytes anywhere else do; a 0-d tensor digests its bytes."""
+    from mxport.refit.attest import bytes_digest
+
+    buf = bytearray(range(256)) * 4
+    odd = torch.frombuffer(buf, dtype=torch.uint8, offset=1, count=800)
+    assert odd.storage_offset() == 0 and odd.data_ptr() % 8 == 1
+    assert bytes_digest(odd) == bytes_digest(odd.clone())
+    assert bytes_digest(torch.tensor(1.5)) == bytes_digest(torch.tensor([1.5]))

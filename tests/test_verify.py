@@ -314,7 +314,8 @@ def test_verify_fp4_refusals(tiny, tmp_path):
     for kwargs, match in (({"quant": "fp4"}, "quant must be one of"),
                           ({"quant": "nvfp4", "per_layer": True}, "per-layer"),
                           ({"quant": "mxfp4", "activation": "mxfp8"}, "activation"),
-                          ({"quant": "nvfp4", "checkpoint": str(tmp_path)}, "checkpoint")):
+                          ({"quant": "nvfp4", "checkpoint": str(tmp_path)}, "checkpoint"),
+                          ({"quant": "nvfp4", "fp8_dtype": "e5m2"}, "FP8 element type")):
         with pytest.raises(ValueError, match=match):
             verify(str(tiny), max_new_tokens=1, **kwargs)
     res = CliRunner().invoke(app, ["verify", str(tiny), "--quant", "nvfp4", "--per-layer"])

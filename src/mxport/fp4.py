@@ -11,8 +11,9 @@
   global scale per tensor, ``amax / (6 * 448)`` (ModelOpt's ``weight_scale_2``). A block's scale is
   ``block_amax / (6 * global)`` (1.0 for an all-zero block) clamped to [2**-9, 448] and cast to E4M3; its
   elements are ``x / (scale * global)`` as E2M1. Each step is the float32 operation ModelOpt runs, in its
-  order, so the bytes are ModelOpt's (the tests compare them). Decoded: ``e2m1 * scale * global``.
-  An all-zero tensor (ModelOpt divides 0 by 0 there and writes NaN scales) gets global scale 1.0.
+  order, so the bytes are ModelOpt's (the tests compare them; a global scale given by the caller is taken as
+  float32). Decoded: ``e2m1 * scale * global``. Where ``amax / (6 * 448)`` is 0 (an all-zero tensor, or an
+  amax below about 4e-42: ModelOpt divides 0 by 0 there and writes NaN scales) the global scale is 1.0.
 
 A format is one :class:`FP4Format` record (element codec, block size, scale codec, packing) that
 :func:`quantize_fp4` and :meth:`FP4Components.dequantize` read.
@@ -68,7 +69,7 @@ class FP4Components:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The decoded values: E2M1 element x its block's scale (x the global scale)."""
         values = e2m1_values(unpack_e2m1(self.data))
-        blocks = values.reshape(*values.shape[:-1], -1, self.format.block)
+        blocks = values.reshape(*values.shape[:-1], values.shape[-1] // self.format.block, self.format.block)
         if self.format.scale_codec == "e8m0":
             scale = e8m0_to_float(self.scale)
         else:
@@ -111,12 +112,13 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def _blocks(x: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{fmt.name}: x must be a floating-point torch.Tensor")
-    if x.dim() == 0 or x.shape[-1] % fmt.block:
-        raise ValueError(f"{fmt.name}: the last dimension ({tuple(x.shape)[-1:] or 'none'}) must be a "
-                         f"multiple of {fmt.block}")
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % fmt.block:
+        last = x.shape[-1] if x.dim() else "none: a 0-d tensor"
+        raise ValueError(f"{fmt.name}: the last dimension ({last}) must be a positive multiple of "
+                         f"{fmt.block}")
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{fmt.name}: x holds NaN or Inf, which E2M1 cannot encode")
-    return x.reshape(*x.shape[:-1], -1, fmt.block)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // fmt.block, fmt.block)
 
 
 def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil") -> FP4Components:
@@ -138,16 +140,26 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil") -> FP4Components
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-tensor scale of ``x``: ``amax / (6 * 448)`` in float32 (ModelOpt's ``weight_scale_2``);
     1.0 for an all-zero tensor."""
+    if x.numel() == 0:
+        return torch.tensor(1.0)
     g = x.abs().amax().float() / (E2M1_MAX * E4M3_MAX)
     return torch.where(g == 0, torch.ones_like(g), g)
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> FP4Components:
+def _check_global_scale(g) -> torch.Tensor:
+    t = torch.as_tensor(g, dtype=torch.float32) if not isinstance(g, torch.Tensor) else g.to(torch.float32)
+    if t.numel() != 1 or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise ValueError(f"nvfp4: global_scale must be one finite value above 0, got {g!r}")
+    return t.reshape(())
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> FP4Components:
     """NVFP4 of ``x`` along its last dimension (a multiple of 16), ModelOpt's rule (module doc);
-    ``global_scale`` defaults to :func:`nvfp4_global_scale` of ``x`` (pass one to share it, e.g. across the
-    fused parts of a layer)."""
+    ``global_scale`` defaults to :func:`nvfp4_global_scale` of ``x`` (pass one, a float or a one-element
+    tensor, to share it, e.g. across the fused parts of a layer: it must be at least ``amax(x) / (6 * 448)``,
+    or the largest values saturate)."""
     blocks = _blocks(x, NVFP4)
-    g = nvfp4_global_scale(x) if global_scale is None else global_scale.to(torch.float32).reshape(())
+    g = nvfp4_global_scale(x) if global_scale is None else _check_global_scale(global_scale)
     block_scale = blocks.abs().amax(dim=-1).float() / (E2M1_MAX * g)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
     scale = block_scale.clamp(min=_NVFP4_SCALE_MIN, max=E4M3_MAX).to(torch.float8_e4m3fn)

@@ -123,8 +123,9 @@ def build_fp4_twin(model: nn.Module, quant: str, *, policy=None, progress: Progr
             decoded = quantize_fp4(p.detach(), quant).dequantize(torch.float32)
         except ValueError as exc:
             raise ValueError(f"{name} {tuple(p.shape)}: {exc}") from exc
-        sqnr[key] = sqnr_db(p.detach().float(), decoded)
-        p.copy_(decoded.to(p.dtype))
+        p_ref = p.detach().float().clone()
+        p.copy_(decoded.to(p.dtype))  # NVFP4's scale * global may round again in a BF16 weight
+        sqnr[key] = sqnr_db(p_ref, p.detach().float())
         progress("quantize", i, len(tensors))
     return twin, sqnr
 
@@ -375,9 +376,9 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         ValueError / TypeError / FileNotFoundError: bad arguments, unreadable model, prompts or checkpoint.
     """
     _check_verify_args(activation, max_new_tokens, max_kl, target_kl)
-    _check_quant(quant, checkpoint, activation, per_layer)
-    device = check_device(device)
     fp8 = _fp8(fp8_dtype)
+    _check_quant(quant, checkpoint, activation, per_layer, fp8)
+    device = check_device(device)
     conversations = load_prompts(prompts)
     model, tok, label, where = _load_source(source, device)
     progress("load", 1, 1)
@@ -429,12 +430,13 @@ def check_device(device) -> torch.device:
     return dev
 
 
-def _check_quant(quant: str, checkpoint, activation: str, per_layer: bool) -> None:
+def _check_quant(quant: str, checkpoint, activation: str, per_layer: bool, fp8: torch.dtype) -> None:
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     if quant != "mxfp8":
         for given, what in ((checkpoint is not None, "a checkpoint"), (activation != "none", "activation "
-                            f"{activation!r}"), (per_layer, "the per-layer sweep")):
+                            f"{activation!r}"), (per_layer, "the per-layer sweep"),
+                            (fp8 != torch.float8_e4m3fn, "an FP8 element type")):
             if given:
                 raise ValueError(f"quant {quant!r} measures weight-only {quant} quantized here: {what} "
                                  "is for mxfp8")

@@ -22,9 +22,9 @@ def bytes_digest(t: torch.Tensor) -> int:
     from .. import native
     from ..quantize import NATIVE_PATH
 
-    b = t.contiguous().view(torch.uint8).reshape(-1)
+    b = t.contiguous().reshape(-1).view(torch.uint8)
     n = b.numel()
-    if n % 8 or b.storage_offset() % 8:
+    if n % 8 or b.data_ptr() % 8:  # the address, not the storage offset: frombuffer data may start anywhere
         b = torch.cat([b, b.new_zeros(-n % 8)])
     w = b.view(torch.int64)
     lib = NATIVE_PATH.lib_for(w)
