@@ -40,3 +40,12 @@ def test_a_check_only_mapping_allocates_nothing():
     live, layers = live_slices(_model(), _holdings(), check_only=True)
     assert layers[0].path == "layerwise" and layers[0].staged["weight"].device.type == "meta"
     assert live["proj.weight"][1].device.type == "meta"
+
+
+def test_a_box_larger_than_the_live_parameter_is_a_clear_error():
+    import pytest
+
+    too_big = [Holding(TensorInfo("proj.weight", "kept", "float32", (16, 64)), Box.full((16, 64)))]
+    for check_only in (False, True):
+        with pytest.raises(ValueError, match=r"proj.weight: the engine's proj.weight has 8 rows"):
+            live_slices(_model(), too_big, check_only=check_only)

@@ -188,7 +188,11 @@ def live_slices(model: torch.nn.Module, holdings: Sequence[Holding], *, check_on
         view = whole
         if part is not None or tuple(whole.shape) != h.box.shape:  # a fused part's or a vocabulary's rows
             dim = -2 if whole.dim() >= 2 else 0  # a bias: its one dimension
-            view = whole.narrow(dim, _rows(model, module, part), h.box.shape[dim])
+            start, rows = _rows(model, module, part), h.box.shape[dim]
+            if start + rows > whole.shape[dim]:
+                raise ValueError(f"{h.tensor.name}: the engine's {module}.{param} has {whole.shape[dim]} "
+                                 f"rows, the box {h.box} this rank holds needs rows {start}..{start + rows}")
+            view = whole.narrow(dim, start, rows)
         if tuple(view.shape) != h.box.shape:
             raise ValueError(f"{h.tensor.name}: the engine's {module}.{param} gives {tuple(view.shape)} for "
                              f"the box {h.box} {h.box.shape} this rank holds")
