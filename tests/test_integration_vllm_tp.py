@@ -14,6 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup_vllm.sh makes .venv-vllm)")
 mxv = pytest.importorskip("mxport.integrations.vllm")
+from test_integration_vllm import _refit_ok  # noqa: E402  (a refit that must succeed)
 from vllm.platforms import current_platform  # noqa: E402
 
 from mxport.demo import vllm as harness  # noqa: E402
@@ -37,12 +38,6 @@ def tp2(tmp_path_factory):
     s.dir, s.ptr0 = d, harness.engine_pointers(s.llm)
     yield s
     s.close_trainer()
-
-
-def _refit_ok(s, step):
-    ans = s.refit(step)
-    assert ans.get("ok"), ans
-    return ans
 
 
 #: a fresh tensor-parallel vLLM on argv[1] (tp = argv[2]): its greedy tokens and log-probs to argv[3]
