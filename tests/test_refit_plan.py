@@ -937,7 +937,19 @@ def test_handshake_mismatch_diff_travels_as_validated_json():
     assert all(isinstance(x, RefitPlanMismatch) for x in out)
     assert "receiver 1: shape: 't1' local (3,) vs remote (5,)" in str(out[0])
     assert "shape: 't1' local (5,) vs remote (3,)" in str(out[1])
-    assert _both(lambda ep: exchange_plans(ep, a, 3, 64), lambda ep: exchange_plans(ep, a, 7, 64)) == [7, 7]
+    same = _both(lambda ep: exchange_plans(ep, a, 3, 64), lambda ep: exchange_plans(ep, a, 7, 64))
+    assert same == [(7, False), (7, False)]
+
+
+def test_handshake_agrees_on_delta_only_when_every_endpoint_takes_it():
+    from mxport.refit.handshake import exchange_plans
+
+    a = RefitPlan(_items([((4,), torch.float32)]))
+    both = _both(lambda ep: exchange_plans(ep, a, 0, 64, delta=True),
+                 lambda ep: exchange_plans(ep, a, 0, 64, delta=True))
+    assert [x.delta for x in both] == [True, True]
+    one = _both(lambda ep: exchange_plans(ep, a, 0, 64, delta=True), lambda ep: exchange_plans(ep, a, 0, 64))
+    assert [x.delta for x in one] == [False, False]
 
 
 def test_handshake_refuses_streams_cut_into_other_buckets():

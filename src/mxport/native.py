@@ -54,8 +54,9 @@ CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: the ABI number the C source reports when it was built with a kernel (AVX-512, or AVX2 + F16C); 3 added
 #: ``mxport_quantize_many`` (several tensors per call), 4 its stream word sums (``struct mxport_sums``), 5 the
 #: scale swizzle (``mxport_swizzle`` / ``mxport_unswizzle``), 6 the attestation digest's word sums
-#: (``mxport_word_digest``)
-ABI = 6
+#: (``mxport_word_digest``), 7 delta refit's word diff and apply (``mxport_delta_diff`` /
+#: ``mxport_delta_apply``)
+ABI = 7
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -202,6 +203,11 @@ def load(path: Path) -> ctypes.CDLL:
     declare_swizzle(lib)
     lib.mxport_word_digest.restype = None
     lib.mxport_word_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.mxport_delta_diff.restype = i64
+    lib.mxport_delta_diff.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr]
+    lib.mxport_delta_apply.restype = None
+    lib.mxport_delta_apply.argtypes = [ptr, ptr, ptr, ptr, i64]
     return lib
 
 
@@ -422,6 +428,38 @@ def word_digest(lib: ctypes.CDLL, words: torch.Tensor, first: int, out: torch.Te
     if out.dtype != torch.int64 or out.numel() != 2 or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError("word_digest: out must be a contiguous int64 CPU tensor of 2")
     lib.mxport_word_digest(words.data_ptr(), words.numel(), first & ((1 << 64) - 1), out.data_ptr())
+
+
+def _bytes_arg(t: torch.Tensor, what: str, dtype: torch.dtype = torch.uint8) -> int:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{what} must be a contiguous {dtype} CPU tensor")
+    return t.data_ptr()
+
+
+def delta_diff(lib: ctypes.CDLL, base: torch.Tensor, now: torch.Tensor, idx: torch.Tensor,
+               masks: torch.Tensor, vals: torch.Tensor) -> tuple[int, int, int]:
+    """The words of ``now`` that differ from ``base`` (1-D uint8 CPU tensors of one size, whole words):
+    the first ones into ``idx`` (int32), ``masks`` and ``vals`` (uint8 scratch; ``masks``' and ``vals``'
+    sizes cap the words and bytes recorded), ``base`` brought up to ``now``. Returns ``(changed words, words
+    recorded, bytes recorded)``."""
+    if base.shape != now.shape or base.numel() % 8 or base.numel() // 8 >= 1 << 31:
+        raise ValueError("delta_diff: two byte ranges of one size, whole words, under 2**31 words")
+    if masks.numel() > idx.numel():
+        raise ValueError("delta_diff: masks may not be longer than idx")
+    rec = torch.zeros(2, dtype=torch.int64)
+    k = lib.mxport_delta_diff(_bytes_arg(base, "base"), _bytes_arg(now, "now"), base.numel() // 8,
+                              _bytes_arg(idx, "idx", torch.int32), _bytes_arg(masks, "masks"),
+                              _bytes_arg(vals, "vals"), masks.numel(), vals.numel(), rec.data_ptr())
+    return int(k), int(rec[0]), int(rec[1])
+
+
+def delta_apply(lib: ctypes.CDLL, dst: torch.Tensor, idx: torch.Tensor, masks: torch.Tensor,
+                vals: torch.Tensor) -> None:
+    """Write checked changed words (:func:`mxport.refit.stream.delta.parse`) into ``dst``."""
+    if idx.numel() != masks.numel():
+        raise ValueError("delta_apply: one mask per word index")
+    lib.mxport_delta_apply(_bytes_arg(dst, "dst"), _bytes_arg(idx, "idx", torch.int32),
+                           _bytes_arg(masks, "masks"), _bytes_arg(vals, "vals"), idx.numel())
 
 
 def swizzle(lib: ctypes.CDLL, grid: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MXPORT_NATIVE_ABI 6
+#define MXPORT_NATIVE_ABI 7
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
@@ -1442,4 +1442,46 @@ void mxport_word_digest(const uint64_t *w, int64_t n, uint64_t first, uint64_t *
     }
     out[0] += plain;
     out[1] += weighted;
+}
+
+/* Delta refit (mxport.refit.stream.delta): the 8-byte words of `now` that differ from `base` over n words.
+ * The first changed words (at most cap of them, with at most cap_vals changed bytes) are recorded: index to
+ * idx, byte mask to masks (bit j: byte j in memory order), changed bytes to vals; every changed word is
+ * copied into base, so that after the call base equals now. Returns how many words changed; rec[0] / rec[1]
+ * the words / bytes recorded (fewer words than changed: the caller sends the range whole). One pass at
+ * memory speed: the common word is unchanged. */
+int64_t mxport_delta_diff(uint64_t *base, const uint64_t *now, int64_t n, int32_t *idx, uint8_t *masks,
+                          uint8_t *vals, int64_t cap, int64_t cap_vals, int64_t *rec) {
+    int64_t k = 0, r = 0, v = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t a = base[i], b = now[i];
+        if (a == b) continue;
+        base[i] = b;
+        k++;
+        if (r < k - 1 || r >= cap || v + 8 > cap_vals) continue;  /* past the caps: count only */
+        const uint8_t *nb = (const uint8_t *)&now[i], *ab = (const uint8_t *)&a;
+        uint8_t m = 0;
+        for (int j = 0; j < 8; j++) {
+            if (nb[j] != ab[j]) { m |= (uint8_t)(1u << j); vals[v++] = nb[j]; }
+        }
+        idx[r] = (int32_t)i;
+        masks[r++] = m;
+    }
+    rec[0] = r;
+    rec[1] = v;
+    return k;
+}
+
+/* Delta refit: write k changed words into dst (uint8, whole words): word idx[i] takes, in memory order, the
+ * next bytes of vals at the bytes its mask masks[i] sets. The caller checked idx, masks and vals (parse). */
+void mxport_delta_apply(uint8_t *dst, const int32_t *idx, const uint8_t *masks, const uint8_t *vals,
+                        int64_t k) {
+    int64_t v = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *w = dst + 8 * (int64_t)idx[i];
+        const uint8_t m = masks[i];
+        for (int j = 0; j < 8; j++) {
+            if (m & (1u << j)) w[j] = vals[v++];
+        }
+    }
 }

@@ -75,6 +75,11 @@ def refit(
     json_out: _RefitJson = None,
     max_new_tokens: MaxNewTokensOpt = 16,
     lr: float = typer.Option(1e-5, "--lr", callback=positive, help="AdamW learning rate of the trainer."),
+    delta: bool = typer.Option(False, "--delta",
+                               help="Refit only what changed: after the first refit each step sends the "
+                                    "8-byte words whose bytes changed since the version the engine holds "
+                                    "(byte masks, element granularity), checked against the new version's "
+                                    "checksums; an engine on another version gets the step whole."),
     timeout: float = typer.Option(120.0, "--timeout", callback=positive,
                                   help="Seconds a refit may wait on a peer before failing."),
 ):
@@ -102,7 +107,9 @@ def refit(
     engine rank or none. JSON steps add "ranks" (per rank: bytes, seconds, and on engine ranks bit_exact).
 
     Per step: bytes, seconds, GB/s, gen_kl_error (trainer vs engine log-probs on the engine's generated
-    tokens), bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable.
+    tokens), bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable; with
+    --delta also full_bytes (the whole stream's), delta (sent as a delta), blocks_changed (fraction of MXFP8
+    blocks with a changed value or scale byte).
 
     JSON (--json): {"engine": ..., "steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.
@@ -117,14 +124,8 @@ def refit(
         trainer_layout, engine_layout = Layout.parse(trainer), parse_engine(engine)[1]
     t0 = time.perf_counter()
     note = _prompt_note(src)
-    if name == "vllm":
-        job = _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers,
-                        trainer_layout.fsdp)
-    elif trainer_layout.ranks > 1 or engine_layout.ranks > 1:
-        job = _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
-                           lr, timeout)
-    else:
-        job = _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout)
+    job = _make_job(name, src, trainer_layout, engine_layout, steps, bucket_bytes, receivers, max_new_tokens,
+                    lr, timeout, delta)
     out = {**_drive(job, steps, json_out), **({"prompt_note": note} if note else {})}
     rows = out["steps"]
     out.update(ok=bool(rows) and all(StepReport.from_dict(r).ok for r in rows),
@@ -135,6 +136,21 @@ def refit(
     if not out["ok"]:
         raise fail("refit check failed: a step was not bit-exact, buffer pointers moved or the engine served "
                    "KV of the previous weights", EXIT_CHECK_FAILED)
+
+
+def _make_job(name, src, trainer_layout, engine_layout, steps, bucket_bytes, receivers, max_new_tokens, lr,
+              timeout, delta) -> _Job:
+    """The processes of this run: a vLLM engine, a sharded world, or one trainer and R receivers."""
+    if delta and (name == "vllm" or trainer_layout.ranks > 1 or engine_layout.ranks > 1):
+        raise fail("--delta runs with --engine mxport and one trainer rank (the sharded and vLLM refits do "
+                   "not take deltas yet)")
+    if name == "vllm":
+        return _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers,
+                         trainer_layout.fsdp)
+    if trainer_layout.ranks > 1 or engine_layout.ranks > 1:
+        return _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
+                            lr, timeout)
+    return _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta)
 
 
 def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
@@ -339,18 +355,19 @@ def _fds_to(path: str) -> Iterator[tuple]:
             os.close(fd)
 
 
-def _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout) -> _Job:
+def _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta=False) -> _Job:
     """One trainer and R mxport receiver processes (mxport.demo.single)."""
     from ..demo.single import DemoConfig, run_demo
 
     def start(log_dir: str, on_event) -> dict:
         cfg = DemoConfig(source=_model_path(src), steps=steps, bucket_bytes=bucket_bytes, receivers=receivers,
-                         max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir)
+                         max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir,
+                         delta=delta)
         return run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
 
     return _Job(f"starting 1 trainer + {receivers} engine process{'es' if receivers > 1 else ''}", "", start,
                 {"engine": "mxport", "model": src.label, "receivers": receivers,
-                 "bucket_bytes": bucket_bytes})
+                 "bucket_bytes": bucket_bytes, "delta": delta})
 
 
 def _model_path(src) -> str:
@@ -426,6 +443,18 @@ def _print_result(out: dict) -> None:
     elif rows:
         console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}",
                       highlight=False)
+    if out.get("delta") and rows:
+        _print_delta(rows)
+
+
+def _print_delta(rows: list[dict]) -> None:
+    """One line per step of a --delta run: how it went out and what changed."""
+    for r in rows:
+        how = ("delta" if r["delta"] else "whole (no engine base yet)" if r["blocks_changed"] is None
+               else "whole (an engine was on another version)")
+        blocks = "" if r["blocks_changed"] is None else f", {r['blocks_changed']:.2%} of MXFP8 blocks changed"
+        console.print(f"step {r['step']}: {how}: {r['bytes'] / 1e6:.2f} of {r['full_bytes'] / 1e6:.1f} MB "
+                      f"({r['bytes'] / r['full_bytes']:.3f}){blocks}", highlight=False)
 
 
 def _ranks(layout: str) -> str:

@@ -40,6 +40,7 @@ class DemoConfig:
     receivers: int = 1
     max_new_tokens: int = 16
     lr: float = 1e-5
+    delta: bool = False  # refit only what changed since the engines' version
     timeout_s: float = 120.0
     seq_len: int = 64
     log_dir: str | None = None  # per-process stdout/stderr logs (rank<i>.log); None = inherit the terminal
@@ -76,7 +77,7 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
     words = Words.of(model, tok)
     source = TrainerSource(model, arena=True,  # quantize into the send buffer
                            kernel=trainer_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
-    sender = RefitSender(transport, source.plan, bucket_bytes=cfg.bucket_bytes)
+    sender = RefitSender(transport, source.plan, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     sender.handshake()
     layout = sender.layout
     q.put(("plan", 0, {**source.plan.summary(), "buckets": layout.num_buckets,
@@ -97,7 +98,22 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
         sent_crc32 = source.stream_crc32()  # what was sent, for the bit-exactness check (outside the refit)
         replies = _gather_replies(transport, shape, None)[1:]
         rows = [_receiver_row(model, words, r, sent_crc32) for r in replies]
-        q.put(("step", 0, _report(step, loss, train_s, stats, rows).to_dict()))
+        q.put(("step", 0, _report(step, loss, train_s, stats, rows, _delta_figures(sender, stats)
+                                  if cfg.delta else {}).to_dict()))
+
+
+def _delta_figures(sender, stats) -> dict:
+    """A delta refit's figures: the full stream's bytes beside the ``bytes`` sent, whether it went out as a
+    delta, and the fraction of MXFP8 blocks whose bytes changed (null: no base to compare: the first
+    refit)."""
+    from ..refit.stream.delta import blocks_changed, changed_bytes
+
+    stream = sender.streams[0]
+    blocks = (blocks_changed(stream.plan, changed_bytes(stream.last_changes))
+              if stats.changed_words >= 0 else None)
+    return {"full_bytes": stats.bytes, "delta": stats.delta, "blocks_changed": blocks,
+            "changed_words": stats.changed_words, "delta_s": stats.delta_s,
+            "full_for": list(stats.full_for)}
 
 
 @dataclass(frozen=True)
@@ -129,19 +145,20 @@ class ReceiverRow(_ReceiverNumbers):
         return asdict(self)
 
 
-def _report(step: int, loss: float, train_s: float, stats, rows: list[ReceiverRow]) -> StepReport:
+def _report(step: int, loss: float, train_s: float, stats, rows: list[ReceiverRow],
+            extra: dict) -> StepReport:
     """One training step and its refit as every engine reports it: end to end (quantize + pack + transfer up
     to every receiver's vote), the worst receiver's gen_kl_error, bit-exact and pointers stable on every
     receiver; then the time split and the per-receiver rows."""
     recv = [r.to_dict() for r in rows]
     return StepReport(
-        step=step, bytes=stats.bytes, seconds=stats.seconds, gbps=stats.bytes / stats.seconds / 1e9,
+        step=step, bytes=stats.wire_bytes, seconds=stats.seconds, gbps=stats.wire_bytes / stats.seconds / 1e9,
         gen_kl_error=max(r["gen_kl_error"] for r in recv), bit_exact=all(r["bit_exact"] for r in recv),
         pointers_stable=all(r["pointers_stable"] for r in recv),
         details={"version": stats.version, "loss": loss, "buckets": stats.buckets, "train_s": train_s,
                  "quantize_s": stats.produce_s, "pack_s": stats.pack_s, "checksum_s": stats.checksum_s,
                  "send_s": stats.seconds, "commit_s": max(r["commit_s"] for r in recv),
-                 "greedy_agreement": min(r["greedy_agreement"] for r in recv), "receivers": recv})
+                 "greedy_agreement": min(r["greedy_agreement"] for r in recv), **extra, "receivers": recv})
 
 
 @dataclass(frozen=True)
@@ -224,7 +241,7 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     words = Words.of(model, tok)
     quantize_model(model)
     plan, targets = receiver_plan(model, arena=True)  # weights in one arena: direct receive
-    receiver = RefitReceiver(transport, plan, targets, bucket_bytes=cfg.bucket_bytes)
+    receiver = RefitReceiver(transport, plan, targets, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     ptrs0 = [t.data_ptr() for t in targets]
     receiver.handshake()
     prompt = words.prompt()

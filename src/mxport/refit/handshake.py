@@ -4,7 +4,8 @@ fixed-size tensors cross the wire, nothing is unpickled:
 
 1. ``all_gather`` of one int64 word, :data:`HELLO`; a peer that sends anything else does not speak this
    protocol: :class:`RefitError`, nothing more read from it.
-2. ``all_gather`` of int64 ``[digest words 0..3, version, bucket_bytes]``.
+2. ``all_gather`` of int64 ``[digest words 0..3, version, bucket_bytes, delta]`` (``delta``: this endpoint
+   takes delta refits; the stream runs them when every endpoint does).
 3. On a digest mismatch only: ``all_gather`` of each canonical plan's JSON length, then of the JSON bytes
    (zero-padded to the longest; at most :data:`MAX_PLAN_JSON`), rebuilt with
    :meth:`RefitPlan.from_canonical` to name the differences."""
@@ -12,6 +13,7 @@ fixed-size tensors cross the wire, nothing is unpickled:
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import torch
 
@@ -19,10 +21,10 @@ from .plan import RefitPlan, RefitPlanMismatch, diff_canonical
 from .results import RefitError
 from .transport import Transport
 
-#: "MXRFTHS" and the handshake protocol's version (2: the digest row carries the bucket size; version 1's
-#: row, without it, is a word shorter: a peer of another version is refused here, before rows of two sizes
-#: meet in one all_gather)
-HELLO = 0x4D58524654485302
+#: "MXRFTHS" and the handshake protocol's version (3: the digest row carries the bucket size and the delta
+#: word; an older row is shorter: a peer of another version is refused here, before rows of two sizes meet in
+#: one all_gather)
+HELLO = 0x4D58524654485303
 #: the longest canonical plan JSON an endpoint accepts from a peer
 MAX_PLAN_JSON = 64 << 20
 
@@ -37,8 +39,17 @@ def _hello(transport: Transport) -> None:
                          f"group?); nothing more was read from it; re-create the transport")
 
 
-def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_bytes: int) -> int:
-    """Compare ``plan`` and ``bucket_bytes`` with every other endpoint's; return the highest version.
+class Agreement(NamedTuple):
+    """What a stream's endpoints agreed: the highest version any of them knows, and whether every one takes
+    delta refits."""
+
+    version: int
+    delta: bool
+
+
+def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_bytes: int, *,
+                   delta: bool = False) -> Agreement:
+    """Compare ``plan`` and ``bucket_bytes`` with every other endpoint's; return the :class:`Agreement`.
 
     Raises:
         RefitError: a peer that does not speak this handshake, or reports a negative version.
@@ -47,7 +58,8 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_b
     """
     _hello(transport)
     digest = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.int64)
-    mine = torch.cat([digest, torch.tensor([int(version), int(bucket_bytes)], dtype=torch.int64)])
+    mine = torch.cat([digest, torch.tensor([int(version), int(bucket_bytes), int(bool(delta))],
+                                           dtype=torch.int64)])
     rows = transport.all_gather(mine)
     digests = [row[:4].numpy().tobytes().hex() for row in rows]
     versions = [int(row[4]) for row in rows]
@@ -57,7 +69,7 @@ def exchange_plans(transport: Transport, plan: RefitPlan, version: int, bucket_b
     src = transport.src
     if all(d == digests[src] for d in digests):
         _check_buckets(transport, [int(row[5]) for row in rows], plan.digest)
-        return max(versions)
+        return Agreement(max(versions), all(int(row[6]) == 1 for row in rows))
     remote = _exchange_canonical(transport, plan)
     if transport.is_sender:
         diffs = []

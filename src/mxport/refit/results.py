@@ -21,6 +21,7 @@ class Status(IntEnum):
     COMMIT_FAILED = 6  # writing the live tensors or a refresh hook failed
     PEER_REJECTED = 7  # this receiver accepted, another rank voted no: no rank committed
     REPLICA_DRIFT = 8  # a trainer rank's copy of a replicated box differs from another holder's (sharded)
+    BAD_DELTA = 9  # a delta refit's payload does not fit this stream (sizes, indices, masks)
 
 
 class AbortReason(IntEnum):
@@ -196,16 +197,28 @@ class SendStats(ResultRow):
     gbps: float
     receivers: tuple[ReceiverResult, ...]
     streams: tuple[StreamStats, ...] = ()
+    #: delta streams: payload bytes on the wire (``bytes``: the full stream's), whether every stream went out
+    #: as a delta, the stream's words that changed (-1: no base to compare), seconds diffing, and the
+    #: receivers (stream ranks) whose base did not match, so the refit went out whole
+    wire_bytes: int = 0
+    delta: bool = False
+    changed_words: int = 0
+    delta_s: float = 0.0
+    full_for: tuple[int, ...] = ()
 
     @classmethod
     def total(cls, rank: int, version: int, parts: Sequence[SendStats], streams: Sequence[StreamStats],
               seconds: float, receivers: Sequence[ReceiverResult]) -> SendStats:
         """One rank's stats of a refit from its streams' (``parts``)."""
         s = _summed(parts, "bytes", "buckets", "zero_copy_buckets", "produce_s", "pack_s", "checksum_s",
-                    "wait_s")
+                    "wait_s", "wire_bytes", "delta_s")
+        changed = [p.changed_words for p in parts]
         return cls(rank=rank, version=version, seconds=seconds, gbps=_rate(s["bytes"], seconds),
                    stream_crc32=parts[0].stream_crc32 if len(parts) == 1 else None,
-                   receivers=tuple(receivers), streams=tuple(streams), **s)
+                   receivers=tuple(receivers), streams=tuple(streams),
+                   delta=bool(parts) and all(p.delta for p in parts),
+                   changed_words=-1 if -1 in changed else sum(changed),
+                   full_for=tuple(r for p in parts for r in p.full_for), **s)
 
 
 @dataclass(frozen=True)
@@ -227,11 +240,15 @@ class ReceiveStats(ResultRow):
     backup_s: float
     backup_wait_s: float
     streams: tuple[StreamStats, ...] = ()
+    wire_bytes: int = 0  # payload bytes received (a delta refit: the delta's)
+    delta: bool = False  # every stream of this rank took the refit as a delta
 
     @classmethod
     def total(cls, rank: int, version: int, parts: Sequence[ReceiveStats], streams: Sequence[StreamStats],
               seconds: float) -> ReceiveStats:
         """One rank's stats of a refit from its streams' (``parts``)."""
-        s = _summed(parts, "bytes", "buckets", "idle_s", "recv_s", "commit_s", "backup_s", "backup_wait_s")
+        s = _summed(parts, "bytes", "buckets", "idle_s", "recv_s", "commit_s", "backup_s", "backup_wait_s",
+                    "wire_bytes")
         return cls(rank=rank, version=version, direct=bool(parts) and all(p.direct for p in parts),
+                   delta=bool(parts) and all(p.delta for p in parts),
                    seconds=seconds, gbps=_rate(s["bytes"], seconds), streams=tuple(streams), **s)

@@ -29,6 +29,7 @@ from ..plan import RefitPlan
 from ..results import AbortReason, ReceiverResult, ReceiveStats, RefitError, Status, Vote
 from ..timing import Stopwatch
 from ..transport import Transport
+from . import delta as dl
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Staged:
     trailer: Trailer
     stopwatch: Stopwatch
     backup_s: float
+    wire_bytes: int = 0
+    delta: bool = False
 
     @property
     def ok(self) -> bool:
@@ -81,7 +84,9 @@ class StreamReceiver:
     :class:`~mxport.refit.RefitReceiver`'s; ``bucket_bytes`` the sender's; ``use_checksum`` verify each
     bucket; ``refresh_hooks`` run after every commit (derived copies that do not follow ``_version``);
     ``inflight`` broadcasts posted ahead; ``direct`` receive straight into the live tensors (None: whenever
-    they form one arena laid out as the stream; False: never; True: always, else ValueError).
+    they form one arena laid out as the stream; False: never; True: always, else ValueError); ``delta`` take
+    delta refits (only what changed since the live version, patched into a copy of it and checked against
+    the new version's checksums) when every endpoint does.
 
     In direct mode the live tensors are written *during* a receive and the staging buffer holds the previous
     version (refreshed by one background ``copy_`` per refit: ``backup_s`` / ``backup_wait_s``), restored on
@@ -89,9 +94,15 @@ class StreamReceiver:
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True, inflight: int = 4,
-                 refresh_hooks: Sequence[Callable[[], None]] = (), direct: bool | None = None):
+                 refresh_hooks: Sequence[Callable[[], None]] = (), direct: bool | None = None,
+                 delta: bool = False):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
+        if delta and not use_checksum:
+            raise ValueError("delta=True needs use_checksum=True: a patched stream is checked against the "
+                             "checksums of the new one")
+        #: a delta stream: the stream bytes (staging or the live arena) hold the live version, ``_digest``
+        self.want_delta, self.delta, self._base_ok, self._digest = bool(delta), False, False, 0
         if transport.is_sender:
             raise ValueError(f"transport rank {transport.rank} is the sender; a receiver needs another rank")
         targets = list(targets)
@@ -143,7 +154,8 @@ class StreamReceiver:
 
     def handshake(self) -> None:
         """Exchange plan digests with the sender (RefitPlanMismatch on a mismatch, before any payload)."""
-        exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
+        _, self.delta = exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes,
+                                       delta=self.want_delta)
 
     # -- direct mode: the rollback copy ----------------------------------------------------------------------
     @property
@@ -166,12 +178,19 @@ class StreamReceiver:
             backup_s = self.wait_backup()
         problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
         sw.mark("posted")
-        got, t_first = self._receive_stream()
+        decision = self._agree() if self.delta else None
+        if decision is not None and decision.delta:
+            got, t_first, bad = self._receive_delta(decision.nbytes)
+            problem = problem or bad
+        else:
+            got, t_first = self._receive_stream([*self._landing, self._trailer], True)
         sw.mark("first", t_first)
         trailer = Trailer.from_tensor(self._trailer)
         problem = problem or self._judge(trailer, got)
         sw.mark("judged")
-        return Staged(problem, trailer, sw, backup_s)
+        delta = decision is not None and decision.delta
+        return Staged(problem, trailer, sw, backup_s, decision.nbytes if delta else self.plan.total_bytes,
+                      delta)
 
     def verdict(self, staged: Staged) -> ReceiverResult:
         """This rank's row of the vote on ``staged``: ``OK`` or why it rejects, and its live version."""
@@ -207,7 +226,8 @@ class StreamReceiver:
                             direct=self.direct, seconds=seconds, idle_s=sw.between("posted", "first"),
                             recv_s=sw.between("first", "judged"), commit_s=sw["commit"],
                             gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                            backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"])
+                            backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"],
+                            wire_bytes=staged.wire_bytes, delta=staged.delta)
 
     def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
         """Drop ``staged`` without a vote: the live tensors keep the previous version."""
@@ -225,12 +245,37 @@ class StreamReceiver:
                             "a live tensor was moved or reallocated since the receiver was built")
         return None
 
-    def _receive_stream(self) -> tuple[list[int], float]:
-        """Receive every bucket and the trailer (``inflight`` posted ahead), summing each bucket while later
-        ones arrive; the checksums and when the first bucket came. A transport failure rolls back what landed
-        and raises :class:`RefitError`."""
-        n = self.layout.num_buckets
-        bufs = [*self._landing, self._trailer]  # n payload broadcasts, then the trailer
+    # -- a delta stream -------------------------------------------------------------------------------------
+    def _agree(self) -> dl.Decision:
+        """The delta stream's agreement (:func:`~mxport.refit.stream.delta.agree`); RefitError if it fails."""
+        try:
+            return dl.agree(self.transport, 0, self.version, self._digest if self._base_ok else 0,
+                            dl.max_payload(self.layout.sizes))
+        except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+            self._roll_back(0)
+            raise self._error("failed agreeing on a delta", None, f"{type(exc).__name__}: {exc}",
+                              None) from exc
+
+    def _receive_delta(self, nbytes: int) -> tuple[list[int], float, _Problem | None]:
+        """Receive a delta payload of ``nbytes`` and the trailer, patch the stream bytes (the live version)
+        with it and sum every bucket; the checksums, when it came, and why it cannot be applied (or None)."""
+        B = self.layout.bucket_bytes
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self._trailer.device)
+        _, t_first = self._receive_stream([*(payload[s:s + B] for s in range(0, nbytes, B)), self._trailer],
+                                          False)
+        try:
+            deltas = dl.parse(payload.cpu(), self.layout.sizes, self.plan.total_bytes)
+        except ValueError as exc:
+            return [0] * self.layout.num_buckets, t_first, _Problem(Status.BAD_DELTA, str(exc))
+        for d, bucket in zip(deltas, self._landing, strict=True):
+            dl.apply(d, bucket)
+        return [checksum(b) for b in self._landing], t_first, None
+
+    def _receive_stream(self, bufs: list[torch.Tensor], into_stream: bool) -> tuple[list[int], float]:
+        """Receive every buffer of ``bufs`` (the last one: the trailer; ``inflight`` posted ahead); buckets
+        of the stream itself (``into_stream``) are summed while later ones arrive: their checksums and when
+        the first came. A transport failure rolls back what landed and raises :class:`RefitError`."""
+        n = len(bufs) - 1
         handles: list = [None] * (n + 1)
         got = [0] * n
         posted = 0
@@ -244,12 +289,13 @@ class StreamReceiver:
                 handles[b] = None
                 if b == 0:
                     t_first = time.perf_counter()
-                if b < n and self.use_checksum:  # checksum while later buckets are still on the wire
+                if b < n and self.use_checksum and into_stream:  # summed while later buckets are on the wire
                     got[b] = checksum(bufs[b])
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 if self._rollback_copy is not None:
                     _wait_quietly(handles)  # nothing may still write into the live arena after the restore
-                self._roll_back(min(posted * self.layout.bucket_bytes, self.plan.total_bytes))  # what landed
+                landed = min(posted * self.layout.bucket_bytes, self.plan.total_bytes) if into_stream else 0
+                self._roll_back(landed)
                 raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
                                   None, trailer=b == n) from exc
         return got, t_first
@@ -288,11 +334,15 @@ class StreamReceiver:
                 unpack_segments(self.layout.segments[b], self._payloads[b], self._views)
         self.version = int(trailer.version)
         self.last_checksums = trailer.checksums
+        self._base_ok, self._digest = True, dl.digest(trailer.checksums)
         for hook in self.refresh_hooks:
             hook()
 
     def _roll_back(self, nbytes: int) -> None:
-        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy."""
+        """Direct mode: restore the first ``nbytes`` of the arena from the rollback copy. A delta stream's
+        next refit goes whole (staging no longer holds the live version; a live byte may have been
+        altered)."""
+        self._base_ok = False
         if self._rollback_copy is not None:
             self._rollback_copy.restore(nbytes)
 

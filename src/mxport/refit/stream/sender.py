@@ -29,6 +29,7 @@ from ..plan import RefitPlan
 from ..results import AbortReason, RefitError, SendStats, Vote
 from ..timing import Stopwatch
 from ..transport import Transport
+from . import delta as dl
 
 _END = object()
 
@@ -66,6 +67,11 @@ class _Run:
     released: int = 0  # sources before it are handed to the wire and dropped
     reason: AbortReason = AbortReason.INTERNAL  # what the step under way would abort for
     entry: int = -1  # the plan entry it concerns
+    fill_base: bool = False  # delta stream: copy each bucket into the base as it goes out (no base yet)
+    wire_bytes: int = 0  # payload bytes broadcast (a delta refit: the delta's)
+    delta: bool = False  # this refit went out as a delta
+    changed_words: int = 0  # words of the stream that differ from the base (-1: no base to compare)
+    full_for: tuple = ()  # receivers (stream ranks) whose base did not match: the refit went out whole
 
     def __post_init__(self):
         self.slot_busy = [False] * self.slots
@@ -89,17 +95,25 @@ class StreamSender:
     :class:`RefitPlan`, ``bucket_bytes`` a positive multiple of 16 (the receivers', checked), ``use_checksum``
     a per-bucket checksum, ``device`` where the pack buffers live ("cpu" for gloo, the GPU for NCCL),
     ``inflight`` broadcasts and pack buffers in flight (>= 1), ``stream_crc32`` also a ``zlib.crc32`` of the
-    stream."""
+    stream, ``delta`` send only what changed since the version the receivers hold when every endpoint takes
+    deltas (the sender keeps that version's bytes: one more copy of the stream)."""
 
     def __init__(self, transport: Transport, plan: RefitPlan, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  use_checksum: bool = True, device: str | torch.device = "cpu", inflight: int = 2,
-                 stream_crc32: bool = False):
+                 stream_crc32: bool = False, delta: bool = False):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if not transport.is_sender:
             raise ValueError(f"transport rank {transport.rank} is not the sender (src={transport.src})")
         if inflight < 1:
             raise ValueError(f"inflight must be >= 1, got {inflight}")
+        if delta and not use_checksum:
+            raise ValueError("delta=True needs use_checksum=True: the receivers check the patched stream "
+                             "against the checksums of the new one")
+        self.want_delta, self.delta = bool(delta), False
+        self.base: dl.Base | None = None
+        #: a delta stream: ``(bucket start, its BucketDelta)`` of the last refit diffed against a base
+        self.last_changes: list = []
         self.transport, self.plan, self.use_checksum = transport, plan, use_checksum
         self.stream_crc32 = stream_crc32
         self.device = canonical_device(device)
@@ -116,7 +130,10 @@ class StreamSender:
 
     def handshake(self) -> None:
         """Exchange plan digests with every receiver (RefitPlanMismatch on all sides on a mismatch)."""
-        self.version = exchange_plans(self.transport, self.plan, self.version, self.layout.bucket_bytes)
+        self.version, self.delta = exchange_plans(self.transport, self.plan, self.version,
+                                                  self.layout.bucket_bytes, delta=self.want_delta)
+        if self.delta and self.base is None:
+            self.base = dl.Base(self.plan.total_bytes, self.device)
 
     def transmit(self, tensors: Iterable[torch.Tensor], *,
                  checksums: Callable[[int, int], int] | None = None) -> PendingSend:
@@ -126,8 +143,11 @@ class StreamSender:
         run = _Run(self.version, iter(tensors), len(self._packbuf), checksums)
         sw = Stopwatch()
         try:
-            for b in range(self.layout.num_buckets):
-                self._send_bucket(run, b, sw)
+            if self.delta:
+                self._send_delta(run, sw)
+            else:
+                for b in range(self.layout.num_buckets):
+                    self._send_bucket(run, b, sw)
             run.reason, run.entry = AbortReason.PRODUCER, -1
             if next(run.items, _END) is not _END:
                 run.reason = AbortReason.COUNT
@@ -151,21 +171,28 @@ class StreamSender:
         """Phase three: the stats of ``pending`` under ``vote``, or the producer's error after an abort, or
         RefitError when some rank voted no."""
         if pending.error is not None:
+            if self.base is not None:
+                self.base.settle(pending.run.version, [], False)
             raise pending.error
         run, sw = pending.run, pending.stopwatch
         results = vote.results
         self._raise_rejections(run, vote)
         seconds = sw.elapsed()
+        if self.base is not None:
+            self.base.settle(run.version, run.crcs, vote.commit)
         return SendStats(rank=self.transport.rank, version=run.version, bytes=self.plan.total_bytes,
                          buckets=self.layout.num_buckets,
                          zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
                          pack_s=sw["pack"], checksum_s=sw["checksum"], wait_s=sw["wait"],
                          stream_crc32=run.stream_crc if self.stream_crc32 else None,
                          gbps=self.plan.total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                         receivers=tuple(results))
+                         receivers=tuple(results), wire_bytes=run.wire_bytes, delta=run.delta,
+                         changed_words=run.changed_words, delta_s=sw["delta"], full_for=run.full_for)
 
     def vote_failed(self, pending: PendingSend, exc: BaseException) -> BaseException:
         """The error when the vote on ``pending`` failed: an abort's error with a note, or RefitError."""
+        if self.base is not None:
+            self.base.settle(pending.run.version, [], False)
         if pending.error is not None:
             pending.error.add_note(f"(aborting the refit failed too: {type(exc).__name__}: {exc})")
             return pending.error
@@ -199,6 +226,10 @@ class StreamSender:
                 self._retire_oldest(run)
         run.pending.append((self._post(payload, b), slot, payload))
         run.posted += 1
+        run.wire_bytes += size
+        if run.fill_base:
+            with sw.phase("delta"):
+                self.base.bucket(self.layout, b).copy_(payload)
         if slot is not None:
             run.slot_busy[slot] = True
         if self.use_checksum and crc is None:
@@ -213,6 +244,74 @@ class StreamSender:
             run.sources[i] = None
             i += 1
         run.released = i
+
+    # -- a delta stream -------------------------------------------------------------------------------------
+    def _send_delta(self, run: _Run, sw: Stopwatch) -> None:
+        """One refit of a delta stream: diff every bucket against the base (bringing it up to date), agree
+        with the receivers whether each holds that base, then send the delta, or every bucket whole. A
+        failure before the agreement still agrees (on whole buckets), then aborts as a full refit does."""
+        n, base = self.layout.num_buckets, self.base
+        payload, failed, run.changed_words, self.last_changes = None, None, -1, []
+        if base.ok:
+            try:
+                deltas = [self._diff_bucket(run, b, sw) for b in range(n)]
+                with sw.phase("delta"):
+                    payload = dl.encode(deltas, self.plan.total_bytes)
+                run.changed_words = sum(d.words for d in deltas)
+                self.last_changes = [(b * self.layout.bucket_bytes, d) for b, d in enumerate(deltas)]
+            except BaseException as exc:  # noqa: BLE001 - raised after the agreement: receivers stay in step
+                failed, run.crcs = exc, []
+        base.ok = False  # holds the new bytes (or will): trusted again once this refit is committed
+        try:
+            decision = dl.agree(self.transport, -1 if payload is None else payload.numel(), base.version,
+                                base.digest, dl.max_payload(self.layout.sizes))
+        except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+            raise _TransportFailed(exc) from exc
+        run.full_for = decision.full_for
+        if failed is not None:
+            raise failed
+        if decision.delta:
+            run.delta = True
+            self._send_payload(run, payload, sw)
+            return
+        run.crcs, run.stream_crc, run.fill_base = [], 0, payload is None
+        for b in range(n):
+            self._send_bucket(run, b, sw)
+
+    def _diff_bucket(self, run: _Run, b: int, sw: Stopwatch) -> dl.BucketDelta:
+        """Bucket ``b`` produced and summed, its change from the base, the base brought up to it."""
+        with sw.phase("produce"):
+            self._produce(run, b)
+        size = self.layout.sizes[b]
+        new = in_place_payload(self.layout.segments[b], self.layout.gap_index(b, self.device), run.sources,
+                               size, self.device)
+        crc = None
+        if new is None:
+            new = self._packbuf[0][:size]
+            with sw.phase("pack"):
+                crc = pack_bucket(self.layout, b, run.sources, new, with_checksum=run.checksums is None)
+        with sw.phase("checksum"):
+            if crc is None:
+                crc = (checksum(new) if run.checksums is None
+                       else run.checksums(b * self.layout.bucket_bytes, size))
+            run.crcs.append(crc)
+            if self.stream_crc32:
+                run.stream_crc = zlib.crc32(new.cpu().numpy(), run.stream_crc)
+        with sw.phase("delta"):
+            return dl.diff_bucket(self.base.bucket(self.layout, b), new, self.base.scratch)
+
+    def _send_payload(self, run: _Run, payload: torch.Tensor, sw: Stopwatch) -> None:
+        """Broadcast a delta payload in pieces of at most the bucket size (the receivers know its length)."""
+        B = self.layout.bucket_bytes
+        with sw.phase("wait"):
+            for start in range(0, payload.numel(), B):
+                piece = payload[start:start + B].to(self.device)
+                try:
+                    self.transport.broadcast(piece, async_op=True).wait()
+                except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError
+                    raise _TransportFailed(exc) from exc
+        run.wire_bytes = int(payload.numel())
+        run.posted = self.layout.num_buckets
 
     def _produce(self, run: _Run, b: int) -> None:
         """Take the items bucket ``b`` needs from the iterator, each checked against its plan entry."""

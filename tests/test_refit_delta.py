@@ -1,0 +1,288 @@
+"""Delta refit: only the words that changed since the version the engines hold, exact, versioned, all or
+nothing (the codec, then refits between threads of one process)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mxport.refit import InProcessChannel, RefitPlan, RefitReceiver, RefitSender, Transport
+from mxport.refit.arena import allocate_targets
+from mxport.refit.items import tensor_items
+from mxport.refit.plan import dtype_from_name
+from mxport.refit.stream import delta as dl
+
+
+def _round_trip(base: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload from ``base`` to ``new`` and ``base`` with it applied (``base`` itself untouched)."""
+    sender_base = base.clone()
+    d = dl.diff_bucket(sender_base, new)
+    assert torch.equal(sender_base, new)  # the sender's base is brought up to the new bytes
+    payload = dl.encode([d], base.numel())
+    (got,) = dl.parse(payload.clone(), [base.numel()], base.numel())
+    out = base.clone()
+    dl.apply(got, out)
+    return out, payload
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """Both diff / apply paths: the native kernel's one pass (where it builds) and torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(dl, "_lib", lambda *ts: None)
+    else:
+        from mxport.quantize import NATIVE_PATH
+
+        if not NATIVE_PATH.available:
+            pytest.skip(f"native kernel unavailable: {NATIVE_PATH.disabled_reason}")
+    return request.param
+
+
+def _densities(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    for frac in (0.0, 0.0005, 0.01, 0.05, 0.2, 1.0):
+        new = base.clone()
+        pick = torch.rand(4096, generator=g) < frac
+        new[pick] = torch.randint(0, 256, (int(pick.sum()),), dtype=torch.uint8, generator=g)
+        yield frac, base, new
+
+
+def test_a_delta_rebuilds_the_new_bytes_exactly_for_every_density(path):
+    for frac, base, new in _densities():
+        out, payload = _round_trip(base, new)
+        assert torch.equal(out, new), frac
+        assert payload.numel() <= 8 * 7 + 4096  # never more than the header and the bucket whole
+
+
+def test_the_native_and_torch_paths_give_the_same_payload(monkeypatch):
+    from mxport.quantize import NATIVE_PATH
+
+    if not NATIVE_PATH.available:
+        pytest.skip(f"native kernel unavailable: {NATIVE_PATH.disabled_reason}")
+    native = [_round_trip(b, n)[1] for _, b, n in _densities(1)]
+    monkeypatch.setattr(dl, "_lib", lambda *ts: None)
+    plain = [_round_trip(b, n)[1] for _, b, n in _densities(1)]
+    assert all(torch.equal(a, b) for a, b in zip(native, plain, strict=True))
+
+
+def test_a_changed_byte_costs_its_word_index_mask_and_byte(path):
+    base = torch.zeros(1024, dtype=torch.uint8)
+    new = base.clone()
+    new[17] = 5  # word 2, byte 1
+    new[900] = 7  # word 112, byte 4
+    d = dl.diff_bucket(base.clone(), new)
+    assert d.mode == dl.WORDS
+    assert d.index.tolist() == [2, 112]
+    assert d.masks.tolist() == [0b10, 0b10000]
+    assert d.values.tolist() == [5, 7]
+    assert dl.encode([d], 1024).numel() == 8 * 7 + 8 + 8 + 8  # header, indices, masks, values (8-padded)
+    assert dl.diff_bucket(base.clone(), base).mode == dl.UNCHANGED
+    assert dl.diff_bucket(base.clone(), base + 1).mode == dl.WHOLE
+
+
+def _payload_with(changes) -> torch.Tensor:
+    base = torch.zeros(256, dtype=torch.uint8)
+    new = base.clone()
+    new[3], new[100] = 1, 2
+    payload = dl.encode([dl.diff_bucket(base.clone(), new)], 256)
+    changes(payload)
+    return payload
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda p: p.view(torch.int64).__setitem__(0, 7), "magic"),
+    (lambda p: p.view(torch.int64).__setitem__(5, 40), "do not fit"),  # 40 words in a 32-word bucket
+    (lambda p: p[56:64].view(torch.int32).copy_(torch.tensor([12, 0], dtype=torch.int32)), "increasing"),
+    (lambda p: p[56:64].view(torch.int32).copy_(torch.tensor([0, 32], dtype=torch.int32)), "increasing"),
+    (lambda p: p.__setitem__(64, 0b11), "masks"),
+])
+def test_a_payload_that_does_not_fit_the_stream_is_refused_before_a_byte_is_written(change, words):
+    with pytest.raises(ValueError, match=words):
+        dl.parse(_payload_with(change), [256], 256)
+
+
+def test_a_payload_with_trailing_bytes_or_another_stream_size_is_refused():
+    p = _payload_with(lambda p: None)
+    with pytest.raises(ValueError):
+        dl.parse(torch.cat([p, torch.zeros(8, dtype=torch.uint8)]), [256], 256)
+    with pytest.raises(ValueError, match="does not match"):
+        dl.parse(p, [256, 256], 512)
+
+
+# -- refits between threads --------------------------------------------------------------------------------
+ITEMS = tensor_items("a.weight", torch.float8_e4m3fn, (64, 64), scales=(torch.uint8, (64, 2))) + \
+    tensor_items("norm.weight", torch.bfloat16, (300,))
+PLAN = RefitPlan(ITEMS)
+
+
+class _Weights:
+    """The trainer's tensors, a few elements moved per step."""
+
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(1)
+        self.t = [torch.randn(64, 64, generator=self.g).to(torch.float8_e4m3fn),
+                  torch.randint(100, 130, (64, 2), dtype=torch.uint8, generator=self.g),
+                  torch.randn(300, generator=self.g).to(torch.bfloat16)]
+
+    def step(self, n: int = 5) -> list[torch.Tensor]:
+        for t in self.t:
+            flat = t.view(-1).view(torch.uint8)
+            pos = torch.randint(0, flat.numel(), (n,), generator=self.g)
+            flat[pos] = flat[pos] ^ 1
+        return [t.clone() for t in self.t]
+
+
+class _Corrupting(Transport):
+    """An endpoint that flips the middle byte of the next broadcast it receives when ``armed``."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.world_size, self.src = inner, inner.rank, inner.world_size, inner.src
+        self.armed = False
+
+    def all_gather(self, t):
+        return self.inner.all_gather(t)
+
+    def broadcast(self, buf, async_op=False):
+        h = self.inner.broadcast(buf, async_op)
+        if self.armed:
+            h.wait()
+            buf.view(-1)[buf.numel() // 2] ^= 0xFF
+            self.armed = False
+        return h
+
+
+def _world(n_receivers=2, *, delta=(True, True, True), bucket_bytes=1024):
+    ch = InProcessChannel(n_receivers, timeout_s=20)
+    sender = RefitSender(ch.endpoint(0), PLAN, bucket_bytes=bucket_bytes, delta=delta[0])
+    receivers, eps = [], []
+    for r in range(1, n_receivers + 1):
+        ep = _Corrupting(ch.endpoint(r))
+        eps.append(ep)
+        # receiver 1: direct mode (one arena), receiver 2: staging
+        targets = allocate_targets(PLAN, "cpu") if r == 1 else \
+            [torch.zeros(e.shape, dtype=dtype_from_name(e.dtype)) for e in PLAN.entries]
+        receivers.append(RefitReceiver(ep, PLAN, targets, bucket_bytes=bucket_bytes, delta=delta[r]))
+    return sender, receivers, eps
+
+
+def _refit(sender, receivers, tensors):
+    outs: list = [None] * len(receivers)
+
+    def rx(i):
+        try:
+            outs[i] = receivers[i].receive()
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outs[i] = exc
+
+    threads = [threading.Thread(target=rx, args=(i,)) for i in range(len(receivers))]
+    for t in threads:
+        t.start()
+    try:
+        sent = sender.send(tensors)
+    except Exception as exc:  # noqa: BLE001
+        sent = exc
+    for t in threads:
+        t.join(timeout=30)
+    return sent, outs
+
+
+def _live_equal(receivers, tensors) -> bool:
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for r in receivers for a, b in zip(r.targets, tensors, strict=True))
+
+
+def test_twenty_delta_refits_are_bit_exact_and_move_only_what_changed(path):
+    sender, receivers, _ = _world()
+    w = _Weights()
+    for step in range(20):
+        tensors = w.step()
+        sent, outs = _refit(sender, receivers, tensors)
+        assert not isinstance(sent, Exception), sent
+        assert _live_equal(receivers, tensors), step
+        assert sent.delta == (step > 0)  # the first refit goes whole: no engine holds a base yet
+        assert all(o.delta == sent.delta and o.wire_bytes == sent.wire_bytes for o in outs)
+        if step == 0:
+            assert sent.wire_bytes == PLAN.total_bytes and sent.changed_words == -1
+        else:
+            assert sent.wire_bytes < PLAN.total_bytes // 5
+            assert 0 < sent.changed_words <= 15
+
+
+def test_a_rank_that_rejected_a_refit_gets_the_next_one_whole_then_deltas_again():
+    sender, receivers, eps = _world()
+    w = _Weights()
+    for _ in range(2):
+        assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
+    before = [t.clone() for t in receivers[0].targets]
+    eps[1].armed = True  # the staging receiver gets a corrupt delta
+    sent, outs = _refit(sender, receivers, w.step())
+    assert isinstance(sent, Exception) and all(isinstance(o, Exception) for o in outs)
+    assert _live_equal(receivers, before)  # every rank kept the previous version
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not sent.delta and sent.wire_bytes == PLAN.total_bytes and sent.full_for
+    assert _live_equal(receivers, tensors)
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert sent.delta and sent.full_for == ()
+    assert _live_equal(receivers, tensors)
+
+
+def test_a_live_byte_altered_after_a_refit_is_caught_and_the_next_refit_goes_whole():
+    sender, receivers, _ = _world()
+    w = _Weights()
+    for _ in range(2):
+        assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
+    receivers[0].targets[2].view(torch.uint8)[0] ^= 0x40  # someone writes a live weight (direct mode)
+    sent, outs = _refit(sender, receivers, w.step())
+    assert isinstance(sent, Exception) and "checksum" in str(outs[0])
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not sent.delta and _live_equal(receivers, tensors)
+
+
+@pytest.mark.parametrize("delta", [(True, True, False), (False, True, True)])
+def test_a_stream_runs_deltas_only_when_every_endpoint_takes_them(delta):
+    sender, receivers, _ = _world(delta=delta)
+    w = _Weights()
+    for _ in range(3):
+        tensors = w.step()
+        sent, _ = _refit(sender, receivers, tensors)
+        assert not sent.delta and sent.wire_bytes == PLAN.total_bytes
+        assert _live_equal(receivers, tensors)
+
+
+def test_a_producer_failure_in_a_delta_refit_aborts_it_on_every_rank():
+    sender, receivers, _ = _world()
+    w = _Weights()
+    assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
+    before = [t.clone() for t in receivers[1].targets]
+
+    def failing():
+        yield w.t[0].clone()
+        raise RuntimeError("producer broke")
+
+    sent, outs = _refit(sender, receivers, failing())
+    assert isinstance(sent, RuntimeError) and all(isinstance(o, Exception) for o in outs)
+    assert _live_equal(receivers[1:], before)
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not sent.delta and _live_equal(receivers, tensors)
+
+
+def test_blocks_changed_counts_each_block_once_by_its_values_or_its_scale():
+    plan = RefitPlan(tensor_items("a.weight", torch.float8_e4m3fn, (4, 64), scales=(torch.uint8, (4, 2))))
+    values, scales = plan.entries[0].offset, plan.entries[1].offset
+    # block 0 (values bytes 0 and 31), block 3 (its scale byte), block 5 (a value and its scale)
+    offsets = torch.tensor([values, values + 31, values + 5 * 32 + 1, scales + 3, scales + 5])
+    assert dl.blocks_changed(plan, offsets) == 3 / 8
+
+
+def test_changed_bytes_are_the_masked_bytes_of_the_changed_words():
+    base = torch.zeros(64, dtype=torch.uint8)
+    new = base.clone()
+    new[9], new[15], new[40] = 1, 1, 1
+    assert dl.changed_bytes([(128, dl.diff_bucket(base.clone(), new))]).tolist() == [137, 143, 168]
