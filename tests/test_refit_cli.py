@@ -75,12 +75,6 @@ def test_refit_delta_sends_the_first_step_whole_then_only_what_changed(tmp_path,
     assert "step 2: delta:" in r.stdout
 
 
-def test_refit_delta_refuses_the_sharded_refit_in_one_line(llama):
-    r = runner.invoke(app, ["refit", str(llama), "--delta", "--trainer", "fsdp=2"])
-    assert r.exit_code == 2
-    assert "--delta runs with --engine mxport and one trainer rank" in " ".join(r.output.split())
-
-
 @pytest.mark.slow
 def test_refit_delta_on_the_embedded_model_moves_under_5_percent_per_step(tmp_path):
     """The issue's goal: at lr 1e-6 every delta step moves at most 5% of the full MXFP8 refit's bytes, and

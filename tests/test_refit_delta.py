@@ -278,7 +278,7 @@ def test_blocks_changed_counts_each_block_once_by_its_values_or_its_scale():
     values, scales = plan.entries[0].offset, plan.entries[1].offset
     # block 0 (values bytes 0 and 31), block 3 (its scale byte), block 5 (a value and its scale)
     offsets = torch.tensor([values, values + 31, values + 5 * 32 + 1, scales + 3, scales + 5])
-    assert dl.blocks_changed(plan, offsets) == 3 / 8
+    assert dl.block_counts(plan, offsets) == (3, 8)
 
 
 def test_changed_bytes_are_the_masked_bytes_of_the_changed_words():

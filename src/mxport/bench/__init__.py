@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "refit": "mxport.bench.refit",            # refit throughput vs a raw dist.broadcast of the same bytes
     "refit_sharded": "mxport.bench.refit_sharded",  # T -> E sharded refit vs gather BF16 + broadcast
     "refit_vllm": "mxport.bench.refit_vllm",  # refit into a real vLLM engine vs a raw broadcast (needs vLLM)
+    "refit_delta": "mxport.bench.refit_delta",  # delta refit vs full refit of the same training run
     "mesh_plan": "mxport.bench.mesh_plan",    # sharded refit's plan build at 8 / 64 / 256 trainer ranks
 }
 

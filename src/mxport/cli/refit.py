@@ -141,15 +141,12 @@ def refit(
 def _make_job(name, src, trainer_layout, engine_layout, steps, bucket_bytes, receivers, max_new_tokens, lr,
               timeout, delta) -> _Job:
     """The processes of this run: a vLLM engine, a sharded world, or one trainer and R receivers."""
-    if delta and (name == "vllm" or trainer_layout.ranks > 1 or engine_layout.ranks > 1):
-        raise fail("--delta runs with --engine mxport and one trainer rank (the sharded and vLLM refits do "
-                   "not take deltas yet)")
     if name == "vllm":
         return _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers,
-                         trainer_layout.fsdp)
+                         trainer_layout.fsdp, delta)
     if trainer_layout.ranks > 1 or engine_layout.ranks > 1:
         return _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
-                            lr, timeout)
+                            lr, timeout, delta)
     return _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta)
 
 
@@ -375,23 +372,24 @@ def _model_path(src) -> str:
     return str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
 
 
-def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout) -> _Job:
+def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout,
+                 delta=False) -> _Job:
     """Trainer ranks and engine ranks on loopback gloo, shard to shard (mxport.demo.mesh)."""
     from ..demo.mesh import MeshConfig, run_mesh_demo
 
     def start(log_dir: str, on_event) -> dict:
         cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=steps,
                          bucket_bytes=bucket_bytes, max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout,
-                         log_dir=log_dir)
+                         log_dir=log_dir, delta=delta)
         return run_mesh_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
 
     return _Job(f"starting trainer {trainer} + engine {engine}", "", start,
                 {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
-                 "bucket_bytes": bucket_bytes})
+                 "bucket_bytes": bucket_bytes, "delta": delta})
 
 
 def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, replicas: int = 1,
-              trainers: int = 1) -> _Job:
+              trainers: int = 1, delta: bool = False) -> _Job:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.demo.vllm)."""
     from ..demo.vllm import run_vllm_refit_demo
 
@@ -403,11 +401,12 @@ def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, re
     def start(log_dir: str, on_event) -> dict:
         return run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
                                    max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event,
-                                   tp=tp, replicas=replicas, trainers=trainers)
+                                   tp=tp, replicas=replicas, trainers=trainers, delta=delta)
 
     return _Job("vLLM: export, start (~1 min)", "vLLM refit failed: ", start,
                 {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes,
-                 "engine_layout": f"tp={tp}", "replicas": replicas, "trainer": f"fsdp={trainers}"},
+                 "engine_layout": f"tp={tp}", "replicas": replicas, "trainer": f"fsdp={trainers}",
+                 "delta": delta},
                 engine_in_process=True)
 
 

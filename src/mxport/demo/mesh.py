@@ -40,7 +40,8 @@ from .words import Words
 
 #: point-to-point tags on the refit group for the checks (the refit's pair streams use their own)
 _TAG_SHARDS, _TAG_REPLY = 901, 902
-_ROW = ("rank", "version", "crc32", "pointers_stable", "bytes", "seconds_us")
+_ROW = ("rank", "version", "crc32", "pointers_stable", "bytes", "seconds_us", "full_bytes", "delta",
+        "blocks_hit", "blocks_total")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class MeshConfig:
     bucket_bytes: int = 32 << 20
     max_new_tokens: int = 16
     lr: float = 1e-5
+    delta: bool = False  # refit only what changed since the engines' version
     timeout_s: float = 120.0
     seq_len: int = 64
     log_dir: str | None = None
@@ -198,7 +200,7 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
         held = exc
     mesh = agree(world, T, held)  # raises on every rank when any rank failed before it
     # replicas' digests join the vote
-    sender = RefitSender.from_mesh(world, mesh, bucket_bytes=cfg.bucket_bytes)
+    sender = RefitSender.from_mesh(world, mesh, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     sender.handshake()
     if rank == 0:
         q.put(("plan", 0, mesh.summary()))
@@ -219,7 +221,8 @@ def _trainer(cfg: MeshConfig, pg, rank: int, q) -> None:
         full = _full_weights(model)  # a collective of the trainer group (FSDP2 / TP); outside the refit
         # a trainer rank's refit: quantizing its shards, then sending up to the vote's outcome
         crc = _crc(local_part(local, h.tensor.name, h.box) for h in source.holdings)  # the bytes it quantized
-        rows = _rank_rows(world, rank, stats.version, crc, True, stats.bytes, quantize_s + stats.seconds)
+        rows = _rank_rows(world, rank, stats.version, crc, True, stats, quantize_s + stats.seconds,
+                          _block_counts(sender, stats))
         if rank == 0:
             ref = _reference(cfg, full, reference)
             reply = _recv_reply(pg, T, prompt, cfg.max_new_tokens, reference)
@@ -251,7 +254,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank learns it in the agreement, naming this rank
         held = exc
     mesh = agree(world, T, held)
-    receiver = RefitReceiver.from_mesh(world, mesh, live, bucket_bytes=cfg.bucket_bytes)
+    receiver = RefitReceiver.from_mesh(world, mesh, live, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     receiver.handshake()
     ptrs = _pointers(live)
     prompt = words.prompt()
@@ -259,7 +262,7 @@ def _engine(cfg: MeshConfig, pg, rank: int) -> None:
         stats = receiver.receive()
         stable = _pointers(live) == ptrs
         crc = _crc(local_part(live, h.tensor.name, h.box) for h in holdings)
-        _rank_rows(world, rank, stats.version, crc, stable, stats.bytes, stats.seconds)
+        _rank_rows(world, rank, stats.version, crc, stable, stats, stats.seconds)
         _assemble(pg, mesh, e, model, holdings, live)
         if e == 0:
             _send_reply(pg, model, words, prompt, cfg.max_new_tokens, stats.version)
@@ -345,9 +348,19 @@ def _recv_reply(pg, engine0: int, prompt, max_new: int, reference) -> dict:
             "logits": logits[:n - prompt.shape[1]], "prompt_len": int(prompt.shape[1])}
 
 
-def _rank_rows(world, rank: int, version: int, crc: int, stable: bool, nbytes: int, seconds: float) -> list:
-    """Every rank's (rank, version, crc32, pointers_stable, bytes, microseconds), one int64 row each."""
-    row = torch.tensor([rank, version, crc, int(stable), nbytes, int(seconds * 1e6)], dtype=torch.int64)
+def _block_counts(sender, stats) -> tuple[int, int]:
+    """This trainer rank's changed and total MXFP8 blocks of its streams' last refit ((-1, 0): no base)."""
+    from ..refit.stream.delta import streams_block_counts
+
+    return streams_block_counts(sender.streams) if stats.changed_words >= 0 else (-1, 0)
+
+
+def _rank_rows(world, rank: int, version: int, crc: int, stable: bool, stats, seconds: float,
+               blocks: tuple[int, int] = (0, 0)) -> list:
+    """Every rank's row (:data:`_ROW`: bytes on the wire, the full stream's, whether it went as a delta,
+    changed / total MXFP8 blocks on trainer ranks), one int64 row each."""
+    row = torch.tensor([rank, version, crc, int(stable), stats.wire_bytes, int(seconds * 1e6), stats.bytes,
+                        int(stats.delta), *blocks], dtype=torch.int64)
     return [dict(zip(_ROW, (int(x) for x in r), strict=True)) for r in world.all_gather(row)]
 
 
@@ -380,6 +393,11 @@ def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, repl
     seconds = max(r["seconds"] for r in ranks if r["role"] == "trainer")
     nbytes = sum(r["bytes"] for r in engines)
     gbps = nbytes / seconds / 1e9 if seconds else 0.0
+    trainers = [r for r in rows if r["rank"] < mesh.num_trainers]
+    hit, total = sum(r["blocks_hit"] for r in trainers), sum(r["blocks_total"] for r in trainers)
+    delta = {"full_bytes": sum(r["full_bytes"] for r in rows if r["rank"] >= mesh.num_trainers),
+             "delta": all(r["delta"] for r in rows if r["full_bytes"]),
+             "blocks_changed": hit / total if total and min(r["blocks_hit"] for r in trainers) >= 0 else None}
     return StepReport(
         step=step, bytes=nbytes, seconds=seconds, gbps=gbps, gen_kl_error=kl["mean"],
         bit_exact=all(r["bit_exact"] for r in ranks),
@@ -387,7 +405,7 @@ def _step_row(step, loss, train_s, quantize_s, stats, rows, mesh, expected, repl
         details={"version": stats.version, "loss": loss, "train_s": train_s, "quantize_s": quantize_s,
                  "gen_kl_error_max": kl["max"],
                  "greedy_agreement": greedy_agreement(reply["logits"], logits_train),
-                 "text": words.decode(reply["seq"][0, reply["prompt_len"]:]),
+                 "text": words.decode(reply["seq"][0, reply["prompt_len"]:]), **delta,
                  "ranks": ranks}).to_dict()
 
 

@@ -106,14 +106,12 @@ def _delta_figures(sender, stats) -> dict:
     """A delta refit's figures: the full stream's bytes beside the ``bytes`` sent, whether it went out as a
     delta, and the fraction of MXFP8 blocks whose bytes changed (null: no base to compare: the first
     refit)."""
-    from ..refit.stream.delta import blocks_changed, changed_bytes
+    from ..refit.stream.delta import streams_block_counts
 
-    stream = sender.streams[0]
-    blocks = (blocks_changed(stream.plan, changed_bytes(stream.last_changes))
-              if stats.changed_words >= 0 else None)
-    return {"full_bytes": stats.bytes, "delta": stats.delta, "blocks_changed": blocks,
-            "changed_words": stats.changed_words, "delta_s": stats.delta_s,
-            "full_for": list(stats.full_for)}
+    hit, total = streams_block_counts(sender.streams)
+    return {"full_bytes": stats.bytes, "delta": stats.delta,
+            "blocks_changed": hit / total if stats.changed_words >= 0 and total else None,
+            "changed_words": stats.changed_words, "delta_s": stats.delta_s, "full_for": list(stats.full_for)}
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,12 @@ PROMPTS = ("The weights arrive in blocks of thirty-two", "Refit moves the traine
 CPU_KV_BLOCK = 128
 
 
-def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
+def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02,
+                    density: float = 1.0) -> dict[str, torch.Tensor]:
     """The trainer's bf16 weights at ``step``: the checkpoint in ``src_dir``, plus for ``step > 0`` a seeded
-    Gaussian perturbation of each floating tensor (``scale`` x its RMS; seed from the name and step). The same
-    bytes in every process, whatever its thread count."""
+    Gaussian perturbation of each floating tensor (``scale`` x its RMS; seed from the name and step), of a
+    seeded ``density`` fraction of its elements when below 1 (a delta refit's sparse steps). The same bytes
+    in every process, whatever its thread count."""
     from safetensors.torch import load_file
 
     out: dict[str, torch.Tensor] = {}
@@ -47,7 +49,10 @@ def trainer_weights(src_dir: str | os.PathLike, step: int, scale: float = 0.02) 
                 # the RMS rounded to 3 digits: float sums depend on the thread count, and every process that
                 # rebuilds these weights must get the same bytes
                 rms = max(float(f"{t.double().pow(2).mean().sqrt().item():.3g}"), 1e-6)
-                out[name] = (t.float() + scale * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
+                noise = scale * rms * torch.randn(t.shape, generator=g)
+                if density < 1:
+                    noise *= torch.rand(t.shape, generator=g) < density
+                out[name] = (t.float() + noise).to(t.dtype)
     return out
 
 
@@ -173,12 +178,22 @@ class TrainerConfig:
     authkey: str = ""  # their key (hex)
     trainers: int = 1  # trainer ranks (several: an FSDP2-sharded model, each rank sending its pieces)
     trainer_port: int = 0  # their own group's port
+    delta: bool = False  # delta refits; each step then perturbs a sparse subset (:data:`DELTA_DENSITY`)
 
 
-def _load_step(model, src: str, step: int) -> None:
+#: with --delta, the fraction of each tensor's elements a step perturbs (sparse, as optimizer steps at small
+#: learning rates change few MXFP8 bytes; the dense default changes nearly every byte)
+DELTA_DENSITY = 1e-3
+
+
+def _density(delta: bool) -> float:
+    return DELTA_DENSITY if delta else 1.0
+
+
+def _load_step(model, src: str, step: int, delta: bool = False) -> None:
     from ..sources.dtensor import is_dtensor
 
-    w = trainer_weights(src, step)
+    w = trainer_weights(src, step, density=_density(delta))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in w:
@@ -233,7 +248,7 @@ def _set_fault(engine, fault: str | None) -> None:
 
 
 def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
-    _load_step(model, cfg.source, int(req["step"]))
+    _load_step(model, cfg.source, int(req["step"]), cfg.delta)
     _set_fault(engine, req.get("fault"))
     try:
         engine.send_weights()
@@ -241,8 +256,13 @@ def _trainer_step(engine, model, cfg: TrainerConfig, req: dict) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
     stats = engine.last_stats.to_dict() if hasattr(engine.last_stats, "to_dict") else dict(engine.last_stats)
     streams = [{"engines": list(x["engines"]), "bytes": x["bytes"]} for x in stats.get("streams", [])]
+    blocks = [-1, 0]
+    if cfg.delta and stats.get("changed_words", -1) >= 0:
+        from ..refit.stream.delta import streams_block_counts
+
+        blocks = list(streams_block_counts(engine.sender.streams))
     return {"ok": True, "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
-            "streams": streams}
+            "streams": streams, "blocks": blocks}
 
 
 def _score(model, req: dict) -> dict:
@@ -303,7 +323,7 @@ def trainer_main(conn, cfg_dict: dict, rank: int = 0) -> None:
     source = MxportWeightSource(model)
     info = MxportTrainerInitInfo(master_address="127.0.0.1", master_port=cfg.port,
                                  world_size=cfg.trainers + cfg.engines, trainers=cfg.trainers, rank=rank,
-                                 timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
+                                 timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     try:
         from multiprocessing.connection import Client
 
@@ -589,13 +609,14 @@ class VllmRefitSession:
     """An in-process vLLM engine on ``mx_dir`` and a trainer child process starting from ``src_dir``."""
 
     def __init__(self, src_dir: str, mx_dir: str, *, timeout_s: float = 30.0, bucket_bytes: int = 1 << 20,
-                 max_model_len: int | None = None, tp: int = 1, replicas: int = 1, trainers: int = 1):
+                 max_model_len: int | None = None, tp: int = 1, replicas: int = 1, trainers: int = 1,
+                 delta: bool = False):
         import secrets
 
         from .procs import free_port
 
         self.src_dir, self.timeout_s, self.bucket_bytes, self.tp = src_dir, timeout_s, bucket_bytes, tp
-        self.trainers = trainers
+        self.trainers, self.delta = trainers, delta
         self.authkey = secrets.token_hex(16)
         self.replicas = [ReplicaEngine(mx_dir, tp, max_model_len, self.authkey) for _ in range(replicas - 1)]
         self.llm, self.emulated = start_engine(mx_dir, max_model_len=max_model_len, tp=tp)
@@ -611,7 +632,7 @@ class VllmRefitSession:
         src = self.src_dir if src_dir is None else str(src_dir)
         cfg = TrainerConfig(src, self._free_port(), self.timeout_s, self.bucket_bytes,
                             self.tp * (1 + len(self.replicas)), tuple(r.address for r in self.replicas),
-                            self.authkey, self.trainers, self._free_port())
+                            self.authkey, self.trainers, self._free_port(), self.delta)
         procs, conn = start_trainer(cfg)
         ans = serve_step(self.llm, conn, None, self.timeout_s + 120)
         if ans.get("error"):
@@ -676,15 +697,15 @@ class VllmRefitSession:
 
 # -- checks and the demo
 # ---------------------------------------------------------------------------------------------
-def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tensor], packed: dict
-                          ) -> dict[str, torch.Tensor]:
+def expected_engine_bytes(src_dir: str, step: int, engine: dict[str, torch.Tensor], packed: dict,
+                          density: float = 1.0) -> dict[str, torch.Tensor]:
     """What vLLM's loader stores for the trainer's step-``step`` bf16 weights: ``mxport.quantize`` of each
     weight, fused projections (``packed``: vLLM's ``packed_modules_mapping``) concatenated along N. Engine
     tensors without a trainer counterpart (a tied lm_head) are left out."""
     from .. import quantize
 
     w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
-         for n, t in trainer_weights(src_dir, step).items()}
+         for n, t in trainer_weights(src_dir, step, density=density).items()}
     out = {}
     for name, t in engine.items():
         comps = name.split(".")
@@ -711,7 +732,7 @@ def engine_mismatches(session: VllmRefitSession, step: int) -> list[str]:
     trainer's step-``step`` weights."""
     eng = engine_tensors(session.llm)
     packed = session.llm.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
-    want = expected_engine_bytes(session.src_dir, step, eng, packed)
+    want = expected_engine_bytes(session.src_dir, step, eng, packed, _density(session.delta))
     bad = [f"{n} (no trainer weight)" for n, t in eng.items()
            if t.dtype == torch.float8_e4m3fn and n not in want]
     for name, w in want.items():
@@ -733,7 +754,7 @@ def slice_mismatches(session: VllmRefitSession, step: int) -> list[str]:
     from ..refit.mesh import Box
 
     w = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
-         for n, t in trainer_weights(session.src_dir, step).items()}
+         for n, t in trainer_weights(session.src_dir, step, density=_density(session.delta)).items()}
     bad, cache = [], {}
 
     def full(name: str) -> torch.Tensor:
@@ -793,10 +814,15 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
     bad = slice_mismatches(session, step) if sliced else engine_mismatches(session, step)
     seconds = calls["last_call_t"] - calls["first_call_t"]  # start_weight_update .. prefix cache reset
     workers = session.engine_stats()
-    ranks = [{"rank": r, "bytes": int(x.get("bytes", 0)), "attested": bool(x.get("attested")),
+    ranks = [{"rank": r, "bytes": int(x.get("wire_bytes", x.get("bytes", 0))),
+              "full_bytes": int(x.get("bytes", 0)), "delta": bool(x.get("delta")),
+              "attested": bool(x.get("attested")),
               "apply_s": float(x.get("apply_s", 0.0)), "apply_paths": x.get("apply_paths", {}),
               "host_bytes": int(x.get("host_bytes", 0))} for r, x in enumerate(workers)]
     received = sum(r["bytes"] for r in ranks)  # into every worker (several trainer ranks sent parts of it)
+    hit, total = ans.get("blocks", (-1, 0))
+    delta = {"full_bytes": sum(r["full_bytes"] for r in ranks), "delta": all(r["delta"] for r in ranks),
+             "blocks_changed": hit / total if hit >= 0 and total else None} if session.delta else {}
     return StepReport(
         step=step, bytes=received, seconds=seconds,
         gbps=received / seconds / 1e9 if seconds > 0 else 0.0, gen_kl_error=kl["mean"], bit_exact=not bad,
@@ -805,12 +831,13 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
                  "attested": bool(st.get("attested")) and all(r["attested"] for r in ranks), "ranks": ranks,
                  "gen_kl_error_max": kl["max"], "mismatches": bad[:8], "kv_fresh": _same(seen, fresh),
                  "prefix_cache_reset": bool(st.get("prefix_cache_reset")), "long_prompt_tokens": len(long),
-                 "tokens": gen["tokens"], "engine": "vllm"}).to_dict()
+                 "tokens": gen["tokens"], "engine": "vllm", **delta}).to_dict()
 
 
 def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 << 20,
                         max_new_tokens: int = 16, timeout_s: float = 120.0, workdir: str | None = None,
-                        on_event=None, tp: int = 1, replicas: int = 1, trainers: int = 1) -> dict:
+                        on_event=None, tp: int = 1, replicas: int = 1, trainers: int = 1,
+                        delta: bool = False) -> dict:
     """``mxport refit SOURCE --engine vllm[,tp=N]``: export ``source`` (an HF model directory) as MXFP8, start
     a real vLLM engine on it (``tp`` > 1: tensor-parallel workers, each refitted with its own slice;
     ``weight_transfer_config={"backend": "mxport"}``; on CPU with vLLM's emulation kernel added), start a
@@ -825,10 +852,12 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
     ``apply_s`` (the worker's layerwise reload of the validated refit), ``gen_kl_error`` (mean KL(engine ||
     trainer) over the engine's greedy tokens, from vLLM's full log-probs and the trainer's bf16 logits),
     ``bit_exact`` (engine bytes == mxport.quantize of the trainer's weights as vLLM stores them),
-    ``pointers_stable``, ``kv_fresh`` (a prompt of more than two KV blocks, served before the refit, is
-    answered after it exactly as after emptying the prefix cache by hand: no KV of the previous weights was
-    reused), ``prefix_cache_reset`` (the trainer engine reset it), ``engine: "vllm"``. Returns ``{"engine",
-    "steps", "plan", "bf16_bytes", "raw_broadcast_s", "cpu_emulation"}``.
+    ``pointers_stable``, with ``delta`` (each step perturbing a sparse :data:`DELTA_DENSITY` of the
+    elements) ``full_bytes``, ``delta``, ``blocks_changed``; ``kv_fresh`` (a prompt of more than two KV
+    blocks, served before the refit, is answered after it exactly as after emptying the prefix cache by hand:
+    no KV of the previous weights was reused), ``prefix_cache_reset`` (the trainer engine reset it),
+    ``engine: "vllm"``. Returns ``{"engine", "steps", "plan", "bf16_bytes", "raw_broadcast_s",
+    "cpu_emulation"}``.
     """
     import tempfile
 
@@ -838,7 +867,7 @@ def run_vllm_refit_demo(source: str, *, steps: int = 3, bucket_bytes: int = 64 <
         mx = str(Path(tmp) / "mxfp8")
         export_checkpoint(source, mx)
         session = VllmRefitSession(source, mx, timeout_s=timeout_s, bucket_bytes=bucket_bytes, tp=tp,
-                                   replicas=replicas, trainers=trainers)
+                                   replicas=replicas, trainers=trainers, delta=delta)
         say = on_event or (lambda kind, rank, payload: None)
         try:
             say("plan", 0, session.plan_summary)

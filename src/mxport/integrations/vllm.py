@@ -355,6 +355,8 @@ class MxportInitInfo(WeightTransferInitInfo):
     use_checksum: bool = True
     #: the stream's bucket size (the trainer's)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    #: take delta refits (only the words that changed since the version this worker holds)
+    delta: bool = False
     #: only check the plan against the model and return (the trainer asks this first, before it opens its
     #: end of the group: a refused trainer then holds no port and no thread)
     check_only: bool = False
@@ -459,7 +461,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         try:
             mesh = agree(world, init_info.trainers, holdings)
             receiver = RefitReceiver.from_mesh(world, mesh, live, use_checksum=init_info.use_checksum,
-                                               bucket_bytes=init_info.bucket_bytes)
+                                               bucket_bytes=init_info.bucket_bytes, delta=init_info.delta)
             receiver.handshake()
         except BaseException:
             world.close()
@@ -764,6 +766,7 @@ class MxportTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 60.0
     use_checksum: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    delta: bool = False  # send only what changed since the version the workers hold (after the first refit)
     pause_mode: str | None = "wait"
     worker_init_extra: dict = field(default_factory=dict)
 
@@ -907,7 +910,8 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                        "world_size": init_info.world_size, "plan": plan.canonical(),
                        "plan_digest": plan.digest, "transport": init_info.transport,
                        "timeout_s": init_info.timeout_s, "use_checksum": init_info.use_checksum,
-                       "bucket_bytes": init_info.bucket_bytes, **init_info.worker_init_extra}
+                       "bucket_bytes": init_info.bucket_bytes, "delta": init_info.delta,
+                       **init_info.worker_init_extra}
         infos = [{**worker_info, "rank_offset": offset, "trainers": trainers}
                  for offset in _rank_offsets(init_info.world_size, len(engine.clients), trainers)]
         pairs = list(zip(engine.clients, infos, strict=True))
@@ -920,7 +924,8 @@ class MxportTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxportTraine
                 mesh = agree(world, trainers, holdings)
                 dev = "cuda" if init_info.transport == "nccl" else "cpu"
                 sender = RefitSender.from_mesh(world, mesh, use_checksum=init_info.use_checksum,
-                                               bucket_bytes=init_info.bucket_bytes, device=dev)
+                                               bucket_bytes=init_info.bucket_bytes, device=dev,
+                                               delta=init_info.delta)
                 sender.handshake()
             except BaseException:
                 world.close()

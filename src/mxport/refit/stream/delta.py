@@ -131,28 +131,31 @@ def changed_bytes(deltas: list[tuple[int, BucketDelta]]) -> torch.Tensor:
         torch.zeros(0, dtype=torch.int64)
 
 
-def blocks_changed(plan, offsets: torch.Tensor) -> float:
-    """The fraction of the plan's MXFP8 blocks (values entries) with a changed value or scale byte, from the
-    changed stream byte ``offsets``: byte ``i`` of a values entry is in block ``i // 32``, byte ``i`` of its
-    (compact, rowwise) scales entry is block ``i``'s scale."""
+def block_counts(plan, offsets: torch.Tensor) -> tuple[int, int]:
+    """``(changed, total)`` MXFP8 blocks of the plan's values entries, from the changed stream byte
+    ``offsets``: byte ``i`` of a values entry is in block ``i // 32`` (rowwise blocks, K a multiple of 32),
+    byte ``i`` of the (compact, rowwise) scales entry after it is block ``i``'s scale."""
     entries = plan.entries
     starts = torch.tensor([e.offset for e in entries], dtype=torch.int64)
     which = torch.searchsorted(starts, offsets, right=True) - 1
-    total, hit = 0, 0
+    total = hit = 0
     for i, e in enumerate(entries):
         if e.role != "values":
             continue
         blocks = e.nbytes // 32
-        total += blocks
-        mine = [offsets[which == i] - e.offset]
+        got = [(offsets[which == i] - e.offset) // 32]
         if i + 1 < len(entries) and entries[i + 1].role == "scales":
-            s = entries[i + 1]
-            mine = [mine[0] // 32, offsets[which == i + 1] - s.offset]
-        else:
-            mine = [mine[0] // 32]
-        got = torch.cat(mine)
+            got.append(offsets[which == i + 1] - entries[i + 1].offset)
+        got = torch.cat(got)
+        total += blocks
         hit += int(torch.unique(got[(got >= 0) & (got < blocks)]).numel())
-    return hit / total if total else 0.0
+    return hit, total
+
+
+def streams_block_counts(streams) -> tuple[int, int]:
+    """:func:`block_counts` summed over delta streams' last refits (``StreamSender``s)."""
+    counts = [block_counts(s.plan, changed_bytes(s.last_changes)) for s in streams]
+    return sum(h for h, _ in counts), sum(t for _, t in counts)
 
 
 def encode(deltas: list[BucketDelta], total_bytes: int) -> torch.Tensor:
