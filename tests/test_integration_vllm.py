@@ -947,6 +947,35 @@ def test_mxport_refit_engine_vllm_cli(tmp_path):
         assert "EmulationMxfp8LinearKernel" in proc.stderr
 
 
+@pytest.mark.slow
+@needs_engine
+def test_mxport_refit_engine_vllm_delta_cli(tmp_path):
+    """`mxport refit SRC --engine vllm --delta --json -`: the first step goes whole, the next ones as deltas
+    of a fraction of the bytes, every step bit-exact (the workers' live bytes against quantize of the
+    trainer's weights), attested and with fresh KV."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mxport.testing import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2)
+    proc = subprocess.run([sys.executable, "-m", "mxport.cli", "refit", str(src), "--engine", "vllm",
+                           "--delta", "--steps", "3", "--timeout", "60", "--json", "-"],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    first, *rest = out["steps"]
+    assert out["delta"] is True and first["delta"] is False and first["bytes"] == first["full_bytes"]
+    for row in out["steps"]:
+        assert row["bit_exact"] is True and row["attested"] is True and row["kv_fresh"] is True, row
+    for row in rest:
+        assert row["delta"] is True and 0 < row["bytes"] < row["full_bytes"] / 5
+        assert 0 < row["blocks_changed"] < 1
+
+
 # -- checkpoints vLLM's own loader takes (issue 25): K = 200, zero blocks, fused experts ---------------------
 #: a fresh vLLM (its CPU build, MXFP8 emulation) on checkpoint argv[1]: its parameters as its loader stored
 #: them and each layer's quant method go to argv[2] (torch.save), with a greedy generation when argv[3] is

@@ -286,3 +286,30 @@ def test_changed_bytes_are_the_masked_bytes_of_the_changed_words():
     new = base.clone()
     new[9], new[15], new[40] = 1, 1, 1
     assert dl.changed_bytes([(128, dl.diff_bucket(base.clone(), new))]).tolist() == [137, 143, 168]
+
+
+def test_an_engine_that_restarted_gets_the_step_whole_the_others_keep_their_version():
+    """Receiver 2 restarts (a fresh process on the trainer's new group: version 0, no base): that refit goes
+    whole, naming it; receiver 1 kept its version; the next refit is a delta again."""
+    sender, receivers, _ = _world()
+    w = _Weights()
+    for _ in range(2):
+        assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
+    ch = InProcessChannel(2, timeout_s=20)
+    sender.transport = ch.endpoint(0)
+    receivers[0].transport = ch.endpoint(1)
+    fresh = [torch.zeros(e.shape, dtype=dtype_from_name(e.dtype)) for e in PLAN.entries]
+    receivers[1] = RefitReceiver(ch.endpoint(2), PLAN, fresh, bucket_bytes=1024, delta=True)
+    ends = [sender, *receivers]
+    threads = [threading.Thread(target=end.handshake) for end in ends]  # every end agrees on the new group
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    tensors = w.step()
+    sent, outs = _refit(sender, receivers, tensors)
+    assert not isinstance(sent, Exception), sent
+    assert not sent.delta and sent.full_for == (2,) and _live_equal(receivers, tensors)
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert sent.delta and sent.full_for == () and _live_equal(receivers, tensors)
