@@ -313,3 +313,14 @@ def test_an_engine_that_restarted_gets_the_step_whole_the_others_keep_their_vers
     tensors = w.step()
     sent, _ = _refit(sender, receivers, tensors)
     assert sent.delta and sent.full_for == () and _live_equal(receivers, tensors)
+
+
+def test_a_receiver_names_the_tensors_a_delta_changed_and_none_for_a_whole_refit():
+    sender, receivers, _ = _world()
+    w = _Weights()
+    _refit(sender, receivers, w.step())
+    assert all(r.touched_tensors() is None for r in receivers)  # the first refit went whole
+    tensors = [t.clone() for t in w.t]
+    tensors[2].view(torch.uint8)[7] ^= 1  # only the norm changes
+    sent, _ = _refit(sender, receivers, tensors)
+    assert sent.delta and all(r.touched_tensors() == {"norm.weight"} for r in receivers)

@@ -488,7 +488,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
             log.error("mxport: refit failed on this worker (the trainer reports it): %s", exc)
 
     def _receive(self, update_info: MxportUpdateInfo) -> None:
-        from .vllm_slices import apply_layers, checkpoint_part, staged_bytes, tensor_digests
+        from .vllm_slices import apply_layers, checkpoint_part, staged_bytes, tensor_digests, touched_layers
 
         if self.receiver is None or self.plan is None:
             raise RuntimeError("mxport weight transfer not initialized: "
@@ -507,8 +507,9 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
             raise
         t0 = time.perf_counter()
         failed = None
+        touched = touched_layers(self.model, self.layers, self.receiver.touched_tensors())
         try:
-            paths = apply_layers(self.layers)
+            paths = apply_layers(touched)  # a delta refit: the layers whose bytes changed
         except Exception as exc:  # noqa: BLE001 - raised after the attestation round every rank waits in
             failed = RuntimeError(
                 f"re-deriving the refitted layers failed ({type(exc).__name__}: {exc}); the bytes were "
@@ -523,7 +524,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         attest_s = time.perf_counter() - t0 - apply_s
         slice_bytes = sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in self.holdings)
         self.last_stats = {**stats.to_dict(), "ok": not bad, "apply_s": apply_s, "attest_s": attest_s,
-                           "apply_paths": paths,
+                           "apply_paths": paths, "layers_applied": len(touched), "layers": len(self.layers),
                            "attested": not bad,
                            "slice_bytes": slice_bytes, "host_bytes": slice_bytes + staged_bytes(self.layers)}
         if bad:

@@ -245,6 +245,16 @@ def _layerwise(layer: LayerApply) -> None:
 _APPLY = {"redispatch": _redispatch, "dequant": _dequant, "layerwise": _layerwise}
 
 
+def touched_layers(model: torch.nn.Module, layers: Sequence[LayerApply], names: set[str] | None
+                   ) -> list[LayerApply]:
+    """The layers holding plan tensors ``names`` (a delta refit's changed tensors; None: every layer)."""
+    if names is None:
+        return list(layers)
+    fused_of = _fused_of(model)
+    modules = {_target(n, fused_of)[0] for n in names}
+    return [layer for layer in layers if layer.name in modules]
+
+
 def apply_layers(layers: Sequence[LayerApply]) -> dict[str, int]:
     """Re-derive what each layer's kernel keeps beside the bytes just written (see the module doc); returns
     the number of layers per path."""

@@ -128,6 +128,14 @@ class RefitReceiver(WorldSide):
         """True when every live tensor still sits where it was when the receiver was built."""
         return all(s.pointers_stable() for s in self.streams)
 
+    def touched_tensors(self) -> set[str] | None:
+        """The tensors whose bytes the last committed refit changed (a delta refit), by name (a sharded
+        stream's box suffix dropped); None when it rewrote every tensor (a whole refit)."""
+        parts = [s.last_touched for s in self.streams]
+        if any(p is None for p in parts):
+            return None
+        return {n.split("[", 1)[0] for p in parts for n in p}
+
     def wait_backup(self) -> float:
         """Direct mode: block until the rollback copy of the live version is complete; its seconds."""
         return sum(s.wait_backup() for s in self.streams)

@@ -52,6 +52,7 @@ class Staged:
     backup_s: float
     wire_bytes: int = 0
     delta: bool = False
+    touched: frozenset[str] | None = None  # a delta's plan entries with changed bytes (None: every entry)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +104,8 @@ class StreamReceiver:
                              "checksums of the new one")
         #: a delta stream: the stream bytes (staging or the live arena) hold the live version, ``_digest``
         self.want_delta, self.delta, self._base_ok, self._digest = bool(delta), False, False, 0
+        #: the plan entries the last committed refit changed (None: every entry, a whole refit)
+        self.last_touched: frozenset[str] | None = None
         if transport.is_sender:
             raise ValueError(f"transport rank {transport.rank} is the sender; a receiver needs another rank")
         targets = list(targets)
@@ -179,8 +182,9 @@ class StreamReceiver:
         problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
         sw.mark("posted")
         decision = self._agree() if self.delta else None
+        touched = None
         if decision is not None and decision.delta:
-            got, t_first, bad = self._receive_delta(decision.nbytes)
+            got, t_first, bad, touched = self._receive_delta(decision.nbytes)
             problem = problem or bad
         else:
             got, t_first = self._receive_stream([*self._landing, self._trailer], True)
@@ -190,7 +194,7 @@ class StreamReceiver:
         sw.mark("judged")
         delta = decision is not None and decision.delta
         return Staged(problem, trailer, sw, backup_s, decision.nbytes if delta else self.plan.total_bytes,
-                      delta)
+                      delta, touched)
 
     def verdict(self, staged: Staged) -> ReceiverResult:
         """This rank's row of the vote on ``staged``: ``OK`` or why it rejects, and its live version."""
@@ -218,6 +222,7 @@ class StreamReceiver:
                              "refit rewrites them", kept_version=self.version, status=Status.COMMIT_FAILED,
                              receivers=vote.results) from exc
         sw.mark("done")
+        self.last_touched = staged.touched
         if self._rollback_copy is not None:
             self._rollback_copy.start()
         seconds = sw.between("first", "done")
@@ -256,9 +261,10 @@ class StreamReceiver:
             raise self._error("failed agreeing on a delta", None, f"{type(exc).__name__}: {exc}",
                               None) from exc
 
-    def _receive_delta(self, nbytes: int) -> tuple[list[int], float, _Problem | None]:
+    def _receive_delta(self, nbytes: int):
         """Receive a delta payload of ``nbytes`` and the trailer, patch the stream bytes (the live version)
-        with it and sum every bucket; the checksums, when it came, and why it cannot be applied (or None)."""
+        with it and sum every bucket; the checksums, when it came, why it cannot be applied (or None) and the
+        plan entries it changed."""
         B = self.layout.bucket_bytes
         payload = torch.empty(nbytes, dtype=torch.uint8, device=self._trailer.device)
         _, t_first = self._receive_stream([*(payload[s:s + B] for s in range(0, nbytes, B)), self._trailer],
@@ -266,10 +272,23 @@ class StreamReceiver:
         try:
             deltas = dl.parse(payload.cpu(), self.layout.sizes, self.plan.total_bytes)
         except ValueError as exc:
-            return [0] * self.layout.num_buckets, t_first, _Problem(Status.BAD_DELTA, str(exc))
+            return [0] * self.layout.num_buckets, t_first, _Problem(Status.BAD_DELTA, str(exc)), None
         for d, bucket in zip(deltas, self._landing, strict=True):
             dl.apply(d, bucket)
-        return [checksum(b) for b in self._landing], t_first, None
+        return [checksum(b) for b in self._landing], t_first, None, self._touched(deltas)
+
+    def _touched(self, deltas: list) -> frozenset[str]:
+        """The plan entries with a changed byte (every entry of a bucket that went whole)."""
+        entries, B = self.plan.entries, self.layout.bucket_bytes
+        starts = torch.tensor([e.offset for e in entries], dtype=torch.int64)
+        names: set[str] = set()
+        for b, d in enumerate(deltas):
+            if d.mode == dl.WHOLE or (d.mode == dl.WORDS and d.index is None):
+                names.update(self.layout.tensor_names(b))
+            elif d.mode == dl.WORDS:
+                which = torch.searchsorted(starts, b * B + 8 * d.index.long(), right=True) - 1
+                names.update(entries[i].name for i in torch.unique(which).tolist())
+        return frozenset(names)
 
     def _receive_stream(self, bufs: list[torch.Tensor], into_stream: bool) -> tuple[list[int], float]:
         """Receive every buffer of ``bufs`` (the last one: the trailer; ``inflight`` posted ahead); buckets
