@@ -223,6 +223,27 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     assert run(app, ["plan", str(tmp_path / "bad.json")]).exit_code == 2
 
 
+def test_plan_link_rate_in_bits_as_nics_are_rated_or_in_bytes_by_name(tmp_path):
+    """A 400 Gb/s NIC is --link-gbit 400 = --link-gbytes 50 (the default); the old --link-gbps (GB/s, read as
+    bits by users: 8x off) still works, with a warning; two spellings at once are refused."""
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    run = CliRunner().invoke
+
+    def link(*args):
+        res = run(app, ["plan", str(tmp_path), *args, "--json", "-"])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["hardware"]["link_gbps"]
+
+    assert link() == link("--link-gbit", "400") == link("--link-gbytes", "50") == 50.0
+    assert link("--link-gbit", "100") == 12.5
+    res = run(app, ["plan", str(tmp_path), "--link-gbps", "25"])
+    assert res.exit_code == 0 and "--link-gbit 200" in " ".join(res.output.split())
+    res = run(app, ["plan", str(tmp_path), "--link-gbit", "400", "--link-gbytes", "50"])
+    assert res.exit_code == 2 and "--link-gbit and --link-gbytes" in " ".join(res.output.split())
+
+
 @pytest.mark.parametrize("text,want", [("vllm", ("vllm", Layout())), ("tp=2", ("mxport", Layout(tp=2))),
                                        ("vllm,tp=2", ("vllm", Layout(tp=2))),
                                        ("MXPORT", ("mxport", Layout())),

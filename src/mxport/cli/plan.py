@@ -17,8 +17,13 @@ def plan_cmd(
                                 help="Trainer layout, e.g. fsdp=8, tp=2,pp=2 ('1': one rank)."),
     engine: str = typer.Option("tp=1", "--engine", help="Engine layout (tp, ep, pp), e.g. tp=8, tp=8,ep=16."),
     replicas: int = typer.Option(1, "--engine-replicas", min=1, help="Engines (each a full copy) refitted."),
-    link_gbps: float = typer.Option(50.0, "--link-gbps", min=1e-6,
-                                    help="GB/s of one rank's link (each trainer and engine rank has one)."),
+    link_gbit: float = typer.Option(None, "--link-gbit", min=1e-6,
+                                    help="Gbit/s of one rank's link, as NICs are rated (400 for a 400 Gb/s "
+                                         "NIC; default 400). Each trainer and engine rank has one."),
+    link_gbytes: float = typer.Option(None, "--link-gbytes", min=1e-6,
+                                      help="The same in GB/s (bytes: 50 for a 400 Gb/s NIC)."),
+    link_gbps: float = typer.Option(None, "--link-gbps", min=1e-6, hidden=True,
+                                    help="Deprecated (ambiguous): GB/s, as --link-gbytes."),
     trainer_gelems: float = typer.Option(14.0, "--trainer-quantize-gelems", min=1e-6,
                                          help="G elements/s one trainer rank quantizes (an H200: about 14)."),
     engine_gelems: float = typer.Option(14.0, "--engine-quantize-gelems", min=1e-6,
@@ -55,6 +60,7 @@ def plan_cmd(
     from ..parallel import Layout
 
     with user_errors():
+        link_gbps = _link_gbytes(link_gbit, link_gbytes, link_gbps)
         t_layout, e_layout = Layout.parse(trainer), Layout.parse(engine)
         if e_layout.fsdp > 1:
             raise ValueError(f"--engine {engine!r}: an engine layout takes tp, ep and pp (engines do not "
@@ -79,6 +85,19 @@ def plan_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
+def _link_gbytes(gbit: float | None, gbytes: float | None, deprecated: float | None) -> float:
+    """The link's GB/s from one of the three spellings (ValueError for two); 400 Gbit/s when none."""
+    spellings = (("--link-gbit", gbit), ("--link-gbytes", gbytes), ("--link-gbps", deprecated))
+    given = [(n, v) for n, v in spellings if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give the link's rate once: {' and '.join(n for n, _ in given)} were given")
+    if deprecated is not None:
+        console.print("warning: --link-gbps is GB/s (bytes), which reads as Gb/s (bits): use --link-gbytes "
+                      f"{deprecated:g}, or --link-gbit {deprecated * 8:g}", highlight=False, style="yellow")
+        return deprecated
+    return gbytes if gbytes is not None else (400.0 if gbit is None else gbit) / 8
+
+
 def _count(n: int) -> str:
     """12_300_000_000 -> "12.3 B"; 1.03e12 -> "1.03 T"."""
     return f"{n / 1e12:.3g} T" if n >= 1e12 else f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
@@ -88,7 +107,8 @@ def _print(r) -> None:
     """One row per figure, a column per path: readable in 80 columns."""
     console.print(f"refit of {r.model}: {_count(r.parameters)} parameters ({_count(r.quantized_parameters)} "
                   f"quantized); trainer {r.trainer} -> {r.engine_replicas} x engine {r.engine}; "
-                  f"{r.hardware.link_gbps:g} GB/s links", highlight=False)
+                  f"{r.hardware.link_gbps * 8:g} Gbit/s ({r.hardware.link_gbps:g} GB/s) links",
+                  highlight=False)
     t = Table()
     for col in ("", "MXFP8", "BF16"):
         t.add_column(col, justify="right" if col else "left", no_wrap=True)
