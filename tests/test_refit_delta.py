@@ -202,6 +202,9 @@ def test_twenty_delta_refits_are_bit_exact_and_move_only_what_changed(path):
         sent, outs = _refit(sender, receivers, tensors)
         assert not isinstance(sent, Exception), sent
         assert _live_equal(receivers, tensors), step
+        direct = receivers[0].streams[0]  # its rollback copy follows the delta (not a whole copy)
+        assert direct.direct and direct.wait_backup() >= 0
+        assert torch.equal(direct._rollback_copy.copy, direct._arena)
         assert sent.delta == (step > 0)  # the first refit goes whole: no engine holds a base yet
         assert all(o.delta == sent.delta and o.wire_bytes == sent.wire_bytes for o in outs)
         if step == 0:

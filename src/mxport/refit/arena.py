@@ -142,6 +142,14 @@ class RollbackCopy:
         self._thread = threading.Thread(target=self._run, name="mxport-refit-backup", daemon=True)
         self._thread.start()
 
+    def follow(self, patch) -> None:
+        """Bring the copy up to what is live by ``patch()`` (the change just committed, applied to the copy:
+        a delta refit's few bytes instead of a whole copy); the copy held the previous version."""
+        t0 = time.perf_counter()
+        patch()
+        self.last_s = time.perf_counter() - t0
+        self._versions = target_versions(self.targets)
+
     def wait(self) -> float:
         """Block until the copy holds what is live; return the seconds of the copy that made it so."""
         if self._thread is not None:

@@ -53,6 +53,7 @@ class Staged:
     wire_bytes: int = 0
     delta: bool = False
     touched: frozenset[str] | None = None  # a delta's plan entries with changed bytes (None: every entry)
+    deltas: tuple | None = None  # a delta's parsed buckets (direct mode patches the rollback copy with them)
 
     @property
     def ok(self) -> bool:
@@ -182,10 +183,11 @@ class StreamReceiver:
         problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
         sw.mark("posted")
         decision = self._agree() if self.delta else None
-        touched = None
+        touched = deltas = None
         if decision is not None and decision.delta:
-            got, t_first, bad, touched = self._receive_delta(decision.nbytes)
+            got, t_first, bad, deltas = self._receive_delta(decision.nbytes)
             problem = problem or bad
+            touched = self._touched(deltas) if deltas is not None else None
         else:
             got, t_first = self._receive_stream([*self._landing, self._trailer], True)
         sw.mark("first", t_first)
@@ -194,7 +196,7 @@ class StreamReceiver:
         sw.mark("judged")
         delta = decision is not None and decision.delta
         return Staged(problem, trailer, sw, backup_s, decision.nbytes if delta else self.plan.total_bytes,
-                      delta, touched)
+                      delta, touched, deltas)
 
     def verdict(self, staged: Staged) -> ReceiverResult:
         """This rank's row of the vote on ``staged``: ``OK`` or why it rejects, and its live version."""
@@ -223,7 +225,10 @@ class StreamReceiver:
                              receivers=vote.results) from exc
         sw.mark("done")
         self.last_touched = staged.touched
-        if self._rollback_copy is not None:
+        if self._rollback_copy is not None and staged.deltas is not None:  # the same delta, not a full copy
+            self._rollback_copy.follow(lambda: [dl.apply(d, b) for d, b in zip(staged.deltas, self._payloads,
+                                                                                strict=True)])
+        elif self._rollback_copy is not None:
             self._rollback_copy.start()
         seconds = sw.between("first", "done")
         return ReceiveStats(rank=self.transport.rank, version=self.version, bytes=self.plan.total_bytes,
@@ -264,7 +269,7 @@ class StreamReceiver:
     def _receive_delta(self, nbytes: int):
         """Receive a delta payload of ``nbytes`` and the trailer, patch the stream bytes (the live version)
         with it and sum every bucket; the checksums, when it came, why it cannot be applied (or None) and the
-        plan entries it changed."""
+        parsed bucket deltas."""
         B = self.layout.bucket_bytes
         payload = torch.empty(nbytes, dtype=torch.uint8, device=self._trailer.device)
         _, t_first = self._receive_stream([*(payload[s:s + B] for s in range(0, nbytes, B)), self._trailer],
@@ -275,7 +280,7 @@ class StreamReceiver:
             return [0] * self.layout.num_buckets, t_first, _Problem(Status.BAD_DELTA, str(exc)), None
         for d, bucket in zip(deltas, self._landing, strict=True):
             dl.apply(d, bucket)
-        return [checksum(b) for b in self._landing], t_first, None, self._touched(deltas)
+        return [checksum(b) for b in self._landing], t_first, None, tuple(deltas)
 
     def _touched(self, deltas: list) -> frozenset[str]:
         """The plan entries with a changed byte (every entry of a bucket that went whole)."""
