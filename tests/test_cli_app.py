@@ -90,7 +90,8 @@ def test_help_shows_every_option_name_whole_in_narrow_terminals(command, columns
     assert r.exit_code == 0, r.output
     root = typer.main.get_command(app)
     cmd = root.commands[command] if command else root
-    names = [o for p in cmd.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)]
+    names = [o for p in cmd.params if p.param_type_name == "option" and not getattr(p, "hidden", False)
+             for o in (*p.opts, *p.secondary_opts)]
     assert names
     for name in names:
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", r.stdout), (name, r.stdout)

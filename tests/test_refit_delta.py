@@ -234,19 +234,6 @@ def test_a_rank_that_rejected_a_refit_gets_the_next_one_whole_then_deltas_again(
     assert _live_equal(receivers, tensors)
 
 
-def test_a_live_byte_altered_after_a_refit_is_caught_and_the_next_refit_goes_whole():
-    sender, receivers, _ = _world()
-    w = _Weights()
-    for _ in range(2):
-        assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
-    receivers[0].targets[2].view(torch.uint8)[0] ^= 0x40  # someone writes a live weight (direct mode)
-    sent, outs = _refit(sender, receivers, w.step())
-    assert isinstance(sent, Exception) and "checksum" in str(outs[0])
-    tensors = w.step()
-    sent, _ = _refit(sender, receivers, tensors)
-    assert not sent.delta and _live_equal(receivers, tensors)
-
-
 @pytest.mark.parametrize("delta", [(True, True, False), (False, True, True)])
 def test_a_stream_runs_deltas_only_when_every_endpoint_takes_them(delta):
     sender, receivers, _ = _world(delta=delta)
@@ -299,16 +286,9 @@ def test_an_engine_that_restarted_gets_the_step_whole_the_others_keep_their_vers
     for _ in range(2):
         assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
     ch = InProcessChannel(2, timeout_s=20)
-    sender.transport = ch.endpoint(0)
-    receivers[0].transport = ch.endpoint(1)
     fresh = [torch.zeros(e.shape, dtype=dtype_from_name(e.dtype)) for e in PLAN.entries]
     receivers[1] = RefitReceiver(ch.endpoint(2), PLAN, fresh, bucket_bytes=1024, delta=True)
-    ends = [sender, *receivers]
-    threads = [threading.Thread(target=end.handshake) for end in ends]  # every end agrees on the new group
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _regroup(sender, receivers)
     tensors = w.step()
     sent, outs = _refit(sender, receivers, tensors)
     assert not isinstance(sent, Exception), sent
@@ -327,3 +307,58 @@ def test_a_receiver_names_the_tensors_a_delta_changed_and_none_for_a_whole_refit
     tensors[2].view(torch.uint8)[7] ^= 1  # only the norm changes
     sent, _ = _refit(sender, receivers, tensors)
     assert sent.delta and all(r.touched_tensors() == {"norm.weight"} for r in receivers)
+
+
+def _regroup(sender, receivers):
+    """Every end on a new in-process group (the trainer's group re-created), handshaken again."""
+    ch = InProcessChannel(len(receivers), timeout_s=20)
+    sender.transport = ch.endpoint(0)
+    for i, r in enumerate(receivers):
+        r.transport = ch.endpoint(i + 1)
+    threads = [threading.Thread(target=end.handshake) for end in (sender, *receivers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
+def test_refits_sent_whole_while_deltas_were_off_do_not_leave_a_stale_base_trusted():
+    """An engine without deltas joins (every refit goes whole, the sender's base is not kept up to date), then
+    leaves: the next refit must go whole, not a delta onto the base of two versions ago. A pair of bytes that
+    changes and changes back cancels in the word-sum checksum: a stale base would commit wrong bytes."""
+    sender, receivers, _ = _world(1)
+    w = _Weights()
+    flat = w.t[0].view(torch.uint8).view(-1)
+    _refit(sender, receivers, w.step())
+    flat[0], flat[8] = 9, 21
+    assert _refit(sender, receivers, [t.clone() for t in w.t])[0].delta
+    plain = RefitReceiver(InProcessChannel(1).endpoint(1), PLAN,
+                          [torch.zeros(e.shape, dtype=dtype_from_name(e.dtype)) for e in PLAN.entries],
+                          bucket_bytes=1024)
+    _regroup(sender, [receivers[0], plain])
+    flat[0], flat[8] = 10, 20
+    sent, _ = _refit(sender, [receivers[0], plain], [t.clone() for t in w.t])
+    assert not sent.delta
+    _regroup(sender, receivers)
+    flat[0], flat[8] = 9, 21
+    tensors = [t.clone() for t in w.t]
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not isinstance(sent, Exception) and not sent.delta
+    assert _live_equal(receivers, tensors)
+
+
+def test_a_live_weight_written_in_place_makes_the_next_refit_whole_even_if_its_checksum_holds():
+    """Direct mode: two live words swapped in place keep every word-sum checksum; the receiver knows its live
+    tensors were written (their _version moved) and takes the next refit whole."""
+    sender, receivers, _ = _world(1)
+    w = _Weights()
+    for _ in range(2):
+        _refit(sender, receivers, w.step())
+    live = receivers[0].targets[0].view(torch.uint8).view(-1)
+    a = live[0:8].clone()
+    live[0:8] = live[64:72]
+    live[64:72] = a
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not isinstance(sent, Exception) and not sent.delta and sent.full_for == (1,)
+    assert _live_equal(receivers, tensors)

@@ -41,13 +41,11 @@ class BucketDelta:
     index: torch.Tensor | None = None
     masks: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    changed: int = -1  # WHOLE without an index: how many words changed
 
     @property
     def words(self) -> int:
         """Words that changed."""
-        return self.changed if self.index is None and self.changed >= 0 else \
-            0 if self.index is None else int(self.index.numel())
+        return 0 if self.index is None else int(self.index.numel())
 
     @property
     def nbytes(self) -> int:
@@ -101,8 +99,8 @@ def _diff_native(lib, base: torch.Tensor, new: torch.Tensor, scratch: Scratch) -
     k, r, v = native.delta_diff(lib, base, new, s.idx, s.masks[:new.numel() // 5 + 1], s.vals[:new.numel()])
     if k == 0:
         return BucketDelta(UNCHANGED)
-    if r < k:  # past the caps: not smaller than the bucket
-        return BucketDelta(WHOLE, values=base, changed=k)
+    if r < k:  # the caps hold every word a bucket has (n / 8 < n / 5): not reached
+        raise RuntimeError(f"delta diff recorded {r} of {k} changed words")
     return BucketDelta(WORDS, s.idx[:r].clone(), s.masks[:r].clone(), s.vals[:v].clone())
 
 
@@ -111,9 +109,6 @@ def _diff_torch(base: torch.Tensor, new: torch.Tensor) -> BucketDelta:
     index = (b64 != n64).nonzero().squeeze(1)
     if index.numel() == 0:
         return BucketDelta(UNCHANGED)
-    if 5 * index.numel() >= new.numel():
-        base.copy_(new)
-        return BucketDelta(WHOLE, values=base, changed=int(index.numel()))
     cells = new.view(-1, 8)[index]
     changed = cells != base.view(-1, 8)[index]
     masks = (changed.to(torch.uint8) * _BIT.to(new.device)).sum(dim=1, dtype=torch.uint8)
@@ -122,8 +117,7 @@ def _diff_torch(base: torch.Tensor, new: torch.Tensor) -> BucketDelta:
 
 
 def changed_bytes(deltas: list[tuple[int, BucketDelta]]) -> torch.Tensor:
-    """The stream offsets (int64, increasing) of every byte that changed, from ``(bucket start, delta)``
-    (a bucket that went WHOLE without an index: none of its bytes)."""
+    """The stream offsets (int64, increasing) of every byte that changed, from ``(bucket start, delta)``."""
     parts = [start + 8 * d.index.long().unsqueeze(1) + torch.arange(8) for start, d in deltas
              if d.index is not None]
     masks = [_bits(d.masks) for _, d in deltas if d.index is not None]

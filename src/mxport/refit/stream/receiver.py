@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arena import RollbackCopy, bump_versions, stream_arena
+from ..arena import RollbackCopy, bump_versions, stream_arena, target_versions
 from ..buckets import (
     DEFAULT_BUCKET_BYTES,
     MAGIC,
@@ -107,6 +107,7 @@ class StreamReceiver:
         self.want_delta, self.delta, self._base_ok, self._digest = bool(delta), False, False, 0
         #: the plan entries the last committed refit changed (None: every entry, a whole refit)
         self.last_touched: frozenset[str] | None = None
+        self._live_versions: tuple | None = None  # the live tensors' _version counters at the last commit
         if transport.is_sender:
             raise ValueError(f"transport rank {transport.rank} is the sender; a receiver needs another rank")
         targets = list(targets)
@@ -225,6 +226,7 @@ class StreamReceiver:
                              receivers=vote.results) from exc
         sw.mark("done")
         self.last_touched = staged.touched
+        self._live_versions = target_versions(self.targets)
         if self._rollback_copy is not None and staged.deltas is not None:  # the same delta, not a full copy
             self._rollback_copy.follow(lambda: [dl.apply(d, b) for d, b in zip(staged.deltas, self._payloads,
                                                                                 strict=True)])
@@ -259,12 +261,20 @@ class StreamReceiver:
     def _agree(self) -> dl.Decision:
         """The delta stream's agreement (:func:`~mxport.refit.stream.delta.agree`); RefitError if it fails."""
         try:
-            return dl.agree(self.transport, 0, self.version, self._digest if self._base_ok else 0,
+            return dl.agree(self.transport, 0, self.version, self._digest if self._holds_base() else 0,
                             dl.max_payload(self.layout.sizes))
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             self._roll_back(0)
             raise self._error("failed agreeing on a delta", None, f"{type(exc).__name__}: {exc}",
                               None) from exc
+
+    def _holds_base(self) -> bool:
+        """Whether the stream bytes still hold the version committed last: staging always does (until a
+        refit lands there); direct mode's live arena only if no live tensor was written in place since (its
+        ``_version`` counters), as a change the word-sum checksum cannot see would otherwise survive."""
+        if not self._base_ok:
+            return False
+        return not self.direct or target_versions(self.targets) == self._live_versions
 
     def _receive_delta(self, nbytes: int):
         """Receive a delta payload of ``nbytes`` and the trailer, patch the stream bytes (the live version)
@@ -288,7 +298,7 @@ class StreamReceiver:
         starts = torch.tensor([e.offset for e in entries], dtype=torch.int64)
         names: set[str] = set()
         for b, d in enumerate(deltas):
-            if d.mode == dl.WHOLE or (d.mode == dl.WORDS and d.index is None):
+            if d.mode == dl.WHOLE:
                 names.update(self.layout.tensor_names(b))
             elif d.mode == dl.WORDS:
                 which = torch.searchsorted(starts, b * B + 8 * d.index.long(), right=True) - 1

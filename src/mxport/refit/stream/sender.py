@@ -178,8 +178,8 @@ class StreamSender:
         results = vote.results
         self._raise_rejections(run, vote)
         seconds = sw.elapsed()
-        if self.base is not None:
-            self.base.settle(run.version, run.crcs, vote.commit)
+        if self.base is not None:  # a refit sent while deltas were off did not bring the base up to date
+            self.base.settle(run.version, run.crcs, vote.commit and self.delta)
         return SendStats(rank=self.transport.rank, version=run.version, bytes=self.plan.total_bytes,
                          buckets=self.layout.num_buckets,
                          zero_copy_buckets=run.zero_copy, seconds=seconds, produce_s=sw["produce"],
