@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from test_refit_coordinator import _refit  # noqa: E402  (a refit between threads: sender and receivers)
 
 from mxport.refit import InProcessChannel, RefitPlan, RefitReceiver, RefitSender, Transport
 from mxport.refit.arena import allocate_targets
@@ -166,27 +167,6 @@ def _world(n_receivers=2, *, delta=(True, True, True), bucket_bytes=1024):
             [torch.zeros(e.shape, dtype=dtype_from_name(e.dtype)) for e in PLAN.entries]
         receivers.append(RefitReceiver(ep, PLAN, targets, bucket_bytes=bucket_bytes, delta=delta[r]))
     return sender, receivers, eps
-
-
-def _refit(sender, receivers, tensors):
-    outs: list = [None] * len(receivers)
-
-    def rx(i):
-        try:
-            outs[i] = receivers[i].receive()
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            outs[i] = exc
-
-    threads = [threading.Thread(target=rx, args=(i,)) for i in range(len(receivers))]
-    for t in threads:
-        t.start()
-    try:
-        sent = sender.send(tensors)
-    except Exception as exc:  # noqa: BLE001
-        sent = exc
-    for t in threads:
-        t.join(timeout=30)
-    return sent, outs
 
 
 def _live_equal(receivers, tensors) -> bool:
