@@ -55,6 +55,8 @@ class LayerApply:
     path: str
     kernel: str
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    follows: str | None = None  # a layer outside the plan computing from this named layer's weight
+    lead: torch.nn.Module | None = None  # that layer's module (a tied lm_head's embedding)
 
 
 def _fused_of(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
@@ -198,13 +200,38 @@ def live_slices(model: torch.nn.Module, holdings: Sequence[Holding], *, check_on
                              f"the box {h.box} {h.box.shape} this rank holds")
         live.setdefault(h.tensor.name, []).append((h.box, view))
     out = {n: v[0] if len(v) == 1 else v for n, v in live.items()}
-    return out, list(layers.values())
+    return out, [*layers.values(), *_followers(model, layers)]
+
+
+def _followers(model: torch.nn.Module, layers: dict[str, LayerApply]) -> list[LayerApply]:
+    """A tied ``lm_head`` (``tie_word_embeddings``): outside the plan, it computes the logits from the
+    embedding's weight, and its CPU GEMM keeps its own packed copy of it (vLLM's AMX path packs it with
+    ``convert_weight_packed`` and empties the layer's weight; its oneDNN path reads the weight): re-packed
+    from the embedding whenever the embedding's layer is."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return []
+    leads = [x for x in layers.values() if x.name.endswith("embed_tokens") and x.path in ("in_place",
+                                                                                          "redispatch")]
+    out = []
+    for name, mod in model.named_modules():
+        if (leads and name not in layers and name.endswith("lm_head")
+                and getattr(mod, "cpu_linear", None) is not None):
+            out.append(LayerApply(name, mod, "redispatch", _kernel_name(mod), follows=leads[0].name,
+                                  lead=leads[0].module))
+    return out
 
 
 def _redispatch(layer: LayerApply) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    dispatch_cpu_unquantized_gemm(layer.module, remove_weight=False)
+    mod = layer.module
+    if layer.lead is None:
+        dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+        return
+    emptied = mod.weight.numel() == 0  # a tied lm_head whose GEMM kept only its packed copy
+    mod.weight = layer.lead.weight
+    dispatch_cpu_unquantized_gemm(mod, remove_weight=emptied)
 
 
 def _dequant(layer: LayerApply) -> None:
@@ -252,7 +279,7 @@ def touched_layers(model: torch.nn.Module, layers: Sequence[LayerApply], names: 
         return list(layers)
     fused_of = _fused_of(model)
     modules = {_target(n, fused_of)[0] for n in names}
-    return [layer for layer in layers if layer.name in modules]
+    return [layer for layer in layers if layer.name in modules or layer.follows in modules]
 
 
 def apply_layers(layers: Sequence[LayerApply]) -> dict[str, int]:
