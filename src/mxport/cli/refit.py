@@ -41,6 +41,11 @@ from .app import app
 _RefitJson = json_option("{'steps': [...], 'plan': ..., 'ok': ...}")
 
 MAX_RECEIVERS = 8
+_DELTA_HELP = ("Refit only what changed: the first step goes whole, each later one sends only the bytes that "
+               "changed since the version the engine holds (FP8 values, E8M0 scales and BF16 elements), "
+               "checked against the new version's checksums; an engine on another version gets the step "
+               "whole. It saves wire bytes (2-8% of them at --lr 1e-6 to 1e-5 on the embedded model), not "
+               "time on loopback: it pays where the link is the bottleneck.")
 
 
 def default_bucket_mb() -> int:
@@ -75,11 +80,7 @@ def refit(
     json_out: _RefitJson = None,
     max_new_tokens: MaxNewTokensOpt = 16,
     lr: float = typer.Option(1e-5, "--lr", callback=positive, help="AdamW learning rate of the trainer."),
-    delta: bool = typer.Option(False, "--delta",
-                               help="Refit only what changed: after the first refit each step sends the "
-                                    "8-byte words whose bytes changed since the version the engine holds "
-                                    "(byte masks, element granularity), checked against the new version's "
-                                    "checksums; an engine on another version gets the step whole."),
+    delta: bool = typer.Option(False, "--delta", help=_DELTA_HELP),
     timeout: float = typer.Option(120.0, "--timeout", callback=positive,
                                   help="Seconds a refit may wait on a peer before failing."),
 ):
@@ -452,7 +453,7 @@ def _print_delta(rows: list[dict]) -> None:
         how = ("delta" if r["delta"] else "whole (no engine base yet)" if r["blocks_changed"] is None
                else "whole (an engine was on another version)")
         blocks = "" if r["blocks_changed"] is None else f", {r['blocks_changed']:.2%} of MXFP8 blocks changed"
-        console.print(f"step {r['step']}: {how}: {r['bytes'] / 1e6:.2f} of {r['full_bytes'] / 1e6:.1f} MB "
+        console.print(f"step {r['step']}: {how}: {r['bytes'] / 1e6:.2f} of {r['full_bytes'] / 1e6:.2f} MB "
                       f"({r['bytes'] / r['full_bytes']:.3f}){blocks}", highlight=False)
 
 

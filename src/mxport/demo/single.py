@@ -111,7 +111,8 @@ def _delta_figures(sender, stats) -> dict:
     hit, total = streams_block_counts(sender.streams)
     return {"full_bytes": stats.bytes, "delta": stats.delta,
             "blocks_changed": hit / total if stats.changed_words >= 0 and total else None,
-            "changed_words": stats.changed_words, "delta_s": stats.delta_s, "full_for": list(stats.full_for)}
+            "changed_words": stats.changed_words if stats.changed_words >= 0 else None,
+            "delta_s": stats.delta_s, "full_for": list(stats.full_for)}
 
 
 @dataclass(frozen=True)
