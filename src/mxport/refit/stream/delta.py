@@ -96,7 +96,7 @@ def _diff_native(lib, base: torch.Tensor, new: torch.Tensor, scratch: Scratch) -
     from ... import native
 
     s = scratch.sized(new.numel())
-    k, r, v = native.delta_diff(lib, base, new, s.idx, s.masks[:new.numel() // 5 + 1], s.vals[:new.numel()])
+    k, r, v = native.delta_diff(lib, base, new, s.idx, s.masks, s.vals)
     if k == 0:
         return BucketDelta(UNCHANGED)
     if r < k:  # the caps hold every word a bucket has (n / 8 < n / 5): not reached
