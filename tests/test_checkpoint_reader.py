@@ -434,7 +434,8 @@ def test_inspect_report_typed_and_dict_keys(tmp_path):
         rep.format = "sglang"
     d = rep.to_dict()
     assert list(d) == ["path", "format", "format_source", "tensors", "pairs", "totals", "problems",
-                       "warnings", "consumers"]
+                       "warnings", "consumers", "quant"]
+    assert d["quant"] == "mxfp8"
     assert d == inspect_checkpoint(tmp_path / "ck") and rep["pairs"] == d["pairs"] and len(d["pairs"]) == 2
     json.dumps(d)
 

@@ -188,6 +188,20 @@ def fp8_source_error(names: list[str]) -> ValueError:
                       "inspect` reads MXFP8 checkpoints of every format)")
 
 
+def fp4_source_error(config: dict | None) -> ValueError | None:
+    """Why a source whose ``config.json`` declares 4-bit weights
+    (:func:`~mxport.checkpoint.naming.detect_fp4`) is refused as a model to quantize, train or verify (its
+    packed uint8 values would pass as plain tensors); None for any other config."""
+    from .checkpoint.naming import detect_fp4
+
+    found = detect_fp4((config or {}).get("quantization_config"))
+    if found is None:
+        return None
+    return ValueError(f"the source is already an {found[1].upper()} checkpoint ({found[0]}): mxport "
+                      "quantizes high-precision models; give it the BF16 / FP32 model (`mxport inspect` "
+                      "reads it)")
+
+
 def fp8_tensor_names(src: ModelSource) -> list[str]:
     """The FP8 tensors of a Hugging Face model directory's safetensors, read from their headers ([] for a
     GGUF)."""
@@ -220,6 +234,11 @@ def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
     fp8 = fp8_tensor_names(src)
     if fp8:
         raise fp8_source_error(fp8)
+    config_file = src.path / "config.json"
+    if src.kind == "hf_dir" and config_file.is_file():
+        fp4 = fp4_source_error(json.loads(config_file.read_text()))
+        if fp4 is not None:
+            raise fp4
     kwargs = {"local_files_only": True}
     if src.kind == "gguf":
         kwargs["gguf_file"] = src.gguf_file

@@ -28,12 +28,18 @@ from pathlib import Path
 import torch
 
 from .._fs import check_output_place, clean_stale_temps, output_errors, replace_dir, temp_output_dir
-from ..components import compact_scale_shape
-from ..formats import BLOCK_SIZE, FLOAT_DTYPES, is_fp8_dtype
-from ..policy import Decision, PrecisionPolicy, exclude_modules, share_group
-from ..quantize import quantize
+from ..formats import FLOAT_DTYPES, is_fp8_dtype
+from ..policy import Decision, PrecisionPolicy, exclude_modules, global_scale_group, share_group
+from ..quants import MXFP8, Quant, get_quant
 from .experts import checkpoint_naming
-from .naming import DEFAULT_FORMAT, check_fp8_dtype, hf_quant_config, quantization_config, scale_name
+from .naming import (
+    DEFAULT_FORMAT,
+    check_fp8_dtype,
+    check_quant_format,
+    hf_quant_config,
+    quant_names,
+    quantization_config,
+)
 from .readers import INDEX_NAME, SafetensorsDir, StateDictSource
 from .writers import ShardedSafetensorsWriter, TensorSpec, parse_size, plan_shards
 
@@ -65,9 +71,10 @@ class ExportResult:
     kept_unaligned: list[str] = field(default_factory=list)
     nonzero_scales: bool = False
     renamed: dict[str, list[str]] = field(default_factory=dict)
+    quant: str = "mxfp8"
 
     def to_dict(self) -> dict:
-        return {"out": str(self.out), "format": self.format, "files": self.files,
+        return {"out": str(self.out), "format": self.format, "quant": self.quant, "files": self.files,
                 "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
                 "quantized": sum(d.quantize for d in self.decisions),
                 "kept": sum(not d.quantize for d in self.decisions), "exclude_modules": self.exclude_modules,
@@ -107,11 +114,14 @@ def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
             would be copied as plain "kept" tensors under the new format's config, a checkpoint no engine
             reads right.
     """
+    from ..models import fp4_source_error, fp8_source_error
+
+    fp4 = fp4_source_error(reader.config)  # NVFP4 holds E4M3 scales: say which checkpoint it is first
+    if fp4 is not None:
+        raise fp4
     entries = reader.entries()
     fp8 = [n for n, _, dtype in entries if is_fp8_dtype(dtype)]
     if fp8:
-        from ..models import fp8_source_error
-
         raise fp8_source_error(fp8)
     return (policy or PrecisionPolicy()).decide_all(entries)
 
@@ -122,31 +132,42 @@ UNALIGNED_WHY = ("vLLM (modelopt, compressed-tensors), SGLang's MXFP8 kernels an
                  "along K only")
 
 
-def unaligned(decisions: list[Decision]) -> list[Decision]:
-    """The quantized decisions whose last dimension K is not a multiple of 32."""
-    return [d for d in decisions if d.quantize and d.shape[-1] % BLOCK_SIZE]
+def why_unaligned(quant: Quant) -> str:
+    """Why a weight whose K is not whole blocks of ``quant`` cannot be written in it, in a few words."""
+    if quant is MXFP8:
+        return UNALIGNED_WHY
+    return f"vLLM's {quant.name.upper()} layers take whole blocks of {quant.block} along K only"
 
 
-def align_decisions(decisions: list[Decision], keep_unaligned: bool = False) -> list[Decision]:
-    """``decisions`` for a checkpoint every consumer loads: a quantized tensor whose K is not a multiple of 32
-    is refused (ValueError naming them) or, with ``keep_unaligned``, kept in its source dtype; a tensor that
-    shares one precision with a kept one (:func:`mxport.policy.share_group`: q/k/v, gate/up, one MoE layer's
-    experts) is kept with it. Each kept tensor's reason says why."""
-    bad = unaligned(decisions)
+def unaligned(decisions: list[Decision], quant: Quant = MXFP8) -> list[Decision]:
+    """The quantized decisions whose last dimension K is not whole blocks of ``quant`` (32; NVFP4: 16)."""
+    return [d for d in decisions if d.quantize and not quant.aligned(d.shape[-1])]
+
+
+def align_decisions(decisions: list[Decision], keep_unaligned: bool = False,
+                    quant: Quant | str = MXFP8) -> list[Decision]:
+    """``decisions`` for a checkpoint every consumer loads: a quantized tensor whose K is not whole blocks
+    (a multiple of 32; 16 for NVFP4) is refused (ValueError naming them) or, with ``keep_unaligned``, kept in
+    its source dtype; a tensor that shares one precision with a kept one (:func:`mxport.policy.share_group`:
+    q/k/v, gate/up, one MoE layer's experts) is kept with it. Each kept tensor's reason says why."""
+    quant = get_quant(quant)
+    bad = unaligned(decisions, quant)
     if not bad:
         return decisions
     if not keep_unaligned:
         names = ", ".join(f"{d.name} (K={d.shape[-1]})" for d in bad[:3])
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise ValueError(f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} with K not a multiple of 32 "
-                         f"cannot be MXFP8 ({UNALIGNED_WHY}): {names}{more}; pass --keep-unaligned "
-                         "(keep_unaligned=True) to keep them in their source dtype")
-    why = {d.name: f"kept: K={d.shape[-1]} is not a multiple of 32 (--keep-unaligned)" for d in bad}
+        raise ValueError(f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} with K not a multiple of "
+                         f"{quant.block} cannot be {quant.name.upper()} ({why_unaligned(quant)}): {names}"
+                         f"{more}; pass --keep-unaligned (keep_unaligned=True) to keep them in their source "
+                         "dtype")
+    why = {d.name: f"kept: K={d.shape[-1]} is not a multiple of {quant.block} (--keep-unaligned)"
+           for d in bad}
     for d in bad:  # its share group (fused by the engine) keeps one precision: kept with it
         group = share_group(d.name)
         if group:
             why.setdefault(group[0], f"kept: {group[1]} share one precision ({d.name}: K={d.shape[-1]} "
-                                     "is not a multiple of 32, --keep-unaligned)")
+                                     f"is not a multiple of {quant.block}, --keep-unaligned)")
     out = []
     for d in decisions:
         group = share_group(d.name)
@@ -171,15 +192,21 @@ def _outputs(decisions, naming) -> dict[str, list[tuple[str, int, int]]]:
     return out
 
 
-def _output_groups(decisions, outputs, fmt, fp8_dtype, dtype) -> list[list[TensorSpec]]:
+def _output_groups(decisions, outputs, enc: _Encoding) -> list[list[TensorSpec]]:
     groups = []
+    q = enc.quant
     for d in decisions:
         for name, r0, r1 in outputs[d.name]:
             shape = d.shape if len(outputs[d.name]) == 1 else (r1 - r0, d.shape[-1])
             if d.quantize:
-                groups.append([TensorSpec(name, fp8_dtype, shape),
-                               TensorSpec(scale_name(name, fmt), torch.uint8, compact_scale_shape(shape))])
+                values, scale, glob = quant_names(name, enc.fmt, q.name)
+                group = [TensorSpec(values, q.values_dtype(enc.fp8_dtype), q.values_shape(shape)),
+                         TensorSpec(scale, q.scale_dtype, q.scale_shape(shape))]
+                if glob:
+                    group.append(TensorSpec(glob, torch.float32, enc.global_shape()))
+                groups.append(group)
             else:
+                dtype = enc.dtype
                 out_dtype = dtype if (dtype is not None and d.dtype in FLOAT_DTYPES) else d.dtype
                 groups.append([TensorSpec(name, out_dtype, shape)])
     return groups
@@ -226,8 +253,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
                       dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
                       overwrite: bool = False,
                       progress: Callable[[str, int], None] | None = None, keep_unaligned: bool = False,
-                      nonzero_scales: bool = False) -> ExportResult:
-    """Export ``source`` as an MXFP8 checkpoint in format ``fmt`` at ``out``.
+                      nonzero_scales: bool = False, quant: str = "mxfp8") -> ExportResult:
+    """Export ``source`` as an MXFP8 (or ``quant``: MXFP4, NVFP4) checkpoint in format ``fmt`` at ``out``.
 
     Args:
         source: path (HF dir, GGUF), None (the embedded default model), an ``nn.Module`` or a state dict; or a
@@ -246,6 +273,10 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
             of refusing the export (:func:`align_decisions`): vLLM, SGLang and TE cannot load it as MXFP8.
         nonzero_scales: E8M0 byte 1 for every block whose byte would be 0 (FlashInfer's TRT-LLM kernels;
             :func:`mxport.quantize.lift_zero_scales`); decoded values stay the same.
+        quant: the weights' format, ``"mxfp8"`` (default), ``"mxfp4"`` or ``"nvfp4"`` (:mod:`mxport.quants`;
+            modelopt and compressed-tensors only). NVFP4's global scale is shared by the tensors vLLM fuses
+            (q/k/v, gate/up, one expert's w1/w3), as ModelOpt and llmcompressor share it: one read of those
+            tensors before the export computes their amax.
 
     Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
     dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so
@@ -258,6 +289,10 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
             quantize whose K is not a multiple of 32 without ``keep_unaligned``; nothing is left behind.
     """
     check_fp8_dtype(fmt, fp8_dtype)
+    quant = get_quant(quant)
+    check_quant_format(fmt, quant.name)
+    if nonzero_scales and quant is not MXFP8:
+        raise ValueError(f"nonzero_scales applies to MXFP8's E8M0 bytes, not to {quant.name}")
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
@@ -269,27 +304,19 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     out = prepare_out(out, overwrite, from_path or getattr(reader, "source_path", None) or src_dir)
     config = dict(reader.config or {})
 
-    planned = plan(reader, policy)
-    decisions = align_decisions(planned, keep_unaligned)
-    kept = [d.name for d, p in zip(decisions, planned, strict=True) if p.quantize and not d.quantize]
-    if _tied(config):  # tied embeddings: the head is the embedding, written once
-        decisions = [d for d in decisions if d.name != "lm_head.weight"]
-    naming = checkpoint_naming(config, [d.name for d in decisions])
-    excl = [naming.rename(m) if naming else m for m in exclude_modules(decisions)]
-    if _tied(config) and "lm_head" not in excl:  # the engine's head shares the (kept) embedding
-        excl.append("lm_head")
-    outputs = _outputs(decisions, naming)
-    shards = plan_shards(_output_groups(decisions, outputs, fmt, fp8_dtype, dtype), max_bytes)
+    decisions, kept, excl, outputs = _decide(reader, policy, keep_unaligned, config, quant)
+    enc = _Encoding(fmt, fp8_dtype, dtype, nonzero_scales, quant,
+                    global_scales(reader, decisions, outputs, quant, fmt))
+    shards = plan_shards(_output_groups(decisions, outputs, enc), max_bytes)
 
     with temp_output_dir(out) as tmp:
         writer = ShardedSafetensorsWriter(tmp, shards, metadata={"producer": "mxport", "mxport_format": fmt})
         try:
-            in_bytes = _stream(reader, decisions, outputs, writer, _Encoding(fmt, fp8_dtype, dtype,
-                                                                             nonzero_scales), progress)
+            in_bytes = _stream(reader, decisions, outputs, writer, enc, progress)
             weight_map = writer.close()
             reader.close()
             copied = _copy_small_files(src_dir, tmp)
-            _write_configs(tmp, reader, config, fmt, excl, fp8_dtype, dtype)
+            _write_configs(tmp, reader, config, enc, excl)
             os.chmod(tmp, 0o755)
             replace_dir(tmp, out)
         except BaseException:
@@ -299,23 +326,63 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     out_bytes = sum(s.nbytes for specs in shards for s in specs)
     renamed = {n: [o[0] for o in outs] for n, outs in outputs.items() if [o[0] for o in outs] != [n]}
     return ExportResult(out, fmt, decisions, files, in_bytes, out_bytes, excl, kept, bool(nonzero_scales),
-                        renamed)
+                        renamed, quant.name)
 
 
-def _write_configs(tmp: Path, reader, config: dict, fmt: str, excl: list[str], fp8_dtype: torch.dtype,
-                   dtype: torch.dtype | None) -> None:
+def _decide(reader, policy, keep_unaligned: bool, config: dict, quant: Quant):
+    """``(decisions, kept_unaligned, exclude_modules, outputs)`` of an export: the policy's decisions aligned
+    to ``quant``'s blocks, the tied head dropped, and the names each tensor is written under."""
+    planned = plan(reader, policy)
+    decisions = align_decisions(planned, keep_unaligned, quant)
+    kept = [d.name for d, p in zip(decisions, planned, strict=True) if p.quantize and not d.quantize]
+    if _tied(config):  # tied embeddings: the head is the embedding, written once
+        decisions = [d for d in decisions if d.name != "lm_head.weight"]
+    naming = checkpoint_naming(config, [d.name for d in decisions])
+    excl = [naming.rename(m) if naming else m for m in exclude_modules(decisions)]
+    if _tied(config) and "lm_head" not in excl:  # the engine's head shares the (kept) embedding
+        excl.append("lm_head")
+    return decisions, kept, excl, _outputs(decisions, naming)
+
+
+def global_scales(reader, decisions, outputs, quant: Quant, fmt: str = "modelopt"
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """NVFP4: each quantized output tensor's global scale ``(g, stored)``, from the largest magnitude of the
+    tensors it shares one with (:func:`mxport.policy.global_scale_group`), read from ``reader`` once: ModelOpt
+    stores ``g = amax / (6 * 448)`` (:meth:`~mxport.quants.Quant.global_scale_of`), compressed-tensors the
+    divisor ``d`` with ``g = 1 / d`` (:meth:`~mxport.quants.Quant.global_divisor_of`: what vLLM computes from
+    it at load is ``g`` exactly). {} for formats without one. A fused 3-D expert tensor (written per expert)
+    is refused: its experts' w1/w3 pairs would each need their own shared scale."""
+    if not quant.global_scale:
+        return {}
+    amax: dict[str, torch.Tensor] = {}
+    for d in (d for d in decisions if d.quantize):
+        if len(outputs[d.name]) > 1:
+            raise ValueError(f"{quant.name} export of fused expert tensors ({d.name}) is not supported; "
+                             "exclude the experts (--exclude '*.experts.*') or export them as mxfp8")
+        m = max((rows.abs().amax().float() for rows in reader.iter_rows(d.name, CHUNK_NUMEL)),
+                default=torch.tensor(0.0))
+        key = global_scale_group(outputs[d.name][0][0])
+        amax[key] = torch.maximum(amax.get(key, m), m)
+    pair = (quant.global_divisor_of if fmt == "compressed-tensors"
+            else lambda a: (quant.global_scale_of(a),) * 2)
+    return {outs[0][0]: pair(amax[global_scale_group(outs[0][0])])
+            for d in decisions if d.quantize for outs in [outputs[d.name]]}
+
+
+def _write_configs(tmp: Path, reader, config: dict, enc: _Encoding, excl: list[str]) -> None:
     """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and,
     for modelopt, ``hf_quant_config.json``."""
+    fmt, dtype = enc.fmt, enc.dtype
     for extra in getattr(reader, "extras", ()):
         extra.save_pretrained(str(tmp))
-    config["quantization_config"] = quantization_config(fmt, excl, fp8_dtype)
+    config["quantization_config"] = quantization_config(fmt, excl, enc.fp8_dtype, enc.quant.name)
     if dtype is not None:  # transformers < 5 reads torch_dtype, >= 5 writes dtype: update what is there
         for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
             config[key] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     if fmt == "modelopt":
         (tmp / "hf_quant_config.json").write_text(
-            json.dumps(hf_quant_config(excl, fp8_dtype), indent=2) + "\n")
+            json.dumps(hf_quant_config(excl, enc.fp8_dtype, enc.quant.name), indent=2) + "\n")
 
 
 #: elements per chunk: tensors are read, quantized / cast and written in whole-row chunks of about this size
@@ -335,17 +402,29 @@ def _chunks(reader, decisions):
 
 @dataclass(frozen=True)
 class _Encoding:
-    """How tensors are written: checkpoint format, FP8 element type, the cast of kept floating tensors."""
+    """How tensors are written: checkpoint format, weight format, FP8 element type, the cast of kept floating
+    tensors, and each quantized output's global scale (NVFP4, :func:`global_scales`)."""
 
     fmt: str
     fp8_dtype: torch.dtype
     dtype: torch.dtype | None
     nonzero_scales: bool = False
+    quant: Quant = MXFP8
+    globals: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name: (g, stored)
 
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
         if self.dtype is not None and rows.dtype in FLOAT_DTYPES and rows.dtype != self.dtype:
             return rows.to(self.dtype)
         return rows
+
+    def global_shape(self) -> tuple[int, ...]:
+        """ModelOpt writes ``weight_scale_2`` as a 0-d tensor, compressed-tensors ``weight_global_scale`` as
+        one element."""
+        return () if self.fmt == "modelopt" else (1,)
+
+    def global_tensor(self, name: str) -> torch.Tensor:
+        """The stored global scale of output ``name`` (:func:`global_scales`), in the format's shape."""
+        return self.globals[name][1].to(torch.float32).reshape(self.global_shape())
 
 
 class _Router:
@@ -375,17 +454,25 @@ class _Router:
         self.row += n
 
     def _part(self, name: str, rows: torch.Tensor) -> None:
+        enc = self.enc
         if not self.d.quantize:
-            self.submit(name, self.enc.kept(rows))
+            self.submit(name, enc.kept(rows))
             return
-        c = quantize(rows, self.enc.fp8_dtype, nonzero_scales=self.enc.nonzero_scales)
-        self.submit(name, c.data)
-        self.scales.append(c.scale_inv)
+        q = enc.quant.quantize(rows, fp8_dtype=enc.fp8_dtype, nonzero_scales=enc.nonzero_scales,
+                               global_scale=enc.globals[name][0] if name in enc.globals else None)
+        self.submit(quant_names(name, enc.fmt, enc.quant.name)[0], q.values)
+        self.scales.append(q.scale)
 
     def _finish(self, name: str) -> None:
+        if not self.d.quantize:
+            return
+        enc = self.enc
+        _, scale, glob = quant_names(name, enc.fmt, enc.quant.name)
         for sc in self.scales:
-            self.submit(scale_name(name, self.enc.fmt), sc)
+            self.submit(scale, sc)
         self.scales = []
+        if glob:
+            self.submit(glob, enc.global_tensor(name))
 
 
 def _stream(reader, decisions, outputs, writer: ShardedSafetensorsWriter, enc: _Encoding, progress) -> int:

@@ -1,4 +1,5 @@
-"""Inspect an MXFP8 checkpoint (ours or another producer's): roles, pairs, scale exponents, value statistics,
+"""Inspect an MXFP8 checkpoint, or a 4-bit one (:mod:`~mxport.checkpoint.fp4_pairs`), ours or another
+producer's: roles, pairs, scale exponents, value statistics,
 totals, and the problems an engine would trip on.
 
 Roles: ``values`` (an FP8 tensor), ``scales`` (``<values>_scale`` / ``<values>_scale_inv``, or any
@@ -31,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..components import MXFP8Components
-from ..formats import BLOCK_SIZE
+from ..formats import BLOCK_SIZE, e8m0_to_float
+from .fp4_pairs import fp4_data_problems, fp4_weights, read_fp4
+from .naming import detect_fp4
 from .readers import SafetensorsDir, analyse_pairs, data_problems, describe_quantization, dtype_str
 
 #: what each consumer does with an MXFP8 weight whose K is not a multiple of 32 (docs/format.md, "Who
@@ -99,6 +102,10 @@ class InspectReport:
         problems / warnings: one-line strings; any problem makes ``mxport inspect`` exit 1.
         consumers: {"vllm", "sglang", "te"} -> the problems that consumer has with the checkpoint's shapes
             (:func:`consumer_problems`; each is in ``problems`` too).
+        quant: the weights' format, "mxfp8" (FP8 pairs found), "mxfp4" / "nvfp4" (the config declares 4-bit
+            weights: pairs are then per weight {values, scale, global_scale_tensor, shape (logical), element
+            "e2m1", quant, scale_shape, scale_dtype, ok, scale_exp_min/max, global_scale, and the decoded
+            figures}), or None.
     """
 
     path: str
@@ -110,6 +117,7 @@ class InspectReport:
     problems: tuple[str, ...]
     warnings: tuple[str, ...]
     consumers: dict = field(default_factory=dict)
+    quant: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -119,7 +127,7 @@ class InspectReport:
         return {"path": self.path, "format": self.format, "format_source": self.format_source,
                 "tensors": [dict(t) for t in self.tensors], "pairs": [dict(p) for p in self.pairs],
                 "totals": dict(self.totals), "problems": list(self.problems), "warnings": list(self.warnings),
-                "consumers": {k: list(v) for k, v in self.consumers.items()}}
+                "consumers": {k: list(v) for k, v in self.consumers.items()}, "quant": self.quant}
 
     def __getitem__(self, key: str):
         return self.to_dict()[key]
@@ -157,13 +165,14 @@ def _decode_pairs(d: SafetensorsDir, a, fmt, stats: bool, problems: list, warnin
     return pairs
 
 
-def _totals(d: SafetensorsDir, roles: dict[str, str]) -> dict:
+def _totals(d: SafetensorsDir, roles: dict[str, str], per_value_byte: int = 1) -> dict:
+    """Bytes by role and against BF16 (``per_value_byte``: elements a values byte, 2 for packed E2M1)."""
     by_role = {"values": 0, "scales": 0, "kept": 0}
     bf16 = 0
     for n, shape, _ in d.entries():
         by_role[roles[n]] += d.nbytes(n)
         if roles[n] != "scales":
-            bf16 += 2 * math.prod(shape)
+            bf16 += 2 * math.prod(shape) * (per_value_byte if roles[n] == "values" else 1)
     total = sum(by_role.values())
     return {"tensors": len(roles), "bytes": total, "values_bytes": by_role["values"],
             "scales_bytes": by_role["scales"], "kept_bytes": by_role["kept"], "bf16_bytes": bf16,
@@ -181,6 +190,9 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
     """
     with SafetensorsDir(path) as d:
         q = describe_quantization(d)
+        fp4 = detect_fp4(q.config)
+        if fp4 is not None:
+            return _inspect_fp4(d, path, *fp4, stats=stats, on_progress=on_progress)
         a = analyse_pairs(d.entries(), q.format, q.declared)
         problems, warnings = list(a.problems), list(a.warnings)
         pairs = _decode_pairs(d, a, q.format, stats, problems, warnings, on_progress)
@@ -196,7 +208,51 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
     tensors = tuple({"name": n, "shape": list(s), "dtype": dtype_str(t), "role": a.roles[n],
                      "pair": a.pair_of.get(n) or values_of.get(n)} for n, s, t in d.entries())
     return InspectReport(str(path), q.format, q.source, tensors, tuple(pairs), _totals(d, a.roles),
-                         tuple(problems), tuple(warnings), consumers)
+                         tuple(problems), tuple(warnings), consumers, "mxfp8" if a.pair_of else None)
+
+
+def _fp4_stats(c, stats: bool) -> dict:
+    """A 4-bit weight's figures: block-scale exponents (floor log2 of the nonzero decoded block scales), and
+    with ``stats`` the decoded |max|, mean |x| and the fraction of all-zero blocks."""
+    scale = (e8m0_to_float(c.scale) if c.format.scale_codec == "e8m0"
+             else c.scale.to(torch.float32) * c.global_scale)
+    nz = scale[scale > 0]
+    out = {"scale_exp_min": int(torch.floor(torch.log2(nz.min()))) if nz.numel() else 0,
+           "scale_exp_max": int(torch.floor(torch.log2(nz.max()))) if nz.numel() else 0,
+           "global_scale": float(c.global_scale) if c.global_scale is not None else None}
+    if stats:
+        x = c.dequantize()
+        blocks = (c.data == 0).reshape(*c.data.shape[:-1], -1, c.format.block // 2).all(-1)
+        out.update(absmax=float(x.abs().max()) if x.numel() else 0.0,
+                   mean_abs=float(x.abs().mean()) if x.numel() else 0.0,
+                   zero_block_fraction=float(blocks.float().mean()) if blocks.numel() else 0.0)
+    return out
+
+
+def _inspect_fp4(d: SafetensorsDir, path, fmt: str, quant: str, *, stats: bool, on_progress) -> InspectReport:
+    """:func:`inspect` of a 4-bit checkpoint (:mod:`mxport.checkpoint.fp4_pairs`)."""
+    entries = d.entries()
+    weights, roles, problems = fp4_weights(entries, fmt, quant)
+    pairs = []
+    for i, w in enumerate(weights):
+        if on_progress is not None:
+            on_progress(i, len(weights))
+        c = read_fp4(d.get, w, fmt, quant)
+        bad = fp4_data_problems(c, w)
+        problems += bad
+        pairs.append({"values": w.values, "scale": w.scale, "global_scale_tensor": w.global_scale,
+                      "shape": list(w.shape), "element": "e2m1", "quant": quant,
+                      "scale_shape": list(c.scale.shape), "scale_dtype": dtype_str(c.scale.dtype),
+                      "ok": not bad, **_fp4_stats(c, stats and not bad)})
+    if on_progress is not None:
+        on_progress(len(weights), len(weights))
+    if not weights and not problems:
+        problems.append(f"config declares {quant.upper()} ({fmt}) but no 4-bit weight is in the files")
+    pair_of = {t: w.name for w in weights for t in (w.values, w.scale, w.global_scale) if t}
+    tensors = tuple({"name": n, "shape": list(s), "dtype": dtype_str(t), "role": roles[n],
+                     "pair": pair_of.get(n)} for n, s, t in entries)
+    return InspectReport(str(path), fmt, "config", tensors, tuple(pairs), _totals(d, roles, 2),
+                         tuple(problems), (), {key: [] for key in K_RULES}, quant)
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, stats: bool = True,

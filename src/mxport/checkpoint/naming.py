@@ -90,6 +90,32 @@ def scale_name(weight_name: str, fmt: str) -> str:
     return weight_name + SCALE_SUFFIX[fmt]
 
 
+def quant_names(weight_name: str, fmt: str, quant: str = "mxfp8") -> tuple[str, str, str | None]:
+    """The names ``(values, scale, global scale or None)`` of a weight quantized as ``quant`` in checkpoint
+    format ``fmt`` (docs/format.md, "4-bit checkpoints"): MXFP8 as :func:`scale_name` says; 4-bit ModelOpt
+    ``weight`` / ``weight_scale`` / ``weight_scale_2`` (NVFP4); compressed-tensors ``weight_packed`` /
+    ``weight_scale`` / ``weight_global_scale`` (NVFP4). ValueError for a format that has no 4-bit form."""
+    if quant == "mxfp8":
+        return weight_name, scale_name(weight_name, fmt), None
+    check_quant_format(fmt, quant)
+    nv = quant == "nvfp4"
+    if fmt == "modelopt":
+        return weight_name, weight_name + "_scale", weight_name + "_scale_2" if nv else None
+    return weight_name + "_packed", weight_name + "_scale", weight_name + "_global_scale" if nv else None
+
+
+#: the checkpoint formats that hold each 4-bit format, and why the others do not
+_FP4_FORMATS = {"modelopt": ("nvfp4", "mxfp4"), "compressed-tensors": ("nvfp4", "mxfp4"), "sglang": ()}
+
+
+def check_quant_format(fmt: str, quant: str) -> None:
+    """ValueError when checkpoint format ``fmt`` cannot hold weights quantized as ``quant``."""
+    check_format(fmt)
+    if quant != "mxfp8" and quant not in _FP4_FORMATS[fmt]:
+        raise ValueError(f"format {fmt!r} holds MXFP8 only (SGLang's mxfp8 quant_method); write {quant} as "
+                         "--format modelopt or compressed-tensors")
+
+
 def values_name(scale_tensor_name: str, fmt: str) -> str | None:
     """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a
     scale name of ``fmt``."""
@@ -118,7 +144,8 @@ def _element(fp8_dtype: torch.dtype) -> str:
     return "e5m2" if fp8_dtype == torch.float8_e5m2 else "e4m3"
 
 
-def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                        quant: str = "mxfp8") -> dict:
     """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (see docs/format.md,
     "What each consumer expects").
 
@@ -127,12 +154,15 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
         exclude_modules: module names left unquantized (see :func:`mxport.policy.exclude_modules`); written as
             ``ignore`` (modelopt, compressed-tensors) / ``ignored_layers`` (sglang).
         fp8_dtype: torch.float8_e4m3fn (every format: see :data:`ALLOWED_FP8`).
+        quant: the weights' format, "mxfp8", "mxfp4" or "nvfp4" (:func:`fp4_quantization_config`).
 
     Raises:
         ValueError: unknown format, or an FP8 dtype the format cannot declare.
     """
     check_fp8_dtype(fmt, fp8_dtype)
     excl = [str(m) for m in exclude_modules]
+    if quant != "mxfp8":
+        return fp4_quantization_config(fmt, excl, quant)
     if fmt == "modelopt":
         # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore
         # (fnmatch patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
@@ -152,12 +182,76 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
             "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "ignored_layers": excl}
 
 
-def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
-    """ModelOpt's ``hf_quant_config.json`` (vLLM requires ``kv_cache_quant_algo`` and ``exclude_modules``)."""
+def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                    quant: str = "mxfp8") -> dict:
+    """ModelOpt's ``hf_quant_config.json`` (vLLM requires ``group_size``, ``kv_cache_quant_algo`` and
+    ``exclude_modules``)."""
     check_fp8_dtype("modelopt", fp8_dtype)
+    algo, group = MODELOPT_ALGO[quant]
+    sizes = {"group_size": group} if group else {}  # ModelOpt 0.47 writes none for MXFP4
     return {"producer": {"name": PRODUCER},
-            "quantization": {"quant_algo": "MXFP8", "group_size": 32, "kv_cache_quant_algo": None,
+            "quantization": {"quant_algo": algo, **sizes, "kv_cache_quant_algo": None,
                              "exclude_modules": [str(m) for m in exclude_modules]}}
+
+
+#: ModelOpt's ``quant_algo`` and ``group_size`` per weight format, as ModelOpt 0.47's export writes them (run
+#: here: ``mtq.W4A16_NVFP4_CFG`` / ``MXFP4_DEFAULT_CFG`` then ``export_hf_checkpoint``). The 4-bit exports are
+#: weight-only (no activation calibration): ``W4A16_NVFP4``; ``mxfp4`` lower-case and without a group size.
+MODELOPT_ALGO = {"mxfp8": ("MXFP8", 32), "nvfp4": ("W4A16_NVFP4", 16), "mxfp4": ("mxfp4", None)}
+
+#: compressed-tensors' weight arguments and checkpoint format per 4-bit weight format (weight-only: no
+#: ``input_activations``, llmcompressor's ``NVFP4A16`` / ``MXFP4A16`` schemes)
+CT_FP4 = {
+    "nvfp4": ({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+               "group_size": 16, "dynamic": False, "scale_dtype": "float8_e4m3fn"}, "nvfp4-pack-quantized"),
+    "mxfp4": ({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+               "dynamic": False, "scale_dtype": "uint8"}, "mxfp4-pack-quantized"),
+}
+
+
+def fp4_quantization_config(fmt: str, excl: list[str], quant: str) -> dict:
+    """``quantization_config`` of a 4-bit export, weight-only: ModelOpt's flat form (``quant_algo``
+    :data:`MODELOPT_ALGO`) or compressed-tensors' (:data:`CT_FP4`)."""
+    check_quant_format(fmt, quant)
+    if fmt == "modelopt":
+        algo, group = MODELOPT_ALGO[quant]
+        if not group:
+            return {"quant_method": "modelopt", "quant_algo": algo, "producer": {"name": PRODUCER},
+                    "ignore": excl}
+        weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group}
+        return {"quant_method": "modelopt", "quant_algo": algo, "producer": {"name": PRODUCER},
+                "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
+                "group_size": group, "kv_cache_scheme": None, "ignore": excl}
+    args, ct_format = CT_FP4[quant]
+    return {"quant_method": "compressed-tensors", "format": ct_format, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(args, observer=None),
+                                          "input_activations": None, "output_activations": None,
+                                          "format": ct_format}},
+            "ignore": excl, "kv_cache_scheme": None}
+
+
+def detect_fp4(quant_config: dict | None) -> tuple[str, str] | None:
+    """``(format, quant)`` when a quantization config describes 4-bit weights: ModelOpt ``quant_algo``
+    NVFP4 / W4A16_NVFP4 / MXFP4 (flat or under ``quantization``), compressed-tensors ``nvfp4-pack-quantized``
+    / ``mxfp4-pack-quantized``; None otherwise."""
+    if not isinstance(quant_config, dict):
+        return None
+    q = quant_config.get("quantization")
+    algo = str(quant_config.get("quant_algo") or (q.get("quant_algo") if isinstance(q, dict) else "") or "")
+    algo = algo.upper()
+    if str(quant_config.get("quant_method", "")).lower() == "modelopt" or isinstance(q, dict):
+        if "NVFP4" in algo:
+            return "modelopt", "nvfp4"
+        return ("modelopt", "mxfp4") if algo == "MXFP4" else None
+    if str(quant_config.get("quant_method", "")).lower() == "compressed-tensors":
+        groups = quant_config.get("config_groups")
+        fmts = [str(quant_config.get("format", ""))] + [
+            str(g.get("format", "")) for g in (groups.values() if isinstance(groups, dict) else ())
+            if isinstance(g, dict)]
+        for quant in ("nvfp4", "mxfp4"):
+            if any(f == f"{quant}-pack-quantized" for f in fmts):
+                return "compressed-tensors", quant
+    return None
 
 
 def detect_format(quant_config: dict | None) -> str | None:

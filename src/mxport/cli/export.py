@@ -17,10 +17,10 @@ from ..checkpoint.export import (
     plan,
     prepare_out,
 )
-from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype
+from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype, check_quant_format
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
-from ._choices import EXPORT_FP8, Dtype, Format, Fp8Dtype, export_fp8
+from ._choices import EXPORT_FP8, Dtype, Format, Fp8Dtype, Quant, export_fp8
 from ._common import ExcludeOpt, ModelSourceArg, console, emit_json, json_option, json_to_stdout, user_errors
 from .app import app
 
@@ -33,6 +33,11 @@ def export_cmd(
     out: str = typer.Option(None, "-o", "--out", metavar="OUT",
                             help="Output directory (required unless --dry-run)."),
     fmt: Format = typer.Option(DEFAULT_FORMAT, "--format", help="Checkpoint format."),
+    quant: Quant = typer.Option("mxfp8", "--quant",
+                                help="Weight format: mxfp8 (FP8 + E8M0 per 32), mxfp4 (E2M1 + E8M0 per 32) "
+                                     "or nvfp4 (E2M1 + E4M3 per 16 + a float32 global scale; q/k/v and "
+                                     "gate/up share it). 4-bit: --format modelopt or compressed-tensors, "
+                                     "weight-only."),
     fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", metavar="<" + "|".join(EXPORT_FP8) + ">",
                                        callback=export_fp8,
                                        help="FP8 element type. Every format's consumers read E4M3 values "
@@ -62,8 +67,8 @@ def export_cmd(
                                  help="Print each tensor's decision and why; write nothing."),
     json_out: _ExportJson = None,
 ):
-    """Export a model as an MXFP8 checkpoint that vLLM (modelopt, compressed-tensors) or SGLang (sglang)
-    loads.
+    """Export a model as an MXFP8 (or --quant mxfp4 / nvfp4) checkpoint that vLLM (modelopt,
+    compressed-tensors) or SGLang (sglang, MXFP8 only) loads.
 
     Linear-layer weights and fused expert weights become FP8 values + uint8 E8M0 scales (compact, one per 32
     values along K); embeddings, lm_head, norms, biases and MoE routers stay as they are. Patterns are
@@ -75,9 +80,10 @@ def export_cmd(
     """
     json_to_stdout(json_out)
     with user_errors():
-        fmt = Format(fmt).value
+        fmt, quant = Format(fmt).value, Quant(quant).value
         fp8 = FP8_DTYPES[Fp8Dtype(fp8_dtype).value]
         check_fp8_dtype(fmt, fp8)
+        check_quant_format(fmt, quant)
         cast = DTYPES[Dtype(dtype).value] if dtype is not None else None
         parse_size(max_shard_size)
         policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()),
@@ -86,14 +92,14 @@ def export_cmd(
             raise ValueError("-o/--out OUT is required (or use --dry-run)")
         if dry_run:
             reader = open_source(source)
-            decisions = align_decisions(plan(reader, policy), keep_unaligned)
+            decisions = align_decisions(plan(reader, policy), keep_unaligned, quant)
             reader.close()
-            _print_plan(decisions, reader.label)
+            _print_plan(decisions, reader.label, quant)
             if json_out:
-                emit_json({"source": reader.label, "format": fmt, "policy": policy.to_dict(),
+                emit_json({"source": reader.label, "format": fmt, "quant": quant, "policy": policy.to_dict(),
                            "decisions": [d.to_dict() for d in decisions]}, json_out)
             return
-        options = {"keep_unaligned": keep_unaligned, "nonzero_scales": nonzero_scales}
+        options = {"keep_unaligned": keep_unaligned, "nonzero_scales": nonzero_scales, "quant": quant}
         result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, options)
     _print_result(result, fmt)
     if json_out:
@@ -102,13 +108,14 @@ def export_cmd(
 
 def _print_result(result, fmt: str) -> None:
     n_q = sum(d.quantize for d in result.decisions)
-    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors MXFP8, "
+    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors {result.quant.upper()}, "
                   f"{len(result.decisions) - n_q} kept, "
                   f"{result.input_bytes / 1e6:.1f} MB in -> {result.output_bytes / 1e6:.1f} MB out, "
                   f"{len(result.files)} files", highlight=False)
     if not n_q:  # what inspect then reports as a problem: an MXFP8 config over no MXFP8 tensor
-        console.print("[yellow]warning:[/] no tensor is MXFP8 (--include / --exclude / --keep-first left "
-                      "none), yet the config declares MXFP8 quantization; check the patterns with --dry-run",
+        q = result.quant.upper()
+        console.print(f"[yellow]warning:[/] no tensor is {q} (--include / --exclude / --keep-first left "
+                      f"none), yet the config declares {q} quantization; check the patterns with --dry-run",
                       highlight=False)
     reasons = {d.name: d.reason for d in result.decisions}
     for name in result.kept_unaligned:
@@ -145,13 +152,13 @@ def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, 
                                  **options)
 
 
-def _print_plan(decisions, label: str) -> None:
+def _print_plan(decisions, label: str, quant: str = "mxfp8") -> None:
     table = Table(title=f"export plan for {label}")
     for col in ("tensor", "shape", "dtype", "decision", "why"):
         table.add_column(col, overflow="fold", min_width=30 if col == "tensor" else None)
     for d in decisions:
         table.add_row(d.name, "x".join(map(str, d.shape)) or "scalar", str(d.dtype).removeprefix("torch."),
-                      "[green]MXFP8[/]" if d.quantize else "keep", d.reason)
+                      f"[green]{quant.upper()}[/]" if d.quantize else "keep", d.reason)
     console.print(table)
     n_q = sum(d.quantize for d in decisions)
-    console.print(f"{n_q} tensors MXFP8, {len(decisions) - n_q} kept", highlight=False)
+    console.print(f"{n_q} tensors {quant.upper()}, {len(decisions) - n_q} kept", highlight=False)

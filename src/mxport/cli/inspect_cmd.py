@@ -63,14 +63,15 @@ def _pair_row(x: dict) -> tuple[str, ...]:
 
 def _print(r: dict) -> None:
     fmt = r["format"] or "not MXFP8 (no values/scale pairs)"
-    console.print(f"[bold]{r['path']}[/]: format {fmt}"
+    quant = f", {r['quant'].upper()} weights" if r.get("quant") else ""
+    console.print(f"[bold]{r['path']}[/]: format {fmt}{quant}"
                   + (f" (from {r['format_source']})" if r["format"] else ""), highlight=False)
     t = _table("tensors", "name", ("shape", "dtype", "role"))
     for x in r["tensors"]:
         t.add_row(x["name"], str(x["shape"]), x["dtype"], x["role"])
     console.print(t)
     if r["pairs"]:
-        p = _table("MXFP8 pairs", "values", PAIR_COLUMNS)
+        p = _table(f"{(r.get('quant') or 'mxfp8').upper()} weights", "values", PAIR_COLUMNS)
         for x in r["pairs"]:
             p.add_row(*_pair_row(x))
         console.print(p)

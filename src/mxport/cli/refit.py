@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ..demo.report import StepReport
 from ..parallel import Layout, parse_engine
-from ._choices import positive
+from ._choices import Quant, positive
 from ._common import (
     EXIT_CHECK_FAILED,
     MaxNewTokensOpt,
@@ -41,6 +41,9 @@ from .app import app
 _RefitJson = json_option("{'steps': [...], 'plan': ..., 'ok': ...}")
 
 MAX_RECEIVERS = 8
+_QUANT_HELP = ("Weight format sent: mxfp8 (default), mxfp4 or nvfp4 (packed E2M1 values, their block scales "
+               "and NVFP4's global scale, shared by q/k/v and gate/up as export writes it); 4-bit on the "
+               "mxport engine from one trainer rank, whose FP4Linear layers hold the bytes.")
 _DELTA_HELP = ("Refit only what changed: the first step goes whole, each later one sends only the bytes that "
                "changed since the version the engine holds (FP8 values, E8M0 scales and BF16 elements), "
                "checked against the new version's checksums; an engine on another version gets the step "
@@ -81,6 +84,7 @@ def refit(
     max_new_tokens: MaxNewTokensOpt = 16,
     lr: float = typer.Option(1e-5, "--lr", callback=positive, help="AdamW learning rate of the trainer."),
     delta: bool = typer.Option(False, "--delta", help=_DELTA_HELP),
+    quant: Quant = typer.Option("mxfp8", "--quant", help=_QUANT_HELP),
     timeout: float = typer.Option(120.0, "--timeout", callback=positive,
                                   help="Seconds a refit may wait on a peer before failing."),
 ):
@@ -121,12 +125,13 @@ def refit(
     """
     json_to_stdout(json_out)
     with user_errors():
+        trainer_layout, (name, engine_layout) = Layout.parse(trainer), parse_engine(engine)
+        _check_quant(Quant(quant).value, name, trainer_layout, engine_layout)
         name, src, bucket_bytes = _prepare(source, engine, trainer, bucket_mb, receivers)
-        trainer_layout, engine_layout = Layout.parse(trainer), parse_engine(engine)[1]
+        run = _Run(steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta, Quant(quant).value)
     t0 = time.perf_counter()
     note = _prompt_note(src)
-    job = _make_job(name, src, trainer_layout, engine_layout, steps, bucket_bytes, receivers, max_new_tokens,
-                    lr, timeout, delta)
+    job = _make_job(name, src, trainer_layout, engine_layout, run)
     out = {**_drive(job, steps, json_out), **({"prompt_note": note} if note else {})}
     rows = out["steps"]
     out.update(ok=bool(rows) and all(StepReport.from_dict(r).ok for r in rows),
@@ -139,16 +144,37 @@ def refit(
                    "KV of the previous weights", EXIT_CHECK_FAILED)
 
 
-def _make_job(name, src, trainer_layout, engine_layout, steps, bucket_bytes, receivers, max_new_tokens, lr,
-              timeout, delta) -> _Job:
+@dataclass(frozen=True)
+class _Run:
+    """The command's options every engine's processes take."""
+
+    steps: int
+    bucket_bytes: int
+    receivers: int
+    max_new_tokens: int
+    lr: float
+    timeout: float
+    delta: bool
+    quant: str = "mxfp8"
+
+
+def _check_quant(quant: str, name: str, trainer_layout, engine_layout) -> None:
+    """--quant mxfp4 / nvfp4 runs on the one-rank mxport engine (its FP4Linear receivers)."""
+    if quant == "mxfp8":
+        return
+    if name != "mxport" or trainer_layout.ranks > 1 or engine_layout.ranks > 1:
+        raise ValueError(f"--quant {quant} refits the mxport engine from one trainer rank (--engine mxport, "
+                         "no layouts): vLLM's CPU build has no NVFP4 weight-only kernel and the sharded "
+                         "refit slices MXFP8 only (`mxport export --quant` writes checkpoints vLLM loads)")
+
+
+def _make_job(name, src, trainer_layout, engine_layout, run: _Run) -> _Job:
     """The processes of this run: a vLLM engine, a sharded world, or one trainer and R receivers."""
     if name == "vllm":
-        return _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, engine_layout.tp, receivers,
-                         trainer_layout.fsdp, delta)
+        return _vllm_job(src, run, engine_layout.tp, trainer_layout.fsdp)
     if trainer_layout.ranks > 1 or engine_layout.ranks > 1:
-        return _sharded_job(src, str(trainer_layout), str(engine_layout), steps, bucket_bytes, max_new_tokens,
-                            lr, timeout, delta)
-    return _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta)
+        return _sharded_job(src, str(trainer_layout), str(engine_layout), run)
+    return _mxport_job(src, run)
 
 
 def _prepare(source, engine: str, trainer: str, bucket_mb, receivers: int):
@@ -353,19 +379,20 @@ def _fds_to(path: str) -> Iterator[tuple]:
             os.close(fd)
 
 
-def _mxport_job(src, steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta=False) -> _Job:
+def _mxport_job(src, run: _Run) -> _Job:
     """One trainer and R mxport receiver processes (mxport.demo.single)."""
     from ..demo.single import DemoConfig, run_demo
 
     def start(log_dir: str, on_event) -> dict:
-        cfg = DemoConfig(source=_model_path(src), steps=steps, bucket_bytes=bucket_bytes, receivers=receivers,
-                         max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout, log_dir=log_dir,
-                         delta=delta)
-        return run_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
+        cfg = DemoConfig(source=_model_path(src), steps=run.steps, bucket_bytes=run.bucket_bytes,
+                         receivers=run.receivers, max_new_tokens=run.max_new_tokens, lr=run.lr,
+                         timeout_s=run.timeout, log_dir=log_dir, delta=run.delta, quant=run.quant)
+        return run_demo(cfg, on_event, timeout_s=max(600.0, run.timeout * (run.steps + 4)))
 
-    return _Job(f"starting 1 trainer + {receivers} engine process{'es' if receivers > 1 else ''}", "", start,
-                {"engine": "mxport", "model": src.label, "receivers": receivers,
-                 "bucket_bytes": bucket_bytes, "delta": delta})
+    n = run.receivers
+    return _Job(f"starting 1 trainer + {n} engine process{'es' if n > 1 else ''}", "", start,
+                {"engine": "mxport", "model": src.label, "receivers": n,
+                 "bucket_bytes": run.bucket_bytes, "delta": run.delta, "quant": run.quant})
 
 
 def _model_path(src) -> str:
@@ -373,24 +400,22 @@ def _model_path(src) -> str:
     return str(src.path / src.gguf_file) if src.kind == "gguf" else str(src.path)
 
 
-def _sharded_job(src, trainer: str, engine: str, steps, bucket_bytes, max_new_tokens, lr, timeout,
-                 delta=False) -> _Job:
+def _sharded_job(src, trainer: str, engine: str, run: _Run) -> _Job:
     """Trainer ranks and engine ranks on loopback gloo, shard to shard (mxport.demo.mesh)."""
     from ..demo.mesh import MeshConfig, run_mesh_demo
 
     def start(log_dir: str, on_event) -> dict:
-        cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=steps,
-                         bucket_bytes=bucket_bytes, max_new_tokens=max_new_tokens, lr=lr, timeout_s=timeout,
-                         log_dir=log_dir, delta=delta)
-        return run_mesh_demo(cfg, on_event, timeout_s=max(600.0, timeout * (steps + 4)))
+        cfg = MeshConfig(source=_model_path(src), trainer=trainer, engine=engine, steps=run.steps,
+                         bucket_bytes=run.bucket_bytes, max_new_tokens=run.max_new_tokens, lr=run.lr,
+                         timeout_s=run.timeout, log_dir=log_dir, delta=run.delta)
+        return run_mesh_demo(cfg, on_event, timeout_s=max(600.0, run.timeout * (run.steps + 4)))
 
     return _Job(f"starting trainer {trainer} + engine {engine}", "", start,
                 {"engine": "mxport", "model": src.label, "trainer": trainer, "engine_layout": engine,
-                 "bucket_bytes": bucket_bytes, "delta": delta})
+                 "bucket_bytes": run.bucket_bytes, "delta": run.delta, "quant": run.quant})
 
 
-def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, replicas: int = 1,
-              trainers: int = 1, delta: bool = False) -> _Job:
+def _vllm_job(src, run: _Run, tp: int = 1, trainers: int = 1) -> _Job:
     """A real vLLM engine refitted through the "mxport" weight-transfer backend (mxport.demo.vllm)."""
     from ..demo.vllm import run_vllm_refit_demo
 
@@ -400,14 +425,15 @@ def _vllm_job(src, steps, bucket_bytes, max_new_tokens, timeout, tp: int = 1, re
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     def start(log_dir: str, on_event) -> dict:
-        return run_vllm_refit_demo(str(src.path), steps=steps, bucket_bytes=bucket_bytes,
-                                   max_new_tokens=max_new_tokens, timeout_s=timeout, on_event=on_event,
-                                   tp=tp, replicas=replicas, trainers=trainers, delta=delta)
+        return run_vllm_refit_demo(str(src.path), steps=run.steps, bucket_bytes=run.bucket_bytes,
+                                   max_new_tokens=run.max_new_tokens, timeout_s=run.timeout,
+                                   on_event=on_event, tp=tp, replicas=run.receivers, trainers=trainers,
+                                   delta=run.delta)
 
     return _Job("vLLM: export, start (~1 min)", "vLLM refit failed: ", start,
-                {"engine": "vllm", "model": src.label, "bucket_bytes": bucket_bytes,
-                 "engine_layout": f"tp={tp}", "replicas": replicas, "trainer": f"fsdp={trainers}",
-                 "delta": delta},
+                {"engine": "vllm", "model": src.label, "bucket_bytes": run.bucket_bytes,
+                 "engine_layout": f"tp={tp}", "replicas": run.receivers, "trainer": f"fsdp={trainers}",
+                 "delta": run.delta, "quant": run.quant},
                 engine_in_process=True)
 
 
@@ -445,6 +471,11 @@ def _print_result(out: dict) -> None:
                       highlight=False)
     if out.get("delta") and rows:
         _print_delta(rows)
+    plan = out.get("plan") or {}
+    if out.get("quant", "mxfp8") != "mxfp8" and "mxfp8_bytes" in plan:
+        console.print(f"{out['quant']}: {plan['bytes'] / 1e6:.1f} MB per refit, MXFP8 of the same model "
+                      f"{plan['mxfp8_bytes'] / 1e6:.1f} MB ({plan['bytes'] / plan['mxfp8_bytes']:.2f}x)",
+                      highlight=False)
 
 
 def _print_delta(rows: list[dict]) -> None:

@@ -41,6 +41,7 @@ class DemoConfig:
     max_new_tokens: int = 16
     lr: float = 1e-5
     delta: bool = False  # refit only what changed since the engines' version
+    quant: str = "mxfp8"  # the weights' format on the wire and in the engines (mxport.quants)
     timeout_s: float = 120.0
     seq_len: int = 64
     log_dir: str | None = None  # per-process stdout/stderr logs (rank<i>.log); None = inherit the terminal
@@ -76,12 +77,13 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
     model, tok = load_causal_lm(cfg.source, dtype=torch.float32, require_tokenizer=False)
     words = Words.of(model, tok)
     source = TrainerSource(model, arena=True,  # quantize into the send buffer
-                           kernel=trainer_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE)
+                           kernel=trainer_kernel(cfg.steps), kept_dtype=ENGINE_DTYPE, quant=cfg.quant)
     sender = RefitSender(transport, source.plan, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     sender.handshake()
     layout = sender.layout
-    q.put(("plan", 0, {**source.plan.summary(), "buckets": layout.num_buckets,
-                       "bucket_bytes": layout.bucket_bytes}))
+    mxfp8 = source.plan if cfg.quant == "mxfp8" else TrainerSource(model, kept_dtype=ENGINE_DTYPE).plan
+    q.put(("plan", 0, {**source.plan.summary(), "buckets": layout.num_buckets, "quant": cfg.quant,
+                       "bucket_bytes": layout.bucket_bytes, "mxfp8_bytes": mxfp8.total_bytes}))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     batch = words.batch(cfg.seq_len)
     shape = _ReplyShape(int(words.prompt().shape[1]), cfg.max_new_tokens, _vocab(model))
@@ -238,7 +240,12 @@ def _inference(cfg: DemoConfig, transport, q, rank: int) -> None:
     # kept tensors in BF16, as engines run
     model, tok = load_causal_lm(cfg.source, dtype=ENGINE_DTYPE, require_tokenizer=False)
     words = Words.of(model, tok)
-    quantize_model(model)
+    if cfg.quant == "mxfp8":
+        quantize_model(model)
+    else:  # FP4Linear layers holding the 4-bit bytes
+        from ..fp4_linear import quantize_model_fp4
+
+        quantize_model_fp4(model, cfg.quant)
     plan, targets = receiver_plan(model, arena=True)  # weights in one arena: direct receive
     receiver = RefitReceiver(transport, plan, targets, bucket_bytes=cfg.bucket_bytes, delta=cfg.delta)
     ptrs0 = [t.data_ptr() for t in targets]

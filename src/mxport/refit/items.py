@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..checkpoint.naming import scale_name
+from ..checkpoint.naming import quant_names, scale_name
 from ..sources.discover import native_attributes
 from .plan import Item
 
@@ -43,10 +43,15 @@ def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_items(name: str, dtype: torch.dtype, shape: Sequence[int], *,
-                 scales: tuple[torch.dtype, Sequence[int]] | None = None) -> list[Item]:
-    """The plan items of one model tensor: with ``scales`` (their dtype and shape), MXFP8 values then their
-    E8M0 scales; without, one kept tensor."""
+                 scales: tuple[torch.dtype, Sequence[int]] | None = None,
+                 global_scale: bool = False) -> list[Item]:
+    """The plan items of one model tensor: with ``scales`` (their dtype and shape), the values (MXFP8, or
+    packed 4-bit uint8) then their block scales and, with ``global_scale`` (NVFP4), the one-element float32
+    global scale ``<name>_scale_2`` (also a "scales" item); without, one kept tensor."""
     if scales is None:
         return [(name, "kept", dtype, tuple(shape))]
-    return [(name, "values", dtype, tuple(shape)),
-            (scale_name(name, PLAN_NAMING), "scales", scales[0], tuple(scales[1]))]
+    items = [(name, "values", dtype, tuple(shape)),
+             (scale_name(name, PLAN_NAMING), "scales", scales[0], tuple(scales[1]))]
+    if global_scale:
+        items.append((quant_names(name, PLAN_NAMING, "nvfp4")[2], "scales", torch.float32, (1,)))
+    return items

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ...checkpoint.naming import FORMATS, scale_name
+from ...checkpoint.naming import FORMATS, quant_names, scale_name
 from ...formats import is_fp8_dtype
 from ..arena import adopt, adoptable, allocate_targets, storage_users
 from ..items import PLAN_NAMING, model_tensors, tensor_items
@@ -19,11 +19,13 @@ __all__ = ["checkpoint_tensors", "model_tensors", "receiver_plan"]
 
 def receiver_plan(model: nn.Module, *, arena: bool = False) -> tuple[RefitPlan, list[torch.Tensor]]:
     """The inference side: the plan derived from the live model, and its live tensors (the targets): FP8
-    tensors "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales", the
-    rest "kept". The targets are ``detach()`` aliases (same storage and version counter, so derived caches
-    follow a refit). ``arena=True`` first moves them into one buffer laid out as the byte stream (same
-    objects, new stable addresses: before CUDA graph capture), for direct mode; ValueError, nothing moved, for
-    a tensor that cannot move (a view, shared, a subclass, another device)."""
+    tensors "values", the uint8 tensor named ``scale_name(values)`` in the same module their "scales"; a uint8
+    tensor with such a scale (of its rank) is packed 4-bit "values" (:class:`mxport.fp4_linear.FP4Linear`),
+    its ``<name>_scale_2`` a "scales" item too (NVFP4's global scale); the rest "kept". The targets are
+    ``detach()`` aliases (same storage and version counter, so derived caches follow a refit).
+    ``arena=True`` first moves them into one buffer laid out as the byte stream (same objects, new stable
+    addresses: before CUDA graph capture), for direct mode; ValueError, nothing moved, for a tensor that
+    cannot move (a view, shared, a subclass, another device)."""
     tensors = model_tensors(model)
     names = {n for n, _ in tensors}
     by_name = dict(tensors)
@@ -32,11 +34,14 @@ def receiver_plan(model: nn.Module, *, arena: bool = False) -> tuple[RefitPlan, 
         if name in done:
             continue
         sname = scale_name(name, PLAN_NAMING)
-        if is_fp8_dtype(t.dtype) and sname in names:
+        packed = t.dtype == torch.uint8 and sname in names and by_name[sname].dim() == t.dim()
+        if (is_fp8_dtype(t.dtype) or packed) and sname in names:  # MXFP8, or 4-bit values packed in uint8
             s = by_name[sname]
-            items += tensor_items(name, t.dtype, t.shape, scales=(s.dtype, s.shape))
-            live += [t, s]
-            done.add(sname)
+            gname = quant_names(name, PLAN_NAMING, "nvfp4")[2]
+            glob = packed and gname in names
+            items += tensor_items(name, t.dtype, t.shape, scales=(s.dtype, s.shape), global_scale=glob)
+            live += [t, s, by_name[gname]] if glob else [t, s]
+            done.update((sname, gname) if glob else (sname,))
         else:
             items.append((name, "values" if is_fp8_dtype(t.dtype) else "kept", t.dtype, tuple(t.shape)))
             live.append(t)

@@ -15,6 +15,7 @@ from ...export import export_components
 from ...nn import plain_float
 from ...policy import PrecisionPolicy
 from ...quantize import quantize
+from ...quants import MXFP8, get_quant
 from ...sources.discover import is_mxfp8_producer
 from ...sources.dtensor import is_dtensor
 from ..arena import adopt, adoptable, allocate_targets, storage_users, stream_arena
@@ -52,14 +53,18 @@ class TrainerSource:
             into it, kept tensors that own their storage in the planned dtype are *adopted* (``.data`` rebound
             to their view: same objects, new addresses, so build it before capturing CUDA graphs), the rest
             copied in at each refit. Enables :meth:`stream_checksum`.
+        quant: the weights' format (:mod:`mxport.quants`): ``"mxfp8"``, or ``"mxfp4"`` / ``"nvfp4"`` (packed
+            values, block scales and NVFP4's global scale, shared where vLLM fuses as export shares it:
+            :func:`mxport.fp4_linear.shared_global_scales`; whole models of plain float weights only).
 
     Weights travel as values and rowwise E8M0 scales, rceil as :func:`mxport.quantize`; native storage as is.
     """
 
     def __init__(self, model: nn.Module, policy=None, *,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, kept_dtype: torch.dtype | None = None,
-                 arena: bool = False, kernel: str | None = None):
+                 arena: bool = False, kernel: str | None = None, quant: str = "mxfp8"):
         policy = PrecisionPolicy() if policy is None else policy
+        self.quant = get_quant(quant)
         self.model, self.fp8_dtype, self.kept_dtype = model, fp8_dtype, kept_dtype
         self.tensors_by_name = model_tensors(model)
         self.kernel = kernel
@@ -68,16 +73,20 @@ class TrainerSource:
         decisions = policy.decide_all([(n, tuple(native[n].shape), native[n].data.dtype) if n in native else
                                        (n, tuple(t.shape), t.dtype) for n, t in self.tensors_by_name])
         self.quantized = [d.name in native or d.quantize for d in decisions]
-        items = []
+        if native and self.quant is not MXFP8:
+            raise ValueError(f"native MXFP8 storage ({next(iter(native))}) travels as MXFP8, not "
+                             f"{self.quant.name}")
+        items, self._width = [], []  # _width: plan entries per model tensor
         for (name, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+            n = len(items)
             if name in native:  # native MXFP8 storage travels in its own element format
                 c = native[name]
                 items += tensor_items(name, c.fp8_dtype, c.shape, scales=(torch.uint8, c.scale_inv.shape))
             elif q:
-                items += tensor_items(name, fp8_dtype, t.shape,
-                                      scales=(torch.uint8, compact_scale_shape(t.shape, "rowwise")))
+                items += self._weight_items(name, t)
             else:
                 items += tensor_items(name, kept_wire_dtype(t, kept_dtype), t.shape)
+            self._width.append(len(items) - n)
         self.plan = RefitPlan(items)
         first, t = self.tensors_by_name[0]  # the plan has a tensor: the device of the first (its values')
         self._device = native[first].data.device if first in native else t.device
@@ -89,16 +98,28 @@ class TrainerSource:
         self._stream = stream_arena(self.plan, self._slots) if self.arena else None  # the buffer, flat
         self._summed, self._yielded = [False] * len(self.plan), 0  # by the current tensors() call
 
+    def _weight_items(self, name: str, t: torch.Tensor) -> list:
+        """The plan items of a weight quantized here: MXFP8 values and E8M0 scales, or the 4-bit record's."""
+        q = self.quant
+        if q is MXFP8:
+            return tensor_items(name, self.fp8_dtype, t.shape,
+                                scales=(torch.uint8, compact_scale_shape(t.shape, "rowwise")))
+        if not q.aligned(t.shape[-1] if t.dim() else 0) or t.dim() != 2:
+            raise ValueError(f"{name}: a {q.name} weight must be 2-D with K a multiple of {q.block}, got "
+                             f"{list(t.shape)} (keep it with the policy)")
+        return tensor_items(name, torch.uint8, q.values_shape(t.shape),
+                            scales=(q.scale_dtype, q.scale_shape(t.shape)), global_scale=q.global_scale)
+
     @torch.no_grad()
     def _arena_slots(self) -> list[torch.Tensor]:
         """Per plan entry, its view of the send buffer; adopts the kept tensors it can."""
         slots = allocate_targets(self.plan, self._device)
         users = storage_users(self.model)
         i = 0
-        for (_, t), q in zip(self.tensors_by_name, self.quantized, strict=True):
+        for (_, t), q, width in zip(self.tensors_by_name, self.quantized, self._width, strict=True):
             if not q and adoptable(t, slots[i], users):
                 adopt(t, slots[i])
-            i += 2 if q else 1
+            i += width
         return slots
 
     def stream_crc32(self) -> int:
@@ -120,8 +141,12 @@ class TrainerSource:
         if self._sums is not None:
             self._sums.reset()
         i = ready = 0  # ready: entries before it hold this call's quantized bytes in their slots already
-        for idx, ((_, t), q) in enumerate(zip(self.tensors_by_name, self.quantized, strict=True)):
-            if q:
+        fp4_globals = self._fp4_globals()
+        for idx, ((name, t), q) in enumerate(zip(self.tensors_by_name, self.quantized, strict=True)):
+            if q and self.quant is not MXFP8:
+                yield from self._fp4_parts(i, _whole(t).detach(), fp4_globals.get(name))
+                i += self._width[idx]
+            elif q:
                 if slots is not None and plain_float(t):
                     if idx >= ready:  # this weight and the plain-float weights right after it, in one batch
                         ready = self._quantize_run(idx, i)
@@ -153,6 +178,26 @@ class TrainerSource:
                     yield (x.to(want) if x.dtype != want else x).contiguous()
                 i += 1
         self._complete = True
+
+    def _fp4_globals(self) -> dict[str, torch.Tensor]:
+        """This refit's NVFP4 global scales (one pass over the quantized weights); {} for other formats."""
+        if not self.quant.global_scale:
+            return {}
+        from ...fp4_linear import shared_global_scales
+
+        return shared_global_scales({n: _whole(t) for (n, t), q in zip(self.tensors_by_name, self.quantized,
+                                                                      strict=True) if q}, self.quant)
+
+    def _fp4_parts(self, i: int, w: torch.Tensor, global_scale) -> Iterator[torch.Tensor]:
+        """Quantize one weight to the 4-bit record and yield its plan entries ``i, i + 1[, i + 2]`` (copied
+        into the send buffer and summed, with ``arena``)."""
+        q = self.quant.quantize(w, global_scale=global_scale)
+        parts = [q.values, q.scale] + ([q.global_scale.reshape(1)] if self.quant.global_scale else [])
+        for j, part in enumerate(parts, start=i):
+            if self._slots is not None:
+                part = self._copy_in(j, part)
+            self._yielded = j + 1
+            yield part.contiguous()
 
     def _copy_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Copy (and cast) ``x`` into entry ``i``'s slot, summing its bytes as they are written."""

@@ -1,0 +1,184 @@
+"""4-bit export (``quant="mxfp4" | "nvfp4"``): every packed value, block scale and global scale is
+mxport.fp4's bytes of the source weight, the global scale shared where vLLM fuses, under each checkpoint
+format's names and config; inspect reads them back; the unaligned, sglang and already-4-bit cases refused."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import mxport.checkpoint.export as export_mod
+from mxport.checkpoint.export import export_checkpoint
+from mxport.checkpoint.inspect import inspect
+from mxport.checkpoint.naming import detect_fp4, quant_names
+from mxport.checkpoint.readers import SafetensorsDir
+from mxport.cli import app
+from mxport.fp4 import quantize_fp4
+from mxport.policy import global_scale_group
+from mxport.testing import make_tiny_llama
+
+CASES = [(q, f) for q in ("nvfp4", "mxfp4") for f in ("modelopt", "compressed-tensors")]
+
+
+def load(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def expected_globals(src: dict[str, torch.Tensor], fmt: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each projection's NVFP4 ``(global scale g, stored tensor)`` from the max amax of its fusion group:
+    ModelOpt ``g = amax / (6 * 448)`` stored as is; compressed-tensors the divisor ``d = (6 * 448) / amax``
+    stored, ``g = 1 / d`` (float32 throughout)."""
+    amax: dict[str, torch.Tensor] = {}
+    for n, w in src.items():
+        if n.endswith("_proj.weight"):
+            k = global_scale_group(n)
+            amax[k] = torch.maximum(amax.get(k, torch.tensor(0.0)), w.abs().amax().float())
+    out = {}
+    for n in (n for n in src if n.endswith("_proj.weight")):
+        a = amax[global_scale_group(n)]
+        if fmt == "modelopt":
+            out[n] = (a / 2688.0, a / 2688.0)
+        else:
+            d = torch.tensor(2688.0) / a
+            out[n] = (1.0 / d, d)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("quant,fmt", CASES)
+def test_fp4_export_is_fp4_bytes_of_the_source(tmp_path, quant, fmt, dtype):
+    src_dir = make_tiny_llama(tmp_path / "src", dtype=dtype, intermediate=160)
+    src = {n: SafetensorsDir(src_dir).get(n) for n in SafetensorsDir(src_dir).names()}
+    r = export_checkpoint(src_dir, tmp_path / "out", fmt=fmt, quant=quant)
+    out = load(tmp_path / "out")
+    g_of = expected_globals(src, fmt)
+    n_quantized = 0
+    for name, w in src.items():
+        if not name.endswith("_proj.weight"):
+            assert torch.equal(out[name], w), name  # kept as it is
+            continue
+        values, scale, glob = quant_names(name, fmt, quant)
+        kwargs = {"global_scale": g_of[name][0]} if quant == "nvfp4" else {}
+        want = quantize_fp4(w, quant, **kwargs)
+        assert out[values].dtype == torch.uint8 and torch.equal(out[values], want.data), values
+        assert out[scale].dtype == want.scale.dtype
+        assert torch.equal(out[scale].view(torch.uint8), want.scale.view(torch.uint8)), scale
+        if quant == "nvfp4":
+            stored = out[glob]
+            assert stored.dtype == torch.float32 and stored.shape == (() if fmt == "modelopt" else (1,))
+            assert torch.equal(stored.reshape(()), g_of[name][1].reshape(())), glob
+            # what vLLM computes from the file at load is the g the values were quantized with
+            g = stored if fmt == "modelopt" else 1.0 / stored.max()
+            assert torch.equal(g.reshape(()), g_of[name][0].reshape(())), glob
+        else:
+            assert glob is None and not any(k.startswith(name[:-6]) and "global" in k for k in out)
+        n_quantized += 1
+    assert n_quantized == 14 and r.quant == quant and r.to_dict()["quant"] == quant
+    assert detect_fp4(json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]) == (
+        fmt, quant)
+
+
+def test_nvfp4_global_scale_is_shared_where_vllm_fuses(tmp_path):
+    src_dir = make_tiny_llama(tmp_path / "src")
+    export_checkpoint(src_dir, tmp_path / "out", quant="nvfp4")
+    out = load(tmp_path / "out")
+    attn = "model.layers.0.self_attn."
+    mlp = "model.layers.0.mlp."
+    qkv = {out[attn + p + ".weight_scale_2"].item() for p in ("q_proj", "k_proj", "v_proj")}
+    gate_up = {out[mlp + p + ".weight_scale_2"].item() for p in ("gate_proj", "up_proj")}
+    assert len(qkv) == 1 and len(gate_up) == 1
+    # o_proj and down_proj are not fused: each keeps its own
+    src = SafetensorsDir(src_dir)
+    for p in (attn + "o_proj.weight", mlp + "down_proj.weight"):
+        assert out[p + "_scale_2"].item() == (src.get(p).abs().amax().float() / 2688.0).item()
+
+
+def test_fp4_export_streams_in_row_chunks(tmp_path, monkeypatch):
+    """Chunks of a few rows (the global scale read once before) give the bytes of the whole-tensor export."""
+    src_dir = make_tiny_llama(tmp_path / "src", dtype=torch.float32)
+    export_checkpoint(src_dir, tmp_path / "whole", quant="nvfp4")
+    monkeypatch.setattr(export_mod, "CHUNK_NUMEL", 64 * 3)
+    export_checkpoint(src_dir, tmp_path / "chunks", quant="nvfp4", fmt="modelopt")
+    a, b = load(tmp_path / "whole"), load(tmp_path / "chunks")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+
+
+@pytest.mark.parametrize("quant,fmt", CASES)
+def test_inspect_reads_fp4_exports(tmp_path, quant, fmt):
+    export_checkpoint(make_tiny_llama(tmp_path / "src"), tmp_path / "out", fmt=fmt, quant=quant)
+    r = inspect(tmp_path / "out")
+    assert r.ok, r.problems
+    assert r.quant == quant and r.format == fmt and len(r.pairs) == 14
+    assert all(p["element"] == "e2m1" and p["ok"] for p in r.pairs)
+    assert {t["role"] for t in r.tensors} == {"values", "scales", "kept"}
+
+
+def _rewrite(path, name, tensor):
+    from safetensors.torch import save_file
+
+    f = path / "model.safetensors"
+    tensors = load(path)
+    tensors[name] = tensor
+    save_file(tensors, str(f))
+
+
+def test_inspect_flags_broken_fp4_tensors(tmp_path):
+    export_checkpoint(make_tiny_llama(tmp_path / "src"), tmp_path / "out", quant="nvfp4")
+    w = "model.layers.0.mlp.down_proj.weight"
+    out = load(tmp_path / "out")
+    nan = out[w + "_scale"].clone()
+    nan.view(torch.uint8)[0, 0] = 0x7F
+    _rewrite(tmp_path / "out", w + "_scale", nan)
+    _rewrite(tmp_path / "out", "model.layers.1.mlp.down_proj.weight_scale_2", torch.tensor(-1.0))
+    wrong = torch.zeros(2, 2, dtype=torch.uint8)
+    _rewrite(tmp_path / "out", "model.layers.0.mlp.up_proj.weight_scale", wrong)
+    problems = "\n".join(inspect(tmp_path / "out").problems)
+    assert f"{w}_scale: 1 NaN scale byte(s)" in problems
+    assert "model.layers.1.mlp.down_proj.weight_scale_2: global scale -1.0" in problems
+    assert "model.layers.0.mlp.up_proj.weight_scale: uint8 scales; nvfp4 stores float8_e4m3fn" in problems
+
+
+def test_fp4_refusals(tmp_path):
+    src = make_tiny_llama(tmp_path / "src", intermediate=40)  # down_proj K = 40: not whole 16s or 32s
+    with pytest.raises(ValueError, match="K not a multiple of 16 cannot be NVFP4"):
+        export_checkpoint(src, tmp_path / "a", quant="nvfp4")
+    r = export_checkpoint(src, tmp_path / "b", quant="nvfp4", keep_unaligned=True)
+    assert "model.layers.0.mlp.down_proj.weight" in r.kept_unaligned
+    ok = make_tiny_llama(tmp_path / "ok", intermediate=48)  # 48 = 3 x 16: NVFP4 yes, MXFP4 no
+    export_checkpoint(ok, tmp_path / "c", quant="nvfp4")
+    with pytest.raises(ValueError, match="K not a multiple of 32 cannot be MXFP4"):
+        export_checkpoint(ok, tmp_path / "d", quant="mxfp4")
+    with pytest.raises(ValueError, match="format 'sglang' holds MXFP8 only"):
+        export_checkpoint(ok, tmp_path / "e", quant="nvfp4", fmt="sglang")
+    with pytest.raises(ValueError, match="quant must be one of"):
+        export_checkpoint(ok, tmp_path / "f", quant="fp4")
+    with pytest.raises(ValueError, match="nonzero_scales applies to MXFP8"):
+        export_checkpoint(ok, tmp_path / "g", quant="mxfp4", nonzero_scales=True)
+    with pytest.raises(ValueError, match="already an NVFP4 checkpoint"):  # values would pass as plain uint8
+        export_checkpoint(tmp_path / "c", tmp_path / "h", quant="mxfp4")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "h").exists()
+
+
+def test_cli_export_quant(tmp_path):
+    src = make_tiny_llama(tmp_path / "src")
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "out"), "--quant", "nvfp4",
+                                   "--format", "compressed-tensors", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout[res.stdout.index("{"):res.stdout.rindex("}") + 1])
+    assert r["quant"] == "nvfp4" and r["format"] == "compressed-tensors" and r["quantized"] == 14
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized"
+    assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "tensor_group"
+    assert qc["config_groups"]["group_0"]["input_activations"] is None
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "x"), "--quant", "mxfp4",
+                                   "--format", "sglang"])
+    assert res.exit_code == 2 and "holds MXFP8 only" in res.output
+    res = CliRunner().invoke(app, ["export", str(src), "--dry-run", "--quant", "mxfp4"])
+    assert res.exit_code == 0 and "14 tensors MXFP4" in res.output
