@@ -182,3 +182,52 @@ def test_cli_export_quant(tmp_path):
     assert res.exit_code == 2 and "holds MXFP8 only" in res.output
     res = CliRunner().invoke(app, ["export", str(src), "--dry-run", "--quant", "mxfp4"])
     assert res.exit_code == 0 and "14 tensors MXFP4" in res.output
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cfg, activation", [("W4A16_NVFP4_CFG", "none"), ("NVFP4_DEFAULT_CFG", "nvfp4")])
+def test_nvfp4_export_equals_modelopts_own_byte_for_byte(tmp_path, cfg, activation, dtype):
+    """ModelOpt 0.47's own HF export of the same weights (its NVFP4 recipe quantized and, for W4A4, calibrated
+    on the same batches): every tensor the same bytes, input scales included."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import LlamaForCausalLM
+
+    src = make_tiny_llama(tmp_path / "src", dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (1, 16), generator=gen) for _ in range(3)]
+    model = LlamaForCausalLM.from_pretrained(src, dtype="auto")
+    mtq.quantize(model, getattr(mtq, cfg), lambda m: [m(b) for b in batches])
+    export_hf_checkpoint(model, export_dir=str(tmp_path / "modelopt"))
+    export_checkpoint(src, tmp_path / "mxport", quant="nvfp4", activation=activation, calibration=batches)
+    theirs, ours = load(tmp_path / "modelopt"), load(tmp_path / "mxport")
+    assert theirs.keys() == ours.keys()
+    assert sum(k.endswith("input_scale") for k in ours) == (14 if activation == "nvfp4" else 0)
+    for k in theirs:
+        assert theirs[k].dtype == ours[k].dtype and theirs[k].shape == ours[k].shape, k
+        assert torch.equal(theirs[k].reshape(-1).view(torch.uint8), ours[k].reshape(-1).view(torch.uint8)), k
+    theirs_qc = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())
+    algo = theirs_qc["quantization"]["quant_algo"]
+    ours_qc = json.loads((tmp_path / "mxport" / "hf_quant_config.json").read_text())["quantization"]
+    assert ours_qc["quant_algo"] == algo and ours_qc["group_size"] == 16
+
+
+def test_cli_export_w4a4_writes_calibrated_input_scales(tmp_path):
+    src = make_tiny_llama(tmp_path / "src")
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "out"), "--quant", "nvfp4",
+                                   "--activation", "nvfp4"])
+    assert res.exit_code == 0, res.output
+    out = load(tmp_path / "out")
+    scales = {k: v for k, v in out.items() if k.endswith(".input_scale")}
+    assert len(scales) == 14
+    assert all(v.dtype == torch.float32 and v.shape == () and v > 0 for v in scales.values())
+    a = "model.layers.0.self_attn."
+    assert out[a + "q_proj.input_scale"] == out[a + "k_proj.input_scale"] == out[a + "v_proj.input_scale"]
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_algo"] == "NVFP4"
+    assert qc["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4
+    assert inspect(tmp_path / "out").ok
+    for bad in (["--quant", "mxfp4"], ["--quant", "nvfp4", "--format", "compressed-tensors"]):
+        res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "x"), "--activation", "nvfp4",
+                                       *bad])
+        assert res.exit_code == 2 and "needs --quant nvfp4 --format modelopt" in " ".join(res.output.split())

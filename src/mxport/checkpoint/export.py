@@ -34,9 +34,11 @@ from ..quants import MXFP8, Quant, get_quant
 from .experts import checkpoint_naming
 from .naming import (
     DEFAULT_FORMAT,
+    check_activation,
     check_fp8_dtype,
     check_quant_format,
     hf_quant_config,
+    input_scale_name,
     quant_names,
     quantization_config,
 )
@@ -204,6 +206,8 @@ def _output_groups(decisions, outputs, enc: _Encoding) -> list[list[TensorSpec]]
                          TensorSpec(scale, q.scale_dtype, q.scale_shape(shape))]
                 if glob:
                     group.append(TensorSpec(glob, torch.float32, enc.global_shape()))
+                if name in enc.inputs:
+                    group.append(TensorSpec(input_scale_name(name), torch.float32, ()))
                 groups.append(group)
             else:
                 dtype = enc.dtype
@@ -253,7 +257,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
                       dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
                       overwrite: bool = False,
                       progress: Callable[[str, int], None] | None = None, keep_unaligned: bool = False,
-                      nonzero_scales: bool = False, quant: str = "mxfp8") -> ExportResult:
+                      nonzero_scales: bool = False, quant: str = "mxfp8", activation: str = "none",
+                      calibration=None) -> ExportResult:
     """Export ``source`` as an MXFP8 (or ``quant``: MXFP4, NVFP4) checkpoint in format ``fmt`` at ``out``.
 
     Args:
@@ -277,6 +282,11 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
             modelopt and compressed-tensors only). NVFP4's global scale is shared by the tensors vLLM fuses
             (q/k/v, gate/up, one expert's w1/w3), as ModelOpt and llmcompressor share it: one read of those
             tensors before the export computes their amax.
+        activation: ``"none"`` (weight-only, default) or ``"nvfp4"`` (W4A4: ModelOpt's ``NVFP4``, with each
+            linear's ``input_scale`` calibrated by :mod:`mxport.calibration`; ``quant="nvfp4"``,
+            ``fmt="modelopt"``). The model is loaded (or the given module used) for the calibration forwards.
+        calibration: token-id batches ``[1, T]`` for ``activation="nvfp4"`` (default:
+            :func:`mxport.calibration.calibration_batches`).
 
     Values/scales are :func:`mxport.quantize` (rceil, rowwise, 1x32 blocks) of the source tensor in its stored
     dtype, byte for byte. Safetensors sources are read in whole-row chunks of :data:`CHUNK_NUMEL` elements, so
@@ -293,6 +303,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     check_quant_format(fmt, quant.name)
     if nonzero_scales and quant is not MXFP8:
         raise ValueError(f"nonzero_scales applies to MXFP8's E8M0 bytes, not to {quant.name}")
+    check_activation(activation, quant.name, fmt)
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
@@ -306,7 +317,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
     decisions, kept, excl, outputs = _decide(reader, policy, keep_unaligned, config, quant)
     enc = _Encoding(fmt, fp8_dtype, dtype, nonzero_scales, quant,
-                    global_scales(reader, decisions, outputs, quant, fmt))
+                    global_scales(reader, decisions, outputs, quant, fmt),
+                    input_scales(reader, decisions, calibration) if activation != "none" else {})
     shards = plan_shards(_output_groups(decisions, outputs, enc), max_bytes)
 
     with temp_output_dir(out) as tmp:
@@ -369,20 +381,41 @@ def global_scales(reader, decisions, outputs, quant: Quant, fmt: str = "modelopt
             for d in decisions if d.quantize for outs in [outputs[d.name]]}
 
 
+def input_scales(reader, decisions, calibration=None) -> dict[str, torch.Tensor]:
+    """W4A4 NVFP4: each quantized weight's ``input_scale`` (ModelOpt's rule, :mod:`mxport.calibration`) from
+    forwards of the model over ``calibration`` batches; the model is the reader's module or loaded from its
+    folder in the weights' dtype."""
+    from ..calibration import calibration_batches, input_amax, nvfp4_input_scales
+
+    names = [d.name for d in decisions if d.quantize]
+    model, tok = getattr(reader, "module", None), None
+    if model is None:
+        from ..models import load_causal_lm
+
+        dtype = next(d.dtype for d in decisions if d.quantize)
+        model, tok = load_causal_lm(reader.path, dtype=dtype, require_tokenizer=False)
+    else:
+        tok = next((x for x in getattr(reader, "extras", ()) if hasattr(x, "apply_chat_template")), None)
+    batches = calibration if calibration is not None else calibration_batches(model, tok)
+    scales = nvfp4_input_scales(input_amax(model, [n.removesuffix(".weight") for n in names], batches))
+    return {n: scales[n.removesuffix(".weight")] for n in names}
+
+
 def _write_configs(tmp: Path, reader, config: dict, enc: _Encoding, excl: list[str]) -> None:
     """The reader's extras (tokenizer, generation config), ``config.json`` with ``quantization_config`` and,
     for modelopt, ``hf_quant_config.json``."""
     fmt, dtype = enc.fmt, enc.dtype
     for extra in getattr(reader, "extras", ()):
         extra.save_pretrained(str(tmp))
-    config["quantization_config"] = quantization_config(fmt, excl, enc.fp8_dtype, enc.quant.name)
+    act = "nvfp4" if enc.inputs else "none"
+    config["quantization_config"] = quantization_config(fmt, excl, enc.fp8_dtype, enc.quant.name, act)
     if dtype is not None:  # transformers < 5 reads torch_dtype, >= 5 writes dtype: update what is there
         for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
             config[key] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     if fmt == "modelopt":
         (tmp / "hf_quant_config.json").write_text(
-            json.dumps(hf_quant_config(excl, enc.fp8_dtype, enc.quant.name), indent=2) + "\n")
+            json.dumps(hf_quant_config(excl, enc.fp8_dtype, enc.quant.name, act), indent=2) + "\n")
 
 
 #: elements per chunk: tensors are read, quantized / cast and written in whole-row chunks of about this size
@@ -411,6 +444,7 @@ class _Encoding:
     nonzero_scales: bool = False
     quant: Quant = MXFP8
     globals: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name: (g, stored)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # W4A4: weight name -> its input_scale
 
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
         if self.dtype is not None and rows.dtype in FLOAT_DTYPES and rows.dtype != self.dtype:
@@ -473,6 +507,8 @@ class _Router:
         self.scales = []
         if glob:
             self.submit(glob, enc.global_tensor(name))
+        if name in enc.inputs:
+            self.submit(input_scale_name(name), enc.inputs[name].to(torch.float32).reshape(()))
 
 
 def _stream(reader, decisions, outputs, writer: ShardedSafetensorsWriter, enc: _Encoding, progress) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from ..fp4 import FP4Components
 from ..quants import get_quant
-from .naming import quant_names
+from .naming import input_scale_name, quant_names
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,12 @@ def fp4_weights(entries, fmt: str, quant_name: str) -> tuple[list[FP4Weight], di
         if glob is not None and glob in shapes:
             roles[glob] = "scales"
         bad = _weight_problems(w, quant, shapes, dtypes)
+        act = input_scale_name(base)
+        if act in shapes:  # W4A4: the activation's calibrated scale
+            roles[act] = "scales"
+            if dtypes[act] != torch.float32 or torch.Size(shapes[act]).numel() != 1:
+                bad.append(f"{act}: an input scale must be one float32 value, got {_dt(dtypes[act])} "
+                           f"{list(shapes[act])}")
         problems += bad
         if not bad:
             weights.append(w)

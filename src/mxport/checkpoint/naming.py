@@ -116,6 +116,25 @@ def check_quant_format(fmt: str, quant: str) -> None:
                          "--format modelopt or compressed-tensors")
 
 
+def input_scale_name(weight_name: str) -> str:
+    """ModelOpt's activation scale of the module of ``weight_name``: ``<m>.weight`` -> ``<m>.input_scale``."""
+    return weight_name.removesuffix("weight") + "input_scale"
+
+
+#: activation formats a checkpoint can declare: weight-only ("none") or NVFP4 inputs (W4A4, calibrated)
+ACTIVATIONS = ("none", "nvfp4")
+
+
+def check_activation(activation: str, quant: str, fmt: str) -> None:
+    """ValueError unless ``activation`` is "none", or "nvfp4" with NVFP4 weights in a ModelOpt checkpoint
+    (the W4A4 form vLLM's ModelOpt loader reads, ``quant_algo: NVFP4``)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if activation == "nvfp4" and (quant != "nvfp4" or fmt != "modelopt"):
+        raise ValueError(f"activation 'nvfp4' (W4A4, calibrated input scales) needs --quant nvfp4 --format "
+                         f"modelopt, got --quant {quant} --format {fmt}")
+
+
 def values_name(scale_tensor_name: str, fmt: str) -> str | None:
     """Inverse of :func:`scale_name`: the values tensor's name, or None if ``scale_tensor_name`` is not a
     scale name of ``fmt``."""
@@ -145,7 +164,7 @@ def _element(fp8_dtype: torch.dtype) -> str:
 
 
 def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                        quant: str = "mxfp8") -> dict:
+                        quant: str = "mxfp8", activation: str = "none") -> dict:
     """The ``quantization_config`` dict for ``config.json`` in format ``fmt`` (see docs/format.md,
     "What each consumer expects").
 
@@ -155,6 +174,7 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
             ``ignore`` (modelopt, compressed-tensors) / ``ignored_layers`` (sglang).
         fp8_dtype: torch.float8_e4m3fn (every format: see :data:`ALLOWED_FP8`).
         quant: the weights' format, "mxfp8", "mxfp4" or "nvfp4" (:func:`fp4_quantization_config`).
+        activation: "none", or "nvfp4" for W4A4 NVFP4 (:func:`check_activation`).
 
     Raises:
         ValueError: unknown format, or an FP8 dtype the format cannot declare.
@@ -162,7 +182,7 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
     check_fp8_dtype(fmt, fp8_dtype)
     excl = [str(m) for m in exclude_modules]
     if quant != "mxfp8":
-        return fp4_quantization_config(fmt, excl, quant)
+        return fp4_quantization_config(fmt, excl, quant, activation)
     if fmt == "modelopt":
         # vLLM ModelOptQuantConfigBase.from_config, flat config.json form: quant_algo, group_size, ignore
         # (fnmatch patterns over module prefixes), kv_cache_scheme (a dict; None = KV cache not quantized)
@@ -183,11 +203,12 @@ def quantization_config(fmt: str, exclude_modules, fp8_dtype: torch.dtype = torc
 
 
 def hf_quant_config(exclude_modules, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                    quant: str = "mxfp8") -> dict:
+                    quant: str = "mxfp8", activation: str = "none") -> dict:
     """ModelOpt's ``hf_quant_config.json`` (vLLM requires ``group_size``, ``kv_cache_quant_algo`` and
     ``exclude_modules``)."""
     check_fp8_dtype("modelopt", fp8_dtype)
-    algo, group = MODELOPT_ALGO[quant]
+    check_activation(activation, quant, "modelopt")
+    algo, group = MODELOPT_ALGO[quant] if activation == "none" else ("NVFP4", 16)
     sizes = {"group_size": group} if group else {}  # ModelOpt 0.47 writes none for MXFP4
     return {"producer": {"name": PRODUCER},
             "quantization": {"quant_algo": algo, **sizes, "kv_cache_quant_algo": None,
@@ -209,18 +230,21 @@ CT_FP4 = {
 }
 
 
-def fp4_quantization_config(fmt: str, excl: list[str], quant: str) -> dict:
-    """``quantization_config`` of a 4-bit export, weight-only: ModelOpt's flat form (``quant_algo``
-    :data:`MODELOPT_ALGO`) or compressed-tensors' (:data:`CT_FP4`)."""
+def fp4_quantization_config(fmt: str, excl: list[str], quant: str, activation: str = "none") -> dict:
+    """``quantization_config`` of a 4-bit export: ModelOpt's flat form (``quant_algo`` :data:`MODELOPT_ALGO`,
+    or ``NVFP4`` with NVFP4 ``input_activations`` for W4A4) or compressed-tensors' (:data:`CT_FP4`,
+    weight-only)."""
     check_quant_format(fmt, quant)
+    check_activation(activation, quant, fmt)
     if fmt == "modelopt":
-        algo, group = MODELOPT_ALGO[quant]
+        algo, group = MODELOPT_ALGO[quant] if activation == "none" else ("NVFP4", 16)
         if not group:
             return {"quant_method": "modelopt", "quant_algo": algo, "producer": {"name": PRODUCER},
                     "ignore": excl}
         weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group}
+        inputs = {"input_activations": dict(weights)} if activation == "nvfp4" else {}
         return {"quant_method": "modelopt", "quant_algo": algo, "producer": {"name": PRODUCER},
-                "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
+                "config_groups": {"group_0": {**inputs, "weights": weights, "targets": ["Linear"]}},
                 "group_size": group, "kv_cache_scheme": None, "ignore": excl}
     args, ct_format = CT_FP4[quant]
     return {"quant_method": "compressed-tensors", "format": ct_format, "quantization_status": "compressed",

@@ -452,6 +452,7 @@ class StateDictSource:
                                 f"got {k!r}: {type(v).__name__}")
         self.config = dict(config or {})
         self.path = None
+        self.module = obj if isinstance(obj, torch.nn.Module) else None  # what calibration runs
         self.extras = tuple(extras)
         self.label = label
         self._state = {k: v for k, v in state.items()

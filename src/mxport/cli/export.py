@@ -17,7 +17,7 @@ from ..checkpoint.export import (
     plan,
     prepare_out,
 )
-from ..checkpoint.naming import DEFAULT_FORMAT, check_fp8_dtype, check_quant_format
+from ..checkpoint.naming import DEFAULT_FORMAT, check_activation, check_fp8_dtype, check_quant_format
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
 from ._choices import EXPORT_FP8, Dtype, Format, Fp8Dtype, Quant, export_fp8
@@ -37,7 +37,11 @@ def export_cmd(
                                 help="Weight format: mxfp8 (FP8 + E8M0 per 32), mxfp4 (E2M1 + E8M0 per 32) "
                                      "or nvfp4 (E2M1 + E4M3 per 16 + a float32 global scale; q/k/v and "
                                      "gate/up share it). 4-bit: --format modelopt or compressed-tensors, "
-                                     "weight-only."),
+                                     "weight-only unless --activation nvfp4."),
+    activation: str = typer.Option("none", "--activation", metavar="<none|nvfp4>",
+                                   help="none: weight-only. nvfp4 (with --quant nvfp4 --format modelopt): "
+                                        "W4A4, each linear's input_scale calibrated on the built-in prompts "
+                                        "as ModelOpt's NVFP4 recipe does (the model is loaded once)."),
     fp8_dtype: Fp8Dtype = typer.Option("e4m3", "--fp8-dtype", metavar="<" + "|".join(EXPORT_FP8) + ">",
                                        callback=export_fp8,
                                        help="FP8 element type. Every format's consumers read E4M3 values "
@@ -84,6 +88,7 @@ def export_cmd(
         fp8 = FP8_DTYPES[Fp8Dtype(fp8_dtype).value]
         check_fp8_dtype(fmt, fp8)
         check_quant_format(fmt, quant)
+        check_activation(activation, quant, fmt)
         cast = DTYPES[Dtype(dtype).value] if dtype is not None else None
         parse_size(max_shard_size)
         policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()),
@@ -99,7 +104,8 @@ def export_cmd(
                 emit_json({"source": reader.label, "format": fmt, "quant": quant, "policy": policy.to_dict(),
                            "decisions": [d.to_dict() for d in decisions]}, json_out)
             return
-        options = {"keep_unaligned": keep_unaligned, "nonzero_scales": nonzero_scales, "quant": quant}
+        options = {"keep_unaligned": keep_unaligned, "nonzero_scales": nonzero_scales, "quant": quant,
+                   "activation": activation}
         result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, options)
     _print_result(result, fmt)
     if json_out:

@@ -97,18 +97,25 @@ PARAM_META_OWNERS = "owners" in {f.name for f in fields(ParamMeta)}
 # -- plug-in
 # --------------------------------------------------------------------------------------------------------
 def enable_cpu_emulation() -> bool:
-    """On vLLM's CPU platform only, add vLLM's ``EmulationMxfp8LinearKernel`` to its MXFP8 kernel table.
+    """On vLLM's CPU platform only, add vLLM's ``EmulationMxfp8LinearKernel`` to its MXFP8 kernel table, and
+    its ``EmulationNvFp4LinearKernel`` to the NVFP4 one (W4A4 NVFP4 checkpoints: ``mxport export --quant
+    nvfp4 --activation nvfp4``; vLLM has no weight-only NVFP4 kernel for the CPU).
 
-    The kernel goes into the CPU row of the table (``vllm/model_executor/kernels/linear/__init__.py``:
-    ``_POSSIBLE_MXFP8_KERNELS``, via ``register_linear_kernel``). Returns True when it is (now) there; False
-    on other platforms or where the platform already lists an MXFP8 kernel (a native one is never
-    displaced)."""
+    The kernels go into the CPU rows of the tables (``vllm/model_executor/kernels/linear/__init__.py``:
+    ``_POSSIBLE_MXFP8_KERNELS`` / ``_POSSIBLE_NVFP4_KERNELS``, via ``register_linear_kernel``), each only
+    where the row is empty (a native kernel is never displaced). Returns True when the MXFP8 emulation is
+    (now) there; False on other platforms or where the platform already lists an MXFP8 kernel."""
     from vllm.model_executor.kernels import linear as kernels
     from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
     from vllm.platforms import PlatformEnum, current_platform
 
     if not current_platform.is_cpu():
         return False
+    nvfp4 = getattr(kernels, "_POSSIBLE_NVFP4_KERNELS", None)
+    if nvfp4 is not None and not nvfp4.get(PlatformEnum.CPU):
+        from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+
+        kernels.register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
     have = kernels._POSSIBLE_MXFP8_KERNELS.get(PlatformEnum.CPU, [])
     if EmulationMxfp8LinearKernel in have:
         return True
