@@ -82,9 +82,15 @@ def test_help_paragraphs_are_wrapped_once():
 
 @pytest.mark.parametrize("columns", ["80", "100"])
 @pytest.mark.parametrize("command", [*COMMANDS, None])
-def test_help_shows_every_option_name_whole_in_narrow_terminals(command, columns):
+def test_help_shows_every_option_name_whole_in_narrow_terminals(command, columns, monkeypatch):
     """At 80-100 columns typer's six-column options panel cut long names (``--trainer-quantiz…``): every
-    option name (and its negative, ``--no-overlap``) appears whole, and no line is wider than the terminal."""
+    option name (and its negative, ``--no-overlap``) appears whole, and no line is wider than the terminal.
+
+    typer reads TERMINAL_WIDTH once, when ``typer.rich_utils`` is first imported (whichever test's env that
+    was: a 400-column run of another module froze it there): set it as the env says."""
+    import typer.rich_utils
+
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", int(columns))
     args = [command, "--help"] if command else ["--help"]
     r = runner.invoke(app, args, env={"COLUMNS": columns, "TERMINAL_WIDTH": columns})
     assert r.exit_code == 0, r.output

@@ -180,10 +180,14 @@ def test_refit_and_verify_of_an_mxfp8_checkpoint_are_refused(tmp_path, llama):
         assert "already holds FP8 tensors" in res.output and "Traceback" not in res.output
 
 
-def test_fp8_dtype_offers_e4m3_only_and_refuses_e5m2_while_parsing(tmp_path):
+def test_fp8_dtype_offers_e4m3_only_and_refuses_e5m2_while_parsing(tmp_path, monkeypatch):
     """Every format refuses E5M2 values: --help offers e4m3 alone, and e5m2 is refused while the command line
     is parsed (before the source or -o are looked at), in one line that says why."""
     import re
+
+    import typer.rich_utils
+
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", 400)  # typer reads TERMINAL_WIDTH once, at import
 
     r = runner.invoke(app, ["export", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
     (row,) = [x for x in r.stdout.splitlines() if re.match(r"^\W*--fp8-dtype\s", x)]
