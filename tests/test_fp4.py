@@ -173,3 +173,58 @@ def test_a_given_global_scale_is_checked_and_an_empty_tensor_quantizes():
             quantize_fp4(torch.zeros(4, 0), fmt)
     with pytest.raises(ValueError, match=r"the last dimension \(48\) must be"):
         quantize_mxfp4(torch.zeros(4, 48))
+
+
+def _same(a, b) -> bool:
+    return (torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+            and (a.global_scale is None) == (b.global_scale is None)
+            and (a.global_scale is None or torch.equal(a.global_scale, b.global_scale)))
+
+
+def _both(fn, x, monkeypatch, **kw):
+    import mxport.fp4 as fp4
+
+    native = fn(x, **kw)
+    monkeypatch.setattr(fp4, "NATIVE", False)
+    torch_path = fn(x, **kw)
+    monkeypatch.setattr(fp4, "NATIVE", True)
+    return native, torch_path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_native_fp4_kernel_gives_the_torch_paths_bytes_at_every_magnitude(dtype, monkeypatch):
+    """The C pass (mxport_fp4_rows) against the torch reference: every tie and its neighbours scaled across
+    the float32 range (so every E8M0 / E4M3 scale, subnormal block scales and saturation), zero blocks, -0.0,
+    and random weights of wide block magnitudes; MXFP4 rceil and floor, NVFP4 own and shared global scales."""
+    from mxport.quantize import NATIVE_PATH
+
+    if not NATIVE_PATH.available:
+        pytest.skip(f"native kernel unavailable: {NATIVE_PATH.disabled_reason}")
+    sweep = _sweep()
+    sweep = sweep[sweep.abs() <= 8]
+    sweep = sweep[: sweep.numel() // 32 * 32].reshape(-1, 32)
+    top = 60000.0 if dtype == torch.float16 else 1e37
+    cases = [_weights(s, shape=(16, 96), dtype=dtype) for s in (1, 2)]
+    for e in range(-140, 128, 7):
+        x = (sweep * 2.0 ** e).clamp(-top, top).to(dtype)
+        cases.append(torch.where(torch.isfinite(x), x, torch.zeros_like(x)))
+    for x in cases:
+        for kw in ({"rounding": "rceil"}, {"rounding": "floor"}):
+            assert _same(*_both(quantize_mxfp4, x, monkeypatch, **kw)), (x.abs().max(), kw)
+        assert _same(*_both(quantize_nvfp4, x, monkeypatch)), x.abs().max()
+        shared = torch.tensor(max(float(x.abs().max()), 1e-30) / 2000.0)
+        assert _same(*_both(quantize_nvfp4, x, monkeypatch, global_scale=shared)), x.abs().max()
+
+
+def test_native_fp4_kernel_refuses_nan_and_inf_like_the_torch_path(monkeypatch):
+    import mxport.fp4 as fp4
+
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(4, 64)
+        x[3, 40] = bad
+        for native in (True, False):
+            monkeypatch.setattr(fp4, "NATIVE", native)
+            calls = ((quantize_mxfp4, {}), (quantize_nvfp4, {}), (quantize_nvfp4, {"global_scale": 1.0}))
+            for fn, kw in calls:
+                with pytest.raises(ValueError, match="NaN or Inf, which E2M1 cannot encode"):
+                    fn(x, **kw)

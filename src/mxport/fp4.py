@@ -17,6 +17,10 @@
 
 A format is one :class:`FP4Format` record (element codec, block size, scale codec, packing) that
 :func:`quantize_fp4` and :meth:`FP4Components.dequantize` read.
+
+On the CPU, where mxport's native library builds (:mod:`mxport.native`, ``mxport_fp4_rows``), one scalar C
+pass does the same float32 steps (the torch ops here are the reference, and the tests hold the two
+byte-identical over every magnitude and tie); :data:`NATIVE` False forces the torch path.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 #: the midpoints whose upper neighbour has the even code (a tie there rounds up)
 _TIES_UP = (0.75, 1.75, 3.5)
 _NVFP4_SCALE_MIN = 2.0 ** -9  # the smallest E4M3 subnormal
+#: use the native kernel where it is available (False: always the torch reference)
+NATIVE = True
 
 
 @dataclass(frozen=True)
@@ -109,13 +115,17 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _blocks(x: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
+def _check(x: torch.Tensor, fmt: FP4Format) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{fmt.name}: x must be a floating-point torch.Tensor")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % fmt.block:
         last = x.shape[-1] if x.dim() else "none: a 0-d tensor"
         raise ValueError(f"{fmt.name}: the last dimension ({last}) must be a positive multiple of "
                          f"{fmt.block}")
+
+
+def _blocks(x: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
+    _check(x, fmt)
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{fmt.name}: x holds NaN or Inf, which E2M1 cannot encode")
     return x.reshape(*x.shape[:-1], x.shape[-1] // fmt.block, fmt.block)
@@ -124,6 +134,9 @@ def _blocks(x: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
 def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil") -> FP4Components:
     """MXFP4 of ``x`` along its last dimension (a multiple of 32): see the module doc for ``rounding``
     (``"rceil"`` or ``"floor"``)."""
+    _check(x, MXFP4)
+    if rounding in ("rceil", "floor") and (got := _native(x, MXFP4, rounding)) is not None:
+        return got
     blocks = _blocks(x, MXFP4).to(torch.float32)
     amax = blocks.abs().amax(dim=-1)
     if rounding == "rceil":
@@ -158,14 +171,35 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float | None = 
     ``global_scale`` defaults to :func:`nvfp4_global_scale` of ``x`` (pass one, a float or a one-element
     tensor, to share it, e.g. across the fused parts of a layer: it must be at least ``amax(x) / (6 * 448)``,
     or the largest values saturate)."""
-    blocks = _blocks(x, NVFP4)
+    _check(x, NVFP4)
     g = nvfp4_global_scale(x) if global_scale is None else _check_global_scale(global_scale)
+    if bool(torch.isfinite(g)) and (got := _native(x, NVFP4, None, g)) is not None:
+        return got
+    blocks = _blocks(x, NVFP4)
     block_scale = blocks.abs().amax(dim=-1).float() / (E2M1_MAX * g)
     block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
     scale = block_scale.clamp(min=_NVFP4_SCALE_MIN, max=E4M3_MAX).to(torch.float8_e4m3fn)
     scaled = blocks / (scale.to(torch.float32) * g).unsqueeze(-1)
     codes = e2m1_codes(scaled).reshape(x.shape)
     return FP4Components(NVFP4, pack_e2m1(codes), scale, g)
+
+
+def _native(x: torch.Tensor, fmt: FP4Format, rounding: str | None, g: torch.Tensor | None = None
+            ) -> FP4Components | None:
+    """The native kernel's components of ``x`` (checked finite, whole blocks), or None where it does not run
+    (:data:`NATIVE` off, not on the CPU, the library unavailable)."""
+    from . import native
+    from .quantize import NATIVE_PATH
+
+    lib = NATIVE_PATH.lib_for(x) if NATIVE and x.numel() else None
+    if lib is None:
+        return None
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    scale_dtype = torch.float8_e4m3fn if fmt.scale_codec == "e4m3" else torch.uint8
+    q, s = native.fp4_rows(lib, x2, fmt.name, rounding, float(g) if g is not None else 1.0, scale_dtype)
+    lead = x.shape[:-1]
+    return FP4Components(fmt, q.reshape(*lead, k // 2), s.reshape(*lead, k // fmt.block), g)
 
 
 def quantize_fp4(x: torch.Tensor, fmt: FP4Format | str, **kwargs) -> FP4Components:

@@ -55,8 +55,8 @@ CFLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 #: ``mxport_quantize_many`` (several tensors per call), 4 its stream word sums (``struct mxport_sums``), 5 the
 #: scale swizzle (``mxport_swizzle`` / ``mxport_unswizzle``), 6 the attestation digest's word sums
 #: (``mxport_word_digest``), 7 delta refit's word diff and apply (``mxport_delta_diff`` /
-#: ``mxport_delta_apply``)
-ABI = 7
+#: ``mxport_delta_apply``), 8 the 4-bit rows of mxport.fp4 (``mxport_fp4_rows``)
+ABI = 8
 #: input dtype codes of ``mxport_quantize_rows``
 INPUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elements per thread below which a call stays on one thread (thread hand-off costs ~20 us)
@@ -208,6 +208,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mxport_delta_diff.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr]
     lib.mxport_delta_apply.restype = None
     lib.mxport_delta_apply.argtypes = [ptr, ptr, ptr, ptr, i64]
+    lib.mxport_fp4_rows.restype = ctypes.c_int
+    lib.mxport_fp4_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
     return lib
 
 
@@ -460,6 +462,28 @@ def delta_apply(lib: ctypes.CDLL, dst: torch.Tensor, idx: torch.Tensor, masks: t
         raise ValueError("delta_apply: one mask per word index")
     lib.mxport_delta_apply(_bytes_arg(dst, "dst"), _bytes_arg(idx, "idx", torch.int32),
                            _bytes_arg(masks, "masks"), _bytes_arg(vals, "vals"), idx.numel())
+
+
+#: ``mxport_fp4_rows``' format codes
+FP4_CODES = {("mxfp4", "rceil"): 0, ("mxfp4", "floor"): 1, ("nvfp4", None): 2}
+
+
+def fp4_rows(lib: ctypes.CDLL, x: torch.Tensor, fmt: str, rounding: str | None = None, g: float = 1.0,
+             scale_dtype: torch.dtype = torch.uint8) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 / NVFP4 (``g``: the float32 global scale) of a contiguous 2-D float32 CPU tensor, K whole blocks,
+    finite values: ``(packed uint8 [M, K/2], scale bytes [M, K/block])`` (the scale viewed as
+    ``scale_dtype``), the bytes of :mod:`mxport.fp4`'s torch path."""
+    m, k = x.shape
+    block = 16 if fmt == "nvfp4" else 32
+    q = torch.empty((m, k // 2), dtype=torch.uint8)
+    s = torch.empty((m, k // block), dtype=torch.uint8)
+    rc = lib.mxport_fp4_rows(_bytes_arg(x, "x", torch.float32), m, k, FP4_CODES[(fmt, rounding)], g,
+                             q.data_ptr(), s.data_ptr())
+    if rc == 2:
+        raise ValueError(f"{fmt}: x holds NaN or Inf, which E2M1 cannot encode")
+    if rc != 0:
+        raise ValueError(f"mxport native fp4: K={k} is not whole blocks of {block}")
+    return q, s.view(scale_dtype)
 
 
 def swizzle(lib: ctypes.CDLL, grid: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MXPORT_NATIVE_ABI 7
+#define MXPORT_NATIVE_ABI 8
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define MXPORT_HAVE_KERNEL 1
@@ -1484,4 +1484,95 @@ void mxport_delta_apply(uint8_t *dst, const int32_t *idx, const uint8_t *masks, 
             if (m & (1u << j)) w[j] = vals[v++];
         }
     }
+}
+
+/* ---- 4-bit rows: MXFP4 and NVFP4 (mxport.fp4), scalar C, the float32 steps of the torch reference -------------
+ * E2M1 codes round to nearest, ties to the even code, saturate at +-6; the sign bit is set for x < 0 (so -0.0 is
+ * code 0 and a tiny negative that rounds to zero is code 8, as the reference). Two codes a byte, low nibble first.
+ * fmt 0: MXFP4 rceil (E = the smallest with 2^(E-127) >= f32(amax / 6)); 1: MXFP4 floor (OCP: floor(log2 amax) - 2);
+ * 2: NVFP4 with the float32 global scale g (block scale f32(amax / f32(6 * g)), 1 for 0, clamped to [2^-9, 448],
+ * rounded to E4M3; elements x / f32(scale * g)). Rows are float32, K a multiple of the block (32; NVFP4 16).
+ * Returns 0, 1 for bad arguments, 2 on a NaN or Inf (the output is then partial). Built with -std=c11: no FMA
+ * contraction. */
+static inline uint32_t fp4_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float fp4_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* E2M1 codes of n <= 32 floats (already divided by the block's scale), branch-free so that the loop vectorizes. */
+static inline void fp4_codes(const float *v, int n, uint8_t *c) {
+    for (int i = 0; i < n; i++) {
+        float m = v[i] < 0.0f ? -v[i] : v[i];
+        int k = (m > 0.25f) + (m > 0.75f) + (m > 1.25f) + (m > 1.75f) + (m > 2.5f) + (m > 3.5f) + (m > 5.0f);
+        k += (m == 0.75f) | (m == 1.75f) | (m == 3.5f);
+        c[i] = (uint8_t)(k | ((v[i] < 0.0f) << 3));
+    }
+}
+
+static inline int fp4_e8m0_rceil(float v) {
+    uint32_t b = fp4_bits(v), m = b & 0x7FFFFFu;
+    int exp = (int)((b >> 23) & 0xFF);
+    int e = exp + (m > 0 && (exp != 0 || m > 0x400000u));
+    return e > 254 ? 254 : e;
+}
+
+static inline int fp4_e8m0_floor(float amax) {
+    int exp = (int)((fp4_bits(amax) >> 23) & 0xFF);
+    int e = exp - 2;
+    return exp == 0 || e < 0 ? 0 : (e > 254 ? 254 : e);
+}
+
+static inline float fp4_e8m0_value(int e) { return fp4_float(e == 0 ? 0x00400000u : (uint32_t)e << 23); }
+
+static inline uint8_t fp4_to_e4m3(float v) { /* v in [2^-9, 448] */
+    if (v < 0.015625f) {                       /* E4M3 subnormals: a multiple of 2^-9, ties to even */
+        float t = v * 512.0f, f = (float)(int)t, d = t - f;
+        int n = (int)f + (d > 0.5f || (d == 0.5f && ((int)f & 1)));
+        return (uint8_t)n;                     /* 8 is 0x08: the smallest normal, 2^-6 */
+    }
+    uint32_t b = fp4_bits(v);
+    b += 0x7FFFFu + ((b >> 20) & 1u);
+    return (uint8_t)((((int)((b >> 23) & 0xFF) - 120) << 3) | (int)((b >> 20) & 7u));
+}
+
+static inline float fp4_e4m3_value(uint8_t s) {
+    int exp = (s >> 3) & 15, man = s & 7;
+    return exp == 0 ? (float)man * 0.001953125f : fp4_float((uint32_t)(exp + 120) << 23 | (uint32_t)man << 20);
+}
+
+int mxport_fp4_rows(const float *x, int64_t rows, int64_t k, int fmt, float g, uint8_t *q, uint8_t *s) {
+    const int block = fmt == 2 ? 16 : 32;
+    if (k <= 0 || k % block || fmt < 0 || fmt > 2) return 1;
+    const float six_g = 6.0f * g;
+    float v[32];
+    uint8_t c[32];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        uint8_t *qr = q + r * (k / 2), *sr = s + r * (k / block);
+        for (int64_t b0 = 0; b0 < k; b0 += block) {
+            const float *xb = xr + b0;
+            uint32_t amax_bits = 0, bits;
+            for (int i = 0; i < block; i++) {  /* |x| as unsigned bits: ordered like the floats (finite) */
+                memcpy(&bits, xb + i, 4);
+                bits &= 0x7FFFFFFFu;
+                amax_bits = bits > amax_bits ? bits : amax_bits;
+            }
+            if (amax_bits >= 0x7F800000u) return 2;  /* NaN or Inf: E2M1 cannot encode it */
+            float amax = fp4_float(amax_bits), denom;
+            if (fmt == 2) {
+                float bs = amax / six_g;
+                bs = bs == 0.0f ? 1.0f : bs;
+                bs = bs < 0.001953125f ? 0.001953125f : (bs > 448.0f ? 448.0f : bs);
+                uint8_t sb = fp4_to_e4m3(bs);
+                sr[b0 / block] = sb;
+                denom = fp4_e4m3_value(sb) * g;
+            } else {
+                int e = fmt == 0 ? fp4_e8m0_rceil(amax / 6.0f) : fp4_e8m0_floor(amax);
+                sr[b0 / block] = (uint8_t)e;
+                denom = fp4_e8m0_value(e);
+            }
+            for (int i = 0; i < block; i++) v[i] = xb[i] / denom;
+            fp4_codes(v, block, c);
+            for (int i = 0; i < block / 2; i++) qr[b0 / 2 + i] = (uint8_t)(c[2 * i] | c[2 * i + 1] << 4);
+        }
+    }
+    return 0;
 }
