@@ -103,13 +103,15 @@ def build_fp4_twin(model: nn.Module, quant: str, *, policy=None, progress: Progr
                    ) -> tuple[nn.Module, dict[str, float]]:
     """A deep copy of ``model`` whose weights that MXFP8 would quantize under ``policy`` (the planned linears
     and fused-expert weights) hold their ``quant`` (``"mxfp4"`` / ``"nvfp4"``) decoded values, in their own
-    dtype: weight-only fake quantization, each tensor quantized along its last dimension (NVFP4 with its own
-    global scale). Returns ``(twin, {name: weight SQNR dB})``, keyed as :func:`weight_sqnr` keys (a linear
-    by module name, an expert weight by tensor name).
+    dtype: weight-only fake quantization, each tensor quantized along its last dimension (NVFP4's global scale
+    shared where vLLM fuses, as ``mxport export --quant nvfp4`` writes it:
+    :func:`mxport.fp4_linear.shared_global_scales`). Returns ``(twin, {name: weight SQNR dB})``, keyed as
+    :func:`weight_sqnr` keys (a linear by module name, an expert weight by tensor name).
 
     Raises ValueError when nothing is planned, or naming a tensor whose last dimension is not a multiple of
     the format's block."""
     from .fp4 import quantize_fp4
+    from .fp4_linear import shared_global_scales
 
     twin = copy.deepcopy(model)
     tensors = [(n, f"{n}.weight") for n in planned_linears(twin, policy)]
@@ -117,10 +119,12 @@ def build_fp4_twin(model: nn.Module, quant: str, *, policy=None, progress: Progr
     if not tensors:
         raise ValueError(f"the {quant} twin has no quantized weight (the policy kept every linear layer)")
     sqnr = {}
+    shared = shared_global_scales({name: twin.get_parameter(name) for _, name in tensors}, quant)
     for i, (key, name) in enumerate(tensors, 1):
         p = twin.get_parameter(name)
         try:
-            decoded = quantize_fp4(p.detach(), quant).dequantize(torch.float32)
+            kwargs = {"global_scale": shared[name]} if name in shared else {}
+            decoded = quantize_fp4(p.detach(), quant, **kwargs).dequantize(torch.float32)
         except ValueError as exc:
             raise ValueError(f"{name} {tuple(p.shape)}: {exc}") from exc
         p_ref = p.detach().float().clone()
