@@ -222,3 +222,17 @@ def test_huge_declared_grids_raise_a_clear_error_not_the_allocator():
         assert isinstance(info.value, ValueError) and isinstance(info.value, MemoryError)
     with pytest.raises(TooLargeError, match="^swizzled of shape"):
         layouts.unswizzle(huge, 1 << 52, 64)
+
+
+@settings(max_examples=20, deadline=None)
+@given(r=st.integers(1, 300), k16=st.integers(1, 24))
+def test_nvfp4_block_scales_take_the_same_128x4_swizzle(r, k16):
+    """NVFP4's E4M3 block scales (one per 16 along K): the same tiles as E8M0 bytes, the result viewed as
+    E4M3, and back through unswizzle of its bytes."""
+    from mxport.fp4 import quantize_nvfp4
+
+    c = quantize_nvfp4(torch.randn(r, 16 * k16))
+    sw = layouts.swizzle(c.scale)
+    assert sw.dtype == torch.float8_e4m3fn and sw.shape == layouts.swizzled_shape(r, k16)
+    assert torch.equal(sw.view(torch.uint8), formula_swizzle(c.scale.view(torch.uint8)))
+    assert torch.equal(layouts.unswizzle(sw.view(torch.uint8), r, k16), c.scale.view(torch.uint8))

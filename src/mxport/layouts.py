@@ -120,8 +120,12 @@ def swizzle(scale_inv_2d: torch.Tensor) -> torch.Tensor:
     Returns uint8 ``(roundup(R,128), roundup(C,4))`` whose row-major bytes put compact entry ``(r, c)`` at
     ``((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (c%4)``; padding bytes are 0. Columnwise
     scales are swizzled as their transpose: ``swizzle(scale.T)``. An empty grid gives the empty result of that
-    shape, e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``.
+    shape, e.g. ``(0, 4)`` for ``(0, 3)`` and ``(128, 0)`` for ``(5, 0)``. NVFP4's ``float8_e4m3fn`` block
+    scales (one per 16) take the same 128x4 tiles (cuBLAS ``VEC16_UE4M3``, FlashInfer ``layout_128x4``): the
+    result is then viewed as ``float8_e4m3fn``.
     """
+    if isinstance(scale_inv_2d, torch.Tensor) and scale_inv_2d.dtype == torch.float8_e4m3fn:
+        return swizzle(scale_inv_2d.view(torch.uint8)).view(torch.float8_e4m3fn)
     scale = _check_2d(scale_inv_2d, "scale_inv_2d")
     r, c = scale.shape
     pr, pc = swizzled_shape(r, c)
