@@ -141,7 +141,7 @@ def test_inspect_flags_broken_fp4_tensors(tmp_path):
     _rewrite(tmp_path / "out", "model.layers.0.mlp.up_proj.weight_scale", wrong)
     problems = "\n".join(inspect(tmp_path / "out").problems)
     assert f"{w}_scale: 1 NaN scale byte(s)" in problems
-    assert "model.layers.1.mlp.down_proj.weight_scale_2: global scale -1.0" in problems
+    assert "layers.1.mlp.down_proj.weight_scale_2: -1.0 is not a finite global scale above 0" in problems
     assert "model.layers.0.mlp.up_proj.weight_scale: uint8 scales; nvfp4 stores float8_e4m3fn" in problems
 
 
@@ -231,3 +231,35 @@ def test_cli_export_w4a4_writes_calibrated_input_scales(tmp_path):
         res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "x"), "--activation", "nvfp4",
                                        *bad])
         assert res.exit_code == 2 and "needs --quant nvfp4 --format modelopt" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+def test_an_empty_weight_exports_and_inspects(tmp_path, quant):
+    """A weight of 0 rows (found by a breaking round: NVFP4's amax pass raised, inspect's statistics too)."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.zeros(0, 64, dtype=torch.bfloat16),
+               "model.layers.0.mlp.up_proj.weight": torch.randn(32, 64).to(torch.bfloat16)},
+              str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    export_checkpoint(src, tmp_path / "out", quant=quant)
+    r = inspect(tmp_path / "out")
+    assert r.ok, r.problems
+    empty = next(p for p in r.pairs if p["shape"] == [0, 64])
+    assert empty["ok"] and "absmax" not in empty
+
+
+@pytest.mark.parametrize("fmt, name, stored, says", [
+    ("modelopt", "weight_scale_2", torch.tensor(float("inf")), "inf is not a finite global scale above 0"),
+    ("compressed-tensors", "weight_global_scale", torch.tensor([0.0]),
+     "0.0 (as a divisor: global scale inf) is not a finite global scale above 0"),
+])
+def test_inspect_names_an_infinite_global_scale_without_crashing(tmp_path, fmt, name, stored, says):
+    export_checkpoint(make_tiny_llama(tmp_path / "src"), tmp_path / "out", quant="nvfp4", fmt=fmt)
+    w = "model.layers.0.mlp.down_proj."
+    _rewrite(tmp_path / "out", w + name, stored)
+    for stats in (True, False):
+        r = inspect(tmp_path / "out", stats=stats)
+        assert f"{w}{name}: {says}" in r.problems

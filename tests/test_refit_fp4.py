@@ -125,3 +125,23 @@ def test_cli_refit_quant_nvfp4_delta(tmp_path):
     assert [s["delta"] for s in steps] == [False, True, True]
     assert all(s["bytes"] < s["full_bytes"] == data["plan"]["bytes"] for s in steps[1:])
     assert "nvfp4:" in r.stdout and "MXFP8 of the same model" in r.stdout
+
+
+@pytest.mark.parametrize("quant, blocks", [("mxfp4", 2), ("nvfp4", 4)])
+def test_delta_block_counts_know_the_4bit_layouts(quant, blocks):
+    """A [1, 64] weight has 2 MXFP4 blocks (16 packed bytes each) or 4 NVFP4 blocks (8 bytes each); a change
+    in the second block's values counts one block of that many (found by a breaking round: MXFP8's 32 bytes
+    per block were assumed)."""
+    from mxport.quants import get_quant
+    from mxport.refit import RefitPlan
+    from mxport.refit.items import tensor_items
+    from mxport.refit.stream.delta import block_counts
+
+    q = get_quant(quant)
+    scales = (q.scale_dtype, q.scale_shape((1, 64)))
+    plan = RefitPlan(tensor_items("w", torch.uint8, q.values_shape((1, 64)), scales=scales,
+                                  global_scale=q.global_scale))
+    second_block_byte = plan.entries[0].offset + q.block // q.per_byte  # the first byte of block 2
+    assert block_counts(plan, torch.tensor([second_block_byte])) == (1, blocks)
+    scale_of_block_1 = plan.entries[1].offset  # another block: its scale byte changed
+    assert block_counts(plan, torch.tensor([second_block_byte, scale_of_block_1])) == (2, blocks)

@@ -371,8 +371,8 @@ def global_scales(reader, decisions, outputs, quant: Quant, fmt: str = "modelopt
         if len(outputs[d.name]) > 1:
             raise ValueError(f"{quant.name} export of fused expert tensors ({d.name}) is not supported; "
                              "exclude the experts (--exclude '*.experts.*') or export them as mxfp8")
-        m = max((rows.abs().amax().float() for rows in reader.iter_rows(d.name, CHUNK_NUMEL)),
-                default=torch.tensor(0.0))
+        m = max((rows.abs().amax().float() for rows in reader.iter_rows(d.name, CHUNK_NUMEL) if rows.numel()),
+                default=torch.tensor(0.0))  # an empty tensor: amax 0, global scale 1
         key = global_scale_group(outputs[d.name][0][0])
         amax[key] = torch.maximum(amax.get(key, m), m)
     pair = (quant.global_divisor_of if fmt == "compressed-tensors"

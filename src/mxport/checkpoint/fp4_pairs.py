@@ -106,9 +106,10 @@ def read_fp4(get, w: FP4Weight, fmt: str, quant_name: str) -> FP4Components:
     return FP4Components(quant.fp4_format, get(w.values), get(w.scale), g)
 
 
-def fp4_data_problems(c: FP4Components, w: FP4Weight) -> list[str]:
+def fp4_data_problems(c: FP4Components, w: FP4Weight, stored: torch.Tensor | None = None) -> list[str]:
     """What the bytes say is wrong: NaN scale bytes (E8M0 255; E4M3 S.1111.111), negative NVFP4 block scales,
-    a global scale that is not finite and above 0, every scale zero while values are not (never written)."""
+    a global scale (``stored``: as the file holds it; ``c``'s is the one it means) that is not finite and
+    above 0, every scale zero while values are not (never written)."""
     out = []
     bits = c.scale.view(torch.uint8)
     nan = int((bits == 255).sum()) if c.format.scale_codec == "e8m0" else int(((bits & 0x7F) == 0x7F).sum())
@@ -118,7 +119,9 @@ def fp4_data_problems(c: FP4Components, w: FP4Weight) -> list[str]:
         out.append(f"{w.scale}: negative NVFP4 block scales")
     g = c.global_scale
     if g is not None and not (bool(torch.isfinite(g)) and float(g) > 0):
-        out.append(f"{w.global_scale}: global scale {float(c.global_scale)} is not a finite value above 0")
+        held = float(stored.reshape(-1)[0]) if stored is not None and stored.numel() else float(g)
+        meaning = "" if held == float(g) else f" (as a divisor: global scale {float(g)})"
+        out.append(f"{w.global_scale}: {held}{meaning} is not a finite global scale above 0")
     if bits.numel() and bool((bits == 0).all()) and bool((c.data != 0).any()):
         out.append(f"{w.scale}: every scale is 0 but the values are not zero: scales never written?")
     return out

@@ -212,15 +212,16 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
 
 
 def _fp4_stats(c, stats: bool) -> dict:
-    """A 4-bit weight's figures: block-scale exponents (floor log2 of the nonzero decoded block scales), and
-    with ``stats`` the decoded |max|, mean |x| and the fraction of all-zero blocks."""
+    """A 4-bit weight's figures (of a weight without problems): block-scale exponents (floor log2 of the
+    nonzero finite decoded block scales), and with ``stats`` the decoded |max|, mean |x| and the fraction of
+    all-zero blocks."""
     scale = (e8m0_to_float(c.scale) if c.format.scale_codec == "e8m0"
              else c.scale.to(torch.float32) * c.global_scale)
-    nz = scale[scale > 0]
+    nz = scale[(scale > 0) & torch.isfinite(scale)]
     out = {"scale_exp_min": int(torch.floor(torch.log2(nz.min()))) if nz.numel() else 0,
            "scale_exp_max": int(torch.floor(torch.log2(nz.max()))) if nz.numel() else 0,
            "global_scale": float(c.global_scale) if c.global_scale is not None else None}
-    if stats:
+    if stats and c.data.numel():
         x = c.dequantize()
         blocks = (c.data == 0).reshape(*c.data.shape[:-1], -1, c.format.block // 2).all(-1)
         out.update(absmax=float(x.abs().max()) if x.numel() else 0.0,
@@ -238,12 +239,12 @@ def _inspect_fp4(d: SafetensorsDir, path, fmt: str, quant: str, *, stats: bool, 
         if on_progress is not None:
             on_progress(i, len(weights))
         c = read_fp4(d.get, w, fmt, quant)
-        bad = fp4_data_problems(c, w)
+        bad = fp4_data_problems(c, w, d.get(w.global_scale) if w.global_scale else None)
         problems += bad
         pairs.append({"values": w.values, "scale": w.scale, "global_scale_tensor": w.global_scale,
                       "shape": list(w.shape), "element": "e2m1", "quant": quant,
                       "scale_shape": list(c.scale.shape), "scale_dtype": dtype_str(c.scale.dtype),
-                      "ok": not bad, **_fp4_stats(c, stats and not bad)})
+                      "ok": not bad, **(_fp4_stats(c, stats) if not bad else {})})
     if on_progress is not None:
         on_progress(len(weights), len(weights))
     if not weights and not problems:

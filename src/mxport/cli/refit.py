@@ -470,7 +470,7 @@ def _print_result(out: dict) -> None:
         console.print(f"generated (receiver 1, last step): {rows[-1]['receivers'][0]['text']!r}",
                       highlight=False)
     if out.get("delta") and rows:
-        _print_delta(rows)
+        _print_delta(rows, out.get("quant", "mxfp8"))
     plan = out.get("plan") or {}
     if out.get("quant", "mxfp8") != "mxfp8" and "mxfp8_bytes" in plan:
         console.print(f"{out['quant']}: {plan['bytes'] / 1e6:.1f} MB per refit, MXFP8 of the same model "
@@ -478,12 +478,13 @@ def _print_result(out: dict) -> None:
                       highlight=False)
 
 
-def _print_delta(rows: list[dict]) -> None:
+def _print_delta(rows: list[dict], quant: str = "mxfp8") -> None:
     """One line per step of a --delta run: how it went out and what changed."""
     for r in rows:
         how = ("delta" if r["delta"] else "whole (no engine base yet)" if r["blocks_changed"] is None
                else "whole (an engine was on another version)")
-        blocks = "" if r["blocks_changed"] is None else f", {r['blocks_changed']:.2%} of MXFP8 blocks changed"
+        changed = r["blocks_changed"]
+        blocks = "" if changed is None else f", {changed:.2%} of {quant.upper()} blocks changed"
         console.print(f"step {r['step']}: {how}: {r['bytes'] / 1e6:.2f} of {r['full_bytes'] / 1e6:.2f} MB "
                       f"({r['bytes'] / r['full_bytes']:.3f}){blocks}", highlight=False)
 

@@ -106,8 +106,8 @@ def _trainer(cfg: DemoConfig, transport, q) -> None:
 
 def _delta_figures(sender, stats) -> dict:
     """A delta refit's figures: the full stream's bytes beside the ``bytes`` sent, whether it went out as a
-    delta, and the fraction of MXFP8 blocks whose bytes changed (null: no base to compare: the first
-    refit)."""
+    delta, and the fraction of blocks (MXFP8, or the 4-bit format's) whose bytes changed (null: no base to
+    compare: the first refit)."""
     from ..refit.stream.delta import streams_block_counts
 
     hit, total = streams_block_counts(sender.streams)

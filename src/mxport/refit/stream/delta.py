@@ -125,10 +125,19 @@ def changed_bytes(deltas: list[tuple[int, BucketDelta]]) -> torch.Tensor:
         torch.zeros(0, dtype=torch.int64)
 
 
+def _block_bytes(values, scales) -> int:
+    """Value bytes per block: 32 FP8 elements (MXFP8), 16 bytes of packed E2M1 (MXFP4: 32 elements), or 8
+    (NVFP4: 16 elements, its E4M3 scales tell it apart)."""
+    if values.dtype != "uint8":
+        return 32
+    return 8 if scales is not None and scales.dtype == "float8_e4m3fn" else 16
+
+
 def block_counts(plan, offsets: torch.Tensor) -> tuple[int, int]:
-    """``(changed, total)`` MXFP8 blocks of the plan's values entries, from the changed stream byte
-    ``offsets``: byte ``i`` of a values entry is in block ``i // 32`` (rowwise blocks, K a multiple of 32),
-    byte ``i`` of the (compact, rowwise) scales entry after it is block ``i``'s scale."""
+    """``(changed, total)`` blocks (MXFP8, MXFP4 or NVFP4) of the plan's values entries, from the changed
+    stream byte ``offsets``: byte ``i`` of a values entry is in block ``i // block_bytes`` (rowwise blocks, K
+    whole blocks; :func:`_block_bytes`), byte ``i`` of the (compact, rowwise) scales entry after it is block
+    ``i``'s scale (an NVFP4 global scale after that is not a block)."""
     entries = plan.entries
     starts = torch.tensor([e.offset for e in entries], dtype=torch.int64)
     which = torch.searchsorted(starts, offsets, right=True) - 1
@@ -136,8 +145,10 @@ def block_counts(plan, offsets: torch.Tensor) -> tuple[int, int]:
     for i, e in enumerate(entries):
         if e.role != "values":
             continue
-        blocks = e.nbytes // 32
-        got = [(offsets[which == i] - e.offset) // 32]
+        scales = entries[i + 1] if i + 1 < len(entries) and entries[i + 1].role == "scales" else None
+        per = _block_bytes(e, scales)
+        blocks = e.nbytes // per
+        got = [(offsets[which == i] - e.offset) // per]
         if i + 1 < len(entries) and entries[i + 1].role == "scales":
             got.append(offsets[which == i + 1] - entries[i + 1].offset)
         got = torch.cat(got)
