@@ -263,3 +263,65 @@ def test_inspect_names_an_infinite_global_scale_without_crashing(tmp_path, fmt, 
     for stats in (True, False):
         r = inspect(tmp_path / "out", stats=stats)
         assert f"{w}{name}: {says}" in r.problems
+
+
+def test_compressed_tensors_nvfp4_keeps_a_tiny_weight(tmp_path):
+    """An amax below ~7.9e-36 overflows the divisor 2688 / amax: it is clamped to the largest float32 (it fell
+    back to 1 and every value decoded to 0, found by a breaking round); ModelOpt's form keeps it too."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    w = torch.randn(8, 64) * 1e-39
+    save_file({"model.layers.0.mlp.down_proj.weight": w}, str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    for fmt in ("compressed-tensors", "modelopt"):
+        export_checkpoint(src, tmp_path / fmt, quant="nvfp4", fmt=fmt)
+        r = inspect(tmp_path / fmt)
+        assert r.ok, r.problems
+        names = quant_names("model.layers.0.mlp.down_proj.weight", fmt, "nvfp4")
+        out = load(tmp_path / fmt)
+        g = out[names[2]].reshape(())
+        g = g if fmt == "modelopt" else 1.0 / g
+        from mxport.fp4 import NVFP4, FP4Components
+
+        decoded = FP4Components(NVFP4, out[names[0]], out[names[1]], g).dequantize()
+        assert (decoded - w).abs().max() <= 0.25 * w.abs().max() and decoded.abs().max() > 0, fmt
+
+
+def test_mxfp8_readers_refuse_a_4bit_checkpoint_in_one_line(tmp_path):
+    from mxport.checkpoint import open_checkpoint
+    from mxport.checkpoint.readers import CheckpointError
+
+    export_checkpoint(make_tiny_llama(tmp_path / "src"), tmp_path / "out", quant="mxfp4",
+                      fmt="compressed-tensors")
+    with pytest.raises(CheckpointError, match="holds MXFP4 weights .compressed-tensors.: `mxport inspect`"):
+        open_checkpoint(tmp_path / "out")
+
+
+def test_smaller_breaking_round_findings(tmp_path):
+    """The dry run refuses what the export refuses (NVFP4 fused experts), reasons name the 4-bit format, a
+    NaN weight is named, and MLA's q_a_proj / kv_a_proj_with_mqa share a global scale (vLLM fuses them)."""
+    from safetensors.torch import save_file
+
+    from mxport.testing import make_tiny_mixtral
+
+    moe = make_tiny_mixtral(tmp_path / "moe", experts=2, layers=1, fused_experts=True)
+    res = CliRunner().invoke(app, ["export", str(moe), "--dry-run", "--quant", "nvfp4"])
+    assert res.exit_code == 2 and "fused expert tensors" in res.output
+    res = CliRunner().invoke(app, ["export", str(make_tiny_llama(tmp_path / "l")), "--dry-run", "--quant",
+                                   "mxfp4", "--json", "-"])
+    decisions = json.loads(res.stdout[res.stdout.index("{"):])["decisions"]
+    reasons = {d["reason"] for d in decisions if d["quantize"]}
+    assert reasons == {"linear weight: MXFP4"}
+    src = tmp_path / "nan"
+    src.mkdir()
+    w = torch.randn(8, 64)
+    w[3, 7] = float("nan")
+    save_file({"model.layers.0.mlp.up_proj.weight": w}, str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight: nvfp4: x holds NaN or Inf"):
+        export_checkpoint(src, tmp_path / "o", quant="nvfp4")
+    a = "model.layers.3.self_attn."
+    assert global_scale_group(a + "q_a_proj.weight") == global_scale_group(a + "kv_a_proj_with_mqa.weight")
+    assert global_scale_group(a + "q_b_proj.weight") == a + "q_b_proj.weight"

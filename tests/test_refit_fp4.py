@@ -106,6 +106,17 @@ def test_cli_refit_quant_refusals(tmp_path):
     for args in (["--engine", "vllm"], ["--trainer", "fsdp=2"]):
         r = CliRunner().invoke(app, ["refit", str(src), "--quant", "nvfp4", *args])
         assert r.exit_code == 2 and "--quant nvfp4 refits the mxport engine" in " ".join(r.output.split())
+    # weights the 4-bit refit cannot carry are refused before any process starts (they failed in the
+    # processes, with a traceback, found by a breaking round)
+    from mxport.testing import make_tiny_mixtral
+
+    odd = make_tiny_llama(tmp_path / "odd", hidden=48, intermediate=40)
+    moe = make_tiny_mixtral(tmp_path / "moe", experts=2, layers=1, fused_experts=True)
+    for src, quant, needle in ((odd, "nvfp4", "down_proj.weight [48, 40]"), (odd, "mxfp4", "[48, 48]"),
+                               (moe, "nvfp4", "experts.gate_up_proj [2, ")):
+        r = CliRunner().invoke(app, ["refit", str(src), "--quant", quant])
+        out = " ".join(r.output.split())
+        assert r.exit_code == 2 and f"--quant {quant} refits 2-D weights" in out and needle in out, out
 
 
 def test_cli_refit_quant_nvfp4_delta(tmp_path):
@@ -145,3 +156,17 @@ def test_delta_block_counts_know_the_4bit_layouts(quant, blocks):
     assert block_counts(plan, torch.tensor([second_block_byte])) == (1, blocks)
     scale_of_block_1 = plan.entries[1].offset  # another block: its scale byte changed
     assert block_counts(plan, torch.tensor([second_block_byte, scale_of_block_1])) == (2, blocks)
+
+
+def test_fp4_linear_keeps_its_bytes_through_a_dtype_cast():
+    """``module.to(torch.bfloat16)`` casts floating buffers: the E4M3 scales and the float32 global scale are
+    format bytes and stay as they were (the global scale was rounded to BF16 and back, found by a breaking
+    round); the bias follows the cast."""
+    torch.manual_seed(0)
+    m = FP4Linear.from_linear(torch.nn.Linear(64, 32), "nvfp4")
+    before = {n: b.clone() for n, b in m.named_buffers()}
+    m.to(torch.bfloat16)
+    m.half()
+    for n, b in m.named_buffers():
+        assert b.dtype == before[n].dtype and torch.equal(b.view(torch.uint8), before[n].view(torch.uint8)), n
+    assert m.bias.dtype == torch.float16

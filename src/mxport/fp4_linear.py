@@ -93,12 +93,13 @@ class FP4Linear(nn.Module):
         return F.linear(x, self.decoded_weight(x.dtype), bias)
 
     def _apply(self, fn, recurse=True):
-        # nn.Module.to(dtype) would cast the float buffers: the scales and global scale keep their dtypes
-        dtypes = {n: b.dtype for n, b in self._buffers.items() if b is not None}
+        # nn.Module.to(dtype) casts every floating buffer: the E4M3 scales and the float32 global scale are
+        # bytes of the format, never rounded: a cast one is replaced by the original, moved where fn put it
+        before = {n: b for n, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
-        for n, dt in dtypes.items():
-            if self._buffers[n].dtype != dt:
-                self._buffers[n] = self._buffers[n].to(dt)
+        for n, b in before.items():
+            if self._buffers[n].dtype != b.dtype:
+                self._buffers[n] = b.to(self._buffers[n].device)
         self._cache = None
         return self
 

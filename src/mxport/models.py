@@ -188,13 +188,16 @@ def fp8_source_error(names: list[str]) -> ValueError:
                       "inspect` reads MXFP8 checkpoints of every format)")
 
 
-def fp4_source_error(config: dict | None) -> ValueError | None:
+def fp4_source_error(config: dict | None, entries=()) -> ValueError | None:
     """Why a source whose ``config.json`` declares 4-bit weights
-    (:func:`~mxport.checkpoint.naming.detect_fp4`) is refused as a model to quantize, train or verify (its
-    packed uint8 values would pass as plain tensors); None for any other config."""
+    (:func:`~mxport.checkpoint.naming.detect_fp4`), or whose tensors (``entries``: ``(name, shape, dtype)``)
+    are named and typed as 4-bit weights (:func:`~mxport.checkpoint.fp4_pairs.fp4_by_names`), is refused as
+    a model to quantize, train or verify (its packed uint8 values would pass as plain tensors); None
+    otherwise."""
+    from .checkpoint.fp4_pairs import fp4_by_names
     from .checkpoint.naming import detect_fp4
 
-    found = detect_fp4((config or {}).get("quantization_config"))
+    found = detect_fp4((config or {}).get("quantization_config")) or fp4_by_names(entries)
     if found is None:
         return None
     return ValueError(f"the source is already an {found[1].upper()} checkpoint ({found[0]}): mxport "
@@ -234,9 +237,11 @@ def load_causal_lm(source: str | os.PathLike | ModelSource | None = None, *,
     fp8 = fp8_tensor_names(src)
     if fp8:
         raise fp8_source_error(fp8)
-    config_file = src.path / "config.json"
-    if src.kind == "hf_dir" and config_file.is_file():
-        fp4 = fp4_source_error(json.loads(config_file.read_text()))
+    if src.kind == "hf_dir":
+        from .checkpoint.readers import SafetensorsDir
+
+        with SafetensorsDir(src.path) as d:
+            fp4 = fp4_source_error(d.config, d.entries())
         if fp4 is not None:
             raise fp4
     kwargs = {"local_files_only": True}

@@ -104,18 +104,23 @@ def share_group(name: str) -> tuple[str, str] | None:
 
 
 _W13_RE = re.compile(r"^(.*\.experts\.\d+)\.(w1|w3)\.weight$")
+_MLA_A_RE = re.compile(r"^(.*)\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")
 
 
 def global_scale_group(name: str) -> str:
     """The key of the weights that share one NVFP4 global scale with ``name`` (ModelOpt and llmcompressor
     share it where vLLM fuses: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, one expert's w1/w3
-    into its ``w13``); ``name`` itself otherwise."""
+    into its ``w13``, MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``); ``name`` itself
+    otherwise."""
     m = _FUSED_RE.match(name)
     if m:
         fused = "qkv_proj" if m.group(2) in ("q_proj", "k_proj", "v_proj") else "gate_up_proj"
         return f"{m.group(1)}.{fused}"
     m = _W13_RE.match(name)
-    return f"{m.group(1)}.w13" if m else name
+    if m:
+        return f"{m.group(1)}.w13"
+    m = _MLA_A_RE.match(name)
+    return f"{m.group(1)}.fused_qkv_a_proj" if m else name
 
 
 @dataclass(frozen=True)

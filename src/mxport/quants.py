@@ -71,16 +71,13 @@ class Quant:
         return fp4.nvfp4_global_scale(torch.as_tensor(amax, dtype=torch.float32).reshape(1))
 
     def global_divisor_of(self, amax: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-        """NVFP4 as compressed-tensors stores it: the divisor ``d = (6 * 448) / amax`` first (float32; 1.0
-        where that is not finite), then ``g = 1 / d`` (float32), so that vLLM's ``1 / d`` at load is ``g``
-        exactly. Returns ``(g, d)``, 0-d."""
+        """NVFP4 as compressed-tensors stores it: the divisor ``d = (6 * 448) / amax`` first (float32; the
+        largest float32 where that overflows, an amax below about 7.9e-36; 1.0 for amax 0), then ``g = 1 / d``
+        (float32), so that vLLM's ``1 / d`` at load is ``g`` exactly. Returns ``(g, d)``, 0-d."""
         a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
         d = torch.tensor(fp4.E2M1_MAX * fp4.E4M3_MAX, dtype=torch.float32) / a
-        d = torch.where(torch.isfinite(d) & (d > 0), d, torch.ones_like(d))
-        g = 1.0 / d
-        if not (bool(torch.isfinite(g)) and float(g) > 0):  # d so large that 1 / d underflows
-            d, g = torch.ones_like(d), torch.ones_like(d)
-        return g, d
+        d = torch.where(a == 0, torch.ones_like(d), d.clamp(max=torch.finfo(torch.float32).max))
+        return 1.0 / d, d
 
     def quantize(self, x: torch.Tensor, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                  nonzero_scales: bool = False, global_scale: torch.Tensor | None = None) -> Quantized:

@@ -118,7 +118,7 @@ def plan(reader, policy: PrecisionPolicy | None = None) -> list[Decision]:
     """
     from ..models import fp4_source_error, fp8_source_error
 
-    fp4 = fp4_source_error(reader.config)  # NVFP4 holds E4M3 scales: say which checkpoint it is first
+    fp4 = fp4_source_error(reader.config, reader.entries())  # NVFP4's E4M3 scales: say which one it is first
     if fp4 is not None:
         raise fp4
     entries = reader.entries()
@@ -153,6 +153,10 @@ def align_decisions(decisions: list[Decision], keep_unaligned: bool = False,
     its source dtype; a tensor that shares one precision with a kept one (:func:`mxport.policy.share_group`:
     q/k/v, gate/up, one MoE layer's experts) is kept with it. Each kept tensor's reason says why."""
     quant = get_quant(quant)
+    if quant is not MXFP8:  # the policy's reasons say MXFP8: the export writes another format
+        name = quant.name.upper()
+        decisions = [Decision(d.name, d.shape, d.dtype, True, d.reason.replace("MXFP8", name)) if d.quantize
+                     else d for d in decisions]
     bad = unaligned(decisions, quant)
     if not bad:
         return decisions
@@ -356,6 +360,22 @@ def _decide(reader, policy, keep_unaligned: bool, config: dict, quant: Quant):
     return decisions, kept, excl, _outputs(decisions, naming)
 
 
+def refuse_split(decisions, outputs, quant: Quant) -> None:
+    """ValueError for an NVFP4 export of a fused 3-D expert tensor (written per expert: each expert's w1/w3
+    would need a global scale of its own pair)."""
+    if not quant.global_scale:
+        return
+    for d in (d for d in decisions if d.quantize and len(outputs[d.name]) > 1):
+        raise ValueError(f"{quant.name} export of fused expert tensors ({d.name}) is not supported; exclude "
+                         "the experts (--exclude '*.experts.*') or export them as mxfp8")
+
+
+def check_dry_run(reader, decisions, quant: Quant | str) -> None:
+    """The refusals a real export makes after its decisions, for ``--dry-run`` (:func:`refuse_split`)."""
+    naming = checkpoint_naming(reader.config or {}, [d.name for d in decisions])
+    refuse_split(decisions, _outputs(decisions, naming), get_quant(quant))
+
+
 def global_scales(reader, decisions, outputs, quant: Quant, fmt: str = "modelopt"
                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """NVFP4: each quantized output tensor's global scale ``(g, stored)``, from the largest magnitude of the
@@ -366,13 +386,13 @@ def global_scales(reader, decisions, outputs, quant: Quant, fmt: str = "modelopt
     is refused: its experts' w1/w3 pairs would each need their own shared scale."""
     if not quant.global_scale:
         return {}
+    refuse_split(decisions, outputs, quant)
     amax: dict[str, torch.Tensor] = {}
     for d in (d for d in decisions if d.quantize):
-        if len(outputs[d.name]) > 1:
-            raise ValueError(f"{quant.name} export of fused expert tensors ({d.name}) is not supported; "
-                             "exclude the experts (--exclude '*.experts.*') or export them as mxfp8")
         m = max((rows.abs().amax().float() for rows in reader.iter_rows(d.name, CHUNK_NUMEL) if rows.numel()),
                 default=torch.tensor(0.0))  # an empty tensor: amax 0, global scale 1
+        if not bool(torch.isfinite(m)):
+            raise ValueError(f"{d.name}: {quant.name}: x holds NaN or Inf, which E2M1 cannot encode")
         key = global_scale_group(outputs[d.name][0][0])
         amax[key] = torch.maximum(amax.get(key, m), m)
     pair = (quant.global_divisor_of if fmt == "compressed-tensors"
@@ -492,8 +512,11 @@ class _Router:
         if not self.d.quantize:
             self.submit(name, enc.kept(rows))
             return
-        q = enc.quant.quantize(rows, fp8_dtype=enc.fp8_dtype, nonzero_scales=enc.nonzero_scales,
-                               global_scale=enc.globals[name][0] if name in enc.globals else None)
+        try:
+            q = enc.quant.quantize(rows, fp8_dtype=enc.fp8_dtype, nonzero_scales=enc.nonzero_scales,
+                                   global_scale=enc.globals[name][0] if name in enc.globals else None)
+        except ValueError as exc:  # say which tensor (NaN / Inf a 4-bit format cannot encode)
+            raise ValueError(f"{self.d.name}: {exc}") from None
         self.submit(quant_names(name, enc.fmt, enc.quant.name)[0], q.values)
         self.scales.append(q.scale)
 

@@ -125,3 +125,19 @@ def fp4_data_problems(c: FP4Components, w: FP4Weight, stored: torch.Tensor | Non
     if bits.numel() and bool((bits == 0).all()) and bool((c.data != 0).any()):
         out.append(f"{w.scale}: every scale is 0 but the values are not zero: scales never written?")
     return out
+
+
+def fp4_by_names(entries) -> tuple[str, str] | None:
+    """``(format, quant)`` of a checkpoint without a quantization config whose tensors are named and typed
+    like 4-bit weights: a uint8 ``<m>.weight_packed`` with its ``<m>.weight_scale`` (compressed-tensors), or a
+    uint8 ``<m>.weight`` with a ``<m>.weight_scale`` of the packed values' rank (ModelOpt; MXFP8's values are
+    FP8, never uint8); NVFP4 when the scale is E4M3, else MXFP4. None otherwise."""
+    dtypes = {n: t for n, _, t in entries}
+    for n, dt in dtypes.items():
+        if dt != torch.uint8:
+            continue
+        for suffix, fmt in ((".weight_packed", "compressed-tensors"), (".weight", "modelopt")):
+            scale = n.removesuffix(suffix) + ".weight_scale"
+            if n.endswith(suffix) and scale in dtypes:
+                return fmt, "nvfp4" if dtypes[scale] == torch.float8_e4m3fn else "mxfp4"
+    return None

@@ -33,7 +33,7 @@ import torch
 
 from ..components import MXFP8Components
 from ..formats import BLOCK_SIZE, e8m0_to_float
-from .fp4_pairs import fp4_data_problems, fp4_weights, read_fp4
+from .fp4_pairs import fp4_by_names, fp4_data_problems, fp4_weights, read_fp4
 from .naming import detect_fp4
 from .readers import SafetensorsDir, analyse_pairs, data_problems, describe_quantization, dtype_str
 
@@ -190,9 +190,11 @@ def inspect(path: str | os.PathLike, *, stats: bool = True,
     """
     with SafetensorsDir(path) as d:
         q = describe_quantization(d)
-        fp4 = detect_fp4(q.config)
+        fp4, source = detect_fp4(q.config), "config"
+        if fp4 is None and q.format is None:
+            fp4, source = fp4_by_names(d.entries()), "names"
         if fp4 is not None:
-            return _inspect_fp4(d, path, *fp4, stats=stats, on_progress=on_progress)
+            return _inspect_fp4(d, path, *fp4, source, stats=stats, on_progress=on_progress)
         a = analyse_pairs(d.entries(), q.format, q.declared)
         problems, warnings = list(a.problems), list(a.warnings)
         pairs = _decode_pairs(d, a, q.format, stats, problems, warnings, on_progress)
@@ -230,7 +232,8 @@ def _fp4_stats(c, stats: bool) -> dict:
     return out
 
 
-def _inspect_fp4(d: SafetensorsDir, path, fmt: str, quant: str, *, stats: bool, on_progress) -> InspectReport:
+def _inspect_fp4(d: SafetensorsDir, path, fmt: str, quant: str, source: str = "config", *, stats: bool,
+                 on_progress) -> InspectReport:
     """:func:`inspect` of a 4-bit checkpoint (:mod:`mxport.checkpoint.fp4_pairs`)."""
     entries = d.entries()
     weights, roles, problems = fp4_weights(entries, fmt, quant)
@@ -249,10 +252,13 @@ def _inspect_fp4(d: SafetensorsDir, path, fmt: str, quant: str, *, stats: bool, 
         on_progress(len(weights), len(weights))
     if not weights and not problems:
         problems.append(f"config declares {quant.upper()} ({fmt}) but no 4-bit weight is in the files")
+    if source == "names":
+        problems.append(f"no quantization config: the tensors look like {fmt} {quant.upper()} weights, but an"
+                        " engine reads them as plain tensors (config.json's quantization_config is missing)")
     pair_of = {t: w.name for w in weights for t in (w.values, w.scale, w.global_scale) if t}
     tensors = tuple({"name": n, "shape": list(s), "dtype": dtype_str(t), "role": roles[n],
                      "pair": pair_of.get(n)} for n, s, t in entries)
-    return InspectReport(str(path), fmt, "config", tensors, tuple(pairs), _totals(d, roles, 2),
+    return InspectReport(str(path), fmt, source, tensors, tuple(pairs), _totals(d, roles, 2),
                          tuple(problems), (), {key: [] for key in K_RULES}, quant)
 
 

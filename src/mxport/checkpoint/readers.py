@@ -705,6 +705,18 @@ def _first(problems, path) -> str:
     return f"checkpoint {str(path)!r}: {problems[0]}{more}"
 
 
+def _refuse_fp4(d: SafetensorsDir, q: QuantDescription, path) -> None:
+    """A 4-bit checkpoint (by its config or, without one, by its tensors) is not read as MXFP8: say so."""
+    from .fp4_pairs import fp4_by_names
+    from .naming import detect_fp4
+
+    found = detect_fp4(q.config) or (fp4_by_names(d.entries()) if q.format is None else None)
+    if found:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds {found[1].upper()} weights ({found[0]}): "
+                              "`mxport inspect` reads it; this reads MXFP8 checkpoints (for 4-bit fidelity, "
+                              f"`mxport verify --quant {found[1]}` on the source model)")
+
+
 class CheckpointReader:
     """An exported MXFP8 checkpoint (one of :data:`~mxport.checkpoint.naming.FORMATS`) or a plain HF folder.
 
@@ -728,6 +740,7 @@ class CheckpointReader:
             self.config = self._dir.config
             q = describe_quantization(self._dir)
             self.format = q.format
+            _refuse_fp4(self._dir, q, path)
             a = analyse_pairs(self._dir.entries(), q.format, q.declared)
             if a.problems:
                 raise CheckpointError(_first(a.problems, path))

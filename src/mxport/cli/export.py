@@ -12,6 +12,7 @@ from ..checkpoint.export import (
     DTYPES,
     FP8_DTYPES,
     align_decisions,
+    check_dry_run,
     export_checkpoint,
     open_source,
     plan,
@@ -98,6 +99,7 @@ def export_cmd(
         if dry_run:
             reader = open_source(source)
             decisions = align_decisions(plan(reader, policy), keep_unaligned, quant)
+            check_dry_run(reader, decisions, quant)
             reader.close()
             _print_plan(decisions, reader.label, quant)
             if json_out:
@@ -120,9 +122,10 @@ def _print_result(result, fmt: str) -> None:
                   f"{len(result.files)} files", highlight=False)
     if not n_q:  # what inspect then reports as a problem: an MXFP8 config over no MXFP8 tensor
         q = result.quant.upper()
-        console.print(f"[yellow]warning:[/] no tensor is {q} (--include / --exclude / --keep-first left "
-                      f"none), yet the config declares {q} quantization; check the patterns with --dry-run",
-                      highlight=False)
+        why = ("--keep-unaligned kept every weight" if result.kept_unaligned
+               else "--include / --exclude / --keep-first left none")
+        console.print(f"[yellow]warning:[/] no tensor is {q} ({why}), yet the config declares {q} "
+                      "quantization; check the patterns with --dry-run", highlight=False)
     reasons = {d.name: d.reason for d in result.decisions}
     for name in result.kept_unaligned:
         console.print(f"[yellow]kept in high precision[/] {name}: {reasons[name].removeprefix('kept: ')}",

@@ -128,6 +128,7 @@ def refit(
         trainer_layout, (name, engine_layout) = Layout.parse(trainer), parse_engine(engine)
         _check_quant(Quant(quant).value, name, trainer_layout, engine_layout)
         name, src, bucket_bytes = _prepare(source, engine, trainer, bucket_mb, receivers)
+        _check_quant_model(src, Quant(quant).value)
         run = _Run(steps, bucket_bytes, receivers, max_new_tokens, lr, timeout, delta, Quant(quant).value)
     t0 = time.perf_counter()
     note = _prompt_note(src)
@@ -166,6 +167,26 @@ def _check_quant(quant: str, name: str, trainer_layout, engine_layout) -> None:
         raise ValueError(f"--quant {quant} refits the mxport engine from one trainer rank (--engine mxport, "
                          "no layouts): vLLM's CPU build has no NVFP4 weight-only kernel and the sharded "
                          "refit slices MXFP8 only (`mxport export --quant` writes checkpoints vLLM loads)")
+
+
+def _check_quant_model(src, quant: str) -> None:
+    """Refuse up front (one line, exit 2) a model whose weights the 4-bit refit cannot carry: a quantized
+    weight that is not 2-D (fused experts) or whose K is not whole blocks (the processes would fail after
+    starting)."""
+    if quant == "mxfp8":
+        return
+    from ..capacity import config_entries
+    from ..policy import PrecisionPolicy
+    from ..quants import get_quant
+
+    q = get_quant(quant)
+    bad = [d for d in PrecisionPolicy().decide_all(config_entries(_model_config(src)))
+           if d.quantize and (len(d.shape) != 2 or not q.aligned(d.shape[-1]))]
+    if bad:
+        d = bad[0]
+        raise ValueError(f"--quant {quant} refits 2-D weights whose K is a multiple of {q.block}: {d.name} "
+                         f"{list(d.shape)}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''} cannot be "
+                         f"{quant.upper()} (refit it as mxfp8)")
 
 
 def _make_job(name, src, trainer_layout, engine_layout, run: _Run) -> _Job:
