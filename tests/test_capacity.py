@@ -109,6 +109,29 @@ def test_predict_counts_bytes_exactly():
     assert r.speedup == pytest.approx(r.bf16.seconds / r.mxfp8.seconds)
 
 
+def test_bf16_sharded_path_routes_slices_at_two_bytes_an_element():
+    """The BF16 path systems at scale run (vLLM RDT, NeMo-RL nccl_reshard): each engine rank receives its own
+    slice in BF16 from the trainer ranks that hold it, then quantizes it; no gather, no full broadcast."""
+    hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=2.0, overlap=False)
+    r = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw, engine_replicas=3)
+    s = r.bf16_sharded
+    rank = (32 * 64 + 64 * 32 + 50 * 64 + 64) * 2  # q and o slices, the embedding's rows, the norm: BF16
+    assert s.bytes_per_engine_rank == rank and s.wire_bytes == rank * 2 * 3
+    assert s.bytes_per_trainer_rank == rank * 3 and s.gather_seconds == 0
+    assert s.wire_seconds == pytest.approx(rank * 3 / 1e9)  # 2 trainer ranks share 2 x 3 engine ranks' bytes
+    assert s.quantize_seconds == r.bf16.quantize_seconds  # the engine ranks quantize their slices
+    assert s.seconds == pytest.approx(s.wire_seconds + s.quantize_seconds)
+    assert r.speedup_sharded == pytest.approx(s.seconds / r.mxfp8.seconds)
+    assert r.bf16.seconds > s.seconds > r.mxfp8.seconds
+    d = r.to_dict()
+    assert d["bf16_sharded"]["wire_bytes"] == s.wire_bytes
+    assert d["speedup_vs_bf16_sharded"] == r.speedup_sharded
+    # with host rates its protocol passes are the MXFP8 path's at BF16's bytes
+    h = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), Hardware(host_copy_gbps=1.0), engine_replicas=3)
+    mx_bytes = h.mxfp8.bytes_per_engine_rank
+    assert h.bf16_sharded.host_seconds == pytest.approx(h.mxfp8.host_seconds * rank / mx_bytes)
+
+
 def test_shared_bandwidth_bounds_every_phase_by_its_total_bytes():
     """Ranks sharing one host (loopback) or one NIC: a phase takes at least all its bytes over the shared
     bandwidth — the gather moves (group - 1) x the model, the wires every engine rank's bytes."""

@@ -13,6 +13,10 @@ What it counts (per refit, every tensor of the model once per engine replica):
   ``update_weights_from_distributed``, vLLM's collective weight update: each worker's loader slices what it
   holds), and every engine rank quantizes its slice.
 
+**BF16 sharded** (what systems at scale run: vLLM's RDT weight transfer, NeMo-RL's ``nccl_reshard``): each
+engine rank receives only its slice, in BF16, straight from the trainer ranks that hold it (the routing of the
+MXFP8 path, two bytes an element), then quantizes it; no gather, no broadcast of full tensors.
+
 MXFP8: each engine rank receives only the slice it holds (:func:`mxport.parallel.engine_shard`, vLLM's
 tensor / expert parallel slicing); the trainer ranks share the sending equally. Every rank has one link of
 ``link_gbps``; the wire time is the busier side's bytes over it: ``t_wire = max(wire_bytes / trainer_ranks,
@@ -133,7 +137,7 @@ class PathEstimate:
     quantize_seconds: float      # trainer ranks (MXFP8) or engine ranks (BF16)
     wire_seconds: float
     seconds: float               # predicted refit time
-    host_seconds: float = 0.0    # MXFP8: the protocol's host passes inside ``seconds`` (HostPasses)
+    host_seconds: float = 0.0    # the protocol's host passes in ``seconds`` (HostPasses; not the bcast)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,18 +158,27 @@ class CapacityReport:
     bf16: PathEstimate
     problems: tuple[str, ...] = field(default=())
     passes: HostPasses = HostPasses(0, 0, 0, 0, 0, 0)
+    bf16_sharded: PathEstimate | None = None
 
     @property
     def speedup(self) -> float:
-        """BF16 time over MXFP8 time."""
+        """BF16 (gather + broadcast) time over MXFP8 time."""
         return self.bf16.seconds / self.mxfp8.seconds if self.mxfp8.seconds else math.inf
+
+    @property
+    def speedup_sharded(self) -> float:
+        """BF16 sharded time over MXFP8 time."""
+        s = self.bf16_sharded
+        return s.seconds / self.mxfp8.seconds if s is not None and self.mxfp8.seconds else math.inf
 
     def to_dict(self) -> dict:
         return {"model": self.model, "parameters": self.parameters,
                 "quantized_parameters": self.quantized_parameters, "trainer": self.trainer,
                 "engine": self.engine, "engine_replicas": self.engine_replicas,
                 "hardware": asdict(self.hardware), "mxfp8": self.mxfp8.to_dict(), "bf16": self.bf16.to_dict(),
-                "speedup": self.speedup, "problems": list(self.problems), "passes": self.passes.to_dict()}
+                "speedup": self.speedup, "problems": list(self.problems), "passes": self.passes.to_dict(),
+                "bf16_sharded": self.bf16_sharded.to_dict() if self.bf16_sharded else None,
+                "speedup_vs_bf16_sharded": self.speedup_sharded}
 
 
 def _kv_heads(config: dict) -> int | None:
@@ -208,7 +221,7 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
                          f"{kept_bytes}, {bucket_bytes}")
     decisions = (policy or PrecisionPolicy()).decide_all(entries)
     kv = _kv_heads(config or {})
-    mx_rank = cut = zero = scatter = 0
+    mx_rank = cut = zero = scatter = bf_slice = 0
     params = quant_params = quant_rank = 0
     problems: list[str] = _attention_problems(config or {}, engine)
     for d in decisions:
@@ -225,6 +238,7 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
         else:
             mx_held = held * kept_bytes
         mx_rank += mx_held
+        bf_slice += held * BF16_BYTES
         c, z, sc = _piece_passes(d.name, tuple(d.shape), tuple(shard.shape), mx_held,
                                  1 if d.quantize else kept_bytes, trainer, kv, d.quantize, bucket_bytes)
         cut, zero, scatter = cut + c, zero + z, scatter + sc
@@ -254,8 +268,27 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
                       send_s + check_s + commit_s)
     bf = PathEstimate(bf_wire, math.ceil(bf_sent / t_ranks), bf_rank, gather_s, bf_quant_s, bf_wire_s,
                       gather_s + bf_wire_s + bf_quant_s)
+    sharded = _bf16_sharded(bf_slice, mx_all, stage_ranks, replicas, trainer, engine, hardware, bf_quant_s,
+                            (send_s, check_s, commit_s))
     return CapacityReport(model, params, quant_params, str(trainer), str(engine), replicas, hardware, mx, bf,
-                          tuple(dict.fromkeys(problems)), passes)
+                          tuple(dict.fromkeys(problems)), passes, sharded)
+
+
+def _bf16_sharded(bf_slice: int, mx_all: int, stage_ranks: int, replicas: int, trainer: Layout,
+                  engine: Layout, hardware: Hardware, quant_s: float, host: tuple[float, float, float]
+                  ) -> PathEstimate:
+    """The BF16 sharded path (module doc): the MXFP8 path's routing and host passes at BF16's bytes
+    (``bf_slice``: one rank of each stage together), then the engine ranks quantize their slices."""
+    link, shared = hardware.link_gbps * 1e9, (hardware.shared_gbps or math.inf) * 1e9
+    wire = bf_slice * stage_ranks * replicas
+    rank = math.ceil(bf_slice / engine.pp)
+    wire_s = max(wire / trainer.ranks / link, rank / link, wire / shared)
+    ratio = bf_slice / mx_all if mx_all else 1.0
+    send_s, check_s, commit_s = (x * ratio for x in host)
+    combine = max if hardware.overlap else (lambda *a: sum(a))
+    seconds = combine(wire_s, send_s, check_s) + commit_s + quant_s
+    return PathEstimate(wire, math.ceil(wire / trainer.ranks), rank, 0.0, quant_s, wire_s, seconds,
+                        send_s + check_s + commit_s)
 
 
 #: the config fields that size a causal LM's tensors (those its config class has; some are aliases of others)

@@ -110,7 +110,7 @@ def _print(r) -> None:
                   f"{r.hardware.link_gbps * 8:g} Gbit/s ({r.hardware.link_gbps:g} GB/s) links",
                   highlight=False)
     t = Table()
-    for col in ("", "MXFP8", "BF16"):
+    for col in ("", "MXFP8", "BF16 sharded", "BF16 bcast"):
         t.add_column(col, justify="right" if col else "left", no_wrap=True)
     figures = (("wire GB", "wire_bytes", 1e-9), ("GB per trainer rank", "bytes_per_trainer_rank", 1e-9),
                ("GB per engine rank", "bytes_per_engine_rank", 1e-9), ("gather s", "gather_seconds", 1),
@@ -118,9 +118,11 @@ def _print(r) -> None:
                ("host passes s", "host_seconds", 1),
                ("refit s", "seconds", 1))
     for label, key, scale in figures:
-        t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in (r.mxfp8, r.bf16)))
+        t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in (r.mxfp8, r.bf16_sharded, r.bf16)))
     console.print(t)
-    console.print(f"predicted refit time, BF16 / MXFP8: {r.speedup:.2f}x", highlight=False)
+    console.print(f"predicted refit time over MXFP8's: BF16 sharded {r.speedup_sharded:.2f}x (each engine "
+                  f"rank gets its slice, then quantizes); BF16 gather + broadcast {r.speedup:.2f}x",
+                  highlight=False)
     for problem in r.problems[:5]:
         console.print(f"[bold red]problem:[/] {problem}", highlight=False)
     if len(r.problems) > 5:
