@@ -150,12 +150,21 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil") -> FP4Components
     return FP4Components(MXFP4, pack_e2m1(codes), e.to(torch.uint8))  # amax is finite: E <= 254
 
 
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` as a float32 0-d tensor, without the copy ``abs()`` makes (``max(-min, max)``:
+    exact; NaN propagates); 0 for an empty tensor."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(-lo, hi).float()
+
+
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-tensor scale of ``x``: ``amax / (6 * 448)`` in float32 (ModelOpt's ``weight_scale_2``);
     1.0 for an all-zero tensor."""
     if x.numel() == 0:
         return torch.tensor(1.0)
-    g = x.abs().amax().float() / (E2M1_MAX * E4M3_MAX)
+    g = abs_max(x) / (E2M1_MAX * E4M3_MAX)
     return torch.where(g == 0, torch.ones_like(g), g)
 
 

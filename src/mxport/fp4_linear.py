@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp4 import FP4Components
+from .fp4 import FP4Components, abs_max
 from .nn import planned_linears
 from .policy import global_scale_group
 from .quants import Quant, get_quant
@@ -118,7 +118,7 @@ def shared_global_scales(weights: dict[str, torch.Tensor], quant: Quant | str) -
     amax: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         key = global_scale_group(name)
-        m = w.detach().abs().amax().float() if w.numel() else torch.tensor(0.0, device=w.device)
+        m = abs_max(w)
         amax[key] = torch.maximum(amax[key], m) if key in amax else m
     return {name: q.global_scale_of(amax[global_scale_group(name)]) for name in weights}
 

@@ -472,16 +472,24 @@ def fp4_rows(lib: ctypes.CDLL, x: torch.Tensor, fmt: str, rounding: str | None =
              scale_dtype: torch.dtype = torch.uint8) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 / NVFP4 (``g``: the float32 global scale) of a contiguous 2-D float32 CPU tensor, K whole blocks,
     finite values: ``(packed uint8 [M, K/2], scale bytes [M, K/block])`` (the scale viewed as
-    ``scale_dtype``), the bytes of :mod:`mxport.fp4`'s torch path."""
+    ``scale_dtype``), the bytes of :mod:`mxport.fp4`'s torch path. Rows are split over
+    ``torch.get_num_threads()`` threads for large inputs, as :func:`quantize_rows` splits them."""
     m, k = x.shape
     block = 16 if fmt == "nvfp4" else 32
     q = torch.empty((m, k // 2), dtype=torch.uint8)
     s = torch.empty((m, k // block), dtype=torch.uint8)
-    rc = lib.mxport_fp4_rows(_bytes_arg(x, "x", torch.float32), m, k, FP4_CODES[(fmt, rounding)], g,
-                             q.data_ptr(), s.data_ptr())
-    if rc == 2:
+    xp, code, nb = _bytes_arg(x, "x", torch.float32), FP4_CODES[(fmt, rounding)], k // block
+
+    def run(r0: int, r1: int) -> int:
+        return lib.mxport_fp4_rows(xp + r0 * k * 4, r1 - r0, k, code, g, q.data_ptr() + r0 * (k // 2),
+                                   s.data_ptr() + r0 * nb)
+
+    threads = max(1, min(torch.get_num_threads(), m, x.numel() // MIN_NUMEL_PER_THREAD))
+    bounds = [m * i // threads for i in range(threads + 1)]  # rows over threads, as quantize_rows
+    rcs = _run_split(lambda t: run(bounds[t], bounds[t + 1]), threads) if m else [0]
+    if 2 in rcs:
         raise ValueError(f"{fmt}: x holds NaN or Inf, which E2M1 cannot encode")
-    if rc != 0:
+    if any(rcs):
         raise ValueError(f"mxport native fp4: K={k} is not whole blocks of {block}")
     return q, s.view(scale_dtype)
 

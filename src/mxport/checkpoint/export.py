@@ -29,6 +29,7 @@ import torch
 
 from .._fs import check_output_place, clean_stale_temps, output_errors, replace_dir, temp_output_dir
 from ..formats import FLOAT_DTYPES, is_fp8_dtype
+from ..fp4 import abs_max
 from ..policy import Decision, PrecisionPolicy, exclude_modules, global_scale_group, share_group
 from ..quants import MXFP8, Quant, get_quant
 from .experts import checkpoint_naming
@@ -389,7 +390,7 @@ def global_scales(reader, decisions, outputs, quant: Quant, fmt: str = "modelopt
     refuse_split(decisions, outputs, quant)
     amax: dict[str, torch.Tensor] = {}
     for d in (d for d in decisions if d.quantize):
-        m = max((rows.abs().amax().float() for rows in reader.iter_rows(d.name, CHUNK_NUMEL) if rows.numel()),
+        m = max((abs_max(rows) for rows in reader.iter_rows(d.name, CHUNK_NUMEL) if rows.numel()),
                 default=torch.tensor(0.0))  # an empty tensor: amax 0, global scale 1
         if not bool(torch.isfinite(m)):
             raise ValueError(f"{d.name}: {quant.name}: x holds NaN or Inf, which E2M1 cannot encode")
