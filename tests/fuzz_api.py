@@ -186,8 +186,11 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def check_swizzle(s: torch.Tensor, out: torch.Tensor) -> str | None:
     r, c = s.shape
     pr, pc = -(-r // 128) * 128, -(-c // 4) * 4
-    if tuple(out.shape) != (pr, pc) or out.dtype != torch.uint8:
-        return f"swizzle shape {tuple(out.shape)} != {(pr, pc)}"
+    # E8M0 bytes come back as uint8; NVFP4's E4M3 block scales as E4M3 (the same tiles)
+    dtype = torch.float8_e4m3fn if s.dtype == torch.float8_e4m3fn else torch.uint8
+    if tuple(out.shape) != (pr, pc) or out.dtype != dtype:
+        return f"swizzle shape {tuple(out.shape)} {out.dtype} != {(pr, pc)} {dtype}"
+    out = out.view(torch.uint8)
     want = np.zeros(pr * pc, np.uint8)
     sb = s.view(torch.uint8) if s.dtype != torch.uint8 else s
     sn = sb.contiguous().numpy()
