@@ -257,6 +257,21 @@ def prepare_out(out: str | os.PathLike, overwrite: bool, source_dir: Path | None
     return out
 
 
+def check_options(fmt: str, fp8_dtype: torch.dtype, quant, activation: str = "none",
+                  nonzero_scales: bool = False, dtype: torch.dtype | None = None) -> Quant:
+    """The export's options checked together (one ValueError / TypeError naming the first bad one); returns
+    the weight format's record."""
+    check_fp8_dtype(fmt, fp8_dtype)
+    quant = get_quant(quant)
+    check_quant_format(fmt, quant.name)
+    if nonzero_scales and quant is not MXFP8:
+        raise ValueError(f"nonzero_scales applies to MXFP8's E8M0 bytes, not to {quant.name}")
+    check_activation(activation, quant.name, fmt)
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    return quant
+
+
 def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORMAT,
                       fp8_dtype: torch.dtype = torch.float8_e4m3fn, policy: PrecisionPolicy | None = None,
                       dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
@@ -303,14 +318,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
         FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; a tensor to
             quantize whose K is not a multiple of 32 without ``keep_unaligned``; nothing is left behind.
     """
-    check_fp8_dtype(fmt, fp8_dtype)
-    quant = get_quant(quant)
-    check_quant_format(fmt, quant.name)
-    if nonzero_scales and quant is not MXFP8:
-        raise ValueError(f"nonzero_scales applies to MXFP8's E8M0 bytes, not to {quant.name}")
-    check_activation(activation, quant.name, fmt)
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    quant = check_options(fmt, fp8_dtype, quant, activation, nonzero_scales, dtype)
     max_bytes = parse_size(max_shard_size)
     if isinstance(out, (str, os.PathLike)) and isinstance(source, (str, os.PathLike)):
         prepare_out(out, overwrite, Path(source))  # fail fast before loading

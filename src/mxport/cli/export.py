@@ -13,12 +13,13 @@ from ..checkpoint.export import (
     FP8_DTYPES,
     align_decisions,
     check_dry_run,
+    check_options,
     export_checkpoint,
     open_source,
     plan,
     prepare_out,
 )
-from ..checkpoint.naming import DEFAULT_FORMAT, check_activation, check_fp8_dtype, check_quant_format
+from ..checkpoint.naming import DEFAULT_FORMAT
 from ..checkpoint.writers import parse_size
 from ..policy import PrecisionPolicy
 from ._choices import EXPORT_FP8, Dtype, Format, Fp8Dtype, Quant, export_fp8
@@ -87,31 +88,33 @@ def export_cmd(
     with user_errors():
         fmt, quant = Format(fmt).value, Quant(quant).value
         fp8 = FP8_DTYPES[Fp8Dtype(fp8_dtype).value]
-        check_fp8_dtype(fmt, fp8)
-        check_quant_format(fmt, quant)
-        check_activation(activation, quant, fmt)
         cast = DTYPES[Dtype(dtype).value] if dtype is not None else None
+        check_options(fmt, fp8, quant, activation, nonzero_scales, cast)
         parse_size(max_shard_size)
         policy = PrecisionPolicy(include=tuple(include or ()), exclude=tuple(exclude or ()),
                                  keep_first=keep_first, keep_last=keep_last)
         if out is None and not dry_run:
             raise ValueError("-o/--out OUT is required (or use --dry-run)")
         if dry_run:
-            reader = open_source(source)
-            decisions = align_decisions(plan(reader, policy), keep_unaligned, quant)
-            check_dry_run(reader, decisions, quant)
-            reader.close()
-            _print_plan(decisions, reader.label, quant)
-            if json_out:
-                emit_json({"source": reader.label, "format": fmt, "quant": quant, "policy": policy.to_dict(),
-                           "decisions": [d.to_dict() for d in decisions]}, json_out)
-            return
+            return _dry_run(source, policy, keep_unaligned, fmt, quant, json_out)
         options = {"keep_unaligned": keep_unaligned, "nonzero_scales": nonzero_scales, "quant": quant,
                    "activation": activation}
         result = _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, options)
     _print_result(result, fmt)
     if json_out:
         emit_json(result.to_dict(), json_out)
+
+
+def _dry_run(source, policy, keep_unaligned: bool, fmt: str, quant: str, json_out) -> None:
+    """``--dry-run``: each tensor's decision, after the refusals a real export would make."""
+    reader = open_source(source)
+    decisions = align_decisions(plan(reader, policy), keep_unaligned, quant)
+    check_dry_run(reader, decisions, quant)
+    reader.close()
+    _print_plan(decisions, reader.label, quant)
+    if json_out:
+        emit_json({"source": reader.label, "format": fmt, "quant": quant, "policy": policy.to_dict(),
+                   "decisions": [d.to_dict() for d in decisions]}, json_out)
 
 
 def _print_result(result, fmt: str) -> None:
