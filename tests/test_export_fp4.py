@@ -159,7 +159,7 @@ def test_fp4_refusals(tmp_path):
         export_checkpoint(ok, tmp_path / "e", quant="nvfp4", fmt="sglang")
     with pytest.raises(ValueError, match="quant must be one of"):
         export_checkpoint(ok, tmp_path / "f", quant="fp4")
-    with pytest.raises(ValueError, match="nonzero_scales applies to MXFP8"):
+    with pytest.raises(ValueError, match=r"\(nonzero_scales\) applies to MXFP8"):
         export_checkpoint(ok, tmp_path / "g", quant="mxfp4", nonzero_scales=True)
     with pytest.raises(ValueError, match="already an NVFP4 checkpoint"):  # values would pass as plain uint8
         export_checkpoint(tmp_path / "c", tmp_path / "h", quant="mxfp4")

@@ -265,7 +265,8 @@ def check_options(fmt: str, fp8_dtype: torch.dtype, quant, activation: str = "no
     quant = get_quant(quant)
     check_quant_format(fmt, quant.name)
     if nonzero_scales and quant is not MXFP8:
-        raise ValueError(f"nonzero_scales applies to MXFP8's E8M0 bytes, not to {quant.name}")
+        raise ValueError(f"--nonzero-scales (nonzero_scales) applies to MXFP8's E8M0 bytes, not to "
+                         f"{quant.name}")
     check_activation(activation, quant.name, fmt)
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")

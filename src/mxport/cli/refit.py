@@ -165,8 +165,9 @@ def _check_quant(quant: str, name: str, trainer_layout, engine_layout) -> None:
         return
     if name != "mxport" or trainer_layout.ranks > 1 or engine_layout.ranks > 1:
         raise ValueError(f"--quant {quant} refits the mxport engine from one trainer rank (--engine mxport, "
-                         "no layouts): vLLM's CPU build has no NVFP4 weight-only kernel and the sharded "
-                         "refit slices MXFP8 only (`mxport export --quant` writes checkpoints vLLM loads)")
+                         f"no layouts): vLLM's CPU build has no weight-only {quant.upper()} kernel and the "
+                         "sharded refit slices MXFP8 only (`mxport export --quant` writes checkpoints vLLM "
+                         "loads)")
 
 
 def _check_quant_model(src, quant: str) -> None:
