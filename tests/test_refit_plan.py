@@ -1103,3 +1103,37 @@ def test_trainer_sends_megatron_mxfp8_attributes_as_they_are():
     assert torch.equal(targets[0], model.norm.detach())
     assert torch.equal(byte_view(targets[1]), byte_view(want.data.contiguous()))
     assert torch.equal(targets[2], want.scale_inv)
+
+
+_EXIT_WHILE_BACKUP_RUNS = """
+import sys, time, torch
+from mxport.refit.arena import RollbackCopy
+
+arena = torch.zeros(1 << 16, dtype=torch.uint8)
+backup = RollbackCopy(arena, [arena])
+run = backup._run
+
+def slow():
+    time.sleep(0.5)
+    run()
+    open(sys.argv[1], "w").write(str(int(torch.equal(backup.copy, arena))))
+
+backup._run = slow
+arena.fill_(7)
+backup.start()  # the interpreter exits while the copy is still running
+"""
+
+
+def test_interpreter_exit_waits_for_the_rollback_copy(tmp_path):
+    """A process that ends right after a refit (the guide's in-process examples) must not tear down the
+    interpreter under the background rollback copy: that aborted (SIGABRT) about one run in ten. Exit now waits
+    for the copy, which completes."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "done"
+    script = tmp_path / "exit_early.py"
+    script.write_text(_EXIT_WHILE_BACKUP_RUNS)
+    proc = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert marker.read_text() == "1"  # the copy ran to the end and holds what was live

@@ -137,9 +137,11 @@ class RollbackCopy:
             self._error = exc
 
     def start(self) -> None:
-        """Refresh the copy in a background thread (the arena now holds the version to keep)."""
+        """Refresh the copy in a background thread (the arena now holds the version to keep). Not a daemon:
+        the interpreter's exit waits for the copy (a bounded memory copy) instead of tearing the process down
+        under it, which aborted programs that end right after a refit."""
         self._versions = target_versions(self.targets)
-        self._thread = threading.Thread(target=self._run, name="mxport-refit-backup", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mxport-refit-backup", daemon=False)
         self._thread.start()
 
     def follow(self, patch) -> None:
