@@ -1126,14 +1126,15 @@ backup.start()  # the interpreter exits while the copy is still running
 
 def test_interpreter_exit_waits_for_the_rollback_copy(tmp_path):
     """A process that ends right after a refit (the guide's in-process examples) must not tear down the
-    interpreter under the background rollback copy: that aborted (SIGABRT) about one run in ten. Exit now waits
-    for the copy, which completes."""
+    interpreter under the background rollback copy: that aborted (SIGABRT) about one run in ten. Exit now
+    waits for the copy, which completes."""
     import subprocess
     import sys
 
     marker = tmp_path / "done"
     script = tmp_path / "exit_early.py"
     script.write_text(_EXIT_WHILE_BACKUP_RUNS)
-    proc = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert marker.read_text() == "1"  # the copy ran to the end and holds what was live
