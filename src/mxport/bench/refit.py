@@ -29,7 +29,8 @@ medians over ``runs`` after one warm-up:
   of the step the sender spent blocked on the wire.
 * ``end-to-end vs BF16 + receiver quantize`` — the baseline a refit replaces: one ``dist.broadcast`` of the
   weights in BF16 (kept tensors as they travel), then the receiver quantizes them into its live tensors
-  (``quantize_many``); ratio = baseline / end-to-end refit step (goal >= 2.5 at 1 GB, :func:`run_large`).
+  (``quantize_many``); ratio = baseline / end-to-end refit step (goals: >= 1.5 on the embedded model, >= 1.7
+  at ~1 GB, :func:`run_large`; the full run adds the ~1 GB model's rows where the machine has the memory).
 
 The sender takes the bucket checksums the trainer's quantize kernel computed as it wrote the bytes
 (``send(..., checksums=TrainerSource.stream_checksum)``: only kept tensors are summed apart); ``fused=False``
@@ -428,9 +429,10 @@ def _collect(q, procs, timeout_s: float) -> dict:
     return out
 
 
-def _more_rows(res: dict, refit: float, e2e: float, base_raw: str) -> list[dict]:
+def _more_rows(res: dict, refit: float, e2e: float, base_raw: str, e2e_goal: str) -> list[dict]:
     """The optional rows of :func:`rows_from`: the bucketed raw broadcast, sender-side checksums, and the
-    end-to-end baselines (BF16 + receiver quantize with mxport's kernel, and with the engine's own)."""
+    end-to-end baselines (BF16 + receiver quantize with mxport's kernel, and with the engine's own), whose goal
+    is ``e2e_goal``."""
     nbytes, raw, rows = res["bytes"], statistics.median(res["raw_s"]), []
     if res.get("raw_buckets_s"):
         rb = statistics.median(res["raw_buckets_s"])
@@ -452,7 +454,7 @@ def _more_rows(res: dict, refit: float, e2e: float, base_raw: str) -> list[dict]
         bf16 = statistics.median(res["bf16_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + receiver quantize", "value": e2e,
                      "baseline": f"BF16 broadcast + receiver quantize {bf16:.3f} s (same run)",
-                     "ratio": bf16 / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
+                     "ratio": bf16 / e2e if e2e else 0.0, "unit": "s", "goal": e2e_goal,
                      "note": f"baseline: one dist.broadcast of the weights in BF16 "
                              f"({res['bf16_bytes'] / 1e6:.1f} MB, kept tensors as they travel), then the "
                              f"receiver quantizes them with mxport's own kernel (quantize_many into its live "
@@ -462,15 +464,16 @@ def _more_rows(res: dict, refit: float, e2e: float, base_raw: str) -> list[dict]
         eng = statistics.median(res["engine_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "end-to-end vs BF16 + engine's own quantize",
                      "value": e2e, "baseline": f"BF16 broadcast + vLLM online MXFP8 quantize {eng:.3f} s "
-                     "(same run)", "ratio": eng / e2e if e2e else 0.0, "unit": "s", "goal": "ratio >= 2.5",
+                     "(same run)", "ratio": eng / e2e if e2e else 0.0, "unit": "s", "goal": e2e_goal,
                      "note": "the same BF16 broadcast, then the receiver quantizes as a vLLM engine with "
                              "quantization='mxfp8' does after loading BF16 weights (vLLM's "
                              "mxfp8_e4m3_quantize, per weight, on this device), into the same tensors"})
     return rows
 
 
-def rows_from(res: dict, label: str) -> list[dict]:
-    """Benchmark rows from :func:`measure_refit`'s timings."""
+def rows_from(res: dict, label: str, e2e_goal: str = "ratio >= 1.5") -> list[dict]:
+    """Benchmark rows from :func:`measure_refit`'s timings; ``e2e_goal``: the end-to-end rows' goal (issue 26:
+    1.5 on the embedded model, 1.7 at ~1 GB)."""
     nbytes = res["bytes"]
     refit = statistics.median(res["refit_s"])
     raw = statistics.median(res["raw_s"])
@@ -502,7 +505,7 @@ def rows_from(res: dict, label: str) -> list[dict]:
          "ratio": e2e / raw, "unit": "s", "goal": "informational (quantize + pack + transfer + unpack)",
          "note": note},
     ]
-    rows += _more_rows(res, refit, e2e, base_raw)
+    rows += _more_rows(res, refit, e2e, base_raw, e2e_goal)
     if res.get("backup_s"):
         backup = statistics.median(res["backup_s"])
         rows.append({"benchmark": BENCHMARK, "metric": "receiver rollback copy", "value": backup,
@@ -532,7 +535,38 @@ def run(quick: bool = False) -> list[dict]:
         res = measure_refit(model=False, layers=4, bucket_bytes=4 << 20, runs=3, warmup=1)
         return rows_from(res, "quick: 4 SmolLM2-shaped layers (random)")
     res = measure_refit(model=True, bucket_bytes=32 << 20, runs=5, warmup=1)
-    return rows_from(res, "embedded SmolLM2-135M")
+    return rows_from(res, "embedded SmolLM2-135M") + large_rows()
+
+
+#: the ~1 GB run's rows the full ``mxport bench`` adds (named with a ", ~1 GB model" suffix)
+LARGE_ROWS = ("end-to-end refit step", "end-to-end vs BF16 + receiver quantize", "e2e split: quantize",
+              "e2e split: transfer")
+#: host memory the ~1 GB run needs (its two processes: 2.0 GB of BF16 masters, the MXFP8 stream on each
+#: side, the BF16 baseline's buffers)
+LARGE_MEMORY = 12 << 30
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def large_rows() -> list[dict]:
+    """The ~1 GB model's end-to-end rows (:func:`run_large`) for the full run, or one ``skipped`` row where
+    the machine has less than :data:`LARGE_MEMORY` available."""
+    avail = _available_memory()
+    if avail is not None and avail < LARGE_MEMORY:
+        return [{"benchmark": BENCHMARK, "metric": "skipped", "value": 0.0, "baseline": "", "ratio": 0.0,
+                 "unit": "", "goal": "", "note": f"~1 GB model: needs {LARGE_MEMORY >> 30} GiB of available "
+                 f"memory, {avail / 2**30:.1f} GiB here (benchmarks/bench_refit.py --large runs it alone)"}]
+    return [dict(r, metric=f"{r['metric']}, ~1 GB model") for r in run_large() if r["metric"] in LARGE_ROWS]
 
 
 def run_shaped(runs: int = 7, bucket_mb: int = 32) -> list[dict]:
@@ -548,4 +582,5 @@ def run_large(layers: int = 22, runs: int = 5, bucket_mb: int = 32, threads: int
     quantize). Needs about 10 GB of memory for the two processes."""
     res = measure_refit(model="large", layers=layers, bucket_bytes=bucket_mb << 20, runs=runs, warmup=1,
                         threads=threads)
-    return rows_from(res, f"~1 GB synthetic model ({layers} BF16 layers), {bucket_mb} MiB buckets")
+    return rows_from(res, f"~1 GB synthetic model ({layers} BF16 layers), {bucket_mb} MiB buckets",
+                     e2e_goal="ratio >= 1.7")
