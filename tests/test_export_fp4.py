@@ -215,8 +215,10 @@ def test_nvfp4_export_equals_modelopts_own_byte_for_byte(tmp_path, cfg, activati
 def test_cli_export_w4a4_writes_calibrated_input_scales(tmp_path):
     src = make_tiny_llama(tmp_path / "src")
     res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "out"), "--quant", "nvfp4",
-                                   "--activation", "nvfp4"])
+                                   "--activation", "nvfp4", "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["quant"], report["activation"]) == ("nvfp4", "nvfp4")  # the JSON says it is W4A4
     out = load(tmp_path / "out")
     scales = {k: v for k, v in out.items() if k.endswith(".input_scale")}
     assert len(scales) == 14
@@ -226,7 +228,10 @@ def test_cli_export_w4a4_writes_calibrated_input_scales(tmp_path):
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert qc["quant_algo"] == "NVFP4"
     assert qc["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4
-    assert inspect(tmp_path / "out").ok
+    report = inspect(tmp_path / "out")
+    assert report.ok
+    pair = {t["name"]: t["pair"] for t in report.tensors}
+    assert pair[a + "q_proj.input_scale"] == pair[a + "q_proj.weight_scale_2"] == a + "q_proj.weight"
     for bad in (["--quant", "mxfp4"], ["--quant", "nvfp4", "--format", "compressed-tensors"]):
         res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "x"), "--activation", "nvfp4",
                                        *bad])

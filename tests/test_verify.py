@@ -293,7 +293,10 @@ def test_verify_fp4_twins_beside_mxfp8_on_the_same_prompts(tiny, two_prompts, tm
     for q, r in reports.items():
         assert r["quant"] == q and r["quantized_tensors"] == 21 and r["tokens"] == 2 * 4
         assert sorted(r["weight_sqnr_db"]) == sorted(reports["mxfp8"]["weight_sqnr_db"])
-    assert reports["nvfp4"]["fp8_dtype"] == "e2m1" and reports["nvfp4"]["mxfp8_layers"] == 0
+    assert reports["nvfp4"]["element"] == "e2m1" and reports["nvfp4"]["fp8_dtype"] is None
+    assert reports["nvfp4"]["mxfp8_layers"] == 0 and reports["mxfp8"]["element"] == "e4m3"
+    assert "nvfp4_output" in reports["nvfp4"]["samples"][0]
+    assert "mxfp8_output" in reports["mxfp8"]["samples"][0]
     for q in ("mxfp4", "nvfp4"):  # E2M1 on Gaussian weights: ~20 dB against E4M3's ~31
         assert reports[q]["weight_sqnr_db_mean"] < reports["mxfp8"]["weight_sqnr_db_mean"] - 5
         assert reports[q]["gen_kl_error_mean"] > reports["mxfp8"]["gen_kl_error_mean"]

@@ -370,9 +370,12 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
 
     Returns a dict with ``gen_kl_error_mean``, ``gen_kl_error_max``, ``token_mult_prob_error``,
     ``greedy_agreement``, ``tokens``, ``weight_sqnr_db_min``, ``weight_sqnr_db_mean``, ``weight_sqnr_db`` (per
-    tensor), ``mxfp8_layers`` (MXFP8 modules: linears and MoE experts modules), ``mxfp8_experts`` (experts
-    modules), ``mxfp8_tensors`` (quantized weight tensors), ``passed``, ``failures``, ``per_layer`` (when
-    asked), ``samples`` (first decoded generations) and the settings. A model folder without a tokenizer
+    tensor), ``quant``, ``element`` (the weights' element type: "e4m3" / "e5m2", "e2m1" for 4-bit),
+    ``quantized_tensors``; for MXFP8 also ``fp8_dtype`` (None for 4-bit), ``mxfp8_layers`` (MXFP8 modules:
+    linears and MoE experts modules), ``mxfp8_experts`` (experts modules), ``mxfp8_tensors`` (quantized weight
+    tensors; these three are 0 for 4-bit twins); ``passed``, ``failures``, ``per_layer`` (when asked),
+    ``samples`` (first decoded generations: ``prompt`` and ``<quant>_output``, e.g. ``mxfp8_output``) and the
+    settings. A model folder without a tokenizer
     works: its prompts are token ids drawn from the vocabulary (:func:`mxport.models.vocabulary_prompts`,
     one per built-in prompt), and ``prompt_note`` says so (None otherwise).
 
@@ -393,8 +396,8 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
         weights = _weight_report(model, twin)
     else:
         twin, sqnr = build_fp4_twin(model, quant, policy=policy, progress=progress)
-        weights = {**_sqnr_summary(sqnr), "fp8_dtype": "e2m1", "mxfp8_layers": 0, "mxfp8_experts": 0,
-                   "mxfp8_tensors": 0}
+        weights = {**_sqnr_summary(sqnr), "element": "e2m1", "fp8_dtype": None, "mxfp8_layers": 0,
+                   "mxfp8_experts": 0, "mxfp8_tensors": 0}
     generated = generate_greedy(twin, prompt_ids, max_new_tokens, _eos_ids(model, tok), progress,
                                 pad_id=_pad_id(model, tok), batch_size=batch_size)
     rollouts = Rollouts(prompt_ids, generated)
@@ -410,7 +413,7 @@ def verify(source=None, *, checkpoint=None, prompts=None, max_new_tokens: int = 
     failures = failed_checks(figures, max_kl)
     pairs = list(zip(conversations, prompt_ids, generated, strict=True))[:samples]
     samples_out = [{"prompt": c[-1]["content"] if tok is not None else f"token ids {p.tolist()}",
-                    "mxfp8_output": tok.decode(g, skip_special_tokens=True) if tok is not None
+                    f"{quant}_output": tok.decode(g, skip_special_tokens=True) if tok is not None
                     else f"token ids {g.tolist()}"} for c, p, g in pairs]
     report.update(passed=not failures, failures=failures, samples=samples_out)
     if per_layer:
@@ -507,8 +510,8 @@ def _weight_report(model: nn.Module, twin: nn.Module) -> dict:
     sqnr = weight_sqnr(model, twin)
     elements = sorted({t.dtype for m in mx.values() for t in m.buffers(recurse=False)
                        if t.dtype.itemsize == 1 and t.is_floating_point()}, key=str)
-    return {**_sqnr_summary(sqnr),
-            "fp8_dtype": ",".join(element_format(d).name for d in elements),
+    names = ",".join(element_format(d).name for d in elements)
+    return {**_sqnr_summary(sqnr), "element": names, "fp8_dtype": names,
             "mxfp8_layers": len(mx),
             "mxfp8_experts": sum(isinstance(m, MXFP8Experts) for m in mx.values()),
             "mxfp8_tensors": len(sqnr)}

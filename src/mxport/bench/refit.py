@@ -431,8 +431,8 @@ def _collect(q, procs, timeout_s: float) -> dict:
 
 def _more_rows(res: dict, refit: float, e2e: float, base_raw: str, e2e_goal: str) -> list[dict]:
     """The optional rows of :func:`rows_from`: the bucketed raw broadcast, sender-side checksums, and the
-    end-to-end baselines (BF16 + receiver quantize with mxport's kernel, and with the engine's own), whose goal
-    is ``e2e_goal``."""
+    end-to-end baselines (BF16 + receiver quantize with mxport's kernel, and with the engine's own), whose
+    goal is ``e2e_goal``."""
     nbytes, raw, rows = res["bytes"], statistics.median(res["raw_s"]), []
     if res.get("raw_buckets_s"):
         rb = statistics.median(res["raw_buckets_s"])

@@ -75,9 +75,11 @@ class ExportResult:
     nonzero_scales: bool = False
     renamed: dict[str, list[str]] = field(default_factory=dict)
     quant: str = "mxfp8"
+    activation: str = "none"
 
     def to_dict(self) -> dict:
-        return {"out": str(self.out), "format": self.format, "quant": self.quant, "files": self.files,
+        return {"out": str(self.out), "format": self.format, "quant": self.quant,
+                "activation": self.activation, "files": self.files,
                 "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
                 "quantized": sum(d.quantize for d in self.decisions),
                 "kept": sum(not d.quantize for d in self.decisions), "exclude_modules": self.exclude_modules,
@@ -317,7 +319,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
         FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; a tensor to
-            quantize whose K is not a multiple of 32 without ``keep_unaligned``; nothing is left behind.
+            quantize whose K is not whole blocks (32 elements; 16 for NVFP4) without ``keep_unaligned``;
+            nothing is left behind.
     """
     quant = check_options(fmt, fp8_dtype, quant, activation, nonzero_scales, dtype)
     max_bytes = parse_size(max_shard_size)
@@ -352,7 +355,7 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
     out_bytes = sum(s.nbytes for specs in shards for s in specs)
     renamed = {n: [o[0] for o in outs] for n, outs in outputs.items() if [o[0] for o in outs] != [n]}
     return ExportResult(out, fmt, decisions, files, in_bytes, out_bytes, excl, kept, bool(nonzero_scales),
-                        renamed, quant.name)
+                        renamed, quant.name, activation)
 
 
 def _decide(reader, policy, keep_unaligned: bool, config: dict, quant: Quant):

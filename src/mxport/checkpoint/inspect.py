@@ -34,7 +34,7 @@ import torch
 from ..components import MXFP8Components
 from ..formats import BLOCK_SIZE, e8m0_to_float
 from .fp4_pairs import fp4_by_names, fp4_data_problems, fp4_weights, read_fp4
-from .naming import detect_fp4
+from .naming import detect_fp4, input_scale_name
 from .readers import SafetensorsDir, analyse_pairs, data_problems, describe_quantization, dtype_str
 
 #: what each consumer does with an MXFP8 weight whose K is not a multiple of 32 (docs/format.md, "Who
@@ -101,7 +101,9 @@ class InspectReport:
         totals: {tensors, bytes, values_bytes, scales_bytes, kept_bytes, bf16_bytes, ratio_to_bf16}.
         problems / warnings: one-line strings; any problem makes ``mxport inspect`` exit 1.
         consumers: {"vllm", "sglang", "te"} -> the problems that consumer has with the checkpoint's shapes
-            (:func:`consumer_problems`; each is in ``problems`` too).
+            (:func:`consumer_problems`, MXFP8's K rule; each is in ``problems`` too). Empty lists for 4-bit
+            weights: their packed form cannot hold a K that is not whole blocks (a scale of the wrong shape
+            is a problem of its own).
         quant: the weights' format, "mxfp8" (FP8 pairs found), "mxfp4" / "nvfp4" (the config declares 4-bit
             weights: pairs are then per weight {values, scale, global_scale_tensor, shape (logical), element
             "e2m1", quant, scale_shape, scale_dtype, ok, scale_exp_min/max, global_scale, and the decoded
@@ -255,7 +257,9 @@ def _inspect_fp4(d: SafetensorsDir, path, fmt: str, quant: str, source: str = "c
     if source == "names":
         problems.append(f"no quantization config: the tensors look like {fmt} {quant.upper()} weights, but an"
                         " engine reads them as plain tensors (config.json's quantization_config is missing)")
-    pair_of = {t: w.name for w in weights for t in (w.values, w.scale, w.global_scale) if t}
+    names = {n for n, _, _ in entries}
+    pair_of = {t: w.name for w in weights
+               for t in (w.values, w.scale, w.global_scale, input_scale_name(w.name)) if t in names}
     tensors = tuple({"name": n, "shape": list(s), "dtype": dtype_str(t), "role": roles[n],
                      "pair": pair_of.get(n)} for n, s, t in entries)
     return InspectReport(str(path), fmt, source, tensors, tuple(pairs), _totals(d, roles, 2),

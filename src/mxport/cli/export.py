@@ -61,9 +61,10 @@ def export_cmd(
                                 help="Cast kept floating tensors to this dtype (default: keep each "
                                      "tensor's dtype)."),
     keep_unaligned: bool = typer.Option(False, "--keep-unaligned",
-                                        help="Keep weights whose K (last dimension) is not a multiple of 32 "
-                                             "in their source dtype (vLLM, SGLang and TE refuse them as "
-                                             "MXFP8); without it such a weight stops the export."),
+                                        help="Keep weights whose K (last dimension) is not whole blocks (a "
+                                             "multiple of 32; 16 for nvfp4) in their source dtype (vLLM, "
+                                             "SGLang and TE refuse them); without it such a weight stops "
+                                             "the export."),
     nonzero_scales: bool = typer.Option(False, "--nonzero-scales",
                                         help="Scale byte 1 instead of 0 (for FlashInfer's TRT-LLM MXFP8 "
                                              "kernels, NeMo-RL's rule); decoded values stay the same."),
@@ -81,8 +82,11 @@ def export_cmd(
     fnmatch-style ('*' also matches dots) over tensor names and module names, e.g. --exclude '*.mlp.*'. Output
     goes to a temporary directory renamed into place. Exit 0 ok, 2 bad input.
 
-    A weight whose K is not a multiple of 32 stops the export (exit 2, naming it): vLLM, SGLang and TE cannot
-    load it as MXFP8 (--keep-unaligned keeps it in its dtype).
+    --quant mxfp4: packed E2M1 values (two per byte) + E8M0 scales per 32; --quant nvfp4: packed E2M1 + E4M3
+    scales per 16 + one float32 global scale per weight (shared where vLLM fuses).
+
+    A weight whose K is not whole blocks (a multiple of 32; 16 for nvfp4) stops the export (exit 2, naming
+    it): vLLM, SGLang and TE cannot load it quantized (--keep-unaligned keeps it in its dtype).
     """
     json_to_stdout(json_out)
     with user_errors():

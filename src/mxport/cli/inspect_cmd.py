@@ -1,4 +1,5 @@
-"""``mxport inspect``: look inside an MXFP8 checkpoint of any of the three formats; exit 1 on problems."""
+"""``mxport inspect``: look inside an MXFP8 (or MXFP4 / NVFP4) checkpoint of any of the three formats; exit 1
+on problems."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ def inspect_cmd(
     no_stats: bool = typer.Option(False, "--no-stats",
                                   help="Skip decoding the values (faster on big models)."),
 ):
-    """Look inside an MXFP8 checkpoint (modelopt, compressed-tensors, sglang) and check it.
+    """Look inside an MXFP8 checkpoint (modelopt, compressed-tensors, sglang) and check it; MXFP4 / NVFP4
+    checkpoints (modelopt, compressed-tensors) too.
 
-    Per tensor: name, shape, dtype, role (values / scales / kept); per MXFP8 pair: scale exponent range
-    (E-127) and decoded value statistics; totals and the ratio to BF16; checks that every value tensor has a
-    compact uint8 scale and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
+    Per tensor: name, shape, dtype, role (values / scales / kept); per quantized weight: the block scales'
+    power-of-two range (E8M0: E-127; NVFP4: floor(log2) of E4M3 scale x global scale) and decoded value
+    statistics; totals and the ratio to BF16; checks that every value tensor has its block scales (and 4-bit
+    its global scale) and every scale its values. Exit 0 clean, 1 problems found, 2 bad input.
     """
     json_to_stdout(json_out)
-    columns = (TextColumn("inspect"), BarColumn(), MofNCompleteColumn(), TextColumn("MXFP8 pairs"),
+    columns = (TextColumn("inspect"), BarColumn(), MofNCompleteColumn(), TextColumn("weights"),
                TimeElapsedColumn())
     with user_errors(), Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("", total=None)
@@ -40,8 +43,9 @@ def inspect_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
-#: the MXFP8 pairs table's columns after ``values``: header (two lines, so that the table fits in 80 columns)
-PAIR_COLUMNS = ("scale\nshape", "E-127\nmin..max", "absmax", "mean |x|", "zero\nblocks")
+#: the weights table's columns after ``values``: header (two lines, so that the table fits in 80 columns); the
+#: block scales' power-of-two range (E8M0: E - 127; NVFP4: floor(log2) of the decoded block scale)
+PAIR_COLUMNS = ("scale\nshape", "scale 2^\nmin..max", "absmax", "mean |x|", "zero\nblocks")
 
 
 def _table(title: str, first: str, rest) -> Table:

@@ -91,7 +91,9 @@ def refit(
     """Train and refit: a trainer process and the inference engine's processes on loopback gloo.
 
     --engine mxport (default): each step the trainer (float32 master weights) takes an AdamW step on a text
-    batch, quantizes the linear weights to MXFP8 (default precision policy) straight into its send buffer,
+    batch, quantizes the linear weights to MXFP8 (default precision policy; --quant mxfp4 / nvfp4: 4-bit
+    values, block scales and NVFP4's global scale, one trainer rank, the mxport engine) straight into its
+    send buffer,
     casts the kept tensors (embedding, norms) to BF16, and broadcasts it in byte buckets; each of R inference
     processes runs as engines do (its model loaded in BF16 and converted once to MXFP8Linear: MXFP8 linears,
     BF16 embedding and norms; its weights moved once into one arena), receives the buckets in place,
@@ -113,8 +115,8 @@ def refit(
 
     Per step: bytes, seconds, GB/s, gen_kl_error (trainer vs engine log-probs on the engine's generated
     tokens), bit_exact (the engine's bytes equal quantize of the trainer's weights), pointers_stable; with
-    --delta also full_bytes (the whole stream's), delta (sent as a delta), blocks_changed (fraction of MXFP8
-    blocks with a changed value or scale byte).
+    --delta also full_bytes (the whole stream's), delta (sent as a delta), blocks_changed (fraction of
+    quantized blocks, MXFP8 or 4-bit, with a changed value or scale byte).
 
     JSON (--json): {"engine": ..., "steps": [{"step", "bytes", "seconds", "gbps", "gen_kl_error", "bit_exact",
     "pointers_stable", ...}], "plan": {...}, "model": ..., "ok": bool}.

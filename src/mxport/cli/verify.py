@@ -49,7 +49,7 @@ def export_command(source: str | None, exclude: list[str], fp8_dtype: str) -> st
 
 
 def _print_report(r: dict, source: str | None, exclude: list[str], fp8_dtype: str) -> None:
-    t = Table(title=f"mxport verify: {r['model']} ({r.get('quant', 'mxfp8')}, {r['fp8_dtype']}, "
+    t = Table(title=f"mxport verify: {r['model']} ({r.get('quant', 'mxfp8')}, {r['element']}, "
                     f"activation {r['activation']})")
     t.add_column("metric")
     t.add_column("value", justify="right")
