@@ -173,6 +173,15 @@ def test_cli_quick_all_benchmarks_subprocess(tmp_path):
     assert {r["benchmark"] for r in rows} == set(BENCHMARKS)
 
 
+def test_goal_met_reads_a_band():
+    """``0.75 <= ratio <= 1.25``: a prediction within 25% of the measurement, both sides checked."""
+    from mxport.bench.report import goal_met
+
+    row = {"metric": "delta refit: predicted / measured", "goal": "0.75 <= ratio <= 1.25"}
+    assert [goal_met({**row, "ratio": r}) for r in (0.74, 0.75, 1.0, 1.25, 1.26)] == [False, True, True, True,
+                                                                                      False]
+
+
 def test_goal_met_reads_ratio_goals():
     from mxport.bench.report import goal_met
 

@@ -190,6 +190,42 @@ def test_host_passes_are_counted_bytes_over_measured_rates():
             Hardware(**{name: 0.0})
 
 
+
+def test_delta_refit_sends_its_fraction_after_quantize_diff_and_checks():
+    """A delta refit: f of each link's bytes, after the full quantize and a diff reading the base and the new
+    stream; the engine sums its whole stream, then copies it at commit (staging) or not (direct)."""
+    hw = Hardware(link_gbps=1.0, trainer_quantize_gelems=1.0, engine_quantize_gelems=2.0, overlap=True)
+    full = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw, engine_replicas=3)
+    r = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), hw, engine_replicas=3, delta_fraction=0.25)
+    assert r.mxfp8 == full.mxfp8 and full.delta is None and r.delta_fraction == 0.25
+    rank = 10752  # one engine rank's bytes; each of the 2 trainer ranks sends 3 engine ranks' worth
+    d = r.delta
+    assert (d.wire_bytes, d.bytes_per_trainer_rank, d.bytes_per_engine_rank) == (rank * 6 // 4, rank * 3 // 4,
+                                                                                   rank // 4)
+    assert d.wire_seconds == pytest.approx(rank * 3 / 4 / 1e9, rel=1e-12)
+    assert d.seconds == pytest.approx(full.mxfp8.quantize_seconds + d.wire_seconds, rel=1e-12)  # no overlap
+    host = Hardware(**{**hw.__dict__, **HOST})
+    staging = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), host, engine_replicas=3, delta_fraction=0.25)
+    direct = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), host, engine_replicas=3, delta_fraction=0.25,
+                     direct=True)
+    # the diff reads two streams at the checksum rate, the patch runs at the copy rate (the defaults)
+    diff, patch, check, commit = 2 * rank * 3 / 2e9, (rank // 4) / 1e9, rank / 2e9, rank / 4e9
+    assert staging.delta.host_seconds == pytest.approx(diff + patch + check + commit, rel=1e-12)
+    assert direct.delta.host_seconds == pytest.approx(diff + patch + check, rel=1e-12)
+    assert direct.delta.seconds == pytest.approx(d.seconds + diff + patch + check, rel=1e-12)
+    rated = Hardware(**{**host.__dict__, "host_diff_gbps": 3.0, "host_patch_gbps": 0.5})
+    got = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), rated, engine_replicas=3, delta_fraction=0.25,
+                  direct=True)
+    assert got.delta.host_seconds == pytest.approx(rank * 3 / 3e9 + (rank // 4) / 0.5e9 + check, rel=1e-12)
+    out = staging.to_dict()
+    assert out["delta"]["wire_bytes"] == rank * 6 // 4 and out["delta_fraction"] == 0.25
+    assert out["delta_vs_full"] == pytest.approx(staging.delta.seconds / staging.mxfp8.seconds)
+    assert full.to_dict()["delta"] is None and full.to_dict()["delta_vs_full"] is None
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="delta_fraction"):
+            predict(ENTRIES, Layout(), Layout(), hw, delta_fraction=bad)
+
+
 def test_host_passes_scatter_and_zero_copy_buckets():
     o_proj = [("m.layers.0.self_attn.o_proj.weight", (64, 64), BF16)]
     # a row-parallel trainer (tp=2: column halves) into one engine rank: each piece is a column half of the
@@ -236,6 +272,13 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     p = on["passes"]
     assert on["mxfp8"]["host_seconds"] == pytest.approx(
         (p["pack"] + p["cut"] + p["sender_checksum"] + p["checksum"] + p["commit"] + p["scatter"]) / 1e9)
+    res = run(app, ["plan", str(tmp_path), "--delta-fraction", "0.05", "--link-gbit", "8", "--json", "-"])
+    delta = json.loads(res.stdout)
+    assert res.exit_code == 0 and delta["delta_fraction"] == 0.05 and 0 < delta["delta_vs_full"] < 1
+    assert delta["delta"]["bytes_per_engine_rank"] == -(-delta["mxfp8"]["bytes_per_engine_rank"] * 5 // 100)
+    res = run(app, ["plan", str(tmp_path), "--delta-fraction", "0.05"], env={"COLUMNS": "100"})
+    assert res.exit_code == 0 and "MXFP8 delta" in res.output and "over full MXFP8" in res.output
+    assert run(app, ["plan", str(tmp_path), "--delta-fraction", "2"]).exit_code == 2
     # down_proj K = 96 over tp = 2: 48 per rank straddles MXFP8 blocks -> a failed check (exit 1)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     res = run(app, ["plan", str(tmp_path / "config.json"), "--engine", "tp=2"])

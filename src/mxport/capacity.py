@@ -37,6 +37,17 @@ contiguous in its slice once more (``route_targets``' scatter). Packing and the 
 buckets are on the wire (with ``overlap``: ``max(t_quantize, t_wire, t_pack, t_checksum)``, else summed); the
 commit copy runs after the vote: ``t = ... + t_commit``. Constants it does not know (per-message latency,
 stragglers) are left out: it is a lower bound shaped like the measurements, not a simulator.
+
+**MXFP8 delta** (``delta_fraction`` f: the delta payload's bytes over the full stream's, what ``mxport refit
+--delta`` reports as ``bytes / full_bytes``): the trainer ranks quantize as for a full refit, then diff every
+bucket against the base they keep (reading the base and the new bytes: two passes over their stream at the
+checksum rate, or ``host_diff_gbps``), then send f of the bytes; each engine rank parses and applies the
+payload (``host_patch_gbps``) to its copy of the version it holds and sums its whole stream against the new
+version's checksums (one read pass), then commits (staging: a copy of the whole stream; ``direct``: none, the
+patch lands in the live tensors). Nothing overlaps: the sender diffs every bucket before the agreement, the
+engine checks after the payload: ``t = t_quantize + t_diff + t_wire(f) + t_patch + t_check + t_commit``.
+Where the link is slow against the quantize (a cluster's NIC against a GPU's HBM) the delta pays; on loopback,
+where the quantize dominates, it cannot.
 """
 
 from __future__ import annotations
@@ -72,6 +83,9 @@ class Hardware:
             ``host_copy_gbps``.
         host_commit_gbps: GB/s one engine rank copies memory while the engine ranks alone do (the commit runs
             after the vote, the trainers idle); None: the same as ``host_copy_gbps``.
+        host_diff_gbps: stream GB/s one trainer rank diffs against its base (a delta refit); None: half the
+            checksum rate (it reads two streams).
+        host_patch_gbps: delta payload GB/s one engine rank parses and applies; None: the copy rate.
     """
 
     link_gbps: float = 50.0
@@ -82,10 +96,13 @@ class Hardware:
     host_copy_gbps: float | None = None
     host_checksum_gbps: float | None = None
     host_commit_gbps: float | None = None
+    host_diff_gbps: float | None = None
+    host_patch_gbps: float | None = None
 
     def __post_init__(self) -> None:
         names = ("link_gbps", "trainer_quantize_gelems", "engine_quantize_gelems")
-        optional = ("shared_gbps", "host_copy_gbps", "host_checksum_gbps", "host_commit_gbps")
+        optional = ("shared_gbps", "host_copy_gbps", "host_checksum_gbps", "host_commit_gbps",
+                    "host_diff_gbps", "host_patch_gbps")
         for name in names + tuple(n for n in optional if getattr(self, n) is not None):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -159,6 +176,8 @@ class CapacityReport:
     problems: tuple[str, ...] = field(default=())
     passes: HostPasses = HostPasses(0, 0, 0, 0, 0, 0)
     bf16_sharded: PathEstimate | None = None
+    delta: PathEstimate | None = None  # the MXFP8 delta refit (``delta_fraction`` given)
+    delta_fraction: float | None = None
 
     @property
     def speedup(self) -> float:
@@ -178,7 +197,10 @@ class CapacityReport:
                 "hardware": asdict(self.hardware), "mxfp8": self.mxfp8.to_dict(), "bf16": self.bf16.to_dict(),
                 "speedup": self.speedup, "problems": list(self.problems), "passes": self.passes.to_dict(),
                 "bf16_sharded": self.bf16_sharded.to_dict() if self.bf16_sharded else None,
-                "speedup_vs_bf16_sharded": self.speedup_sharded}
+                "speedup_vs_bf16_sharded": self.speedup_sharded, "delta_fraction": self.delta_fraction,
+                "delta": self.delta.to_dict() if self.delta else None,
+                "delta_vs_full": self.delta.seconds / self.mxfp8.seconds
+                if self.delta and self.mxfp8.seconds else None}
 
 
 def _kv_heads(config: dict) -> int | None:
@@ -208,17 +230,24 @@ def _piece_passes(name: str, shape: tuple[int, ...], held: tuple[int, ...], nbyt
 def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: Layout, engine: Layout,
             hardware: Hardware = Hardware(), *, engine_replicas: int = 1, kept_bytes: int = BF16_BYTES,
             config: dict | None = None, policy: PrecisionPolicy | None = None,
-            model: str = "model", bucket_bytes: int = 32 << 20) -> CapacityReport:
+            model: str = "model", bucket_bytes: int = 32 << 20, delta_fraction: float | None = None,
+            direct: bool = False) -> CapacityReport:
     """Predict the refit of the tensors ``entries`` (``(name, shape, dtype)`` in model order) from a
     ``trainer`` layout into ``engine_replicas`` engines of layout ``engine`` (module doc for the model);
-    ``bucket_bytes``: the refit plan's bucket size (the host passes' zero-copy buckets).
+    ``bucket_bytes``: the refit plan's bucket size (the host passes' zero-copy buckets); ``delta_fraction``:
+    also predict a delta refit sending that fraction of the bytes (``report.delta``); ``direct``: the engine
+    ranks receive straight into their live tensors (no commit copy; the mxport engine's arena).
 
     Raises:
-        ValueError: ``engine_replicas``, ``kept_bytes`` or ``bucket_bytes`` below 1.
+        ValueError: ``engine_replicas``, ``kept_bytes`` or ``bucket_bytes`` below 1; ``delta_fraction``
+            outside [0, 1].
     """
     if engine_replicas < 1 or kept_bytes < 1 or bucket_bytes < 1:
         raise ValueError(f"engine_replicas, kept_bytes and bucket_bytes must be >= 1, got {engine_replicas}, "
                          f"{kept_bytes}, {bucket_bytes}")
+    if delta_fraction is not None and not (isinstance(delta_fraction, (int, float))
+                                           and 0 <= delta_fraction <= 1):
+        raise ValueError(f"delta_fraction must be a number in [0, 1], got {delta_fraction!r}")
     decisions = (policy or PrecisionPolicy()).decide_all(entries)
     kv = _kv_heads(config or {})
     mx_rank = cut = zero = scatter = bf_slice = 0
@@ -260,7 +289,8 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
     per_trainer = stage_ranks * replicas / t_ranks  # the senders share every engine rank's pieces equally
     passes = HostPasses(pack=math.ceil((mx_all - zero) * per_trainer),
                         cut=math.ceil(cut * per_trainer), sender_checksum=math.ceil(zero * per_trainer),
-                        checksum=mx_rank, commit=mx_rank, scatter=math.ceil(scatter / engine.pp))
+                        checksum=mx_rank, commit=0 if direct else mx_rank,
+                        scatter=math.ceil(scatter / engine.pp))
     send_s, check_s, commit_s = passes.seconds(hardware)
     combine = max if hardware.overlap else (lambda *a: sum(a))
     mx = PathEstimate(mx_wire, math.ceil(mx_wire / t_ranks), mx_rank, 0.0, mx_quant_s, mx_wire_s,
@@ -270,8 +300,30 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
                       gather_s + bf_wire_s + bf_quant_s)
     sharded = _bf16_sharded(bf_slice, mx_all, stage_ranks, replicas, trainer, engine, hardware, bf_quant_s,
                             (send_s, check_s, commit_s))
+    delta = None if delta_fraction is None else _delta(mx, mx_all * per_trainer, delta_fraction, hardware,
+                                                       shared, direct)
     return CapacityReport(model, params, quant_params, str(trainer), str(engine), replicas, hardware, mx, bf,
-                          tuple(dict.fromkeys(problems)), passes, sharded)
+                          tuple(dict.fromkeys(problems)), passes, sharded, delta, delta_fraction)
+
+
+def _delta(full: PathEstimate, sent: float, f: float, hardware: Hardware, shared: float,
+           direct: bool) -> PathEstimate:
+    """The MXFP8 delta refit (module doc) from the full refit's estimate ``full``; ``sent``: the stream bytes
+    one trainer rank sends in a full refit (what it diffs)."""
+    link = hardware.link_gbps * 1e9
+    wire, per_trainer, per_engine = (math.ceil(f * x) for x in (full.wire_bytes, full.bytes_per_trainer_rank,
+                                                                 full.bytes_per_engine_rank))
+    wire_s = max(per_trainer / link, per_engine / link, wire / shared)
+    host, hw = 0.0, hardware
+    if hw.host_copy_gbps is not None:
+        read = (hw.host_checksum_gbps or hw.host_copy_gbps) * 1e9
+        diff = hw.host_diff_gbps * 1e9 if hw.host_diff_gbps else read / 2
+        patch = (hw.host_patch_gbps or hw.host_copy_gbps) * 1e9
+        commit_rate = (hw.host_commit_gbps or hw.host_copy_gbps) * 1e9
+        commit = 0.0 if direct else full.bytes_per_engine_rank / commit_rate
+        host = sent / diff + per_engine / patch + full.bytes_per_engine_rank / read + commit
+    seconds = full.quantize_seconds + wire_s + host
+    return PathEstimate(wire, per_trainer, per_engine, 0.0, full.quantize_seconds, wire_s, seconds, host)
 
 
 def _bf16_sharded(bf_slice: int, mx_all: int, stage_ranks: int, replicas: int, trainer: Layout,

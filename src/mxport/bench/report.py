@@ -49,12 +49,20 @@ def _fmt(v: float) -> str:
 
 
 _GOAL_RE = re.compile(r"^\s*(?:ratio\s*)?(>=|<=)\s*([0-9.eE+-]+)")
+_RANGE_RE = re.compile(r"^\s*([0-9.eE+-]+)\s*<=\s*ratio\s*<=\s*([0-9.eE+-]+)\s*$")
 
 
 def goal_met(row: dict) -> bool | None:
-    """Whether a row meets a goal written as ``ratio >= X`` / ``ratio <= X``; None for other goals."""
-    m = _GOAL_RE.search(str(row.get("goal", "")))
-    if m is None or row.get("metric") in ("skipped", "error"):
+    """Whether a row meets a goal written as ``ratio >= X`` / ``ratio <= X`` / ``X <= ratio <= Y`` (a
+    prediction within a band of the measurement); None for other goals."""
+    if row.get("metric") in ("skipped", "error"):
+        return None
+    goal = str(row.get("goal", ""))
+    band = _RANGE_RE.search(goal)
+    if band is not None:
+        return float(band.group(1)) <= row["ratio"] <= float(band.group(2))
+    m = _GOAL_RE.search(goal)
+    if m is None:
         return None
     bound = float(m.group(2))
     return row["ratio"] >= bound if m.group(1) == ">=" else row["ratio"] <= bound

@@ -43,9 +43,20 @@ def plan_cmd(
     host_commit_gbps: float = typer.Option(
         None, "--host-commit-gbps", min=1e-6,
         help="GB/s one engine rank copies at commit, the engine ranks alone (default: the copy rate)."),
+    host_diff_gbps: float = typer.Option(
+        None, "--host-diff-gbps", min=1e-6,
+        help="Stream GB/s one trainer rank diffs against its base (--delta-fraction; default: half the checksum "
+             "rate)."),
+    host_patch_gbps: float = typer.Option(
+        None, "--host-patch-gbps", min=1e-6,
+        help="Delta payload GB/s one engine rank parses and applies (default: the copy rate)."),
     bucket_mib: int = typer.Option(32, "--bucket-mib", min=1, help="The refit plan's bucket size in MiB."),
     kept_bytes: int = typer.Option(2, "--kept-bytes", min=1, max=8,
                                    help="Bytes per element of kept tensors on the wire (BF16 engines: 2)."),
+    delta_fraction: float = typer.Option(
+        None, "--delta-fraction", min=0.0, max=1.0,
+        help="Also predict a delta refit sending this fraction of the MXFP8 bytes (what mxport refit --delta "
+             "reports as bytes / full_bytes; 0.02 at lr 1e-6 on the embedded model)."),
     json_out: JsonOut = None,
 ):
     """Predict a refit: bytes per link and seconds, MXFP8 (mxport) against BF16 (gather, send,
@@ -68,7 +79,8 @@ def plan_cmd(
         hw = Hardware(link_gbps=link_gbps, trainer_quantize_gelems=trainer_gelems,
                       engine_quantize_gelems=engine_gelems, overlap=overlap, shared_gbps=shared_gbps,
                       host_copy_gbps=host_copy_gbps, host_checksum_gbps=host_checksum_gbps,
-                      host_commit_gbps=host_commit_gbps)
+                      host_commit_gbps=host_commit_gbps, host_diff_gbps=host_diff_gbps,
+                      host_patch_gbps=host_patch_gbps)
         if source is None:
             from ..models import resolve_source
 
@@ -77,7 +89,8 @@ def plan_cmd(
         config = read_config(source)
         with console.status("building the model on the meta device"):
             report = predict_config(config, t_layout, e_layout, hw, engine_replicas=replicas,
-                                    kept_bytes=kept_bytes, bucket_bytes=bucket_mib << 20)
+                                    kept_bytes=kept_bytes, bucket_bytes=bucket_mib << 20,
+                                    delta_fraction=delta_fraction)
     emit_json(report.to_dict(), json_out)
     if json_out != "-":
         _print(report)
@@ -110,7 +123,8 @@ def _print(r) -> None:
                   f"{r.hardware.link_gbps * 8:g} Gbit/s ({r.hardware.link_gbps:g} GB/s) links",
                   highlight=False)
     t = Table()
-    for col in ("", "MXFP8", "BF16 sharded", "BF16 bcast"):
+    paths = [r.mxfp8, r.bf16_sharded, r.bf16] + ([r.delta] if r.delta else [])
+    for col in ("", "MXFP8", "BF16 sharded", "BF16 bcast") + (("MXFP8 delta",) if r.delta else ()):
         t.add_column(col, justify="right" if col else "left", no_wrap=True)
     figures = (("wire GB", "wire_bytes", 1e-9), ("GB per trainer rank", "bytes_per_trainer_rank", 1e-9),
                ("GB per engine rank", "bytes_per_engine_rank", 1e-9), ("gather s", "gather_seconds", 1),
@@ -118,11 +132,15 @@ def _print(r) -> None:
                ("host passes s", "host_seconds", 1),
                ("refit s", "seconds", 1))
     for label, key, scale in figures:
-        t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in (r.mxfp8, r.bf16_sharded, r.bf16)))
+        t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in paths))
     console.print(t)
     console.print(f"predicted refit time over MXFP8's: BF16 sharded {r.speedup_sharded:.2f}x (each engine "
                   f"rank gets its slice, then quantizes); BF16 gather + broadcast {r.speedup:.2f}x",
                   highlight=False)
+    if r.delta:
+        console.print(f"MXFP8 delta ({r.delta_fraction:g} of the bytes) over full MXFP8: "
+                      f"{r.delta.seconds / r.mxfp8.seconds:.2f}x the time (quantize and diff included)",
+                      highlight=False)
     for problem in r.problems[:5]:
         console.print(f"[bold red]problem:[/] {problem}", highlight=False)
     if len(r.problems) > 5:
