@@ -98,3 +98,19 @@ def test_end_to_end_goals_follow_the_model(monkeypatch):
     monkeypatch.setattr(br, "_available_memory", lambda: br.LARGE_MEMORY - 1)
     (skipped,) = br.large_rows()
     assert skipped["metric"] == "skipped" and "GiB of available memory" in skipped["note"]
+
+
+def test_refit_vllm_rows_report_the_workers_buffers_against_their_bounds():
+    """Issue 27's memory goals as rows: host bytes per worker over its slice (<= 1), device buffers over the
+    bucket size (<= 2: the eager receive's ring)."""
+    from mxport.bench.refit_vllm import rows_from as vllm_rows
+
+    worker = {"slice_bytes": 1000, "host_bytes": 1000, "buffer_bytes": 64, "apply_s": 0.01,
+              "apply_paths": {"in_place": 3}}
+    res = {"seconds": [0.5, 0.2, 0.3], "raw_s": 0.1, "bytes": 1000, "workers": [worker, worker], "tp": 2,
+           "bucket_bytes": 32}
+    rows = {r["metric"]: check_row(r, "refit_vllm") for r in vllm_rows(res, "t")}
+    assert rows["refit into vLLM (t)"]["ratio"] == pytest.approx(0.1 / 0.25)  # the first refit warms up
+    assert rows["host bytes per worker (t)"]["ratio"] == pytest.approx(1.0)
+    dev = rows["device buffer bytes per worker (t)"]
+    assert dev["value"] == 64 and dev["ratio"] == pytest.approx(2.0) and dev["goal"] == "ratio <= 2.0"

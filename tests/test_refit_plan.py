@@ -625,6 +625,104 @@ def test_direct_refits_land_in_the_arena_and_every_failure_restores_the_previous
     assert torch.equal(receiver.streams[0]._staging, arena)  # the rollback copy holds the live version
 
 
+
+def test_eager_refits_write_live_tensors_bucket_by_bucket_and_every_failure_restores_them():
+    """Eager mode (scattered live tensors, the vLLM workers' mode): buckets land in a ring of inflight + 1
+    bucket buffers and go into the live tensors as they come; v2 corrupted on the wire, v4 aborted, v5 short:
+    after each failure every live tensor equals the last good version byte for byte, from the host rollback
+    copy; no commit copy; pointers never move."""
+    items = _items([((40,), torch.float32), ((8, 8), torch.bfloat16), ((5,), torch.uint8),
+                    ((300,), torch.uint8), ((3, 32), torch.float8_e4m3fn)])
+    plan = RefitPlan(items)
+    g = torch.Generator().manual_seed(12)
+    vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(6)]
+    bad = list(vs[3])
+    bad[1] = bad[1].to(torch.float16)
+    targets = [torch.full(shape, 0, dtype=dt) for _, _, dt, shape in items]  # separate tensors: no arena
+    ptrs = [t.data_ptr() for t in targets]
+    snaps = []
+
+    def corrupt(refit, b, wire):
+        if refit == 2 and b == 3:
+            wire[-1] ^= 0xFF
+
+    def live():
+        return [t.clone() for t in targets]
+
+    sent, got, receiver = _refit_in_process(plan, [vs[0], vs[1], vs[2], bad, vs[4][:3], vs[5]], targets,
+                                            fault=corrupt, receiver_kw={"eager": True, "inflight": 1},
+                                            after_receive=lambda: snaps.append(live()))
+    stream = receiver.streams[0]
+    assert stream.eager and not receiver.direct
+    assert len({v.untyped_storage().data_ptr() for v in stream._landing}) == 2  # a ring of two buckets
+    assert stream._staging.device.type == "cpu" and stream._staging is stream._rollback_copy.copy
+    assert [o["version"] if not isinstance(o, RefitError) else "error" for o in got] == [1, "error", 3,
+                                                                                          "error", "error", 6]
+    assert "restored from the rollback copy" in str(got[1]) and got[1].bucket == 3
+    for i, want in ((0, vs[0]), (1, vs[0]), (2, vs[2]), (3, vs[2]), (4, vs[2]), (5, vs[5])):
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(snaps[i], want)), i
+    assert receiver.verify_live() and [t.data_ptr() for t in targets] == ptrs
+    receiver.wait_backup()
+    assert torch.equal(stream._rollback_copy.copy, _stream_bytes(plan, vs[5]))  # the copy follows the live
+
+
+
+@pytest.mark.parametrize("start_backup", [True, False])
+@pytest.mark.parametrize("versions", [True, False])
+def test_deferred_backup_runs_when_asked_or_before_the_next_refit(start_backup, versions, monkeypatch):
+    """``defer_backup``: a commit leaves the rollback copy on the previous version until the owner calls
+    start_backup (the vLLM worker: after re-deriving and attesting); if it never does, the next receive copies
+    first, so a refit that fails right after still restores the last committed version; also for tensors
+    without version counters (inference tensors), where only the receiver's own mark says the copy is old."""
+    import mxport.refit.arena as arena_mod
+    import mxport.refit.stream.receiver as stream_mod
+
+    if not versions:
+        monkeypatch.setattr(arena_mod, "target_versions", lambda targets: None)
+        monkeypatch.setattr(stream_mod, "target_versions", lambda targets: None)
+    items = _items([((64,), torch.float32), ((100,), torch.uint8)])
+    plan = RefitPlan(items)
+    g = torch.Generator().manual_seed(6)
+    vs = [[_random(dt, shape, g) for _, _, dt, shape in items] for _ in range(3)]
+    targets = [torch.zeros(64), torch.zeros(100, dtype=torch.uint8)]
+    copies, snaps = [], []
+
+    def after():
+        stream = receiver_box[0].streams[0]
+        copies.append(stream._rollback_copy.copy.clone())
+        if start_backup:
+            receiver_box[0].start_backup()
+        snaps.append([t.clone() for t in targets])
+
+    receiver_box = []
+
+    def corrupt(refit, b, wire):
+        if refit == 3 and b == 0:
+            wire[0] ^= 0x01
+
+    _, outs, receiver = _refit_in_process(plan, vs, targets, fault=corrupt,
+                                          receiver_kw={"eager": True, "defer_backup": True},
+                                          prepare=receiver_box.append, after_receive=after)
+    assert [o["version"] if not isinstance(o, RefitError) else "error" for o in outs] == [1, 2, "error"]
+    assert torch.equal(copies[1], _stream_bytes(plan, vs[0]))  # not refreshed at commit
+    for got, want in zip(snaps[2], vs[1]):  # rolled back to v2, the last committed
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    receiver.wait_backup()
+    assert torch.equal(receiver.streams[0]._rollback_copy.copy, _stream_bytes(plan, vs[1]))
+
+
+def test_eager_needs_scattered_targets_and_no_delta():
+    """An arena takes direct mode (eager asks nothing more of it); a delta stream stages (its patch needs the
+    live version beside the live tensors)."""
+    plan = RefitPlan(_items([((40,), torch.float32), ((5,), torch.uint8)]))
+    ep = InProcessChannel(1).endpoint(1)
+    separate = [torch.zeros(40), torch.zeros(5, dtype=torch.uint8)]
+    assert RefitReceiver(ep, plan, separate, eager=True).streams[0].eager
+    arena = RefitReceiver(ep, plan, allocate_targets(plan), eager=True)
+    assert arena.direct and not arena.streams[0].eager
+    assert not RefitReceiver(ep, plan, separate, eager=True, delta=True).streams[0].eager
+
+
 def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):
     """:func:`_refit_in_process` recording the live stream after every receive (right after it returns or
     raises, without waiting for the background backup), with the backup copy slowed down by
@@ -1110,7 +1208,7 @@ import sys, time, torch
 from mxport.refit.arena import RollbackCopy
 
 arena = torch.zeros(1 << 16, dtype=torch.uint8)
-backup = RollbackCopy(arena, [arena])
+backup = RollbackCopy.of_arena(arena, [arena])
 run = backup._run
 
 def slow():

@@ -45,8 +45,8 @@ def plan_cmd(
         help="GB/s one engine rank copies at commit, the engine ranks alone (default: the copy rate)."),
     host_diff_gbps: float = typer.Option(
         None, "--host-diff-gbps", min=1e-6,
-        help="Stream GB/s one trainer rank diffs against its base (--delta-fraction; default: half the checksum "
-             "rate)."),
+        help="Stream GB/s one trainer rank diffs against its base (--delta-fraction; default: half the "
+             "checksum rate)."),
     host_patch_gbps: float = typer.Option(
         None, "--host-patch-gbps", min=1e-6,
         help="Delta payload GB/s one engine rank parses and applies (default: the copy rate)."),

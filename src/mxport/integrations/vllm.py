@@ -389,8 +389,10 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
     (:func:`mxport.refit.agree`: trainer ranks ``0 .. rank_offset - 1``, workers after them). It replaces a
     working trainer's connection only once the new one has agreed.
 
-    ``update_weights`` receives this worker's pieces (checksummed buckets, staged), commits them into the
-    live tensors only once every worker and trainer voted ok (all or nothing, pointers stable), re-derives
+    ``update_weights`` receives this worker's pieces (checksummed buckets), writing each into the live
+    tensors as it comes (two bucket buffers on the device, a rollback copy of the worker's slice in host
+    memory; delta refits are staged instead), keeps them only once every worker and trainer voted ok (all or
+    nothing: a refused refit is restored from the rollback copy, pointers stable), re-derives
     each touched layer by its path (``in_place`` / ``redispatch`` / ``dequant`` / ``layerwise``, counted in
     ``last_stats["apply_paths"]``), then attests: every worker's checksums of its live weights in checkpoint
     layout go to the trainer, which compares them with what it sent (``last_stats["attested"]``).
@@ -467,8 +469,12 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         world = TorchDistTransport.from_group(pg)
         try:
             mesh = agree(world, init_info.trainers, holdings)
+            # eager: each bucket goes into the live weights as it is summed (two bucket buffers on the
+            # device, the rollback copy of the slice in host memory); delta refits stage (their patch needs
+            # the version the worker holds beside its live weights)
             receiver = RefitReceiver.from_mesh(world, mesh, live, use_checksum=init_info.use_checksum,
-                                               bucket_bytes=init_info.bucket_bytes, delta=init_info.delta)
+                                               bucket_bytes=init_info.bucket_bytes, delta=init_info.delta,
+                                               eager=True, inflight=1, defer_backup=True)
             receiver.handshake()
         except BaseException:
             world.close()
@@ -529,11 +535,15 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
             raise failed
         self.attested = tensor_digests(self.holdings, digest) if not bad else {}
         attest_s = time.perf_counter() - t0 - apply_s
+        self.receiver.start_backup()  # the rollback copy of this version, after the work above
         slice_bytes = sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in self.holdings)
+        device_b = sum(s.buffer_bytes[0] for s in self.receiver.streams)  # the buckets' ring
+        host_b = sum(s.buffer_bytes[1] for s in self.receiver.streams)  # the rollback copy: the slice
         self.last_stats = {**stats.to_dict(), "ok": not bad, "apply_s": apply_s, "attest_s": attest_s,
                            "apply_paths": paths, "layers_applied": len(touched), "layers": len(self.layers),
                            "attested": not bad,
-                           "slice_bytes": slice_bytes, "host_bytes": slice_bytes + staged_bytes(self.layers)}
+                           "slice_bytes": slice_bytes, "buffer_bytes": device_b,
+                           "host_bytes": host_b + staged_bytes(self.layers)}
         if bad:
             raise RuntimeError(f"attestation failed: routes {bad} (trainer, engine rank) hold other bytes "
                                "than were sent")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -113,25 +114,37 @@ def bump_versions(targets: list[torch.Tensor]) -> None:
 
 
 class RollbackCopy:
-    """Direct mode: a copy of the live ``arena`` (the previous version), refreshed in the background by
-    :meth:`start` after every successful refit, retaken by :meth:`wait` when needed, put back by
-    :meth:`restore`."""
+    """A copy of the live version, restored from on a failed refit: ``copy`` (a flat ``uint8`` buffer of the
+    stream's bytes), filled from the live tensors by ``take(copy)`` and put back by ``put(copy, nbytes)`` (the
+    stream's first ``nbytes``). Refreshed in the background by :meth:`start` after every successful refit,
+    retaken by :meth:`wait` when needed, put back by :meth:`restore`. :meth:`of_arena`: direct mode's (the
+    live tensors are one arena laid out as the stream); the eager receiver's is laid out as the stream over
+    scattered live tensors, in host memory (``mxport.refit.stream.receiver``)."""
 
-    def __init__(self, arena: torch.Tensor, targets: list[torch.Tensor]):
-        self.arena, self.targets = arena, targets
+    def __init__(self, copy: torch.Tensor, targets: list[torch.Tensor],
+                 take: Callable[[torch.Tensor], None], put: Callable[[torch.Tensor, int], None]):
+        self.copy, self.targets, self._take, self._put = copy, targets, take, put
         t0 = time.perf_counter()
-        self.copy = arena.clone()
+        take(copy)
         self.last_s = time.perf_counter() - t0  # seconds of the last copy
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._versions = target_versions(targets)  # when the copy was last taken (None: not trackable)
+        self.stale = False  # a committed refit not copied yet (refreshed by start, or by wait)
+
+    @classmethod
+    def of_arena(cls, arena: torch.Tensor, targets: list[torch.Tensor]) -> RollbackCopy:
+        """Direct mode's copy: a clone of the live ``arena`` (whose views are ``targets``)."""
+        return cls(torch.empty_like(arena), targets, lambda copy: copy.copy_(arena),
+                   lambda copy, n: arena[:n].copy_(copy[:n]))
 
     def _run(self) -> None:
         try:
             t0 = time.perf_counter()
-            self.copy.copy_(self.arena)
-            if self.copy.device.type == "cuda":
-                torch.cuda.current_stream(self.copy.device).synchronize()
+            self._take(self.copy)
+            for t in self.targets[:1]:
+                if t.device.type == "cuda":
+                    torch.cuda.current_stream(t.device).synchronize()
             self.last_s = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - re-done synchronously by wait
             self._error = exc
@@ -140,7 +153,7 @@ class RollbackCopy:
         """Refresh the copy in a background thread (the arena now holds the version to keep). Not a daemon:
         the interpreter's exit waits for the copy (a bounded memory copy) instead of tearing the process down
         under it, which aborted programs that end right after a refit."""
-        self._versions = target_versions(self.targets)
+        self._versions, self.stale = target_versions(self.targets), False
         self._thread = threading.Thread(target=self._run, name="mxport-refit-backup", daemon=False)
         self._thread.start()
 
@@ -157,17 +170,17 @@ class RollbackCopy:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None or target_versions(self.targets) != self._versions:
-            self._error = None
+        if self._error is not None or self.stale or target_versions(self.targets) != self._versions:
+            self._error, self.stale = None, False
             t0 = time.perf_counter()
-            self.copy.copy_(self.arena)
+            self._take(self.copy)
             self.last_s = time.perf_counter() - t0
             self._versions = target_versions(self.targets)
         return self.last_s
 
     def restore(self, nbytes: int) -> None:
-        """Put the first ``nbytes`` of the copy back into the arena (and bump the targets' versions)."""
+        """Put the stream's first ``nbytes`` back from the copy (and bump the targets' versions)."""
         if nbytes > 0:
-            self.arena[:nbytes].copy_(self.copy[:nbytes])
+            self._put(self.copy, nbytes)
         bump_versions(self.targets)
         self._versions = target_versions(self.targets)

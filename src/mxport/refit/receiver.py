@@ -38,7 +38,7 @@ class RefitReceiver(WorldSide):
         targets: the live tensors, one per plan entry, contiguous, of the planned dtype and shape; only ever
             written in place (pointers stay put, CUDA-graph safe), each refit bumping their ``_version``.
         stream_kwargs: :class:`~mxport.refit.stream.StreamReceiver`'s (``bucket_bytes``, ``use_checksum``,
-            ``refresh_hooks``, ``inflight``, ``direct``).
+            ``refresh_hooks``, ``inflight``, ``direct``, ``delta``, ``eager``).
     """
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor],
@@ -54,7 +54,8 @@ class RefitReceiver(WorldSide):
         """An engine rank of a sharded refit (arguments as :meth:`RefitSender.for_pairs`): ``pairs``
         ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` in pair order (may
         be empty), ``version`` the version the live weights hold; every stream staged (nothing written before
-        the vote)."""
+        the vote), or with ``eager=True`` written into its live tensors bucket by bucket and restored from a
+        host rollback copy unless every rank votes yes."""
         ends = [(int(p[0]), (world.rank,)) for p in pairs]
         return cls._of_streams(world, [(e, *p[1:]) for e, p in zip(ends, pairs, strict=True)], global_digest,
                                trainers, tag, replicas, version, stream_kwargs)
@@ -139,6 +140,12 @@ class RefitReceiver(WorldSide):
     def wait_backup(self) -> float:
         """Direct mode: block until the rollback copy of the live version is complete; its seconds."""
         return sum(s.wait_backup() for s in self.streams)
+
+    def start_backup(self) -> None:
+        """``defer_backup=True``: start refreshing the rollback copies now (after the caller's own work on the
+        new weights, e.g. re-deriving and attesting them, which the copy would otherwise compete with)."""
+        for s in self.streams:
+            s.start_backup()
 
     def verify_live(self) -> bool:
         """True when the live bytes have the checksums the sender wrote for the last refit."""

@@ -88,16 +88,21 @@ class StreamReceiver:
     ``inflight`` broadcasts posted ahead; ``direct`` receive straight into the live tensors (None: whenever
     they form one arena laid out as the stream; False: never; True: always, else ValueError); ``delta`` take
     delta refits (only what changed since the live version, patched into a copy of it and checked against
-    the new version's checksums) when every endpoint does.
+    the new version's checksums) when every endpoint does; ``eager`` (targets that are not one arena, no
+    delta): land each bucket in a ring of ``inflight + 1`` bucket buffers and write it into the live tensors
+    as soon as it is summed, while later buckets are on the wire, with a rollback copy of the live version
+    in host memory instead of a staging copy on the device (the vLLM workers' mode: two buckets on the
+    device with ``inflight=1``, no commit copy after the vote); ``defer_backup``: the rollback copy of a committed
+    refit is refreshed only when the owner calls :meth:`start_backup` (else at the next receive).
 
-    In direct mode the live tensors are written *during* a receive and the staging buffer holds the previous
-    version (refreshed by one background ``copy_`` per refit: ``backup_s`` / ``backup_wait_s``), restored on
-    any failure: once a receive returns or raises, they hold exactly one complete version."""
+    In direct and eager mode the live tensors are written *during* a receive and the rollback copy holds the
+    previous version (refreshed by one background copy per refit: ``backup_s`` / ``backup_wait_s``), restored
+    on any failure: once a receive returns or raises, they hold exactly one complete version."""
 
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True, inflight: int = 4,
                  refresh_hooks: Sequence[Callable[[], None]] = (), direct: bool | None = None,
-                 delta: bool = False):
+                 delta: bool = False, eager: bool = False, defer_backup: bool = False):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if delta and not use_checksum:
@@ -129,20 +134,61 @@ class StreamReceiver:
             raise ValueError("direct=True needs targets that are views of one arena laid out as the plan's "
                              "byte stream (see allocate_targets)")
         self.direct = arena is not None
+        self.eager = bool(eager) and arena is None and not delta
+        self.defer_backup = bool(defer_backup)
         self._arena = arena
         device = targets[0].device
         self._trailer = torch.zeros(TRAILER_FIXED + self.layout.num_buckets, dtype=torch.int64, device=device)
         self.version = 0
         self.last_checksums: list[int] = []
-        #: direct mode: the previous version, restored from on a failure (the staging buffer is that copy)
-        self._rollback_copy = RollbackCopy(arena, targets) if arena is not None else None
+        #: direct / eager mode: the previous version, restored from on a failure (direct: the staging buffer
+        #: is that copy; eager: host memory laid out as the stream)
+        self._rollback_copy = (RollbackCopy.of_arena(arena, targets) if arena is not None
+                               else self._scattered_copy() if self.eager else None)
         if self._rollback_copy is None:
             self._staging = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
         else:
             self._staging = self._rollback_copy.copy
         self._payloads = self._bucket_views(self._staging)
-        # where the broadcasts land: the live arena (direct) or staging
-        self._landing = self._bucket_views(arena) if arena is not None else self._payloads
+        # where the broadcasts land: the live arena (direct), a ring of bucket buffers (eager) or staging
+        self._landing = (self._bucket_views(arena) if arena is not None
+                         else self._ring(device) if self.eager else self._payloads)
+
+    @property
+    def buffer_bytes(self) -> tuple[int, int]:
+        """``(on the live tensors' device, in host memory)`` bytes this stream holds beside the live tensors:
+        staging (device), direct (a rollback copy the arena's size, device), eager (the ring of bucket
+        buffers on the device, the rollback copy in host memory)."""
+        if self.eager:
+            ring = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in self._landing}
+            return sum(ring.values()), self._staging.numel()
+        return self._staging.numel(), 0
+
+    def _ring(self, device: torch.device) -> list[torch.Tensor]:
+        """Eager mode's landing: bucket ``b`` in buffer ``b % (inflight + 1)`` (a bucket is posted only once
+        the one before it in that buffer was written into the live tensors)."""
+        sizes = self.layout.sizes
+        ring = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
+                for _ in range(min(len(sizes), self.inflight + 1))]
+        return [ring[b % len(ring)][:n] for b, n in enumerate(sizes)]
+
+    def _scattered_copy(self) -> RollbackCopy:
+        """Eager mode's rollback copy: the live tensors packed as the stream into host memory (pinned for
+        CUDA targets), put back bucket by bucket."""
+        layout, views, B = self.layout, self._views, self.layout.bucket_bytes
+
+        def take(copy: torch.Tensor) -> None:
+            for b, n in enumerate(layout.sizes):
+                pack_bucket(layout, b, views, copy[b * B:b * B + n])
+
+        def put(copy: torch.Tensor, nbytes: int) -> None:
+            for b, n in enumerate(layout.sizes):
+                if b * B < nbytes:
+                    unpack_segments(layout.segments[b], copy[b * B:b * B + n], views)
+
+        pin = self.targets[0].device.type == "cuda"
+        copy = torch.empty(self.plan.total_bytes, dtype=torch.uint8, pin_memory=pin)
+        return RollbackCopy(copy, self.targets, take, put)
 
     def _bucket_views(self, stream: torch.Tensor) -> list[torch.Tensor]:
         B = self.layout.bucket_bytes
@@ -167,6 +213,13 @@ class StreamReceiver:
     def last_backup_s(self) -> float:
         """Direct mode: seconds of the last rollback copy (0.0 in staging mode)."""
         return self._rollback_copy.last_s if self._rollback_copy is not None else 0.0
+
+    def start_backup(self) -> None:
+        """Start refreshing the rollback copy in the background (``defer_backup``: after a commit; a no-op
+        while one runs, or when the copy already holds the live version)."""
+        rb = self._rollback_copy
+        if rb is not None and rb.stale and rb._thread is None:
+            rb.start()
 
     def wait_backup(self) -> float:
         """Direct mode: wait for the rollback copy of the live version (retaken if it failed or the live
@@ -230,6 +283,8 @@ class StreamReceiver:
         if self._rollback_copy is not None and staged.deltas is not None:  # the same delta, not a full copy
             self._rollback_copy.follow(lambda: [dl.apply(d, b) for d, b in zip(staged.deltas, self._payloads,
                                                                                 strict=True)])
+        elif self._rollback_copy is not None and self.defer_backup:
+            self._rollback_copy.stale = True  # copied by start_backup, or at the next receive
         elif self._rollback_copy is not None:
             self._rollback_copy.start()
         seconds = sw.between("first", "done")
@@ -325,6 +380,8 @@ class StreamReceiver:
                     t_first = time.perf_counter()
                 if b < n and self.use_checksum and into_stream:  # summed while later buckets are on the wire
                     got[b] = checksum(bufs[b])
+                if b < n and self.eager:  # live now, judged with the trailer (rolled back if rejected)
+                    unpack_segments(self.layout.segments[b], bufs[b], self._views)
             except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
                 if self._rollback_copy is not None:
                     _wait_quietly(handles)  # nothing may still write into the live arena after the restore
@@ -361,7 +418,7 @@ class StreamReceiver:
     def _commit(self, trailer: Trailer) -> None:
         """Make the validated refit live (unpack from staging, or bump the versions in direct mode), then run
         the refresh hooks: after a unanimous yes only a hook can fail (that rank alone raises)."""
-        if self.direct:
+        if self.direct or self.eager:
             bump_versions(self.targets)
         else:
             for b in range(self.layout.num_buckets):
@@ -418,7 +475,7 @@ class StreamReceiver:
             where = f"bucket {bucket} of {n} (tensors: {_names(names)})"
         else:
             where = "the trailer" if trailer else f"({n} buckets)"
-        restored = " (restored from the rollback copy)" if self.direct else ""
+        restored = " (restored from the rollback copy)" if self._rollback_copy is not None else ""
         at = "at " if verb in ("rejected", "not committed") and bucket is not None else ""
         return RefitError(f"refit {verb} {at}{where}: "
                           f"{why}; live weights kept at version {self.version}{restored}",
@@ -443,7 +500,7 @@ class StreamReceiver:
         if self.direct:  # the live arena is the stream itself
             yield from enumerate(self._landing)
             return
-        scratch = torch.empty(max(self.layout.sizes), dtype=torch.uint8, device=self._staging.device)
+        scratch = torch.empty(max(self.layout.sizes), dtype=torch.uint8, device=self._trailer.device)
         for b in range(self.layout.num_buckets):
             payload = scratch[:self.layout.sizes[b]]
             pack_bucket(self.layout, b, self._views, payload)
