@@ -660,7 +660,8 @@ def test_eager_refits_write_live_tensors_bucket_by_bucket_and_every_failure_rest
                                                                                           "error", "error", 6]
     assert "restored from the rollback copy" in str(got[1]) and got[1].bucket == 3
     for i, want in ((0, vs[0]), (1, vs[0]), (2, vs[2]), (3, vs[2]), (4, vs[2]), (5, vs[5])):
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(snaps[i], want)), i
+        pairs = zip(snaps[i], want, strict=True)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs), i
     assert receiver.verify_live() and [t.data_ptr() for t in targets] == ptrs
     receiver.wait_backup()
     assert torch.equal(stream._rollback_copy.copy, _stream_bytes(plan, vs[5]))  # the copy follows the live
@@ -705,7 +706,7 @@ def test_deferred_backup_runs_when_asked_or_before_the_next_refit(start_backup, 
                                           prepare=receiver_box.append, after_receive=after)
     assert [o["version"] if not isinstance(o, RefitError) else "error" for o in outs] == [1, 2, "error"]
     assert torch.equal(copies[1], _stream_bytes(plan, vs[0]))  # not refreshed at commit
-    for got, want in zip(snaps[2], vs[1]):  # rolled back to v2, the last committed
+    for got, want in zip(snaps[2], vs[1], strict=True):  # rolled back to v2, the last committed
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     receiver.wait_backup()
     assert torch.equal(receiver.streams[0]._rollback_copy.copy, _stream_bytes(plan, vs[1]))

@@ -92,8 +92,8 @@ class StreamReceiver:
     delta): land each bucket in a ring of ``inflight + 1`` bucket buffers and write it into the live tensors
     as soon as it is summed, while later buckets are on the wire, with a rollback copy of the live version
     in host memory instead of a staging copy on the device (the vLLM workers' mode: two buckets on the
-    device with ``inflight=1``, no commit copy after the vote); ``defer_backup``: the rollback copy of a committed
-    refit is refreshed only when the owner calls :meth:`start_backup` (else at the next receive).
+    device with ``inflight=1``, no commit copy after the vote); ``defer_backup``: the rollback copy of a
+    committed refit is refreshed only when the owner calls :meth:`start_backup` (else at the next receive).
 
     In direct and eager mode the live tensors are written *during* a receive and the rollback copy holds the
     previous version (refreshed by one background copy per refit: ``backup_s`` / ``backup_wait_s``), restored
