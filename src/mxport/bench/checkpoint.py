@@ -81,16 +81,10 @@ def _peak_rss() -> int:
 
     ``VmHWM`` from /proc/self/status (per address space, so it starts afresh at exec), else ``ru_maxrss``
     (which on Linux keeps the parent's peak at fork across exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from .timing import peak_rss_bytes
+    from .timing import peak_rss_bytes, proc_kib_bytes
 
-    return peak_rss_bytes()
+    hwm = proc_kib_bytes("/proc/self/status", "VmHWM")
+    return hwm if hwm is not None else peak_rss_bytes()
 
 
 def _child(mode: str, src: str, scratch: str, runs: int, warmup: int) -> dict:

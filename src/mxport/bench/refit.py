@@ -548,14 +548,9 @@ LARGE_MEMORY = 12 << 30
 
 def _available_memory() -> int | None:
     """``MemAvailable`` from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from .timing import proc_kib_bytes
+
+    return proc_kib_bytes("/proc/meminfo", "MemAvailable")
 
 
 def large_rows() -> list[dict]:

@@ -47,3 +47,16 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (ru_maxrss), in bytes."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def proc_kib_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file (``/proc/meminfo``'s ``MemAvailable``, ``/proc/self/status``'s
+    ``VmHWM``) in bytes, or None where the file or the line is not there."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
