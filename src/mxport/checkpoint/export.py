@@ -318,9 +318,8 @@ def export_checkpoint(source, out: str | os.PathLike, *, fmt: str = DEFAULT_FORM
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
-        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; a tensor to
-            quantize whose K is not whole blocks (32 elements; 16 for NVFP4) without ``keep_unaligned``;
-            nothing is left behind.
+        FileNotFoundError / ValueError / TypeError: bad source, format, dtype, shard size; a weight whose K
+            is not whole blocks (32; NVFP4 16) without ``keep_unaligned``; nothing is left behind.
     """
     quant = check_options(fmt, fp8_dtype, quant, activation, nonzero_scales, dtype)
     max_bytes = parse_size(max_shard_size)

@@ -67,26 +67,17 @@ def plan_cmd(
     2 on bad input.
     """
     json_to_stdout(json_out)
-    from ..capacity import Hardware, predict_config, read_config
-    from ..parallel import Layout
+    from ..capacity import Hardware, predict_config
 
     with user_errors():
         link_gbps = _link_gbytes(link_gbit, link_gbytes, link_gbps)
-        t_layout, e_layout = Layout.parse(trainer), Layout.parse(engine)
-        if e_layout.fsdp > 1:
-            raise ValueError(f"--engine {engine!r}: an engine layout takes tp, ep and pp (engines do not "
-                             "shard with FSDP)")
+        t_layout, e_layout = _layouts(trainer, engine)
         hw = Hardware(link_gbps=link_gbps, trainer_quantize_gelems=trainer_gelems,
                       engine_quantize_gelems=engine_gelems, overlap=overlap, shared_gbps=shared_gbps,
                       host_copy_gbps=host_copy_gbps, host_checksum_gbps=host_checksum_gbps,
                       host_commit_gbps=host_commit_gbps, host_diff_gbps=host_diff_gbps,
                       host_patch_gbps=host_patch_gbps)
-        if source is None:
-            from ..models import resolve_source
-
-            with console.status("resolving the embedded model (converted once, ~25 s)"):
-                source = str(resolve_source(None).path)
-        config = read_config(source)
+        config = _config(source)
         with console.status("building the model on the meta device"):
             report = predict_config(config, t_layout, e_layout, hw, engine_replicas=replicas,
                                     kept_bytes=kept_bytes, bucket_bytes=bucket_mib << 20,
@@ -96,6 +87,29 @@ def plan_cmd(
         _print(report)
     if report.problems:  # a failed check (exit 1), listed above as problems; not a usage error
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _layouts(trainer: str, engine: str):
+    """The trainer and engine :class:`~mxport.parallel.Layout` (ValueError for an engine with FSDP)."""
+    from ..parallel import Layout
+
+    t_layout, e_layout = Layout.parse(trainer), Layout.parse(engine)
+    if e_layout.fsdp > 1:
+        raise ValueError(f"--engine {engine!r}: an engine layout takes tp, ep and pp (engines do not shard "
+                         "with FSDP)")
+    return t_layout, e_layout
+
+
+def _config(source: str | None) -> dict:
+    """The ``config.json`` of ``source`` (default: the embedded model's, converted once)."""
+    from ..capacity import read_config
+
+    if source is None:
+        from ..models import resolve_source
+
+        with console.status("resolving the embedded model (converted once, ~25 s)"):
+            source = str(resolve_source(None).path)
+    return read_config(source)
 
 
 def _link_gbytes(gbit: float | None, gbytes: float | None, deprecated: float | None) -> float:

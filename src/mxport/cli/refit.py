@@ -91,9 +91,8 @@ def refit(
     """Train and refit: a trainer process and the inference engine's processes on loopback gloo.
 
     --engine mxport (default): each step the trainer (float32 master weights) takes an AdamW step on a text
-    batch, quantizes the linear weights to MXFP8 (default precision policy; --quant mxfp4 / nvfp4: 4-bit
-    values, block scales and NVFP4's global scale, one trainer rank, the mxport engine) straight into its
-    send buffer,
+    batch, quantizes the linear weights to MXFP8 (default policy; --quant mxfp4 / nvfp4: 4-bit, one trainer
+    rank, the mxport engine) straight into its send buffer,
     casts the kept tensors (embedding, norms) to BF16, and broadcasts it in byte buckets; each of R inference
     processes runs as engines do (its model loaded in BF16 and converted once to MXFP8Linear: MXFP8 linears,
     BF16 embedding and norms; its weights moved once into one arena), receives the buckets in place,
