@@ -261,7 +261,8 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     run = CliRunner().invoke
     res = run(app, ["plan", str(tmp_path), "--trainer", "fsdp=2", "--engine", "tp=2", "--json", "-"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.stdout)
+    d = json.loads(res.stdout)  # JSON alone on stdout; the table on stderr, as the README says
+    assert "GB per engine rank" in res.stderr and "GB per engine rank" not in res.stdout
     assert d["trainer"] == "fsdp=2" and d["engine"] == "tp=2" and d["problems"] == []
     assert d["bf16"]["wire_bytes"] > d["mxfp8"]["wire_bytes"] > 0
     assert d["mxfp8"]["host_seconds"] == 0.0 and d["hardware"]["host_copy_gbps"] is None  # default: off
@@ -278,6 +279,7 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     assert delta["delta"]["bytes_per_engine_rank"] == -(-delta["mxfp8"]["bytes_per_engine_rank"] * 5 // 100)
     res = run(app, ["plan", str(tmp_path), "--delta-fraction", "0.05"], env={"COLUMNS": "100"})
     assert res.exit_code == 0 and "MXFP8 delta" in res.output and "over full MXFP8" in res.output
+    assert "counted only with --host-copy-gbps" in " ".join(res.output.split())  # the default leaves them out
     assert run(app, ["plan", str(tmp_path), "--delta-fraction", "2"]).exit_code == 2
     # down_proj K = 96 over tp = 2: 48 per rank straddles MXFP8 blocks -> a failed check (exit 1)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))

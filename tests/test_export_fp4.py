@@ -217,6 +217,7 @@ def test_cli_export_w4a4_writes_calibrated_input_scales(tmp_path):
     res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "out"), "--quant", "nvfp4",
                                    "--activation", "nvfp4", "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
+    assert "NVFP4 with calibrated input scales" in " ".join(res.output.split())
     report = json.loads((tmp_path / "r.json").read_text())
     assert (report["quant"], report["activation"]) == ("nvfp4", "nvfp4")  # the JSON says it is W4A4
     out = load(tmp_path / "out")

@@ -123,7 +123,9 @@ def _dry_run(source, policy, keep_unaligned: bool, fmt: str, quant: str, json_ou
 
 def _print_result(result, fmt: str) -> None:
     n_q = sum(d.quantize for d in result.decisions)
-    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors {result.quant.upper()}, "
+    w4a4 = f" with calibrated input scales ({result.activation.upper()} activations)" if (
+        result.activation != "none") else ""
+    console.print(f"[green]wrote[/] {result.out} ({fmt}): {n_q} tensors {result.quant.upper()}{w4a4}, "
                   f"{len(result.decisions) - n_q} kept, "
                   f"{result.input_bytes / 1e6:.1f} MB in -> {result.output_bytes / 1e6:.1f} MB out, "
                   f"{len(result.files)} files", highlight=False)
@@ -157,10 +159,16 @@ def _run_export(source, out, fmt, fp8, policy, cast, max_shard_size, overwrite, 
     total = sum(reader.nbytes(n) for n in reader.names())
     columns = (TextColumn("[bold]export[/]"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                TextColumn("{task.description}"))
+    calibrating = options.get("activation", "none") != "none"
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("", total=total)
+        # W4A4: the input scales are calibrated (forwards over the built-in prompts) before any tensor is
+        # written; the bar's clock starts with the first tensor, so its time remaining is the writing's
+        task = bar.add_task("calibrating input scales (forwards over the prompts)" if calibrating else "",
+                            total=total, start=not calibrating)
 
         def progress(name: str, done: int) -> None:
+            if not bar.tasks[0].started:
+                bar.start_task(task)
             bar.update(task, completed=done, description=name)
 
         return export_checkpoint(reader, out, fmt=fmt, fp8_dtype=fp8, policy=policy, dtype=cast,

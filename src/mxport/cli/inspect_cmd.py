@@ -37,8 +37,7 @@ def inspect_cmd(
             on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     if json_out:
         emit_json(report, json_out)
-    if json_out != "-":
-        _print(report)
+    _print(report)  # with --json -: on stderr (the console follows json_to_stdout)
     if report["problems"]:
         raise typer.Exit(EXIT_CHECK_FAILED)
 

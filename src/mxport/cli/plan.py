@@ -63,8 +63,8 @@ def plan_cmd(
     quantize on the engine), for a model config and trainer / engine layouts. See docs/guide-capacity.md
     for the model's formulas.
 
-    Exit 0; 1 when an MXFP8 consumer cannot take an engine rank's slice (K per rank not a multiple of 32);
-    2 on bad input.
+    Exit 0; 1 when the engine layout cannot take the model (an MXFP8 slice whose K per rank is not a multiple
+    of 32, attention heads the engine's tp does not divide); 2 on bad input.
     """
     json_to_stdout(json_out)
     from ..capacity import Hardware, predict_config
@@ -83,8 +83,7 @@ def plan_cmd(
                                     kept_bytes=kept_bytes, bucket_bytes=bucket_mib << 20,
                                     delta_fraction=delta_fraction)
     emit_json(report.to_dict(), json_out)
-    if json_out != "-":
-        _print(report)
+    _print(report)  # with --json -: on stderr (the console follows json_to_stdout)
     if report.problems:  # a failed check (exit 1), listed above as problems; not a usage error
         raise typer.Exit(EXIT_CHECK_FAILED)
 
@@ -152,9 +151,11 @@ def _print(r) -> None:
                   f"rank gets its slice, then quantizes); BF16 gather + broadcast {r.speedup:.2f}x",
                   highlight=False)
     if r.delta:
+        host = ("quantize, diff and patch included" if r.hardware.host_copy_gbps is not None else
+                "quantize included; the diff and patch passes are counted only with --host-copy-gbps (and "
+                "--host-diff-gbps / --host-patch-gbps)")
         console.print(f"MXFP8 delta ({r.delta_fraction:g} of the bytes) over full MXFP8: "
-                      f"{r.delta.seconds / r.mxfp8.seconds:.2f}x the time (quantize and diff included)",
-                      highlight=False)
+                      f"{r.delta.seconds / r.mxfp8.seconds:.2f}x the time ({host})", highlight=False)
     for problem in r.problems[:5]:
         console.print(f"[bold red]problem:[/] {problem}", highlight=False)
     if len(r.problems) > 5:

@@ -146,8 +146,7 @@ def verify(
         emit_json(report, json_out)
     if report.get("prompt_note"):
         console.print(report["prompt_note"], highlight=False, markup=False, soft_wrap=True)
-    if json_out != "-":
-        _print_report(report, source, exclude or [], fp8_dtype)
+    _print_report(report, source, exclude or [], fp8_dtype)  # --json -: on stderr
     if not report["passed"]:
         console.print(f"[red]gen_kl_error_mean {_fmt(report['gen_kl_error_mean'])} exceeds --max-kl "
                       f"{_fmt(max_kl)}[/]", highlight=False)
