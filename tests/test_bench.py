@@ -180,6 +180,9 @@ def test_goal_met_reads_a_band():
     row = {"metric": "delta refit: predicted / measured", "goal": "0.75 <= ratio <= 1.25"}
     assert [goal_met({**row, "ratio": r}) for r in (0.74, 0.75, 1.0, 1.25, 1.26)] == [False, True, True, True,
                                                                                       False]
+    # no number, or a goal it cannot read: no verdict (it raised)
+    assert goal_met({**row, "ratio": None}) is None
+    assert goal_met({**row, "ratio": 1.0, "goal": "1.2.3 <= ratio <= 2"}) is None
 
 
 def test_goal_met_reads_ratio_goals():

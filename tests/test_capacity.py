@@ -208,22 +208,33 @@ def test_delta_refit_sends_its_fraction_after_quantize_diff_and_checks():
     staging = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), host, engine_replicas=3, delta_fraction=0.25)
     direct = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), host, engine_replicas=3, delta_fraction=0.25,
                      direct=True)
-    # the diff reads two streams at the checksum rate, the patch runs at the copy rate (the defaults)
-    diff, patch, check, commit = 2 * rank * 3 / 2e9, (rank // 4) / 1e9, rank / 2e9, rank / 4e9
-    assert staging.delta.host_seconds == pytest.approx(diff + patch + check + commit, rel=1e-12)
-    assert direct.delta.host_seconds == pytest.approx(diff + patch + check, rel=1e-12)
-    assert direct.delta.seconds == pytest.approx(d.seconds + diff + patch + check, rel=1e-12)
+    # the full refit's passes (each bucket packed and summed before its diff: 3 engine ranks' worth a trainer
+    # rank; the engine's checksum and commit), then the diff of a trainer rank's stream once (replicas share
+    # it), reading two streams at the checksum rate, and the patch at the copy rate (the defaults)
+    send, check, commit = staging.passes.seconds(host)
+    assert send == pytest.approx((3 * rank + 3 * (64 * 32 + 64)) / 1e9, rel=1e-12)  # o_proj pieces cut
+    diff, patch = 2 * rank / 2e9, (rank // 4) / 1e9
+    assert staging.delta.host_seconds == pytest.approx(send + diff + patch + check + commit, rel=1e-12)
+    assert direct.passes.commit == 0
+    assert direct.delta.host_seconds == pytest.approx(send + diff + patch + check, rel=1e-12)
+    assert direct.delta.seconds == pytest.approx(d.seconds + send + diff + patch + check, rel=1e-12)
     rated = Hardware(**{**host.__dict__, "host_diff_gbps": 3.0, "host_patch_gbps": 0.5})
     got = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), rated, engine_replicas=3, delta_fraction=0.25,
                   direct=True)
-    assert got.delta.host_seconds == pytest.approx(rank * 3 / 3e9 + (rank // 4) / 0.5e9 + check, rel=1e-12)
+    assert got.delta.host_seconds == pytest.approx(send + rank / 3e9 + (rank // 4) / 0.5e9 + check, rel=1e-12)
+    one = predict(ENTRIES, Layout(fsdp=2), Layout(tp=2), host, engine_replicas=1, delta_fraction=0.25)
+    assert one.delta.host_seconds - sum(one.passes.seconds(host)) == pytest.approx(diff + patch, rel=1e-9)
     out = staging.to_dict()
     assert out["delta"]["wire_bytes"] == rank * 6 // 4 and out["delta_fraction"] == 0.25
     assert out["delta_vs_full"] == pytest.approx(staging.delta.seconds / staging.mxfp8.seconds)
     assert full.to_dict()["delta"] is None and full.to_dict()["delta_vs_full"] is None
-    for bad in (-0.1, 1.5, float("nan")):
+    for bad in (-0.1, 1.5, float("nan"), True, "x"):
         with pytest.raises(ValueError, match="delta_fraction"):
             predict(ENTRIES, Layout(), Layout(), hw, delta_fraction=bad)
+    import numpy as np
+
+    assert predict(ENTRIES, Layout(), Layout(), hw, delta_fraction=np.float32(0.5)).delta_fraction == 0.5
+    assert str(predict(ENTRIES, Layout(), Layout(), hw, delta_fraction=-0.0).delta_fraction) == "0.0"
 
 
 def test_host_passes_scatter_and_zero_copy_buckets():

@@ -1237,3 +1237,49 @@ def test_interpreter_exit_waits_for_the_rollback_copy(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert marker.read_text() == "1"  # the copy ran to the end and holds what was live
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_ctrl_c_while_a_bucket_lands_leaves_the_previous_version(eager):
+    """A BaseException (Ctrl-C) raised while bucket 1 of 2 lands: eager mode had written bucket 0 into the
+    live tensors and kept it (only Exceptions rolled back); now the live tensors are restored and the
+    KeyboardInterrupt goes on, as in staging mode."""
+    from mxport.testing import FaultyReceiverTransport
+
+    plan = RefitPlan(_items([((16,), torch.float32), ((16,), torch.float32)]))
+    targets = [torch.zeros(16), torch.zeros(16)]
+    ch = InProcessChannel(1, timeout_s=2)
+    receiver = RefitReceiver(ch.endpoint(1), plan, targets, bucket_bytes=64, eager=eager, inflight=1)
+    stream = receiver.streams[0]
+
+    def interrupt(refit, b, buf):
+        if b == 1:
+            raise KeyboardInterrupt
+
+    stream.transport = FaultyReceiverTransport(stream.transport, stream.layout.num_buckets, interrupt)
+    out = []
+
+    def rx():
+        try:
+            out.append(receiver.receive())
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what receive raised
+            out.append(exc)
+
+    th = threading.Thread(target=rx)
+    th.start()
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the receiver stopped answering
+        RefitSender(ch.endpoint(0), plan, bucket_bytes=64).send([torch.ones(16), torch.ones(16)])
+    th.join(10)
+    assert isinstance(out[0], KeyboardInterrupt) and stream.eager is eager
+    assert all(torch.equal(t, torch.zeros(16)) for t in targets)
+
+
+def test_an_abort_at_a_zero_byte_last_tensor_names_the_last_bucket():
+    """A zero-byte tensor at the stream's end sits at offset == total bytes: its bucket was one past the last
+    (IndexError instead of RefitError when the sender aborted there)."""
+    plan = RefitPlan(_items([((16,), torch.float32), ((0,), torch.float32)]))
+    targets = [torch.zeros(16), torch.zeros(0)]
+    bad = [torch.ones(16), torch.zeros(0, dtype=torch.float16)]  # the wrong dtype: the sender aborts
+    sent, got, _ = _refit_in_process(plan, [bad], targets, receiver_kw={"eager": True})
+    assert isinstance(sent[0], ValueError) and isinstance(got[0], RefitError)
+    assert got[0].bucket == 0 and "aborted" in str(got[0]) and torch.equal(targets[0], torch.zeros(16))

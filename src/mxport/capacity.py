@@ -41,11 +41,13 @@ stragglers) are left out: it is a lower bound shaped like the measurements, not 
 **MXFP8 delta** (``delta_fraction`` f: the delta payload's bytes over the full stream's, what ``mxport refit
 --delta`` reports as ``bytes / full_bytes``): the trainer ranks quantize as for a full refit, then diff every
 bucket against the base they keep (reading the base and the new bytes: two passes over their stream at the
-checksum rate, or ``host_diff_gbps``), then send f of the bytes; each engine rank parses and applies the
+checksum rate, or ``host_diff_gbps``; once per trainer rank, replicas share its stream) after packing and
+summing each bucket as a full refit does, then send f of the bytes; each engine rank parses and applies the
 payload (``host_patch_gbps``) to its copy of the version it holds and sums its whole stream against the new
-version's checksums (one read pass), then commits (staging: a copy of the whole stream; ``direct``: none, the
-patch lands in the live tensors). Nothing overlaps: the sender diffs every bucket before the agreement, the
-engine checks after the payload: ``t = t_quantize + t_diff + t_wire(f) + t_patch + t_check + t_commit``.
+version's checksums (one read pass), then commits (staging: a copy of the whole stream, and the scatter of
+pieces not contiguous in its slice; ``direct``: no copy, the patch lands in the live tensors). Nothing overlaps: the
+sender diffs every bucket before the agreement, the engine checks after the payload: ``t = t_quantize + t_pack
++ t_diff + t_wire(f) + t_patch + t_check + t_commit``.
 Where the link is slow against the quantize (a cluster's NIC against a GPU's HBM) the delta pays; on loopback,
 where the quantize dominates, it cannot.
 """
@@ -245,9 +247,8 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
     if engine_replicas < 1 or kept_bytes < 1 or bucket_bytes < 1:
         raise ValueError(f"engine_replicas, kept_bytes and bucket_bytes must be >= 1, got {engine_replicas}, "
                          f"{kept_bytes}, {bucket_bytes}")
-    if delta_fraction is not None and not (isinstance(delta_fraction, (int, float))
-                                           and 0 <= delta_fraction <= 1):
-        raise ValueError(f"delta_fraction must be a number in [0, 1], got {delta_fraction!r}")
+    if delta_fraction is not None:
+        delta_fraction = _fraction(delta_fraction)
     decisions = (policy or PrecisionPolicy()).decide_all(entries)
     kv = _kv_heads(config or {})
     mx_rank = cut = zero = scatter = bf_slice = 0
@@ -300,16 +301,30 @@ def predict(entries: Sequence[tuple[str, Sequence[int], torch.dtype]], trainer: 
                       gather_s + bf_wire_s + bf_quant_s)
     sharded = _bf16_sharded(bf_slice, mx_all, stage_ranks, replicas, trainer, engine, hardware, bf_quant_s,
                             (send_s, check_s, commit_s))
-    delta = None if delta_fraction is None else _delta(mx, mx_all * per_trainer, delta_fraction, hardware,
-                                                       shared, direct)
+    # a trainer rank diffs its stream once (replicas take the same bytes, multicast)
+    delta = None if delta_fraction is None else _delta(mx, mx_all * stage_ranks / t_ranks, delta_fraction,
+                                                       hardware, shared, (send_s, check_s, commit_s))
     return CapacityReport(model, params, quant_params, str(trainer), str(engine), replicas, hardware, mx, bf,
                           tuple(dict.fromkeys(problems)), passes, sharded, delta, delta_fraction)
 
 
-def _delta(full: PathEstimate, sent: float, f: float, hardware: Hardware, shared: float,
-           direct: bool) -> PathEstimate:
-    """The MXFP8 delta refit (module doc) from the full refit's estimate ``full``; ``sent``: the stream bytes
-    one trainer rank sends in a full refit (what it diffs)."""
+def _fraction(f) -> float:
+    """``f`` as a float in [0, 1] (ValueError otherwise; a bool is not a fraction)."""
+    try:
+        value = float(f) if not isinstance(f, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise ValueError(f"delta_fraction must be a number in [0, 1], got {f!r}")
+    return value + 0.0  # -0.0 -> 0.0
+
+
+def _delta(full: PathEstimate, diffed: float, f: float, hardware: Hardware, shared: float,
+           passes: tuple[float, float, float]) -> PathEstimate:
+    """The MXFP8 delta refit (module doc) from the full refit's estimate ``full``; ``diffed``: the stream
+    bytes one trainer rank diffs; ``passes``: the full refit's host seconds ``(send, check, commit)``, which a
+    delta refit pays too (it packs and sums every bucket before diffing it; the engine sums its whole stream
+    and commits, staging's copy and the scatter of pieces not contiguous in its slice)."""
     link = hardware.link_gbps * 1e9
     wire, per_trainer, per_engine = (math.ceil(f * x) for x in (full.wire_bytes, full.bytes_per_trainer_rank,
                                                                  full.bytes_per_engine_rank))
@@ -319,9 +334,7 @@ def _delta(full: PathEstimate, sent: float, f: float, hardware: Hardware, shared
         read = (hw.host_checksum_gbps or hw.host_copy_gbps) * 1e9
         diff = hw.host_diff_gbps * 1e9 if hw.host_diff_gbps else read / 2
         patch = (hw.host_patch_gbps or hw.host_copy_gbps) * 1e9
-        commit_rate = (hw.host_commit_gbps or hw.host_copy_gbps) * 1e9
-        commit = 0.0 if direct else full.bytes_per_engine_rank / commit_rate
-        host = sent / diff + per_engine / patch + full.bytes_per_engine_rank / read + commit
+        host = sum(passes) + diffed / diff + per_engine / patch
     seconds = full.quantize_seconds + wire_s + host
     return PathEstimate(wire, per_trainer, per_engine, 0.0, full.quantize_seconds, wire_s, seconds, host)
 

@@ -55,17 +55,21 @@ _RANGE_RE = re.compile(r"^\s*([0-9.eE+-]+)\s*<=\s*ratio\s*<=\s*([0-9.eE+-]+)\s*$
 def goal_met(row: dict) -> bool | None:
     """Whether a row meets a goal written as ``ratio >= X`` / ``ratio <= X`` / ``X <= ratio <= Y`` (a
     prediction within a band of the measurement); None for other goals."""
-    if row.get("metric") in ("skipped", "error"):
+    ratio = row.get("ratio")
+    if row.get("metric") in ("skipped", "error") or not isinstance(ratio, (int, float)) or isinstance(ratio,
+                                                                                                      bool):
         return None
     goal = str(row.get("goal", ""))
-    band = _RANGE_RE.search(goal)
-    if band is not None:
-        return float(band.group(1)) <= row["ratio"] <= float(band.group(2))
-    m = _GOAL_RE.search(goal)
-    if m is None:
+    band, m = _RANGE_RE.search(goal), _GOAL_RE.search(goal)
+    try:
+        if band is not None:
+            return float(band.group(1)) <= ratio <= float(band.group(2))
+        if m is None:
+            return None
+        bound = float(m.group(2))
+    except ValueError:  # a malformed number: not a goal this reads
         return None
-    bound = float(m.group(2))
-    return row["ratio"] >= bound if m.group(1) == ">=" else row["ratio"] <= bound
+    return ratio >= bound if m.group(1) == ">=" else ratio <= bound
 
 
 #: terminals narrower than this get the table without its baseline column (it would fold every row into a

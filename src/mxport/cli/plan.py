@@ -154,8 +154,9 @@ def _print(r) -> None:
         host = ("quantize, diff and patch included" if r.hardware.host_copy_gbps is not None else
                 "quantize included; the diff and patch passes are counted only with --host-copy-gbps (and "
                 "--host-diff-gbps / --host-patch-gbps)")
-        console.print(f"MXFP8 delta ({r.delta_fraction:g} of the bytes) over full MXFP8: "
-                      f"{r.delta.seconds / r.mxfp8.seconds:.2f}x the time ({host})", highlight=False)
+        ratio = f"{r.delta.seconds / r.mxfp8.seconds:.2f}x" if r.mxfp8.seconds else "-"
+        console.print(f"MXFP8 delta ({r.delta_fraction:g} of the bytes) over full MXFP8: {ratio} the time "
+                      f"({host})", highlight=False)
     for problem in r.problems[:5]:
         console.print(f"[bold red]problem:[/] {problem}", highlight=False)
     if len(r.problems) > 5:

@@ -297,8 +297,9 @@ class BucketLayout:
         return chunks
 
     def bucket_of(self, entry: int) -> int:
-        """The bucket holding plan entry ``entry``'s first byte."""
-        return self.plan.entries[entry].offset // self.bucket_bytes
+        """The bucket holding plan entry ``entry``'s first byte (a zero-byte entry at the stream's end: the
+        last bucket)."""
+        return min(self.plan.entries[entry].offset // self.bucket_bytes, self.num_buckets - 1)
 
     def tensor_names(self, b: int) -> list[str]:
         """Names of the tensors with bytes in bucket ``b``, in stream order."""

@@ -200,10 +200,15 @@ class RefitReceiver(WorldSide):
         peer = -1 if first is None or self.multicast else self.peers[first]
         try:
             return world_vote(self.world, row, peer, self.senders, self.checks)
-        except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+        except BaseException as exc:  # a dead peer / timeout (RuntimeError from gloo), or Ctrl-C
             if self.multicast:
-                raise self.streams[0].vote_failed(staged[0], exc) from exc
+                err = self.streams[0].vote_failed(staged[0], exc)  # rolled back
+                if not isinstance(exc, Exception):
+                    raise
+                raise err from exc
             self._discard(staged)
+            if not isinstance(exc, Exception):
+                raise
             raise RefitError(f"sharded refit not committed on engine rank {self.world.rank}: every pair was "
                              f"received, but the world vote failed ({type(exc).__name__}: {exc}): a rank "
                              f"died or timed out; live weights kept at version {self.version}",

@@ -382,11 +382,13 @@ class StreamReceiver:
                     got[b] = checksum(bufs[b])
                 if b < n and self.eager:  # live now, judged with the trailer (rolled back if rejected)
                     unpack_segments(self.layout.segments[b], bufs[b], self._views)
-            except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
+            except BaseException as exc:  # a dead peer / timeout (RuntimeError from gloo), or Ctrl-C
                 if self._rollback_copy is not None:
                     _wait_quietly(handles)  # nothing may still write into the live arena after the restore
                 landed = min(posted * self.layout.bucket_bytes, self.plan.total_bytes) if into_stream else 0
-                self._roll_back(landed)
+                self._roll_back(landed)  # direct / eager: the live tensors back on the previous version
+                if not isinstance(exc, Exception):
+                    raise
                 raise self._error("failed receiving", b if b < n else None, f"{type(exc).__name__}: {exc}",
                                   None, trailer=b == n) from exc
         return got, t_first
