@@ -45,9 +45,9 @@ checksum rate, or ``host_diff_gbps``; once per trainer rank, replicas share its 
 summing each bucket as a full refit does, then send f of the bytes; each engine rank parses and applies the
 payload (``host_patch_gbps``) to its copy of the version it holds and sums its whole stream against the new
 version's checksums (one read pass), then commits (staging: a copy of the whole stream, and the scatter of
-pieces not contiguous in its slice; ``direct``: no copy, the patch lands in the live tensors). Nothing overlaps: the
-sender diffs every bucket before the agreement, the engine checks after the payload: ``t = t_quantize + t_pack
-+ t_diff + t_wire(f) + t_patch + t_check + t_commit``.
+pieces not contiguous in its slice; ``direct``: no copy, the patch lands in the live tensors). Nothing
+overlaps: the sender diffs every bucket before the agreement, the engine checks after the payload: ``t =
+t_quantize + t_pack + t_diff + t_wire(f) + t_patch + t_check + t_commit``.
 Where the link is slow against the quantize (a cluster's NIC against a GPU's HBM) the delta pays; on loopback,
 where the quantize dominates, it cannot.
 """
