@@ -157,6 +157,11 @@ class RollbackCopy:
         self._thread = threading.Thread(target=self._run, name="mxport-refit-backup", daemon=False)
         self._thread.start()
 
+    def start_if_stale(self) -> None:
+        """:meth:`start`, when a committed refit is not copied yet and no copy is running."""
+        if self.stale and self._thread is None:
+            self.start()
+
     def follow(self, patch) -> None:
         """Bring the copy up to what is live by ``patch()`` (the change just committed, applied to the copy:
         a delta refit's few bytes instead of a whole copy); the copy held the previous version."""

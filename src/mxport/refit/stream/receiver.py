@@ -217,9 +217,8 @@ class StreamReceiver:
     def start_backup(self) -> None:
         """Start refreshing the rollback copy in the background (``defer_backup``: after a commit; a no-op
         while one runs, or when the copy already holds the live version)."""
-        rb = self._rollback_copy
-        if rb is not None and rb.stale and rb._thread is None:
-            rb.start()
+        if self._rollback_copy is not None:
+            self._rollback_copy.start_if_stale()
 
     def wait_backup(self) -> float:
         """Direct mode: wait for the rollback copy of the live version (retaken if it failed or the live
