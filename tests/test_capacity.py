@@ -273,7 +273,8 @@ def test_plan_cli_json_and_exit_codes(tmp_path):
     res = run(app, ["plan", str(tmp_path), "--trainer", "fsdp=2", "--engine", "tp=2", "--json", "-"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)  # JSON alone on stdout; the table on stderr, as the README says
-    assert "GB per engine rank" in res.stderr and "GB per engine rank" not in res.stdout
+    assert "MB per engine rank" in res.stderr and "per engine rank" not in res.stdout  # a small model: MB
+    assert "refit ms" in res.stderr and "0.000 │" not in res.stderr.split("refit ms")[1].split("\n")[0]
     assert d["trainer"] == "fsdp=2" and d["engine"] == "tp=2" and d["problems"] == []
     assert d["bf16"]["wire_bytes"] > d["mxfp8"]["wire_bytes"] > 0
     assert d["mxfp8"]["host_seconds"] == 0.0 and d["hardware"]["host_copy_gbps"] is None  # default: off

@@ -124,6 +124,13 @@ def _link_gbytes(gbit: float | None, gbytes: float | None, deprecated: float | N
     return gbytes if gbytes is not None else (400.0 if gbit is None else gbit) / 8
 
 
+def _unit(values, units) -> tuple[str, float]:
+    """The first of ``units`` (name, size; largest first) in which the largest of ``values`` is at least 1,
+    else the last: a small model's table in MB and ms instead of rows of 0.000."""
+    top = max(values, default=0)
+    return next(((n, s) for n, s in units if top >= s), units[-1])
+
+
 def _count(n: int) -> str:
     """12_300_000_000 -> "12.3 B"; 1.03e12 -> "1.03 T"."""
     return f"{n / 1e12:.3g} T" if n >= 1e12 else f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
@@ -139,13 +146,16 @@ def _print(r) -> None:
     paths = [r.mxfp8, r.bf16_sharded, r.bf16] + ([r.delta] if r.delta else [])
     for col in ("", "MXFP8", "BF16 sharded", "BF16 bcast") + (("MXFP8 delta",) if r.delta else ()):
         t.add_column(col, justify="right" if col else "left", no_wrap=True)
-    figures = (("wire GB", "wire_bytes", 1e-9), ("GB per trainer rank", "bytes_per_trainer_rank", 1e-9),
-               ("GB per engine rank", "bytes_per_engine_rank", 1e-9), ("gather s", "gather_seconds", 1),
-               ("quantize s", "quantize_seconds", 1), ("wire s", "wire_seconds", 1),
-               ("host passes s", "host_seconds", 1),
-               ("refit s", "seconds", 1))
-    for label, key, scale in figures:
-        t.add_row(label, *(f"{getattr(p, key) * scale:.3f}" for p in paths))
+    bytes_unit = _unit([p.wire_bytes for p in paths], (("GB", 1e9), ("MB", 1e6)))
+    secs_unit = _unit([p.seconds for p in paths], (("s", 1.0), ("ms", 1e-3)))
+    figures = (("wire {}", "wire_bytes", bytes_unit),
+               ("{} per trainer rank", "bytes_per_trainer_rank", bytes_unit),
+               ("{} per engine rank", "bytes_per_engine_rank", bytes_unit),
+               ("gather {}", "gather_seconds", secs_unit), ("quantize {}", "quantize_seconds", secs_unit),
+               ("wire {}", "wire_seconds", secs_unit), ("host passes {}", "host_seconds", secs_unit),
+               ("refit {}", "seconds", secs_unit))
+    for label, key, (unit, scale) in figures:
+        t.add_row(label.format(unit), *(f"{getattr(p, key) / scale:.3f}" for p in paths))
     console.print(t)
     console.print(f"predicted refit time over MXFP8's: BF16 sharded {r.speedup_sharded:.2f}x (each engine "
                   f"rank gets its slice, then quantizes); BF16 gather + broadcast {r.speedup:.2f}x",
