@@ -9,7 +9,6 @@ memory for the base (the version the engines hold) over the stream's bytes."""
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from ..parallel import Layout
@@ -175,9 +174,8 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def _quantized_elements() -> int:
-    """The embedded model's quantized weight elements (the default precision policy), from its config."""
-    from ..capacity import config_entries, read_config
-    from ..policy import PrecisionPolicy
+    """The embedded model's quantized weight elements (the default precision policy), as the capacity model
+    counts them."""
+    from ..capacity import config_entries, predict, read_config
 
-    decisions = PrecisionPolicy().decide_all(config_entries(read_config(_source_dir())))
-    return sum(math.prod(d.shape) for d in decisions if d.quantize)
+    return predict(config_entries(read_config(_source_dir())), Layout(), Layout()).quantized_parameters
