@@ -971,9 +971,12 @@ def test_mxport_refit_engine_vllm_delta_cli(tmp_path):
     assert out["delta"] is True and first["delta"] is False and first["bytes"] == first["full_bytes"]
     for row in out["steps"]:
         assert row["bit_exact"] is True and row["attested"] is True and row["kv_fresh"] is True, row
+    bucket = min(out["bucket_bytes"], out["plan"]["bytes"])  # the ring's buffers
     for row in rest:
         assert row["delta"] is True and 0 < row["bytes"] < row["full_bytes"] / 5
         assert 0 < row["blocks_changed"] < 1
+        # patched in the ring from the live weights (no staging copy of the slice on the device)
+        assert all(r["device_bytes"] <= 2 * bucket for r in row["ranks"]), row["ranks"]
 
 
 # -- checkpoints vLLM's own loader takes (issue 25): K = 200, zero blocks, fused experts ---------------------

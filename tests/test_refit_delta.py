@@ -155,17 +155,18 @@ class _Corrupting(Transport):
         return h
 
 
-def _world(n_receivers=2, *, delta=(True, True, True), bucket_bytes=1024):
+def _world(n_receivers=3, *, delta=(True, True, True, True), bucket_bytes=1024):
     ch = InProcessChannel(n_receivers, timeout_s=20)
     sender = RefitSender(ch.endpoint(0), PLAN, bucket_bytes=bucket_bytes, delta=delta[0])
     receivers, eps = [], []
     for r in range(1, n_receivers + 1):
         ep = _Corrupting(ch.endpoint(r))
         eps.append(ep)
-        # receiver 1: direct mode (one arena), receiver 2: staging
+        # receiver 1: direct mode (one arena), receiver 2: staging, receiver 3: eager (the vLLM workers')
         targets = allocate_targets(PLAN, "cpu") if r == 1 else \
             [torch.zeros(e.shape, dtype=dtype_from_name(e.dtype)) for e in PLAN.entries]
-        receivers.append(RefitReceiver(ep, PLAN, targets, bucket_bytes=bucket_bytes, delta=delta[r]))
+        receivers.append(RefitReceiver(ep, PLAN, targets, bucket_bytes=bucket_bytes, delta=delta[r],
+                                       eager=r == 3, inflight=1, defer_backup=r == 3))
     return sender, receivers, eps
 
 
@@ -185,6 +186,10 @@ def test_twenty_delta_refits_are_bit_exact_and_move_only_what_changed(path):
         direct = receivers[0].streams[0]  # its rollback copy follows the delta (not a whole copy)
         assert direct.direct and direct.wait_backup() >= 0
         assert torch.equal(direct._rollback_copy.copy, direct._arena)
+        eager = receivers[2].streams[0]  # patched in the ring: no buffer beside it, a copy that follows
+        assert eager.eager and eager.buffer_bytes == (2 * 1024, PLAN.total_bytes)
+        eager.wait_backup()
+        assert torch.equal(eager._rollback_copy.copy, direct._arena)
         assert sent.delta == (step > 0)  # the first refit goes whole: no engine holds a base yet
         assert all(o.delta == sent.delta and o.wire_bytes == sent.wire_bytes for o in outs)
         if step == 0:
@@ -194,13 +199,64 @@ def test_twenty_delta_refits_are_bit_exact_and_move_only_what_changed(path):
             assert 0 < sent.changed_words <= 15
 
 
-def test_a_rank_that_rejected_a_refit_gets_the_next_one_whole_then_deltas_again():
+def test_an_eager_delta_larger_than_a_bucket_lands_beside_the_ring_and_a_failed_patch_votes_no(monkeypatch):
+    """A delta payload larger than a ring buffer gets a buffer of its own (counted in ``buffer_bytes``); a
+    patch that fails on the eager receiver makes it vote no, and every rank keeps the previous version."""
+    sender, receivers, _ = _world()
+    w = _Weights()
+    for _ in range(2):
+        assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
+    w.t[0].view(torch.uint8).view(-1)[:2048] ^= 3  # two buckets whole
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    eager = receivers[2].streams[0]
+    assert sent.delta and sent.wire_bytes > 1024 and _live_equal(receivers, tensors)
+    assert eager.buffer_bytes[0] == 2 * 1024 + sent.wire_bytes
+    before = [t.clone() for t in receivers[0].targets]
+    calls = []
+    real = dl.apply
+
+    def breaks(d, bucket):  # the eager receiver's third bucket (two patched into its live tensors)
+        if bucket.data_ptr() == eager._ring_bufs[1].data_ptr():
+            calls.append(bucket.numel())
+            if len(calls) == 3:
+                raise RuntimeError("patch broke")
+        return real(d, bucket)
+
+    monkeypatch.setattr(dl, "apply", breaks)
+    sent, outs = _refit(sender, receivers, w.step())
+    assert "patch broke" in str(outs[2]) and "receiver 3: bad_delta at bucket 2" in str(sent)
+    assert _live_equal(receivers, before)
+    monkeypatch.setattr(dl, "apply", real)
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not sent.delta and _live_equal(receivers, tensors)
+
+
+def test_a_delta_no_smaller_than_the_stream_goes_whole_and_the_next_step_is_a_delta_again():
+    sender, receivers, _ = _world()
+    w = _Weights()
+    _refit(sender, receivers, w.step())
+    for t in w.t:
+        t.view(-1).view(torch.uint8).add_(1)  # every byte moves: the payload would outgrow the stream
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not sent.delta and sent.wire_bytes == PLAN.total_bytes and sent.full_for == ()
+    assert _live_equal(receivers, tensors)
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert sent.delta and sent.wire_bytes < PLAN.total_bytes // 5 and _live_equal(receivers, tensors)
+
+
+@pytest.mark.parametrize("bad", [1, 2])
+def test_a_rank_that_rejected_a_refit_gets_the_next_one_whole_then_deltas_again(bad):
     sender, receivers, eps = _world()
     w = _Weights()
     for _ in range(2):
         assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
     before = [t.clone() for t in receivers[0].targets]
-    eps[1].armed = True  # the staging receiver gets a corrupt delta
+    eps[bad].armed = True  # the staging (1) or the eager receiver (2: it patched its live tensors) gets a
+    # corrupt delta
     sent, outs = _refit(sender, receivers, w.step())
     assert isinstance(sent, Exception) and all(isinstance(o, Exception) for o in outs)
     assert _live_equal(receivers, before)  # every rank kept the previous version
@@ -214,7 +270,8 @@ def test_a_rank_that_rejected_a_refit_gets_the_next_one_whole_then_deltas_again(
     assert _live_equal(receivers, tensors)
 
 
-@pytest.mark.parametrize("delta", [(True, True, False), (False, True, True)])
+@pytest.mark.parametrize("delta", [(True, True, False, True), (False, True, True, True),
+                                   (True, True, True, False)])
 def test_a_stream_runs_deltas_only_when_every_endpoint_takes_them(delta):
     sender, receivers, _ = _world(delta=delta)
     w = _Weights()
@@ -327,18 +384,20 @@ def test_refits_sent_whole_while_deltas_were_off_do_not_leave_a_stale_base_trust
     assert _live_equal(receivers, tensors)
 
 
-def test_a_live_weight_written_in_place_makes_the_next_refit_whole_even_if_its_checksum_holds():
-    """Direct mode: two live words swapped in place keep every word-sum checksum; the receiver knows its live
-    tensors were written (their _version moved) and takes the next refit whole."""
-    sender, receivers, _ = _world(1)
+@pytest.mark.parametrize("which", [0, 2])
+def test_a_live_weight_written_in_place_makes_the_next_refit_whole_even_if_its_checksum_holds(which):
+    """Direct (0) and eager (2) mode, where the live tensors are the base a delta patches: two live words
+    swapped in place keep every word-sum checksum; the receiver knows its live tensors were written (their
+    _version moved) and takes the next refit whole."""
+    sender, receivers, _ = _world()
     w = _Weights()
     for _ in range(2):
         _refit(sender, receivers, w.step())
-    live = receivers[0].targets[0].view(torch.uint8).view(-1)
+    live = receivers[which].targets[0].view(torch.uint8).view(-1)
     a = live[0:8].clone()
     live[0:8] = live[64:72]
     live[64:72] = a
     tensors = w.step()
     sent, _ = _refit(sender, receivers, tensors)
-    assert not isinstance(sent, Exception) and not sent.delta and sent.full_for == (1,)
+    assert not isinstance(sent, Exception) and not sent.delta and sent.full_for == (which + 1,)
     assert _live_equal(receivers, tensors)

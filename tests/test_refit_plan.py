@@ -712,16 +712,16 @@ def test_deferred_backup_runs_when_asked_or_before_the_next_refit(start_backup, 
     assert torch.equal(receiver.streams[0]._rollback_copy.copy, _stream_bytes(plan, vs[1]))
 
 
-def test_eager_needs_scattered_targets_and_no_delta():
-    """An arena takes direct mode (eager asks nothing more of it); a delta stream stages (its patch needs the
-    live version beside the live tensors)."""
+def test_eager_needs_scattered_targets():
+    """An arena takes direct mode (eager asks nothing more of it); a delta stream is eager too (its patch
+    reads the live version from the live tensors)."""
     plan = RefitPlan(_items([((40,), torch.float32), ((5,), torch.uint8)]))
     ep = InProcessChannel(1).endpoint(1)
     separate = [torch.zeros(40), torch.zeros(5, dtype=torch.uint8)]
     assert RefitReceiver(ep, plan, separate, eager=True).streams[0].eager
     arena = RefitReceiver(ep, plan, allocate_targets(plan), eager=True)
     assert arena.direct and not arena.streams[0].eager
-    assert not RefitReceiver(ep, plan, separate, eager=True, delta=True).streams[0].eager
+    assert RefitReceiver(ep, plan, separate, eager=True, delta=True).streams[0].eager
 
 
 def _direct_run(plan, versions, targets, fault, slow_backup_s=0.0):

@@ -818,7 +818,8 @@ def _step_row(session: VllmRefitSession, step: int, ans: dict, prompts: tuple[li
               "full_bytes": int(x.get("bytes", 0)), "delta": bool(x.get("delta")),
               "attested": bool(x.get("attested")),
               "apply_s": float(x.get("apply_s", 0.0)), "apply_paths": x.get("apply_paths", {}),
-              "host_bytes": int(x.get("host_bytes", 0))} for r, x in enumerate(workers)]
+              "device_bytes": int(x.get("buffer_bytes", 0)), "host_bytes": int(x.get("host_bytes", 0))}
+             for r, x in enumerate(workers)]
     received = sum(r["bytes"] for r in ranks)  # into every worker (several trainer ranks sent parts of it)
     hit, total = ans.get("blocks", (-1, 0))
     delta = {"full_bytes": sum(r["full_bytes"] for r in ranks), "delta": all(r["delta"] for r in ranks),

@@ -391,12 +391,13 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
 
     ``update_weights`` receives this worker's pieces (checksummed buckets), writing each into the live
     tensors as it comes (two bucket buffers on the device, a rollback copy of the worker's slice in host
-    memory; delta refits are staged instead), keeps them only once every worker and trainer voted ok (all or
-    nothing: a refused refit is restored from the rollback copy, pointers stable), re-derives
-    each touched layer by its path (``in_place`` / ``redispatch`` / ``dequant`` / ``layerwise``, counted in
-    ``last_stats["apply_paths"]``), then attests: every worker's checksums of its live weights in checkpoint
-    layout go to the trainer, which compares them with what it sent (``last_stats["attested"]``).
-    ``start_weight_update`` and ``finish_weight_update`` have nothing left to do."""
+    memory; a delta refit is patched bucket by bucket from the live tensors in the same two buffers), keeps
+    them only once every worker and trainer voted ok (all or nothing: a refused refit is restored from the
+    rollback copy, pointers stable), re-derives each touched layer by its path (``in_place`` /
+    ``redispatch`` / ``dequant`` / ``layerwise``, counted in ``last_stats["apply_paths"]``), then attests:
+    every worker's checksums of its live weights in checkpoint layout go to the trainer, which compares them
+    with what it sent (``last_stats["attested"]``). ``start_weight_update`` and ``finish_weight_update``
+    have nothing left to do."""
 
     init_info_cls = MxportInitInfo
     update_info_cls = MxportUpdateInfo
@@ -470,8 +471,8 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         try:
             mesh = agree(world, init_info.trainers, holdings)
             # eager: each bucket goes into the live weights as it is summed (two bucket buffers on the
-            # device, the rollback copy of the slice in host memory); delta refits stage (their patch needs
-            # the version the worker holds beside its live weights)
+            # device, the rollback copy of the slice in host memory); a delta is patched from the live
+            # weights bucket by bucket in the same buffers (its payload in one of them when it fits)
             receiver = RefitReceiver.from_mesh(world, mesh, live, use_checksum=init_info.use_checksum,
                                                bucket_bytes=init_info.bucket_bytes, delta=init_info.delta,
                                                eager=True, inflight=1, defer_backup=True)

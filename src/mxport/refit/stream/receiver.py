@@ -88,11 +88,12 @@ class StreamReceiver:
     ``inflight`` broadcasts posted ahead; ``direct`` receive straight into the live tensors (None: whenever
     they form one arena laid out as the stream; False: never; True: always, else ValueError); ``delta`` take
     delta refits (only what changed since the live version, patched into a copy of it and checked against
-    the new version's checksums) when every endpoint does; ``eager`` (targets that are not one arena, no
-    delta): land each bucket in a ring of ``inflight + 1`` bucket buffers and write it into the live tensors
-    as soon as it is summed, while later buckets are on the wire, with a rollback copy of the live version
-    in host memory instead of a staging copy on the device (the vLLM workers' mode: two buckets on the
-    device with ``inflight=1``, no commit copy after the vote); ``defer_backup``: the rollback copy of a
+    the new version's checksums) when every endpoint does; ``eager`` (targets that are not one arena): land
+    each bucket in a ring of ``inflight + 1`` bucket buffers and write it into the live tensors as soon as it
+    is summed, while later buckets are on the wire, with a rollback copy of the live version in host memory
+    instead of a staging copy on the device (the vLLM workers' mode: two buckets on the device with
+    ``inflight=1``, no commit copy after the vote; a delta is patched bucket by bucket from the live tensors
+    in the ring, its payload in a ring buffer when it fits one); ``defer_backup``: the rollback copy of a
     committed refit is refreshed only when the owner calls :meth:`start_backup` (else at the next receive).
 
     In direct and eager mode the live tensors are written *during* a receive and the rollback copy holds the
@@ -134,7 +135,8 @@ class StreamReceiver:
             raise ValueError("direct=True needs targets that are views of one arena laid out as the plan's "
                              "byte stream (see allocate_targets)")
         self.direct = arena is not None
-        self.eager = bool(eager) and arena is None and not delta
+        self.eager = bool(eager) and arena is None
+        self._extra_bytes = 0  # an eager delta's payload buffer beside the ring (one that did not fit it)
         self.defer_backup = bool(defer_backup)
         self._arena = arena
         device = targets[0].device
@@ -151,6 +153,7 @@ class StreamReceiver:
             self._staging = self._rollback_copy.copy
         self._payloads = self._bucket_views(self._staging)
         # where the broadcasts land: the live arena (direct), a ring of bucket buffers (eager) or staging
+        self._ring_bufs: list[torch.Tensor] = []  # eager: the ring's buffers
         self._landing = (self._bucket_views(arena) if arena is not None
                          else self._ring(device) if self.eager else self._payloads)
 
@@ -160,8 +163,7 @@ class StreamReceiver:
         staging (device), direct (a rollback copy the arena's size, device), eager (the ring of bucket
         buffers on the device, the rollback copy in host memory)."""
         if self.eager:
-            ring = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in self._landing}
-            return sum(ring.values()), self._staging.numel()
+            return sum(b.numel() for b in self._ring_bufs) + self._extra_bytes, self._staging.numel()
         return self._staging.numel(), 0
 
     def _ring(self, device: torch.device) -> list[torch.Tensor]:
@@ -170,6 +172,7 @@ class StreamReceiver:
         sizes = self.layout.sizes
         ring = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
                 for _ in range(min(len(sizes), self.inflight + 1))]
+        self._ring_bufs = ring
         return [ring[b % len(ring)][:n] for b, n in enumerate(sizes)]
 
     def _scattered_copy(self) -> RollbackCopy:
@@ -328,23 +331,59 @@ class StreamReceiver:
         ``_version`` counters), as a change the word-sum checksum cannot see would otherwise survive."""
         if not self._base_ok:
             return False
-        return not self.direct or target_versions(self.targets) == self._live_versions
+        return not (self.direct or self.eager) or target_versions(self.targets) == self._live_versions
 
     def _receive_delta(self, nbytes: int):
         """Receive a delta payload of ``nbytes`` and the trailer, patch the stream bytes (the live version)
         with it and sum every bucket; the checksums, when it came, why it cannot be applied (or None) and the
         parsed bucket deltas."""
         B = self.layout.bucket_bytes
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=self._trailer.device)
+        payload, work = self._delta_buffers(nbytes)
         _, t_first = self._receive_stream([*(payload[s:s + B] for s in range(0, nbytes, B)), self._trailer],
                                           False)
         try:
             deltas = dl.parse(payload.cpu(), self.layout.sizes, self.plan.total_bytes)
         except ValueError as exc:
             return [0] * self.layout.num_buckets, t_first, _Problem(Status.BAD_DELTA, str(exc)), None
-        for d, bucket in zip(deltas, self._landing, strict=True):
-            dl.apply(d, bucket)
-        return [checksum(b) for b in self._landing], t_first, None, tuple(deltas)
+        if work is None:  # staging holds the live version: patched there
+            for d, bucket in zip(deltas, self._landing, strict=True):
+                dl.apply(d, bucket)
+            return [checksum(b) for b in self._landing], t_first, None, tuple(deltas)
+        got, problem = self._patch_live(deltas, work)
+        return got, t_first, problem, tuple(deltas)
+
+    def _delta_buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(where the payload lands, the eager stream's buffer a bucket is patched in, or None)``: eager,
+        the ring's first buffer takes the payload when it fits and another buffer is left to patch in."""
+        device, ring = self._trailer.device, self._ring_bufs
+        if not self.eager:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+        if len(ring) > 1 and nbytes <= ring[0].numel():
+            self._extra_bytes = 0
+            return ring[0][:nbytes], ring[1]
+        self._extra_bytes = nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), ring[0]
+
+    def _patch_live(self, deltas: list, work: torch.Tensor) -> tuple[list[int], _Problem | None]:
+        """Eager: each bucket packed from the live tensors into ``work``, patched, summed and, if it changed,
+        written back; the checksums, and why the patch failed (or None: judged with the trailer, rolled back
+        if rejected). Ctrl-C here restores the live tensors and is raised."""
+        got: list[int] = []
+        try:
+            for b, d in enumerate(deltas):
+                bucket = work[:self.layout.sizes[b]]
+                pack_bucket(self.layout, b, self._views, bucket)
+                dl.apply(d, bucket)
+                got.append(checksum(bucket))
+                if d.mode != dl.UNCHANGED:
+                    unpack_segments(self.layout.segments[b], bucket, self._views)
+        except Exception as exc:  # noqa: BLE001 - this rank votes no (every rank then rolls back)
+            return got + [0] * (len(deltas) - len(got)), _Problem(
+                Status.BAD_DELTA, f"patching the live tensors failed ({type(exc).__name__}: {exc})", len(got))
+        except BaseException:
+            self._roll_back(self.plan.total_bytes)
+            raise
+        return got, None
 
     def _touched(self, deltas: list) -> frozenset[str]:
         """The plan entries with a changed byte (every entry of a bucket that went whole)."""
@@ -379,7 +418,8 @@ class StreamReceiver:
                     t_first = time.perf_counter()
                 if b < n and self.use_checksum and into_stream:  # summed while later buckets are on the wire
                     got[b] = checksum(bufs[b])
-                if b < n and self.eager:  # live now, judged with the trailer (rolled back if rejected)
+                if b < n and self.eager and into_stream:  # live now, judged with the trailer (rolled
+                    # back if rejected)
                     unpack_segments(self.layout.segments[b], bufs[b], self._views)
             except BaseException as exc:  # a dead peer / timeout (RuntimeError from gloo), or Ctrl-C
                 if self._rollback_copy is not None:

@@ -263,7 +263,9 @@ class StreamSender:
                 failed, run.crcs = exc, []
         base.ok = False  # holds the new bytes (or will): trusted again once this refit is committed
         try:
-            decision = dl.agree(self.transport, -1 if payload is None else payload.numel(), base.version,
+            # a delta no smaller than the stream goes whole (a receiver would hold its payload for nothing)
+            small = payload is not None and payload.numel() < self.plan.total_bytes
+            decision = dl.agree(self.transport, payload.numel() if small else -1, base.version,
                                 base.digest, dl.max_payload(self.layout.sizes))
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             raise _TransportFailed(exc) from exc
