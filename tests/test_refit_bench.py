@@ -106,11 +106,13 @@ def test_refit_vllm_rows_report_the_workers_buffers_against_their_bounds():
     from mxport.bench.refit_vllm import rows_from as vllm_rows
 
     worker = {"slice_bytes": 1000, "host_bytes": 1000, "buffer_bytes": 64, "apply_s": 0.01,
-              "apply_paths": {"in_place": 3}}
+              "apply_paths": {"in_place": 3}, "seconds": 0.125, "attest_s": 0.02}
     res = {"seconds": [0.5, 0.2, 0.3], "raw_s": 0.1, "bytes": 1000, "workers": [worker, worker], "tp": 2,
-           "bucket_bytes": 32}
+           "bucket_bytes": 32, "trainer": {"produce_s": 0.07, "pack_s": 0.03, "checksum_s": 0.005}}
     rows = {r["metric"]: check_row(r, "refit_vllm") for r in vllm_rows(res, "t")}
     assert rows["refit into vLLM (t)"]["ratio"] == pytest.approx(0.1 / 0.25)  # the first refit warms up
+    assert ("trainer quantize 0.070 s, pack 0.030 s, checksum 0.005 s; worker receive 0.125 s, "
+            "apply 0.010 s, attest 0.020 s") in rows["refit into vLLM (t)"]["note"]
     assert rows["host bytes per worker (t)"]["ratio"] == pytest.approx(1.0)
     dev = rows["device buffer bytes per worker (t)"]
     assert dev["value"] == 64 and dev["ratio"] == pytest.approx(2.0) and dev["goal"] == "ratio <= 2.0"

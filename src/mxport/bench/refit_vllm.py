@@ -50,12 +50,13 @@ def measure(source: str, *, steps: int, tp: int = 1, bucket_bytes: int = 32 << 2
                 calls = ans["engine_calls_s"]
                 seconds.append(calls["last_call_t"] - calls["first_call_t"])
             nbytes = int(ans["stats"]["bytes"])
+            trainer = {k: float(ans["stats"].get(k, 0.0)) for k in ("produce_s", "pack_s", "checksum_s")}
             raw = session.raw_broadcast_s(nbytes, reps=steps)
             workers = session.engine_stats()
         finally:
             session.close_trainer()
     return {"seconds": seconds, "raw_s": raw, "bytes": nbytes, "workers": workers, "tp": tp,
-            "bucket_bytes": bucket_bytes}
+            "bucket_bytes": bucket_bytes, "trainer": trainer}
 
 
 def rows_from(res: dict, label: str) -> list[dict]:
@@ -65,9 +66,12 @@ def rows_from(res: dict, label: str) -> list[dict]:
     host = max(x["host_bytes"] for x in w)
     device = max(x.get("buffer_bytes", 0) for x in w)
     paths = w[0].get("apply_paths", {})
+    tr = res.get("trainer", {})
     note = (f"{label}: {res['bytes'] / 1e6:.1f} MB per refit, tp={res['tp']}, {len(res['seconds'])} refits "
-            f"(median of all but the first); apply paths per worker {paths}; apply "
-            f"{max(x['apply_s'] for x in w):.3f} s")
+            f"(median of all but the first); apply paths per worker {paths}; where the last refit's time "
+            f"went: trainer quantize {tr.get('produce_s', 0):.3f} s, pack {tr.get('pack_s', 0):.3f} s, "
+            f"checksum {tr.get('checksum_s', 0):.3f} s; worker receive {max(x['seconds'] for x in w):.3f} s, "
+            f"apply {max(x['apply_s'] for x in w):.3f} s, attest {max(x['attest_s'] for x in w):.3f} s")
     return [
         {"benchmark": BENCHMARK, "metric": f"refit into vLLM ({label})", "value": refit,
          "baseline": "raw gloo broadcast of the same bytes between the same processes, same run",
