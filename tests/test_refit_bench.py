@@ -116,3 +116,17 @@ def test_refit_vllm_rows_report_the_workers_buffers_against_their_bounds():
     assert rows["host bytes per worker (t)"]["ratio"] == pytest.approx(1.0)
     dev = rows["device buffer bytes per worker (t)"]
     assert dev["value"] == 64 and dev["ratio"] == pytest.approx(2.0) and dev["goal"] == "ratio <= 2.0"
+
+
+def test_refit_vllm_delta_rows_compare_with_the_full_refits_of_the_same_run():
+    from mxport.bench.refit_vllm import delta_rows
+
+    worker = {"buffer_bytes": 70}
+    delta = {"seconds": [0.5, 0.1, 0.3, 0.2], "bytes": 1000, "wire_bytes": 20, "workers": [worker],
+             "bucket_bytes": 32}
+    full = {"seconds": [0.9, 0.4, 0.4]}
+    rows = {r["metric"]: check_row(r, "refit_vllm") for r in delta_rows(delta, full, "t")}
+    timed = rows["delta refit into vLLM (t)"]
+    assert timed["value"] == pytest.approx(0.2) and timed["ratio"] == pytest.approx(0.5)  # medians, first out
+    dev = rows["device buffer bytes per worker, delta refits (t)"]
+    assert dev["ratio"] == pytest.approx(70 / 32) and dev["goal"] == "ratio <= 2.0"

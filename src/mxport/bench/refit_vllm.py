@@ -31,16 +31,18 @@ def _large_source(path: Path) -> str:
                                vocab=32000))
 
 
-def measure(source: str, *, steps: int, tp: int = 1, bucket_bytes: int = 32 << 20) -> dict:
-    """Refit a vLLM engine (tp workers) on ``source``'s export ``steps`` times; returns the step seconds, the
-    raw broadcast seconds of the same bytes, and each worker's stats of the last refit."""
+def measure(source: str, *, steps: int, tp: int = 1, bucket_bytes: int = 32 << 20,
+            delta: bool = False) -> dict:
+    """Refit a vLLM engine (tp workers) on ``source``'s export ``steps`` times (``delta``: delta refits after
+    the first, a few weights changed per step); returns the step seconds, the raw broadcast seconds of the
+    same bytes, each worker's stats of the last refit and its wire bytes."""
     from ..checkpoint.export import export_checkpoint
     from ..demo.vllm import VllmRefitSession
 
     with tempfile.TemporaryDirectory(prefix="mxport-bench-vllm-") as tmp:
         mx = str(Path(tmp) / "mx")
         export_checkpoint(source, mx)
-        session = VllmRefitSession(source, mx, timeout_s=300, bucket_bytes=bucket_bytes, tp=tp)
+        session = VllmRefitSession(source, mx, timeout_s=300, bucket_bytes=bucket_bytes, tp=tp, delta=delta)
         try:
             seconds = []
             for k in range(1, steps + 1):
@@ -56,7 +58,7 @@ def measure(source: str, *, steps: int, tp: int = 1, bucket_bytes: int = 32 << 2
         finally:
             session.close_trainer()
     return {"seconds": seconds, "raw_s": raw, "bytes": nbytes, "workers": workers, "tp": tp,
-            "bucket_bytes": bucket_bytes, "trainer": trainer}
+            "bucket_bytes": bucket_bytes, "trainer": trainer, "wire_bytes": int(ans["stats"]["wire_bytes"])}
 
 
 def rows_from(res: dict, label: str) -> list[dict]:
@@ -90,6 +92,27 @@ def rows_from(res: dict, label: str) -> list[dict]:
     ]
 
 
+def delta_rows(res: dict, full: dict, label: str) -> list[dict]:
+    """Delta refits into vLLM against the full refits of the same run (``full``: :func:`measure`'s), and the
+    device buffers a delta refit holds per worker (patched in the ring, its payload in one of its buffers
+    when it fits)."""
+    delta = statistics.median(res["seconds"][1:])  # the first refit goes whole
+    refit = statistics.median(full["seconds"][1:] or full["seconds"])
+    device = max(x.get("buffer_bytes", 0) for x in res["workers"])
+    note = (f"{label}: {res['wire_bytes'] / 1e6:.2f} of {res['bytes'] / 1e6:.1f} MB on the wire per delta "
+            f"refit, {len(res['seconds']) - 1} delta refits (median); each worker patches its live weights "
+            "bucket by bucket and re-derives the layers whose bytes changed")
+    return [
+        {"benchmark": BENCHMARK, "metric": f"delta refit into vLLM ({label})", "value": delta,
+         "baseline": "full refit into vLLM, same run", "ratio": delta / refit, "unit": "s", "goal": "",
+         "note": note},
+        {"benchmark": BENCHMARK, "metric": f"device buffer bytes per worker, delta refits ({label})",
+         "value": device, "baseline": "the refit's bucket size", "ratio": device / res["bucket_bytes"],
+         "unit": "B", "goal": "ratio <= 2.0",
+         "note": "the ring of bucket buffers (the payload lands in one of them when it fits)"},
+    ]
+
+
 def run(quick: bool = False) -> list[dict]:
     """The embedded model (and with ``quick`` False, a ~1 GB model) refitted into vLLM at tp=1."""
     if importlib.util.find_spec("vllm") is None:
@@ -97,8 +120,11 @@ def run(quick: bool = False) -> list[dict]:
                         "refit_vllm")
     from ..models import default_model_dir
 
-    rows = rows_from(measure(str(default_model_dir()), steps=4 if quick else 6), "embedded SmolLM2-135M")
+    label = "embedded SmolLM2-135M"
+    full = measure(str(default_model_dir()), steps=4 if quick else 6)
+    rows = rows_from(full, label)
     if not quick:
+        rows += delta_rows(measure(str(default_model_dir()), steps=5, delta=True), full, label)
         with tempfile.TemporaryDirectory(prefix="mxport-bench-large-") as tmp:
             src = _large_source(Path(tmp) / "bf16")
             rows += rows_from(measure(src, steps=4), "~1 GB random Llama")
