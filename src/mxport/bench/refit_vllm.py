@@ -1,6 +1,7 @@
 """``mxport bench --only refit_vllm``: a refit into a real vLLM engine through the ``"mxport"`` backend
 against a raw gloo broadcast of the same bytes between the same two processes, in the same run; and what
-the backend holds per worker beside the engine's own weights.
+the backend holds per worker beside the engine's own weights; delta refits; at tp=2, what each worker
+receives.
 
 Runs where vLLM is installed (``scripts/setup_vllm.sh`` makes ``.venv-vllm``: ``.venv-vllm/bin/mxport bench
 --only refit_vllm``); elsewhere one ``skipped`` row says so. The refit time is the demo's step time (vLLM's
@@ -58,7 +59,8 @@ def measure(source: str, *, steps: int, tp: int = 1, bucket_bytes: int = 32 << 2
         finally:
             session.close_trainer()
     return {"seconds": seconds, "raw_s": raw, "bytes": nbytes, "workers": workers, "tp": tp,
-            "bucket_bytes": bucket_bytes, "trainer": trainer, "wire_bytes": int(ans["stats"]["wire_bytes"])}
+            "bucket_bytes": bucket_bytes, "trainer": trainer, "wire_bytes": int(ans["stats"]["wire_bytes"]),
+            "plan_bytes": int(session.plan_summary["bytes"])}
 
 
 def rows_from(res: dict, label: str) -> list[dict]:
@@ -113,6 +115,28 @@ def delta_rows(res: dict, full: dict, label: str) -> list[dict]:
     ]
 
 
+def _tp_source(path: Path) -> str:
+    """A ~180 MB refit (MXFP8 projections, BF16 vocabulary layers) whose heads split two ways (the embedded
+    model's 9 do not)."""
+    from ..testing import make_tiny_llama
+
+    return str(make_tiny_llama(path, hidden=1024, intermediate=2816, layers=4, heads=16, kv_heads=4,
+                               vocab=32000))
+
+
+def tp_rows(res: dict, label: str) -> list[dict]:
+    """What each tensor-parallel worker receives against its share of the model (the whole plan over tp:
+    projections are cut, norms whole on every worker), plus :func:`rows_from`'s rows."""
+    share = res["plan_bytes"] / res["tp"]
+    got = [int(x["bytes"]) for x in res["workers"]]
+    return [*rows_from(res, label),
+            {"benchmark": BENCHMARK, "metric": f"bytes received per worker ({label})", "value": max(got),
+             "baseline": f"the refit's bytes / tp ({share / 1e6:.1f} MB)", "ratio": max(got) / share,
+             "unit": "B", "goal": "ratio <= 1.05",
+             "note": f"per worker {[round(g / 1e6, 2) for g in got]} MB of {res['plan_bytes'] / 1e6:.1f} MB: "
+                     "each receives its own slice, straight from the trainer"}]
+
+
 def run(quick: bool = False) -> list[dict]:
     """The embedded model (and with ``quick`` False, a ~1 GB model) refitted into vLLM at tp=1."""
     if importlib.util.find_spec("vllm") is None:
@@ -128,4 +152,7 @@ def run(quick: bool = False) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="mxport-bench-large-") as tmp:
             src = _large_source(Path(tmp) / "bf16")
             rows += rows_from(measure(src, steps=4), "~1 GB random Llama")
+        with tempfile.TemporaryDirectory(prefix="mxport-bench-tp-") as tmp:
+            res = measure(_tp_source(Path(tmp) / "bf16"), steps=4, tp=2)
+            rows += tp_rows(res, "~180 MB random Llama, tp=2")
     return rows
