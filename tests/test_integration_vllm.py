@@ -979,6 +979,37 @@ def test_mxport_refit_engine_vllm_delta_cli(tmp_path):
         assert all(r["device_bytes"] <= 2 * bucket for r in row["ranks"]), row["ranks"]
 
 
+@pytest.mark.slow
+@needs_engine
+def test_a_weight_altered_behind_a_delta_stream_makes_the_next_refit_whole(tmp_path):
+    """Delta refits patch the live weights: after one was altered behind the refit's back (a flipped byte,
+    which no version counter sees), ``attest`` names it and the next refit goes whole, lands exactly and is
+    attested (it failed its checksum before, the patch landing on the altered bytes)."""
+    import functools
+
+    from mxport.checkpoint.export import export_checkpoint
+    from mxport.testing import flip_live_byte, make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "bf16", hidden=128, heads=2, kv_heads=1, intermediate=256, layers=2)
+    export_checkpoint(str(src), tmp_path / "mx")
+    s = harness.VllmRefitSession(str(src), str(tmp_path / "mx"), timeout_s=20, bucket_bytes=64 << 10,
+                                 delta=True)
+    try:
+        for step in (1, 2):
+            _refit_ok(s, step)
+        assert [w["delta"] for w in s.engine_stats()] == [True]
+        s.llm.collective_rpc(functools.partial(flip_live_byte, param="model.layers.1.mlp.down_proj.weight"))
+        assert [a["changed"] for a in mxv.attest(s.llm)] == [["model.layers.1.mlp.down_proj.weight"]]
+        _refit_ok(s, 3)
+        (w,) = s.engine_stats()
+        assert w["delta"] is False and w["attested"] is True
+        assert harness.slice_mismatches(s, 3) == [] and [a["attested"] for a in mxv.attest(s.llm)] == [True]
+        _refit_ok(s, 4)
+        assert [w["delta"] for w in s.engine_stats()] == [True]
+    finally:
+        s.close_trainer()
+
+
 # -- checkpoints vLLM's own loader takes (issue 25): K = 200, zero blocks, fused experts ---------------------
 #: a fresh vLLM (its CPU build, MXFP8 emulation) on checkpoint argv[1]: its parameters as its loader stored
 #: them and each layer's quant method go to argv[2] (torch.save), with a greedy generation when argv[3] is

@@ -155,8 +155,8 @@ class _Corrupting(Transport):
         return h
 
 
-def _world(n_receivers=3, *, delta=(True, True, True, True), bucket_bytes=1024):
-    ch = InProcessChannel(n_receivers, timeout_s=20)
+def _world(n_receivers=3, *, delta=(True, True, True, True), bucket_bytes=1024, timeout_s=20):
+    ch = InProcessChannel(n_receivers, timeout_s=timeout_s)
     sender = RefitSender(ch.endpoint(0), PLAN, bucket_bytes=bucket_bytes, delta=delta[0])
     receivers, eps = [], []
     for r in range(1, n_receivers + 1):
@@ -401,3 +401,156 @@ def test_a_live_weight_written_in_place_makes_the_next_refit_whole_even_if_its_c
     sent, _ = _refit(sender, receivers, tensors)
     assert not isinstance(sent, Exception) and not sent.delta and sent.full_for == (which + 1,)
     assert _live_equal(receivers, tensors)
+
+
+# -- eager delta streams sharing one engine tensor (two trainer ranks, real gloo processes) ------------------
+_PAIRS = (0, 1)
+
+
+def _pair_plan(t: int) -> RefitPlan:
+    return RefitPlan([(f"X.rows{t}", "kept", torch.float32, (32, 64))])
+
+
+def _pair_digest() -> str:
+    import hashlib
+
+    return hashlib.sha256(";".join(f"{t},2,{_pair_plan(t).digest}" for t in _PAIRS).encode()).hexdigest()
+
+
+def _rows(t: int, step: int) -> torch.Tensor:
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(t))
+    for s in range(step):
+        w[s, 0] += 1.0  # one more word per step
+    return w
+
+
+def _shared_rows(port: int, rank: int, init: str, steps: int = 5) -> list:  # noqa: ARG001
+    from mxport.refit import TorchDistTransport
+    from mxport.refit.transport import open_group
+
+    torch.set_num_threads(1)
+    world = TorchDistTransport.from_group(open_group("127.0.0.1", port, rank, 3, timeout_s=20))
+    kw = {"global_digest": _pair_digest(), "trainers": _PAIRS, "bucket_bytes": 4096, "delta": True}
+    if rank in _PAIRS:
+        sender = RefitSender.for_pairs(world, [(2, _pair_plan(rank))], **kw)
+        return [sender.send({2: [_rows(rank, step)]}).delta for step in range(1, steps + 1)]
+    X = torch.zeros(64, 64)  # one engine tensor: rows 0..31 from trainer 0, 32..63 from trainer 1
+    receiver = RefitReceiver.for_pairs(world, [(t, _pair_plan(t), [X[32 * t:32 * t + 32]]) for t in _PAIRS],
+                                       eager=True, inflight=1, defer_backup=True, **kw)
+    out = []
+    for step in range(1, steps + 1):
+        receiver.receive()
+        receiver.start_backup()
+        out.append(torch.equal(X, torch.cat([_rows(0, step), _rows(1, step)])))
+    return out
+
+
+def test_eager_delta_streams_sharing_one_engine_tensor_keep_their_base(tmp_path):
+    """Two trainer ranks each send half the rows of one engine tensor (targets share its version counter):
+    one stream's commit must not read as an in-place write to the other (every refit then went whole)."""
+    import functools
+    import socket
+
+    from mxport.testing import spawn_world
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = spawn_world(functools.partial(_shared_rows, port), 3, tmp_path, wait_s=120)
+    assert out[2] == [True] * 5
+    assert out[0] == out[1] == [False, True, True, True, True]
+
+
+def _ctrl_c_world(monkeypatch, where: str):
+    """One eager delta receiver after a whole refit; Ctrl-C lands in ``where`` during the next (a delta)."""
+    from mxport.refit.stream import receiver as rxmod
+
+    sender, receivers, _ = _world(3, timeout_s=3)  # the vote two receivers never join fails in 3 s
+    w = _Weights()
+    assert not isinstance(_refit(sender, receivers, w.step())[0], Exception)
+    before = [[t.clone() for t in r.targets] for r in receivers]
+    real = getattr(rxmod.StreamReceiver, where)
+
+    def ctrl_c(self, *args):
+        if self.eager or self.direct:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(rxmod.StreamReceiver, where, ctrl_c)
+    return sender, receivers, w, before
+
+
+@pytest.mark.parametrize("where", ["_touched", "_judge"])
+def test_ctrl_c_after_a_delta_was_patched_into_the_live_tensors_restores_them(monkeypatch, where):
+    """Direct and eager receivers write a delta into their live tensors before the vote: Ctrl-C after that
+    (naming the touched tensors, judging the trailer) restores the previous version, and they take the next
+    refit whole."""
+    sender, receivers, w, before = _ctrl_c_world(monkeypatch, where)
+    outs = []
+
+    def rx(r):
+        try:
+            outs.append(r.receive())
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outs.append(exc)
+
+    tensors = w.step()
+    threads = [threading.Thread(target=rx, args=(r,)) for r in receivers]
+    for t in threads:
+        t.start()
+    try:
+        sender.send(tensors)
+    except Exception:  # noqa: BLE001, S110 - the vote fails: two receivers never vote
+        pass
+    for t in threads:
+        t.join(timeout=30)
+    assert sum(isinstance(o, KeyboardInterrupt) for o in outs) == 2  # direct and eager
+    for r, old in zip(receivers, before, strict=True):
+        if r.streams[0].eager or r.streams[0].direct:
+            assert all(torch.equal(a, b) for a, b in zip(r.targets, old, strict=True))
+            assert r.version == 1
+
+
+def test_ctrl_c_in_one_stream_of_a_sharded_refit_rolls_back_the_streams_staged_before_it():
+    """A sharded engine rank stages its streams one after another: Ctrl-C in the second (which restores its
+    own tensors) must also restore the first, whose eager bytes are already live (it was left unvoted)."""
+    from types import SimpleNamespace
+
+    class _Stream:
+        def __init__(self, fail):
+            self.fail, self.discarded, self.plan = fail, [], PLAN
+            self.layout = SimpleNamespace(num_buckets=1)
+
+        def prepare(self):
+            pass
+
+        def stage(self):
+            if self.fail:
+                raise KeyboardInterrupt
+            return "staged"
+
+        def discard(self, staged):
+            self.discarded.append(staged)
+
+    receiver = RefitReceiver.__new__(RefitReceiver)
+    receiver.streams = [_Stream(False), _Stream(True)]
+    receiver.ends = [(0, (2,)), (1, (2,))]
+    with pytest.raises(KeyboardInterrupt):
+        receiver._stage_all()
+    assert receiver.streams[0].discarded == ["staged"] and receiver.streams[1].discarded == []
+
+
+def test_a_distrusted_base_makes_the_next_refit_whole():
+    """``distrust_base`` (what the vLLM worker calls when an attestation reads other bytes than were sent):
+    the next refit goes whole for that receiver, naming it, then deltas again."""
+    sender, receivers, _ = _world()
+    w = _Weights()
+    for _ in range(2):
+        assert _refit(sender, receivers, w.step())[0].delta is not None
+    receivers[2].distrust_base()
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert not sent.delta and sent.full_for == (3,) and _live_equal(receivers, tensors)
+    tensors = w.step()
+    sent, _ = _refit(sender, receivers, tensors)
+    assert sent.delta and _live_equal(receivers, tensors)

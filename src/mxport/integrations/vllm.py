@@ -546,13 +546,14 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                            "slice_bytes": slice_bytes, "buffer_bytes": device_b,
                            "host_bytes": host_b + staged_bytes(self.layers)}
         if bad:
+            self.receiver.distrust_base()  # the next refit goes whole
             raise RuntimeError(f"attestation failed: routes {bad} (trainer, engine rank) hold other bytes "
                                "than were sent")
 
     def attest(self) -> dict:
         """This worker's live weights against the checksums attested at the last refit: ``{"rank",
         "attested", "changed"}`` (the plan tensors whose live bytes differ; see :func:`attest` for what is
-        read)."""
+        read). A change makes the next refit go whole (a delta is never patched onto altered weights)."""
         from .vllm_slices import checkpoint_part, tensor_digests
 
         if not self.attested:
@@ -560,6 +561,8 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
                     "changed": [], "why": "no attested refit yet"}
         now = tensor_digests(self.holdings, PieceDigests(checkpoint_part(self.live, self.layers)))
         changed = sorted(n for n, c in now.items() if self.attested.get(n) != c)
+        if changed and self.receiver is not None:
+            self.receiver.distrust_base()  # a delta must not patch altered weights: the next refit goes whole
         return {"rank": worker_rank(self.parallel_config), "attested": not changed, "changed": changed}
 
     def finish_weight_update(self) -> None:
@@ -593,11 +596,11 @@ def _attest_worker(worker) -> dict:
 def attest(llm) -> list[dict]:
     """Attest a vLLM engine now: every worker re-reads its live weights in checkpoint layout and compares them
     with the checksums attested at its last refit. One ``{"rank", "attested", "changed"}`` per worker
-    (``changed``: the plan tensors whose live bytes differ -- a weight altered since). What is read: the
-    live parameters of ``in_place`` and ``redispatch`` layers, a ``dequant`` layer's BF16 decode re-encoded
-    with its live scales; a ``layerwise`` layer's checkpoint copy the kernel's own form was derived from (not
-    the derived form itself), and not the CPU GEMM's packed copy of a ``redispatch`` layer.
-    ``llm``: anything with vLLM's ``collective_rpc`` (an ``LLM``, an engine client)."""
+    (``changed``: the plan tensors whose live bytes differ -- a weight altered since: the next refit then
+    goes whole). What is read: the live parameters of ``in_place`` and ``redispatch`` layers, a ``dequant``
+    layer's BF16 decode re-encoded with its live scales; a ``layerwise`` layer's checkpoint copy the kernel's
+    own form was derived from (not the derived form itself), and not the CPU GEMM's packed copy of a
+    ``redispatch`` layer. ``llm``: anything with vLLM's ``collective_rpc`` (an ``LLM``, an engine client)."""
     return list(llm.collective_rpc(_attest_worker))
 
 

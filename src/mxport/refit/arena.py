@@ -170,6 +170,12 @@ class RollbackCopy:
         self.last_s = time.perf_counter() - t0
         self._versions = target_versions(self.targets)
 
+    def note_versions(self) -> None:
+        """The targets' counters moved with no write into the bytes this copy holds (another stream's commit
+        into the same tensors): record them, unless the copy is already known to be old."""
+        if not self.stale and self._error is None:
+            self._versions = target_versions(self.targets)
+
     def wait(self) -> float:
         """Block until the copy holds what is live; return the seconds of the copy that made it so."""
         if self._thread is not None:

@@ -147,6 +147,12 @@ class RefitReceiver(WorldSide):
         for s in self.streams:
             s.start_backup()
 
+    def distrust_base(self) -> None:
+        """The live weights may not hold the version committed last (e.g. an attestation read other bytes
+        than were sent): every stream's next refit goes whole, not a delta patched onto them."""
+        for s in self.streams:
+            s.distrust_base()
+
     def verify_live(self) -> bool:
         """True when the live bytes have the checksums the sender wrote for the last refit."""
         return bool(self.streams) and all(s.verify_live() for s in self.streams)
@@ -217,12 +223,16 @@ class RefitReceiver(WorldSide):
     def _stage_all(self) -> tuple[list[Staged], list[StreamStats]]:
         staged: list[Staged] = []
         stats: list[StreamStats] = []
+        for r in self.streams:  # before any stream writes into live tensors it may share with another
+            r.prepare()
         for (t, engines), r in zip(self.ends, self.streams, strict=True):
             t0 = time.perf_counter()
             try:
                 staged.append(r.stage())
-            except RefitError as exc:  # a transport failure: this stream rolled back already
+            except BaseException as exc:  # a transport failure or Ctrl-C: this stream rolled back already
                 self._discard(staged)
+                if not isinstance(exc, RefitError):
+                    raise
                 if not self.multicast:
                     exc.add_note(f"(sharded refit on engine rank {self.world.rank}: the pair stream from "
                                  f"trainer rank {t}; no pair committed, live weights kept at version "
@@ -248,6 +258,8 @@ class RefitReceiver(WorldSide):
                 errors.append(exc)
         if not wv.vote.commit:
             raise self._rejection(staged, wv, first)
+        for r in self.streams:
+            r.note_live()
         self.version = remember(self.global_digest, wv.vote.version)
         if errors:  # a refresh hook failed after a unanimous yes (see StreamReceiver.settle)
             raise errors[0]

@@ -32,6 +32,10 @@ class Stopwatch:
         finally:
             self._spent[name] += time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` spent elsewhere to phase ``name``."""
+        self._spent[name] += seconds
+
     def __getitem__(self, name: str) -> float:
         """Seconds spent in phase ``name`` so far (0.0 if never entered)."""
         return self._spent.get(name, 0.0)

@@ -137,6 +137,7 @@ class StreamReceiver:
         self.direct = arena is not None
         self.eager = bool(eager) and arena is None
         self._extra_bytes = 0  # an eager delta's payload buffer beside the ring (one that did not fit it)
+        self._prepared: tuple | None = None  # (backup seconds, its wait, holds the base): see prepare
         self.defer_backup = bool(defer_backup)
         self._arena = arena
         device = targets[0].device
@@ -229,28 +230,45 @@ class StreamReceiver:
         return self._rollback_copy.wait() if self._rollback_copy is not None else 0.0
 
     # -- one refit -------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Before any stream of a refit writes: wait for the rollback copy and see whether the live tensors
+        still hold the base a delta patches (a sibling stream writing its rows of a tensor this stream shares
+        would otherwise read as an in-place write). :meth:`stage` does it itself when nobody did."""
+        t0 = time.perf_counter()
+        backup_s = self.wait_backup()
+        self._prepared = (backup_s, time.perf_counter() - t0, self._holds_base())
+
     def stage(self) -> Staged:
         """Phase one: receive every bucket and the trailer and judge them, nothing committed; then
         :meth:`verdict` and :meth:`settle` (or :meth:`discard`). RefitError when the transport failed (rolled
         back)."""
         sw = Stopwatch()
-        with sw.phase("backup_wait"):
-            backup_s = self.wait_backup()
+        if self._prepared is None:
+            self.prepare()
+        backup_s, waited, base = self._prepared
+        self._prepared = None
+        sw.add("backup_wait", waited)
         problem = self._live_problem()  # found before receiving: still drain the stream to stay in step
         sw.mark("posted")
-        decision = self._agree() if self.delta else None
-        touched = deltas = None
-        if decision is not None and decision.delta:
-            got, t_first, bad, deltas = self._receive_delta(decision.nbytes)
-            problem = problem or bad
-            touched = self._touched(deltas) if deltas is not None else None
-        else:
-            got, t_first = self._receive_stream([*self._landing, self._trailer], True)
-        sw.mark("first", t_first)
-        trailer = Trailer.from_tensor(self._trailer)
-        problem = problem or self._judge(trailer, got)
-        sw.mark("judged")
+        decision = self._agree(base) if self.delta else None
         delta = decision is not None and decision.delta
+        try:
+            touched = deltas = None
+            if delta:
+                got, t_first, bad, deltas = self._receive_delta(decision.nbytes)
+                problem = problem or bad
+                touched = self._touched(deltas) if deltas is not None else None
+            else:
+                got, t_first = self._receive_stream([*self._landing, self._trailer], True)
+            sw.mark("first", t_first)
+            trailer = Trailer.from_tensor(self._trailer)
+            problem = problem or self._judge(trailer, got)
+        except RefitError:
+            raise  # rolled back where it was raised
+        except BaseException:  # Ctrl-C (or a bug) once the live tensors may hold unvoted bytes
+            self._roll_back(self.plan.total_bytes)
+            raise
+        sw.mark("judged")
         return Staged(problem, trailer, sw, backup_s, decision.nbytes if delta else self.plan.total_bytes,
                       delta, touched, deltas)
 
@@ -298,6 +316,20 @@ class StreamReceiver:
                             backup_s=staged.backup_s, backup_wait_s=sw["backup_wait"],
                             wire_bytes=staged.wire_bytes, delta=staged.delta)
 
+    def distrust_base(self) -> None:
+        """The live tensors may not hold the version committed last (an attestation read other bytes): the
+        next refit goes whole instead of patching them."""
+        self._base_ok = False
+
+    def note_live(self) -> None:
+        """After every stream of a refit committed: record the live tensors' ``_version`` counters again (a
+        sibling stream whose targets share a counter with this one's -- row ranges of one engine tensor --
+        bumped it after this stream committed; otherwise it would read as an in-place write, and the next
+        delta go whole)."""
+        self._live_versions = target_versions(self.targets)
+        if self._rollback_copy is not None:
+            self._rollback_copy.note_versions()
+
     def discard(self, staged: Staged) -> None:  # noqa: ARG002 - the refit it drops, for the reader
         """Drop ``staged`` without a vote: the live tensors keep the previous version."""
         self._roll_back(self.plan.total_bytes)
@@ -315,10 +347,11 @@ class StreamReceiver:
         return None
 
     # -- a delta stream -------------------------------------------------------------------------------------
-    def _agree(self) -> dl.Decision:
-        """The delta stream's agreement (:func:`~mxport.refit.stream.delta.agree`); RefitError if it fails."""
+    def _agree(self, base: bool) -> dl.Decision:
+        """The delta stream's agreement (:func:`~mxport.refit.stream.delta.agree`; ``base``: the live version
+        is the one committed last); RefitError if it fails."""
         try:
-            return dl.agree(self.transport, 0, self.version, self._digest if self._holds_base() else 0,
+            return dl.agree(self.transport, 0, self.version, self._digest if base else 0,
                             dl.max_payload(self.layout.sizes))
         except Exception as exc:  # noqa: BLE001 - a dead peer / timeout surfaces as RuntimeError from gloo
             self._roll_back(0)
