@@ -442,12 +442,18 @@ def _shared_rows(port: int, rank: int, init: str, steps: int = 5) -> list:  # no
         receiver.receive()
         receiver.start_backup()
         out.append(torch.equal(X, torch.cat([_rows(0, step), _rows(1, step)])))
-    return out
+    rings = {b.data_ptr() for s in receiver.streams for b in s._ring_bufs}
+    receiver.wait_backup()  # each stream's rollback copy followed its own deltas: it holds its live rows
+    copies = [torch.equal(s._rollback_copy.copy, s.targets[0].reshape(-1).view(torch.uint8))
+              for s in receiver.streams]
+    return {"exact": out, "rings": len(rings), "buffer_bytes": receiver.buffer_bytes, "copies": copies}
 
 
-def test_eager_delta_streams_sharing_one_engine_tensor_keep_their_base(tmp_path):
+def test_eager_delta_streams_sharing_one_engine_tensor_keep_their_base_and_one_ring(tmp_path):
     """Two trainer ranks each send half the rows of one engine tensor (targets share its version counter):
-    one stream's commit must not read as an in-place write to the other (every refit then went whole)."""
+    one stream's commit must not read as an in-place write to the other (every refit then went whole); the
+    engine rank's two streams land in one ring of two buckets (they are received one after another), not
+    one each, and the delta payloads parsed from it stay whole until the settle."""
     import functools
     import socket
 
@@ -457,8 +463,10 @@ def test_eager_delta_streams_sharing_one_engine_tensor_keep_their_base(tmp_path)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = spawn_world(functools.partial(_shared_rows, port), 3, tmp_path, wait_s=120)
-    assert out[2] == [True] * 5
+    assert out[2]["exact"] == [True] * 5
     assert out[0] == out[1] == [False, True, True, True, True]
+    assert out[2]["rings"] == 2 and out[2]["buffer_bytes"] == (2 * 4096, 2 * 32 * 64 * 4)
+    assert out[2]["copies"] == [True, True]
 
 
 def _ctrl_c_world(monkeypatch, where: str):

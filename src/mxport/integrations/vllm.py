@@ -538,8 +538,7 @@ class MxportWeightTransferEngine(WeightTransferEngine[MxportInitInfo, MxportUpda
         attest_s = time.perf_counter() - t0 - apply_s
         self.receiver.start_backup()  # the rollback copy of this version, after the work above
         slice_bytes = sum(h.box.numel * dtype_from_name(h.tensor.dtype).itemsize for h in self.holdings)
-        device_b = sum(s.buffer_bytes[0] for s in self.receiver.streams)  # the buckets' ring
-        host_b = sum(s.buffer_bytes[1] for s in self.receiver.streams)  # the rollback copy: the slice
+        device_b, host_b = self.receiver.buffer_bytes  # the buckets' ring (one, shared); the rollback copy
         self.last_stats = {**stats.to_dict(), "ok": not bad, "apply_s": apply_s, "attest_s": attest_s,
                            "apply_paths": paths, "layers_applied": len(touched), "layers": len(self.layers),
                            "attested": not bad,

@@ -54,8 +54,9 @@ class RefitReceiver(WorldSide):
         """An engine rank of a sharded refit (arguments as :meth:`RefitSender.for_pairs`): ``pairs``
         ``(trainer world rank, its RefitPlan, its live targets[, its own refresh hooks])`` in pair order (may
         be empty), ``version`` the version the live weights hold; every stream staged (nothing written before
-        the vote), or with ``eager=True`` written into its live tensors bucket by bucket and restored from a
-        host rollback copy unless every rank votes yes."""
+        the vote), or with ``eager=True`` written into its live tensors bucket by bucket (one ring of bucket
+        buffers for all its streams, received one after another) and restored from a host rollback copy
+        unless every rank votes yes."""
         ends = [(int(p[0]), (world.rank,)) for p in pairs]
         return cls._of_streams(world, [(e, *p[1:]) for e, p in zip(ends, pairs, strict=True)], global_digest,
                                trainers, tag, replicas, version, stream_kwargs)
@@ -82,6 +83,7 @@ class RefitReceiver(WorldSide):
         peers = [t for (t, _), *_ in streams]
         if len(set(peers)) != len(peers) or any(t not in trainers for t in peers):
             raise ValueError(f"pairs: each trainer rank once, each one of {list(trainers)}, got {peers}")
+        stream_kwargs = {"ring": _shared_ring(streams, stream_kwargs), **stream_kwargs}
         receivers = [StreamReceiver(stream_transport(world, t, engines, tag), plan, targets, direct=False,
                                     **_with_hooks(stream_kwargs, hooks))
                      for (t, engines), plan, targets, *hooks in streams]
@@ -152,6 +154,15 @@ class RefitReceiver(WorldSide):
         than were sent): every stream's next refit goes whole, not a delta patched onto them."""
         for s in self.streams:
             s.distrust_base()
+
+    @property
+    def buffer_bytes(self) -> tuple[int, int]:
+        """``(on the live tensors' device, in host memory)`` bytes this rank's streams hold beside the live
+        tensors, a ring its eager streams share counted once (see :attr:`StreamReceiver.buffer_bytes`)."""
+        device: dict[int, int] = {}
+        for s in self.streams:
+            device.update(s.device_buffers())
+        return sum(device.values()), sum(s.buffer_bytes[1] for s in self.streams)
 
     def verify_live(self) -> bool:
         """True when the live bytes have the checksums the sender wrote for the last refit."""
@@ -281,6 +292,24 @@ class RefitReceiver(WorldSide):
         return RefitError(f"sharded refit v{wv.vote.version} not committed on engine rank {me}: {why}; no "
                           f"pair committed, live weights kept at version {self.version}", bucket=bucket,
                           tensors=names, kept_version=self.version, status=status, receivers=wv.vote.results)
+
+
+def _shared_ring(streams: Sequence[tuple], kwargs: dict) -> list[torch.Tensor]:
+    """Eager streams of one rank are received one after another: one ring of ``inflight + 1`` buffers (fewer
+    when no stream has that many buckets) of the largest bucket serves them all (none for a single stream or
+    staging)."""
+    if not kwargs.get("eager") or len(streams) < 2:
+        return []
+    from .buckets import DEFAULT_BUCKET_BYTES
+
+    bucket = kwargs.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    size = max(min(bucket, plan.total_bytes) for _, plan, *_ in streams)
+    targets = next((ts for _, _, ts, *_ in streams if ts), None)
+    if size <= 0 or targets is None:
+        return []
+    most = max(-(-plan.total_bytes // bucket) for _, plan, *_ in streams)  # buckets in the longest stream
+    n = min(max(1, kwargs.get("inflight", 4)) + 1, max(1, most))
+    return [torch.empty(size, dtype=torch.uint8, device=targets[0].device) for _ in range(n)]
 
 
 def _with_hooks(kwargs: dict, extra: list) -> dict:

@@ -93,7 +93,9 @@ class StreamReceiver:
     is summed, while later buckets are on the wire, with a rollback copy of the live version in host memory
     instead of a staging copy on the device (the vLLM workers' mode: two buckets on the device with
     ``inflight=1``, no commit copy after the vote; a delta is patched bucket by bucket from the live tensors
-    in the ring, its payload in a ring buffer when it fits one); ``defer_backup``: the rollback copy of a
+    in the ring, its payload in a ring buffer when it fits one; ``ring``: buffers to use as the ring, shared
+    with other streams received one after another, when there are enough of them, on the live tensors'
+    device and each the size of a bucket at least); ``defer_backup``: the rollback copy of a
     committed refit is refreshed only when the owner calls :meth:`start_backup` (else at the next receive).
 
     In direct and eager mode the live tensors are written *during* a receive and the rollback copy holds the
@@ -103,7 +105,8 @@ class StreamReceiver:
     def __init__(self, transport: Transport, plan: RefitPlan, targets: Sequence[torch.Tensor], *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, use_checksum: bool = True, inflight: int = 4,
                  refresh_hooks: Sequence[Callable[[], None]] = (), direct: bool | None = None,
-                 delta: bool = False, eager: bool = False, defer_backup: bool = False):
+                 delta: bool = False, eager: bool = False, defer_backup: bool = False,
+                 ring: Sequence[torch.Tensor] = ()):
         if not isinstance(plan, RefitPlan):
             raise TypeError(f"plan must be a RefitPlan, got {type(plan).__name__}")
         if delta and not use_checksum:
@@ -156,24 +159,39 @@ class StreamReceiver:
         # where the broadcasts land: the live arena (direct), a ring of bucket buffers (eager) or staging
         self._ring_bufs: list[torch.Tensor] = []  # eager: the ring's buffers
         self._landing = (self._bucket_views(arena) if arena is not None
-                         else self._ring(device) if self.eager else self._payloads)
+                         else self._ring(device, ring) if self.eager else self._payloads)
+
+    def device_buffers(self) -> dict[int, int]:
+        """``{storage address: bytes}`` of what this stream holds on the live tensors' device beside them (an
+        eager delta's payload buffer outside the ring as one more entry): receivers sharing a ring count it
+        once."""
+        if not self.eager:
+            return {self._staging.untyped_storage().data_ptr(): self._staging.numel()}
+        parts = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in self._ring_bufs}
+        if self._extra_bytes:
+            parts[-id(self)] = self._extra_bytes
+        return parts
 
     @property
     def buffer_bytes(self) -> tuple[int, int]:
         """``(on the live tensors' device, in host memory)`` bytes this stream holds beside the live tensors:
         staging (device), direct (a rollback copy the arena's size, device), eager (the ring of bucket
         buffers on the device, the rollback copy in host memory)."""
-        if self.eager:
-            return sum(b.numel() for b in self._ring_bufs) + self._extra_bytes, self._staging.numel()
-        return self._staging.numel(), 0
+        return sum(self.device_buffers().values()), self._staging.numel() if self.eager else 0
 
-    def _ring(self, device: torch.device) -> list[torch.Tensor]:
+    def _ring(self, device: torch.device, shared: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Eager mode's landing: bucket ``b`` in buffer ``b % (inflight + 1)`` (a bucket is posted only once
-        the one before it in that buffer was written into the live tensors)."""
+        the one before it in that buffer was written into the live tensors); ``shared`` buffers when they
+        fit."""
         sizes = self.layout.sizes
-        ring = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
-                for _ in range(min(len(sizes), self.inflight + 1))]
+        n = min(len(sizes), self.inflight + 1)
+        fits = len(shared) >= n and all(b.dtype == torch.uint8 and b.dim() == 1 and b.device == device
+                                        and b.numel() >= max(sizes) for b in shared[:n])
+        # a shared ring is this stream's whole (a delta's payload may take a buffer the buckets do not)
+        ring = list(shared) if fits else [torch.empty(max(sizes), dtype=torch.uint8, device=device)
+                                          for _ in range(n)]
         self._ring_bufs = ring
+        ring = ring[:n]
         return [ring[b % len(ring)][:n] for b, n in enumerate(sizes)]
 
     def _scattered_copy(self) -> RollbackCopy:
@@ -374,8 +392,11 @@ class StreamReceiver:
         payload, work = self._delta_buffers(nbytes)
         _, t_first = self._receive_stream([*(payload[s:s + B] for s in range(0, nbytes, B)), self._trailer],
                                           False)
+        # the deltas are read again at the settle: in the ring, another stream sharing it may land there first
+        in_ring = work is not None and not self._extra_bytes
+        host = payload.clone() if in_ring and payload.device.type == "cpu" else payload.cpu()
         try:
-            deltas = dl.parse(payload.cpu(), self.layout.sizes, self.plan.total_bytes)
+            deltas = dl.parse(host, self.layout.sizes, self.plan.total_bytes)
         except ValueError as exc:
             return [0] * self.layout.num_buckets, t_first, _Problem(Status.BAD_DELTA, str(exc)), None
         if work is None:  # staging holds the live version: patched there
