@@ -562,3 +562,64 @@ def test_a_distrusted_base_makes_the_next_refit_whole():
     tensors = w.step()
     sent, _ = _refit(sender, receivers, tensors)
     assert sent.delta and _live_equal(receivers, tensors)
+
+
+def _hook_fails_once(port: int, rank: int, init: str) -> dict:  # noqa: ARG001
+    """Trainers 0, 1 each fill a tensor of engine rank 2 (eager, one stream each) with ``10 t + step``; at
+    step 2 stream 0's own refresh hook raises (COMMIT_FAILED: every rank committed v2), at step 3 trainer
+    1's producer raises (every rank rolls back)."""
+    import hashlib
+
+    from mxport.refit import RefitError, TorchDistTransport
+    from mxport.refit.transport import open_group
+
+    torch.set_num_threads(1)
+    world = TorchDistTransport.from_group(open_group("127.0.0.1", port, rank, 3, timeout_s=20))
+    kw = {"global_digest": hashlib.sha256(b"hook").hexdigest(), "trainers": _PAIRS, "bucket_bytes": 1024}
+    plan = {t: RefitPlan([(f"w{t}", "kept", torch.float32, (64, 16))]) for t in _PAIRS}
+    out: dict = {}
+    if rank in _PAIRS:
+        sender = RefitSender.for_pairs(world, [(2, plan[rank])], **kw)
+        for step in (1, 2, 3):
+            def gen(step=step):
+                if rank == 1 and step == 3:
+                    raise RuntimeError("producer fails")
+                yield torch.full((64, 16), float(10 * rank + step))
+            try:
+                sender.send({2: gen()})
+            except Exception:  # noqa: BLE001, S110 - step 3 fails on every rank
+                pass
+        return out
+    live, state = [torch.zeros(64, 16), torch.zeros(64, 16)], {"step": 0}
+
+    def hook():
+        if state["step"] == 2:
+            raise RuntimeError("refresh hook fails once")
+
+    receiver = RefitReceiver.for_pairs(world, [(0, plan[0], [live[0]], [hook]), (1, plan[1], [live[1]])],
+                                       eager=True, **kw)
+    for step in (1, 2, 3):
+        state["step"] = step
+        try:
+            receiver.receive()
+            out[step] = "ok"
+        except RefitError as exc:
+            out[step] = exc.status.name
+        out[f"live{step}"] = (live[0][0, 0].item(), live[1][0, 0].item())
+    return out
+
+
+def test_a_stream_whose_refresh_hook_failed_retakes_its_rollback_copy(tmp_path):
+    """After a refit every rank committed but one stream's hook failed (its rollback copy not refreshed), a
+    failed refit must restore that stream to the committed version, not the one before."""
+    import functools
+    import socket
+
+    from mxport.testing import spawn_world
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = spawn_world(functools.partial(_hook_fails_once, port), 3, tmp_path, wait_s=120)[2]
+    assert [out[1], out[2]] == ["ok", "COMMIT_FAILED"] and out[3] != "ok"
+    assert out["live2"] == out["live3"] == (2.0, 12.0)

@@ -262,14 +262,16 @@ class RefitReceiver(WorldSide):
         """Settle every stream by the world vote; raise the first failure once all are settled."""
         errors: list[RefitError] = []
         parts: list[ReceiveStats] = []
+        settled = []
         for r, s in zip(self.streams, staged, strict=True):
             try:
                 parts.append(r.settle(s, wv.vote))
+                settled.append(r)
             except RefitError as exc:
                 errors.append(exc)
         if not wv.vote.commit:
             raise self._rejection(staged, wv, first)
-        for r in self.streams:
+        for r in settled:  # not a stream whose refresh hook failed: its rollback copy is the old version
             r.note_live()
         self.version = remember(self.global_digest, wv.vote.version)
         if errors:  # a refresh hook failed after a unanimous yes (see StreamReceiver.settle)
